@@ -1,0 +1,306 @@
+"""Hugging Face checkpoint directories <-> our params, without torch.
+
+Reads config.json plus `model.safetensors` (or sharded `*.safetensors` with
+`model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM`, and writes the
+same layout back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it.
+The mapping from HF tensor names to our parameter names lives only in this file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, Iterator
+
+import ml_dtypes
+import numpy as np
+
+from dapo_jax import model as model_lib
+
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory that cannot be read; the message names the file and field."""
+
+
+# --- safetensors, read and written with NumPy only ---------------------------------------------
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Memory-maps every tensor of one .safetensors file."""
+  with open(path, "rb") as f:
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(header_len))
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    if info["dtype"] not in _DTYPES:
+      raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which cannot be read "
+                            f"(readable: {sorted(_DTYPES)})")
+    begin, end = info["data_offsets"]
+    out[name] = data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+  return out
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+  header, offset, blobs = {}, 0, []
+  for name in sorted(tensors):
+    arr = np.ascontiguousarray(tensors[name])
+    header[name] = {"dtype": _DTYPE_NAMES[arr.dtype], "shape": list(arr.shape),
+                    "data_offsets": [offset, offset + arr.nbytes]}
+    offset += arr.nbytes
+    blobs.append(arr)
+  header["__metadata__"] = {"format": "pt"}
+  raw = json.dumps(header, separators=(",", ":")).encode()
+  raw += b" " * (-len(raw) % 8)  # The spec aligns the data section to 8 bytes.
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw)))
+    f.write(raw)
+    for arr in blobs:
+      f.write(arr.tobytes())
+
+
+def _read_dir_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """All tensors of a model directory and, for error messages, the file each came from."""
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    files = sorted(set(json.load(open(index))["weight_map"].values()))
+  elif os.path.exists(os.path.join(path, "model.safetensors")):
+    files = ["model.safetensors"]
+  else:
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                          "(only safetensors checkpoints are supported)")
+  tensors, origin = {}, {}
+  for fn in files:
+    for name, arr in read_safetensors(os.path.join(path, fn)).items():
+      tensors[name], origin[name] = arr, os.path.join(path, fn)
+  return tensors, origin
+
+
+# --- config.json <-> ModelConfig ---------------------------------------------------------------
+
+def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> model_lib.ModelConfig:
+  archs = hf.get("architectures") or []
+  arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+  if arch is None:
+    raise CheckpointError(f"{source}: field 'architectures' is {archs}; supported: {sorted(SUPPORTED)}")
+
+  def need(key):
+    if key not in hf:
+      raise CheckpointError(f"{source}: missing field {key!r}")
+    return hf[key]
+
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ("default", None):
+    raise CheckpointError(f"{source}: field 'rope_scaling' type {rope_type!r} is not supported")
+  if arch == "llama" and hf.get("attention_bias"):
+    raise CheckpointError(f"{source}: field 'attention_bias'=true (Llama with q/k/v/o biases) is not supported")
+  if hf.get("mlp_bias"):
+    raise CheckpointError(f"{source}: field 'mlp_bias'=true is not supported")
+  if hf.get("use_sliding_window"):
+    raise CheckpointError(f"{source}: field 'use_sliding_window'=true is not supported")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"{source}: field 'hidden_act'={hf['hidden_act']!r}; only 'silu' is supported")
+  num_heads = need("num_attention_heads")
+  kw = dict(
+      vocab_size=need("vocab_size"), embed_dim=need("hidden_size"), mlp_dim=need("intermediate_size"),
+      num_layers=need("num_hidden_layers"), num_heads=num_heads,
+      num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      head_dim=hf.get("head_dim") or need("hidden_size") // num_heads,
+      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qkv_bias=arch == "qwen2",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      arch=arch)
+  kw.update(overrides)
+  return model_lib.ModelConfig(**kw)
+
+
+def config_to_hf(cfg: model_lib.ModelConfig, eos_token_id=None, bos_token_id=None, pad_token_id=None) -> dict:
+  common = dict(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim,
+      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+      max_position_embeddings=32_768, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+      tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32", dtype="float32",
+      eos_token_id=eos_token_id, bos_token_id=bos_token_id, pad_token_id=pad_token_id,
+      attention_dropout=0.0, initializer_range=0.02)
+  if cfg.arch == "qwen2":
+    if not cfg.qkv_bias:
+      raise CheckpointError("model.qkv_bias=False cannot be written as Qwen2 (it always has QKV bias); "
+                            "set model.arch='llama'")
+    return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, **common)
+  if cfg.qkv_bias:
+    raise CheckpointError("model.qkv_bias=True cannot be written as Llama; set model.arch='qwen2'")
+  return dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
+              mlp_bias=False, **common)
+
+
+# --- tensors <-> params ------------------------------------------------------------------------
+
+def _layer_names(cfg: model_lib.ModelConfig) -> Iterator[tuple[str, str, Any]]:
+  """(HF name suffix, our name, HF -> ours reshape) for one layer."""
+  D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  yield "input_layernorm.weight", "attn_norm/scale_D", (D,)
+  yield "post_attention_layernorm.weight", "mlp_norm/scale_D", (D,)
+  # HF Linear weights are [out, in]; ours are [in, out...].
+  yield "self_attn.q_proj.weight", "wq_DNH", (N, H, D)
+  yield "self_attn.k_proj.weight", "wk_DKH", (K, H, D)
+  yield "self_attn.v_proj.weight", "wv_DKH", (K, H, D)
+  yield "self_attn.o_proj.weight", "wo_NHD", (D, N, H)
+  yield "mlp.gate_proj.weight", "w_gate_DF", (F, D)
+  yield "mlp.up_proj.weight", "w_up_DF", (F, D)
+  yield "mlp.down_proj.weight", "w_down_FD", (D, F)
+  if cfg.qkv_bias:
+    yield "self_attn.q_proj.bias", "bq_NH", (N, H)
+    yield "self_attn.k_proj.bias", "bk_KH", (K, H)
+    yield "self_attn.v_proj.bias", "bv_KH", (K, H)
+
+
+def _to_ours(name: str, hf_arr: np.ndarray, hf_shape) -> np.ndarray:
+  arr = hf_arr.reshape(hf_shape)
+  if name in ("wq_DNH", "wk_DKH", "wv_DKH"):
+    return arr.transpose(2, 0, 1)             # [N, H, D] -> [D, N, H]
+  if name in ("w_gate_DF", "w_up_DF", "w_down_FD"):
+    return arr.T
+  if name == "wo_NHD":
+    return arr.transpose(1, 2, 0)             # [D, N, H] -> [N, H, D]
+  return arr
+
+
+def _to_hf(name: str, arr: np.ndarray) -> np.ndarray:
+  if name in ("wq_DNH", "wk_DKH", "wv_DKH"):
+    return arr.reshape(arr.shape[0], -1).T
+  if name in ("w_gate_DF", "w_up_DF", "w_down_FD"):
+    return arr.T
+  if name == "wo_NHD":
+    return arr.reshape(-1, arr.shape[-1]).T
+  if name in ("bq_NH", "bk_KH", "bv_KH"):
+    return arr.reshape(-1)
+  return arr
+
+
+def _set(tree: dict, path: str, value) -> None:
+  *parents, leaf = path.split("/")
+  for p in parents:
+    tree = tree.setdefault(p, {})
+  tree[leaf] = value
+
+
+def _get(tree: dict, path: str):
+  for p in path.split("/"):
+    tree = tree[p]
+  return tree
+
+
+def params_from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarray],
+                        origin: dict[str, str] | None = None, dtype=np.float32) -> dict:
+  origin = origin or {}
+  used = set()
+
+  def take(name, shape):
+    if name not in tensors:
+      raise CheckpointError(f"missing tensor {name!r} (files: {sorted(set(origin.values())) or '?'})")
+    arr = tensors[name]
+    if int(np.prod(arr.shape)) != int(np.prod(shape)) or (len(shape) == arr.ndim and tuple(arr.shape) != tuple(shape)):
+      raise CheckpointError(f"{origin.get(name, '?')}: tensor {name!r} has shape {tuple(arr.shape)}, "
+                            f"expected {tuple(shape)} from config.json")
+    used.add(name)
+    return np.asarray(arr, dtype=np.float32)
+
+  D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
+  params: dict = {}
+  params["embed_VD"] = take("model.embed_tokens.weight", (V, D)).astype(dtype)
+  params["final_norm"] = {"scale_D": take("model.norm.weight", (D,)).astype(dtype)}
+  if not cfg.tie_embeddings:
+    params["unembed_DV"] = take("lm_head.weight", (V, D)).T.astype(dtype)
+  layers: dict = {}
+  for suffix, ours, hf_shape in _layer_names(cfg):
+    full_shape = _hf_shape(cfg, suffix)
+    stacked = np.stack([_to_ours(ours.rsplit("/", 1)[-1], take(f"model.layers.{i}.{suffix}", full_shape),
+                                 hf_shape) for i in range(L)])
+    _set(layers, ours, stacked.astype(dtype))
+  params["layers"] = layers
+  ignored = {n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")}
+  if cfg.tie_embeddings:
+    ignored.discard("lm_head.weight")  # Some tied checkpoints still store the copy.
+  if ignored:
+    raise CheckpointError(f"unexpected tensors {sorted(ignored)[:5]} (files: {sorted(set(origin.values()))}); "
+                          "the architecture in config.json does not match the weights")
+  return params
+
+
+def _hf_shape(cfg: model_lib.ModelConfig, suffix: str) -> tuple[int, ...]:
+  D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+  return {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+          "self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
+          "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
+          "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
+          "self_attn.q_proj.bias": (N * H,), "self_attn.k_proj.bias": (K * H,),
+          "self_attn.v_proj.bias": (K * H,)}[suffix]
+
+
+def params_to_tensors(cfg: model_lib.ModelConfig, params: dict, dtype=np.float32) -> dict[str, np.ndarray]:
+  get = lambda p: np.asarray(_get(params, p), dtype=np.float32)
+  out = {"model.embed_tokens.weight": get("embed_VD"), "model.norm.weight": get("final_norm/scale_D")}
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = get("unembed_DV").T
+  for suffix, ours, _ in _layer_names(cfg):
+    stacked = get(f"layers/{ours}")
+    for i in range(cfg.num_layers):
+      out[f"model.layers.{i}.{suffix}"] = _to_hf(ours.rsplit("/", 1)[-1], stacked[i])
+  return {k: np.ascontiguousarray(v).astype(dtype) for k, v in out.items()}
+
+
+# --- public API --------------------------------------------------------------------------------
+
+def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
+  """Reads a local HF model directory into (ModelConfig, params); `overrides` set e.g. dtype."""
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_path):
+    raise CheckpointError(f"{path}: no config.json (is this a Hugging Face model directory?)")
+  try:
+    hf_cfg = json.load(open(cfg_path))
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+  cfg = config_from_hf(hf_cfg, cfg_path, **overrides)
+  tensors, origin = _read_dir_tensors(path)
+  return cfg, params_from_tensors(cfg, tensors, origin, dtype=np.dtype(cfg.param_dtype))
+
+
+def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer=None,
+         eos_token_id=None, bos_token_id=None, pad_token_id=None, dtype=np.float32) -> None:
+  """Writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads."""
+  os.makedirs(path, exist_ok=True)
+  if tokenizer is not None:
+    eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+    pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+    tokenizer.save_pretrained(path)
+  hf_cfg = config_to_hf(model_cfg, eos_token_id, bos_token_id, pad_token_id)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_cfg, f, indent=2)
+  if eos_token_id is not None:
+    gen = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id}
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+      json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
+  params = {k: v for k, v in params.items()}
+  write_safetensors(os.path.join(path, "model.safetensors"), params_to_tensors(model_cfg, params, dtype))
+
+
+def eos_ids(path: str) -> tuple[int, ...]:
+  """Every EOS id a model directory declares (generation_config.json and config.json)."""
+  ids: list[int] = []
+  for fn in ("generation_config.json", "config.json"):
+    p = os.path.join(path, fn)
+    if os.path.exists(p):
+      e = json.load(open(p)).get("eos_token_id")
+      ids += e if isinstance(e, list) else [e] if e is not None else []
+  return tuple(dict.fromkeys(ids))

@@ -1,0 +1,231 @@
+"""Decoder-only transformer of the Llama / Qwen2 family (flax.linen).
+
+RMSNorm, rotary embeddings, grouped-query attention (N query heads share K KV heads, N = K*R),
+SwiGLU MLP, optional QKV bias (Qwen2), tied or untied embeddings. Layers are stacked with
+`nn.scan`, so compile time does not grow with depth and every layer parameter has a leading
+L axis. Parameters carry logical axis names derived from their shape-suffixed names.
+Parameters live in `param_dtype`, matrix work runs in `dtype`; logits and softmax are fp32.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dapo_jax import kv_cache as kvc
+from dapo_jax import sharding
+
+Params = Any
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics of one model. Frozen, so it can be a static jit argument."""
+  vocab_size: int          # V
+  embed_dim: int           # D
+  mlp_dim: int             # F
+  num_layers: int          # L
+  num_heads: int           # N
+  num_kv_heads: int        # K
+  head_dim: int            # H
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  qkv_bias: bool = False   # Qwen2 has it, Llama does not
+  tie_embeddings: bool = True
+  param_dtype: str = "float32"
+  dtype: str = "float32"   # compute dtype: bfloat16 on GPU/TPU, float32 on CPU
+  remat: str = "none"      # rematerialisation policy: none | full | dots
+  arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; expected one of {sorted(REMAT_POLICIES)}")
+    if self.arch not in ("qwen2", "llama"):
+      raise ValueError(f"arch={self.arch!r}; expected 'qwen2' or 'llama'")
+    for f in ("param_dtype", "dtype"):
+      jnp.dtype(getattr(self, f))
+
+  @property
+  def num_params(self) -> int:
+    D, F, N, K, H, V, L = (self.embed_dim, self.mlp_dim, self.num_heads, self.num_kv_heads,
+                           self.head_dim, self.vocab_size, self.num_layers)
+    per_layer = D * H * (2 * N + 2 * K) + 3 * D * F + 2 * D + (H * (N + 2 * K) if self.qkv_bias else 0)
+    return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + D
+
+  # Presets (Qwen2.5 family, from their HF config.json files).
+  @classmethod
+  def qwen2_5_32b(cls, **kw) -> "ModelConfig":
+    return cls(vocab_size=152_064, embed_dim=5120, mlp_dim=27_648, num_layers=64, num_heads=40,
+               num_kv_heads=8, head_dim=128, rope_theta=1e6, norm_eps=1e-5, qkv_bias=True,
+               tie_embeddings=False, **kw)
+
+  @classmethod
+  def qwen2_5_7b(cls, **kw) -> "ModelConfig":
+    return cls(vocab_size=152_064, embed_dim=3584, mlp_dim=18_944, num_layers=28, num_heads=28,
+               num_kv_heads=4, head_dim=128, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True,
+               tie_embeddings=False, **kw)
+
+  @classmethod
+  def qwen2_5_0_5b(cls, **kw) -> "ModelConfig":
+    return cls(vocab_size=151_936, embed_dim=896, mlp_dim=4864, num_layers=24, num_heads=14,
+               num_kv_heads=2, head_dim=64, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True,
+               tie_embeddings=True, **kw)
+
+
+def _param(module: nn.Module, name: str, shape, init, cfg: ModelConfig):
+  """A parameter whose logical axes come from its shape suffix: 'wq_DNH' -> (embed, heads, head_dim)."""
+  letters = name.rsplit("_", 1)[1]
+  init = nn.with_logical_partitioning(init, sharding.axes_of(letters))
+  return module.param(name, init, shape, jnp.dtype(cfg.param_dtype)).astype(cfg.dtype)
+
+
+_normal = nn.initializers.normal(0.02)
+
+
+class RMSNorm(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    scale_D = _param(self, "scale_D", (x_BTD.shape[-1],), nn.initializers.ones, self.cfg)
+    x = x_BTD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
+    return x.astype(x_BTD.dtype) * scale_D.reshape((1,) * (x.ndim - 1) + (-1,))  # Same order of casts as the HF reference.
+
+
+def rope(x_BTNH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, HF "rotate half" convention (first and second halves pair up)."""
+  H = x_BTNH.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+  angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]
+  cos, sin = jnp.cos(angle_BTh)[:, :, None, :], jnp.sin(angle_BTh)[:, :, None, :]
+  x = x_BTNH.astype(jnp.float32)
+  x1, x2 = x[..., : H // 2], x[..., H // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTNH.dtype)
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BTD, shared, layer_cache):
+    cfg = self.cfg
+    pos_BT, mask_BTS, index = shared
+    D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    B, T, _ = x_BTD.shape
+
+    h_BTD = RMSNorm(cfg, name="attn_norm")(x_BTD)
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, _param(self, "wq_DNH", (D, N, H), _normal, cfg))
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, _param(self, "wk_DKH", (D, K, H), _normal, cfg))
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, _param(self, "wv_DKH", (D, K, H), _normal, cfg))
+    if cfg.qkv_bias:
+      zeros = nn.initializers.zeros
+      q_BTNH += _param(self, "bq_NH", (N, H), zeros, cfg)[None, None]
+      k_BTKH += _param(self, "bk_KH", (K, H), zeros, cfg)[None, None]
+      v_BTKH += _param(self, "bv_KH", (K, H), zeros, cfg)[None, None]
+    q_BTNH = rope(q_BTNH, pos_BT, cfg.rope_theta)
+    k_BTKH = rope(k_BTKH, pos_BT, cfg.rope_theta)
+
+    if layer_cache is None:  # Teacher-forced: attend over this call's own tokens.
+      k_BSKH, v_BSKH = k_BTKH, v_BTKH
+    else:
+      k_BSKH, v_BSKH = kvc.update_layer(*layer_cache, k_BTKH, v_BTKH, index)
+      layer_cache = (k_BSKH, v_BSKH)
+
+    R = N // K
+    q_BTKRH = q_BTNH.reshape(B, T, K, R, H)
+    scores_BKRTS = jnp.einsum("BTKRH,BSKH->BKRTS", q_BTKRH, k_BSKH.astype(cfg.dtype),
+                              preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores_BKRTS = jnp.where(mask_BTS[:, None, None], scores_BKRTS, jnp.finfo(jnp.float32).min)
+    probs_BKRTS = jax.nn.softmax(scores_BKRTS, axis=-1).astype(cfg.dtype)
+    o_BTKRH = jnp.einsum("BKRTS,BSKH->BTKRH", probs_BKRTS, v_BSKH.astype(cfg.dtype))
+    o_BTNH = o_BTKRH.reshape(B, T, N, H)
+    x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", o_BTNH, _param(self, "wo_NHD", (N, H, D), _normal, cfg))
+
+    h_BTD = RMSNorm(cfg, name="mlp_norm")(x_BTD)
+    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, _param(self, "w_gate_DF", (D, F), _normal, cfg))
+    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, _param(self, "w_up_DF", (D, F), _normal, cfg))
+    down_FD = _param(self, "w_down_FD", (F, D), _normal, cfg)
+    x_BTD = x_BTD + jnp.einsum("BTF,FD->BTD", nn.silu(gate_BTF) * up_BTF, down_FD)
+    return sharding.constrain(x_BTD, "BTD"), layer_cache
+
+
+class Transformer(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BT, pos_BT, mask_BTS, cache: kvc.KVCache | None = None, index=0):
+    cfg = self.cfg
+    embed_VD = _param(self, "embed_VD", (cfg.vocab_size, cfg.embed_dim), _normal, cfg)
+    x_BTD = sharding.constrain(jnp.take(embed_VD, tokens_BT, axis=0), "BTD")
+
+    block = Block
+    if cfg.remat != "none":
+      block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=(nn.broadcast, 0), length=cfg.num_layers,
+                     metadata_params={nn.PARTITION_NAME: "layers"})
+    layer_caches = None if cache is None else (cache.k_LBSKH, cache.v_LBSKH)
+    x_BTD, layer_caches = layers(cfg, name="layers")(x_BTD, (pos_BT, mask_BTS, index), layer_caches)
+    if cache is not None:
+      cache = cache.replace(k_LBSKH=layer_caches[0], v_LBSKH=layer_caches[1])
+
+    x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD)
+    if cfg.tie_embeddings:
+      logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, embed_VD, preferred_element_type=jnp.float32)
+    else:
+      unembed_DV = _param(self, "unembed_DV", (cfg.embed_dim, cfg.vocab_size), _normal, cfg)
+      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, unembed_DV, preferred_element_type=jnp.float32)
+    return sharding.constrain(logits_BTV, "BTV"), cache
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+  """Random parameters (unboxed: plain arrays in `param_dtype`)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = Transformer(cfg).init(rng, tokens, tokens, jnp.ones((1, 1, 1), bool))
+  return nn.meta.unbox(variables["params"])
+
+
+def param_axes(cfg: ModelConfig) -> Any:
+  """Tree of logical-axis tuples, one per parameter, e.g. ('layers', 'embed', 'heads', 'head_dim')."""
+  def init():
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(cfg).init(jax.random.key(0), tokens, tokens, jnp.ones((1, 1, 1), bool))
+  variables = jax.eval_shape(init)
+  specs = nn.get_partition_spec(variables["params"])
+  return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def positions(mask_BT: jax.Array) -> jax.Array:
+  """Position ids of left-padded rows: 0 at the first real token (padding gets 0)."""
+  return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS,
+            cache: kvc.KVCache | None = None, index=0):
+  """One model call: (logits_BTV fp32, cache). With a cache, the T tokens go to slots index..index+T-1."""
+  return Transformer(cfg).apply({"params": params}, tokens_BT, pos_BT, mask_BTS, cache, index)
+
+
+def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  """Teacher-forced logits [B, T, V] (fp32) of left-padded rows; mask 1 = real token."""
+  mask_BT = mask_BT.astype(bool)
+  T = tokens_BT.shape[1]
+  causal_TT = jnp.tril(jnp.ones((T, T), bool))
+  mask_BTS = causal_TT[None, :, :] & mask_BT[:, None, :]
+  out, _ = forward(model_cfg, params, tokens_BT, positions(mask_BT), mask_BTS)
+  return out

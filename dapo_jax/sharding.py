@@ -1,0 +1,112 @@
+"""The device mesh and the logical-axis rules that place every array on it.
+
+Mesh axes are (data, fsdp, tensor). Every array is named by the one-letter shape alphabet
+of `datatypes` (`x_BTD`, `wq_DNH`); `LOGICAL` turns those letters into logical axis names
+and the rule tables below map logical names onto mesh axes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.experimental import mesh_utils
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# One letter per axis (datatypes.py has the full alphabet) -> logical axis name.
+LOGICAL = {
+    "Q": "batch", "B": "batch", "T": "seq", "C": "seq", "P": "seq", "S": "kv_seq",
+    "D": "embed", "F": "mlp", "V": "vocab", "N": "heads", "K": "kv_heads",
+    "H": "head_dim", "L": "layers",
+}
+
+Rules = Sequence[tuple[str, Any]]
+
+# Parameters: FSDP shards the model width, tensor parallelism the heads, MLP and vocab.
+PARAM_RULES: Rules = (
+    ("batch", None), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"),
+    ("kv_heads", "tensor"), ("vocab", "tensor"), ("seq", None), ("kv_seq", None),
+    ("head_dim", None), ("layers", None),
+)
+# Activations in the train step: the batch is split over data and fsdp.
+ACT_RULES: Rules = (
+    ("batch", ("data", "fsdp")), ("embed", None), ("mlp", "tensor"), ("heads", "tensor"),
+    ("kv_heads", "tensor"), ("vocab", "tensor"), ("seq", None), ("kv_seq", None),
+    ("head_dim", None), ("layers", None),
+)
+# Sampling keeps whole weights per tensor shard (no FSDP gather per decoded token).
+SAMPLING_PARAM_RULES: Rules = tuple((k, None if v == "fsdp" else v) for k, v in PARAM_RULES)
+
+
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the (data, fsdp, tensor) mesh; one size may be -1 for "the rest of the devices"."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
+  unknown = [a for a, s in sizes.items() if s == -1]
+  if len(unknown) > 1:
+    raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+  known = math.prod(s for s in sizes.values() if s != -1)
+  if any(s == 0 or s < -1 for s in sizes.values()):
+    raise ValueError(f"mesh: axis sizes must be positive or -1, got {sizes}")
+  if unknown:
+    if len(devices) % known:
+      raise ValueError(f"mesh: {len(devices)} devices do not divide into {sizes} "
+                       f"(the fixed axes multiply to {known})")
+    sizes[unknown[0]] = len(devices) // known
+  if math.prod(sizes.values()) != len(devices):
+    raise ValueError(f"mesh: data*fsdp*tensor = {math.prod(sizes.values())} for {sizes}, "
+                     f"but there are {len(devices)} devices")
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  try:
+    dev_array = mesh_utils.create_device_mesh(shape, devices)
+  except Exception:  # Host CPU devices have no topology to optimise for.
+    dev_array = np.asarray(devices).reshape(shape)
+  return Mesh(dev_array, MESH_AXES)
+
+
+def axes_of(letters: str) -> tuple[str, ...]:
+  """'BTD' -> ('batch', 'seq', 'embed')."""
+  return tuple(LOGICAL[c] for c in letters)
+
+
+def spec(letters_or_axes: str | Sequence[str | None], rules: Rules = ACT_RULES) -> P:
+  """The PartitionSpec of an array named by its shape letters or logical axes."""
+  axes = axes_of(letters_or_axes) if isinstance(letters_or_axes, str) else tuple(letters_or_axes)
+  return nn.logical_to_mesh_axes(axes, rules)
+
+
+def constrain(x: jax.Array, letters: str, rules: Rules = ACT_RULES) -> jax.Array:
+  """Sharding constraint at a block edge; a no-op outside a mesh context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec(letters, rules))
+
+
+def named(mesh: Mesh, letters_or_axes: str | Sequence[str | None], rules: Rules = ACT_RULES) -> NamedSharding:
+  return NamedSharding(mesh, spec(letters_or_axes, rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def tree_shardings(axes_tree: Any, mesh: Mesh, rules: Rules = PARAM_RULES) -> Any:
+  """Maps a tree of logical-axis tuples (see `model.param_axes`) to NamedShardings."""
+  return jax.tree.map(lambda axes: named(mesh, axes, rules), axes_tree,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def check_divisible(model_cfg, mesh: Mesh) -> None:
+  """Fails early, with the numbers, when a sharded dimension does not divide its mesh axes."""
+  t, f = mesh.shape["tensor"], mesh.shape["fsdp"]
+  checks = {"num_heads": (model_cfg.num_heads, t), "num_kv_heads": (model_cfg.num_kv_heads, t),
+            "mlp_dim": (model_cfg.mlp_dim, t), "vocab_size": (model_cfg.vocab_size, t),
+            "embed_dim": (model_cfg.embed_dim, f)}
+  bad = [f"model.{k}={n} is not divisible by mesh size {m}" for k, (n, m) in checks.items() if n % m]
+  if bad:
+    raise ValueError("mesh does not fit the model: " + "; ".join(bad) + f" (mesh {dict(mesh.shape)})")

@@ -1,0 +1,31 @@
+"""dapo_jax: DAPO reinforcement learning for language models, in JAX."""
+import setuptools
+
+setuptools.setup(
+    name="dapo_jax",
+    version="0.1.0",
+    description="DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization) in JAX.",
+    packages=setuptools.find_packages(include=["dapo_jax", "dapo_jax.*", "configs", "launch"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.11",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "transformers>=4.50",
+        "tokenizers>=0.21",
+        "jinja2",
+        "safetensors",
+        "tensorstore",
+        "ml-collections",
+        "tensorboard",
+        "pyarrow",
+        "absl-py",
+        "numpy",
+    ],
+    extras_require={
+        # torch only checks our model against the transformers reference implementation.
+        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+        "notebook": ["matplotlib", "jupyter"],
+    },
+)
