@@ -1,0 +1,51 @@
+"""Small models, tokenizers and rewards for tests and notebooks (everything built offline)."""
+from __future__ import annotations
+
+import numpy as np
+
+from dapo_jax import model as model_lib
+from dapo_jax import tokenizer as tokenizer_lib
+
+
+def tiny_model_config(vocab_size: int = 128, **kw) -> model_lib.ModelConfig:
+  defaults = dict(vocab_size=vocab_size, embed_dim=32, mlp_dim=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, qkv_bias=True, tie_embeddings=True)
+  return model_lib.ModelConfig(**{**defaults, **kw})
+
+
+def corpus(n: int = 2000, seed: int = 0) -> list[str]:
+  """Arithmetic-flavoured text for training a test tokenizer."""
+  rng = np.random.default_rng(seed)
+  lines = []
+  for _ in range(n):
+    a, b = rng.integers(0, 1000, size=2)
+    lines.append(f"What is {a} + {b}? Think, then answer.\n{a} + {b} = {a + b}\nAnswer: {a + b}")
+  return lines
+
+
+def build_tokenizer(path: str, vocab_size: int = 300, chat_template: bool = True):
+  return tokenizer_lib.train_bpe(path, corpus(), vocab_size=vocab_size, chat_template=chat_template)
+
+
+def length_reward(response: str, ground_truth: str) -> dict:
+  """A deterministic toy reward: correct when the response has an even number of characters."""
+  ok = len(response) % 2 == 0
+  return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": str(len(response))}
+
+
+def raising_reward(response: str, ground_truth: str) -> dict:
+  raise RuntimeError("reward function failed on purpose")
+
+
+def hanging_reward(response: str, ground_truth: str) -> dict:
+  import time
+  time.sleep(3600)
+  return {"score": 1.0, "acc": True, "pred": ""}
+
+
+def sharp_params(cfg: model_lib.ModelConfig, seed: int = 0, scale: float = 8.0):
+  """Random params with peaked next-token distributions, so greedy choices have clear margins."""
+  import jax
+  params = model_lib.init_params(cfg, jax.random.key(seed))
+  params["embed_VD"] = params["embed_VD"] * scale
+  return params

@@ -1,0 +1,160 @@
+"""Batched generation: one jitted program, prefill then a `lax.while_loop` decode with a KV cache.
+
+Log-probs of sampled tokens come from the temperature-scaled logits (before top-k/top-p
+truncation), which is the quantity the trainer recomputes for π_old.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dapo_jax import kv_cache as kvc
+from dapo_jax import model as model_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Static sampling knobs (a change recompiles)."""
+  max_new_tokens: int             # C: completion buffer length
+  temperature: float = 1.0        # 0.0 = greedy
+  top_p: float = 1.0              # nucleus mass; 1.0 = off
+  top_k: int = 0                  # keep the k most likely tokens; 0 = off
+  eos_ids: tuple[int, ...] = ()   # a row stops at the first of any of these
+  pad_id: int = 0                 # written after a row has stopped
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+    if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+      raise ValueError(f"bad sampling parameters: temperature={self.temperature}, top_p={self.top_p}, "
+                       f"top_k={self.top_k}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+
+@struct.dataclass
+class Samples:
+  tokens_BC: jax.Array     # int32 completion tokens, pad_id after the end
+  logp_BC: jax.Array       # fp32 log-prob of each sampled token (temperature-scaled logits)
+  mask_BC: jax.Array       # bool: tokens up to and including the first EOS
+  length_B: jax.Array      # int32 number of completion tokens (EOS included)
+  truncated_B: jax.Array   # bool: no EOS within the budget
+
+
+@struct.dataclass
+class SamplingState:
+  step: jax.Array          # int32 scalar: completion tokens chosen so far
+  tokens_BC: jax.Array     # completion buffer
+  logp_BC: jax.Array       # log-probs of the chosen tokens
+  done_B: jax.Array        # bool: row has emitted an EOS
+  length_B: jax.Array      # tokens emitted per row, EOS included
+  logits_BV: jax.Array     # fp32 logits for the next token
+  cache: kvc.KVCache
+  rng: jax.Array
+
+
+def scaled_logits(logits_BV: jax.Array, cfg: SamplerConfig) -> jax.Array:
+  return logits_BV if cfg.greedy else logits_BV / cfg.temperature
+
+
+def truncate(z_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """Top-k, then top-p (nucleus) on what is left; dropped logits become -inf."""
+  neg_inf = jnp.array(-jnp.inf, z_BV.dtype)
+  if top_k and top_k < z_BV.shape[-1]:
+    kth_B1 = jax.lax.top_k(z_BV, top_k)[0][:, -1:]
+    z_BV = jnp.where(z_BV < kth_B1, neg_inf, z_BV)
+  if top_p < 1.0:
+    sorted_BV = jnp.sort(z_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # Keep a token while the mass strictly before it is below top_p (the first one always stays).
+    keep_BV = (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p
+    threshold_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    z_BV = jnp.where(z_BV < threshold_B1, neg_inf, z_BV)
+  return z_BV
+
+
+def choose(logits_BV: jax.Array, rng: jax.Array, cfg: SamplerConfig) -> tuple[jax.Array, jax.Array]:
+  """Picks one token per row; returns (tokens_B, logp_B)."""
+  z_BV = scaled_logits(logits_BV.astype(jnp.float32), cfg)
+  logp_BV = jax.nn.log_softmax(z_BV, axis=-1)
+  if cfg.greedy:
+    tok_B = jnp.argmax(z_BV, axis=-1)
+  else:
+    tok_B = jax.random.categorical(rng, truncate(z_BV, cfg.top_k, cfg.top_p), axis=-1)
+  tok_B = tok_B.astype(jnp.int32)
+  return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
+
+
+def prefill(model_cfg: model_lib.ModelConfig, params, prompt_BP, prompt_mask_BP, cache_size: int):
+  """Runs the prompt through the model, filling cache slots [0, P); returns (next-token logits, cache)."""
+  B, P = prompt_BP.shape
+  cache = kvc.init(model_cfg.num_layers, B, cache_size, model_cfg.num_kv_heads, model_cfg.head_dim,
+                   jnp.dtype(model_cfg.dtype))
+  cache = kvc.write_mask(cache, prompt_mask_BP, 0)
+  mask_BPS = kvc.attention_mask(cache.mask_BS, 0, P)
+  logits_BPV, cache = model_lib.forward(model_cfg, params, prompt_BP, model_lib.positions(prompt_mask_BP),
+                                        mask_BPS, cache, 0)
+  return logits_BPV[:, -1], cache  # Left padding: every row's last prompt token sits at P-1.
+
+
+def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, state: SamplingState,
+           prompt_len_B: jax.Array, budget: jax.Array) -> SamplingState:
+  """The decode loop: choose a token, feed it back through the cache, until every row stops."""
+  P = state.cache.size - cfg.max_new_tokens
+  eos = jnp.asarray(cfg.eos_ids or (-1,), jnp.int32)
+
+  def cond(s: SamplingState):
+    within_budget = s.step < budget
+    some_row_running = ~jnp.all(s.done_B)
+    return within_budget & some_row_running
+
+  def body(s: SamplingState) -> SamplingState:
+    rng, key = jax.random.split(s.rng)
+    tok_B, logp_B = choose(s.logits_BV, key, cfg)
+    running_B = ~s.done_B
+    tok_B = jnp.where(running_B, tok_B, cfg.pad_id)
+    logp_B = jnp.where(running_B, logp_B, 0.0)
+    tokens_BC = jax.lax.dynamic_update_slice(s.tokens_BC, tok_B[:, None], (0, s.step))
+    logp_BC = jax.lax.dynamic_update_slice(s.logp_BC, logp_B[:, None], (0, s.step))
+    done_B = s.done_B | jnp.isin(tok_B, eos)
+
+    slot = P + s.step
+    cache = kvc.write_mask(s.cache, jnp.ones_like(tok_B, bool)[:, None], slot)
+    logits_B1V, cache = model_lib.forward(
+        model_cfg, params, tok_B[:, None], (prompt_len_B + s.step)[:, None],
+        kvc.attention_mask(cache.mask_BS, slot, 1), cache, slot)
+    return SamplingState(step=s.step + 1, tokens_BC=tokens_BC, logp_BC=logp_BC, done_B=done_B,
+                         length_B=s.length_B + running_B.astype(jnp.int32), logits_BV=logits_B1V[:, 0],
+                         cache=cache, rng=rng)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _generate(model_cfg, cfg: SamplerConfig, params, prompt_BP, prompt_mask_BP, rng, budget) -> Samples:
+  B, P = prompt_BP.shape
+  C = cfg.max_new_tokens
+  logits_BV, cache = prefill(model_cfg, params, prompt_BP, prompt_mask_BP, P + C)
+  state = SamplingState(
+      step=jnp.zeros((), jnp.int32), tokens_BC=jnp.full((B, C), cfg.pad_id, jnp.int32),
+      logp_BC=jnp.zeros((B, C), jnp.float32), done_B=jnp.zeros((B,), bool),
+      length_B=jnp.zeros((B,), jnp.int32), logits_BV=logits_BV, cache=cache, rng=rng)
+  prompt_len_B = jnp.sum(prompt_mask_BP, axis=-1, dtype=jnp.int32)
+  state = decode(model_cfg, cfg, params, state, prompt_len_B, jnp.minimum(budget, C))
+  mask_BC = jnp.arange(C)[None, :] < state.length_B[:, None]
+  return Samples(tokens_BC=state.tokens_BC, logp_BC=state.logp_BC, mask_BC=mask_BC,
+                 length_B=state.length_B, truncated_B=~state.done_B)
+
+
+def generate(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, prompt_BP, prompt_mask_BP,
+             rng: jax.Array, max_new_tokens: int | None = None) -> Samples:
+  """Samples one completion per left-padded prompt row. `max_new_tokens` <= C needs no recompile."""
+  budget = jnp.asarray(cfg.max_new_tokens if max_new_tokens is None else max_new_tokens, jnp.int32)
+  return _generate(model_cfg, cfg, params, jnp.asarray(prompt_BP, jnp.int32),
+                   jnp.asarray(prompt_mask_BP, bool), rng, budget)

@@ -1,0 +1,103 @@
+"""Tokenizers from local directories (no hub), chat templates, left-padded batches."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+
+class TokenizerError(ValueError):
+  pass
+
+
+def load(path: str):
+  """`transformers.AutoTokenizer` from a local directory; never touches the network."""
+  if not os.path.isdir(path):
+    raise TokenizerError(f"tokenizer directory {path!r} does not exist")
+  from transformers import AutoTokenizer  # Slow import; keep it off the module import path.
+  tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+  if tok.pad_token_id is None:
+    tok.pad_token = tok.eos_token  # Padding is always masked; any id will do.
+  return tok
+
+
+def render(tok, messages: Sequence[dict], use_chat_template: bool = True, source: str = "") -> str:
+  """The text the model sees for one conversation, ending where the assistant starts."""
+  if not use_chat_template:
+    return "\n".join(m["content"] for m in messages)
+  if not getattr(tok, "chat_template", None):
+    raise TokenizerError(f"tokenizer {tok.name_or_path or source!r} has no chat template, but "
+                         "data.chat_template=True; set --config.data.chat_template=False to use plain text")
+  return tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+
+def encode_left_padded(tok, texts: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
+  """[B, length] ids and mask, left-padded; over-long prompts keep their last `length` tokens."""
+  ids = tok(list(texts), add_special_tokens=False)["input_ids"]
+  tokens_BP = np.full((len(ids), length), tok.pad_token_id, np.int32)
+  mask_BP = np.zeros((len(ids), length), bool)
+  for b, row in enumerate(ids):
+    row = row[-length:]
+    if row:
+      tokens_BP[b, length - len(row):] = row
+      mask_BP[b, length - len(row):] = True
+  return tokens_BP, mask_BP
+
+
+def bucket(length: int, buckets: Sequence[int]) -> int:
+  """Smallest bucket that holds `length` tokens (prompt lengths are padded to few sizes)."""
+  for b in sorted(buckets):
+    if length <= b:
+      return b
+  return max(buckets)
+
+
+def decode(tok, tokens_BC: np.ndarray, mask_BC: np.ndarray) -> list[str]:
+  """Completion texts with special tokens skipped (so a trailing EOS never reaches a scorer)."""
+  return [tok.decode([int(t) for t, m in zip(row, mrow) if m], skip_special_tokens=True)
+          for row, mrow in zip(np.asarray(tokens_BC), np.asarray(mask_BC))]
+
+
+def eos_ids(tok, extra: Sequence[int] = ()) -> tuple[int, ...]:
+  """Every id that ends a completion: the tokenizer's EOS, <|im_end|> style ends, and `extra`."""
+  ids = [tok.eos_token_id, *extra]
+  for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+    i = tok.convert_tokens_to_ids(t)
+    if isinstance(i, int) and i != tok.unk_token_id and i is not None and i >= 0:
+      ids.append(i)
+  return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2's pre-tokenizer: digits are split one by one, which arithmetic needs.
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def train_bpe(path: str, texts: Sequence[str], vocab_size: int = 512, chat_template: bool = True):
+  """Trains a byte-level BPE tokenizer on `texts` (offline) and saves it as a HF tokenizer dir."""
+  from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+
+  tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+  tok.normalizer = normalizers.NFC()
+  tok.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  tok.train_from_iterator(list(texts), trainer=trainer, length=len(texts))
+  hf_tok = PreTrainedTokenizerFast(
+      tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
+      additional_special_tokens=["<|im_start|>", "<|endoftext|>"], padding_side="left",
+      clean_up_tokenization_spaces=False)
+  if chat_template:
+    hf_tok.chat_template = CHATML_TEMPLATE
+  os.makedirs(path, exist_ok=True)
+  hf_tok.save_pretrained(path)
+  return hf_tok

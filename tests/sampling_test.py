@@ -1,0 +1,139 @@
+"""The jitted KV-cache sampler against teacher-forced references."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax import loss, model, sampling, testing
+
+CFG = testing.tiny_model_config(vocab_size=50)
+PARAMS = testing.sharp_params(CFG, seed=3)
+
+
+def prompts(lengths, P=8, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = np.zeros((len(lengths), P), np.int32)
+  mask = np.zeros((len(lengths), P), bool)
+  for b, n in enumerate(lengths):
+    tokens[b, P - n:] = rng.integers(5, CFG.vocab_size, size=n)
+    mask[b, P - n:] = True
+  return tokens, mask
+
+
+def teacher_forced_logits(prompt, pmask, completion):
+  tokens = np.concatenate([prompt, completion], axis=1)
+  mask = np.concatenate([pmask, np.ones_like(completion, bool)], axis=1)
+  return np.asarray(model.logits(CFG, PARAMS, jnp.asarray(tokens), jnp.asarray(mask)))
+
+
+def test_greedy_decode_equals_teacher_forced_argmax():
+  prompt, pmask = prompts([8, 5, 2])
+  out = sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=10, temperature=0.0), PARAMS,
+                          prompt, pmask, jax.random.key(0))
+  comp = np.asarray(out.tokens_BC)
+  logits = teacher_forced_logits(prompt, pmask, comp)
+  P = prompt.shape[1]
+  # Logits at position P-1+t predict completion token t.
+  np.testing.assert_array_equal(np.argmax(logits[:, P - 1:-1], -1), comp)
+  # No EOS ids: every row runs to the budget and is truncated.
+  assert np.asarray(out.truncated_B).all() and (np.asarray(out.length_B) == 10).all()
+
+
+def test_logp_equals_teacher_forced_logp():
+  prompt, pmask = prompts([8, 6, 3, 1])
+  cfg = sampling.SamplerConfig(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=20)
+  out = sampling.generate(CFG, cfg, PARAMS, prompt, pmask, jax.random.key(1))
+  comp = np.asarray(out.tokens_BC)
+  logits = teacher_forced_logits(prompt, pmask, comp)
+  P = prompt.shape[1]
+  ref = loss.token_logprobs(jnp.asarray(logits[:, P - 1:-1]) / 0.7, jnp.asarray(comp))
+  np.testing.assert_allclose(np.asarray(out.logp_BC), np.asarray(ref), atol=1e-5, rtol=0)
+
+
+def test_greedy_independent_of_padding_and_batch():
+  cfg = sampling.SamplerConfig(max_new_tokens=8, temperature=0.0)
+  prompt, pmask = prompts([4, 7, 2], P=8, seed=5)
+  batched = np.asarray(sampling.generate(CFG, cfg, PARAMS, prompt, pmask, jax.random.key(0)).tokens_BC)
+  for b in range(3):
+    n = int(pmask[b].sum())
+    for P in (n, n + 5):  # Alone, with no padding and with extra padding.
+      alone = np.zeros((1, P), np.int32)
+      amask = np.zeros((1, P), bool)
+      alone[0, P - n:] = prompt[b, -n:]
+      amask[0, P - n:] = True
+      got = np.asarray(sampling.generate(CFG, cfg, PARAMS, alone, amask, jax.random.key(0)).tokens_BC)
+      np.testing.assert_array_equal(got[0], batched[b])
+
+
+def test_several_eos_ids_and_truncation():
+  prompt, pmask = prompts([8, 6, 4], seed=7)
+  # Sampling at T=1 gives varied tokens; with the same key, a row's tokens do not depend on
+  # whether other rows have stopped.
+  free = np.asarray(sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=10), PARAMS, prompt,
+                                      pmask, jax.random.key(0)).tokens_BC)
+  # Pick EOS ids from the free-running output so rows 0 and 1 stop at different steps via
+  # different ids, and row 2 (containing neither) runs out of budget.
+  eos = None
+  for t0 in range(1, 10):
+    for t1 in range(1, 10):
+      a, b = free[0, t0], free[1, t1]
+      if (t0 != t1 and a != b and a not in free[0, :t0] and b not in free[1, :t1]
+          and a not in free[1, :t1 + 1] and b not in free[0, :t0 + 1]
+          and a not in free[2] and b not in free[2]):
+        eos = (int(a), int(b), t0, t1)
+        break
+    if eos:
+      break
+  assert eos is not None, "test model produced no usable tokens; change the seed"
+  a, b, t0, t1 = eos
+  cfg = sampling.SamplerConfig(max_new_tokens=10, eos_ids=(a, b), pad_id=0)
+  out = sampling.generate(CFG, cfg, PARAMS, prompt, pmask, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(out.length_B), [t0 + 1, t1 + 1, 10])
+  np.testing.assert_array_equal(np.asarray(out.truncated_B), [False, False, True])
+  mask = np.asarray(out.mask_BC)
+  tokens = np.asarray(out.tokens_BC)
+  for row, n in enumerate([t0 + 1, t1 + 1, 10]):
+    assert mask[row, :n].all() and not mask[row, n:].any()
+    np.testing.assert_array_equal(tokens[row, :n], free[row, :n])   # the EOS itself is included
+    assert (tokens[row, n:] == 0).all() and (np.asarray(out.logp_BC)[row, n:] == 0).all()
+
+
+def test_budget_and_prompts_do_not_recompile():
+  cfg = sampling.SamplerConfig(max_new_tokens=6, temperature=1.0)
+  prompt, pmask = prompts([8, 3])
+  sampling.generate(CFG, cfg, PARAMS, prompt, pmask, jax.random.key(0))
+  n = sampling._generate._cache_size()
+  prompt2, pmask2 = prompts([2, 5], seed=9)
+  out = sampling.generate(CFG, cfg, PARAMS, prompt2, pmask2, jax.random.key(4), max_new_tokens=3)
+  assert sampling._generate._cache_size() == n
+  assert (np.asarray(out.length_B) == 3).all()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0),
+                                                     (1.0, 0, 0.8), (2.0, 4, 0.9)])
+def test_token_distribution(temperature, top_k, top_p):
+  logits = np.array([2.0, 1.5, 1.0, 0.3, 0.0, -1.0], np.float32)
+  # The intended distribution, computed independently in NumPy.
+  z = logits / temperature
+  order = np.argsort(-z)
+  keep = np.zeros_like(z, bool)
+  keep[order[: top_k or len(z)]] = True
+  p = np.where(keep, np.exp(z - z.max()), 0)
+  p /= p.sum()
+  if top_p < 1:
+    mass_before = np.cumsum(p[order]) - p[order]
+    nucleus = np.zeros_like(keep)
+    nucleus[order[mass_before < top_p]] = True
+    p = np.where(nucleus, p, 0)
+    p /= p.sum()
+  n = 200_000
+  cfg = sampling.SamplerConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+  tok, logp = jax.jit(sampling.choose, static_argnums=2)(
+      jnp.broadcast_to(jnp.asarray(logits), (n, 6)), jax.random.key(42), cfg)
+  freq = np.bincount(np.asarray(tok), minlength=6) / n
+  # 5 standard errors of a binomial proportion: a false alarm has probability < 1e-5 per token.
+  bound = 5 * np.sqrt(p * (1 - p) / n) + 1e-12
+  assert np.all(np.abs(freq - p) <= bound), (freq, p, bound)
+  # logp is the temperature-scaled log-softmax before truncation.
+  ref_logp = z - np.log(np.exp(z).sum())
+  np.testing.assert_allclose(np.asarray(logp)[:100], ref_logp[np.asarray(tok)[:100]], atol=1e-5)
