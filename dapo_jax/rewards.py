@@ -1,0 +1,177 @@
+"""Host-side rewards: the DAPO-Math answer check, the soft overlong penalty, and a process pool
+that runs any reward function (named by import path) with a per-call timeout.
+
+Nothing here evaluates model text as code, and nothing imports jax.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import logging
+import multiprocessing as mp
+import re
+import time
+from typing import Callable, Sequence
+
+RewardFn = Callable[[str, str], dict]
+
+# --- DAPO-Math scorer (DAPO_SPEC §4.3) -----------------------------------------------------------
+# The normaliser is the Minerva / lighteval one used by the reference scorer. Its brittleness
+# (a trailing period or markdown bold scores -1) is kept on purpose: parity, not improvement.
+
+_SUBSTITUTIONS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)
+_REMOVED_EXPRESSIONS = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;",
+    r",\!", "{,}", '"', "\\dots",
+)
+_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_WINDOW_CHARS = 300  # The reference looks only at the response's last 300 characters.
+
+
+def normalize_final_answer(answer: str) -> str:
+  """Minerva-style normalisation of a final answer string."""
+  answer = answer.split("=")[-1]
+  for before, after in _SUBSTITUTIONS:
+    answer = answer.replace(before, after)
+  for expr in _REMOVED_EXPRESSIONS:
+    answer = answer.replace(expr, "")
+  answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)      # keep the first $...$
+  answer = re.sub(r"(\\text\{)(.*?)(\})", "\\2", answer)
+  answer = re.sub(r"(\\textbf\{)(.*?)(\})", "\\2", answer)
+  answer = re.sub(r"(\\overline\{)(.*?)(\})", "\\2", answer)
+  answer = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", answer)
+  answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)    # \fracab -> \frac{a}{b}
+  answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)            # \sqrta -> \sqrt{a}
+  answer = answer.replace("$", "")
+  if answer.replace(",", "").isdigit():
+    answer = answer.replace(",", "")
+  return answer.strip()
+
+
+def math_dapo(response: str, ground_truth: str) -> dict:
+  """DAPO-Math reward: +1 if the last `Answer:` line in the last 300 characters matches, else -1."""
+  matches = _ANSWER_RE.findall(response[-_WINDOW_CHARS:])
+  pred = normalize_final_answer(matches[-1] if matches else "[INVALID]")
+  acc = pred == normalize_final_answer(ground_truth)
+  return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+def math_verify(response: str, ground_truth: str) -> dict:
+  """Symbolic equivalence with the optional `math-verify` package (run it in the pool, which times out)."""
+  from math_verify import parse, verify  # Optional dependency.
+  gold = parse(ground_truth, parsing_timeout=None)
+  pred = parse(response[-_WINDOW_CHARS:], parsing_timeout=None)
+  acc = bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
+  return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": str(pred[-1]) if pred else "[INVALID]"}
+
+
+def overlong_penalty(length: int, max_len: int, buffer_len: int, penalty_factor: float) -> float:
+  """Soft overlong punishment (paper Eq. 13): 0 up to max_len - buffer_len, then linear to -penalty.
+
+  `length` counts completion tokens including the EOS. Generation is capped at `max_len`, so the
+  value never goes below -penalty_factor.
+  """
+  if buffer_len <= 0 or penalty_factor == 0:
+    return 0.0
+  if max_len < buffer_len:
+    raise ValueError(f"overlong buffer {buffer_len} is longer than max_len {max_len}")
+  exceed = length - (max_len - buffer_len)
+  return max(min(-exceed / buffer_len * penalty_factor, 0.0), -penalty_factor)
+
+
+# --- reward functions by import path, in a pool ------------------------------------------------
+
+class RewardConfigError(ValueError):
+  pass
+
+
+def resolve(path: str) -> RewardFn:
+  """'package.module:function' -> the function; fails at start-up with the path in the message."""
+  if ":" not in path:
+    raise RewardConfigError(f"reward function {path!r} must look like 'package.module:function'")
+  module_name, fn_name = path.split(":", 1)
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise RewardConfigError(f"reward function {path!r}: cannot import module {module_name!r} ({e})") from None
+  fn = getattr(module, fn_name, None)
+  if not callable(fn):
+    raise RewardConfigError(f"reward function {path!r}: module {module_name!r} has no function {fn_name!r}")
+  return fn
+
+
+FAILURE = {"score": -1.0, "acc": False, "pred": "[REWARD_ERROR]"}
+
+
+def _call(path: str, response: str, ground_truth: str) -> dict:
+  out = resolve(path)(response, ground_truth)
+  if isinstance(out, (int, float)):
+    out = {"score": float(out), "acc": float(out) > 0, "pred": ""}
+  return {"score": float(out["score"]), "acc": bool(out.get("acc", out["score"] > 0)),
+          "pred": str(out.get("pred", ""))}
+
+
+class RewardPool:
+  """Scores responses in worker processes with a per-call timeout.
+
+  A function that raises or exceeds the timeout yields `FAILURE` for that sample, which is
+  counted (`errors`, `timeouts`) and logged with the sample's index; training never stops. A hung
+  worker cannot be interrupted, so after a timeout the pool's processes are killed and replaced.
+  """
+
+  def __init__(self, fn_path: str, timeout_s: float = 10.0, workers: int = 2):
+    resolve(fn_path)  # Fail now, not at step 100.
+    self.fn_path, self.timeout_s, self.workers = fn_path, timeout_s, workers
+    self.errors = self.timeouts = 0
+    self._pool: cf.ProcessPoolExecutor | None = None
+
+  def _executor(self) -> cf.ProcessPoolExecutor:
+    if self._pool is None:  # spawn: forking a process that runs XLA threads is unsafe.
+      self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+    return self._pool
+
+  def _kill(self) -> None:
+    if self._pool is not None:
+      for p in list(getattr(self._pool, "_processes", {}).values()):
+        p.kill()
+      self._pool.shutdown(wait=False, cancel_futures=True)
+      self._pool = None
+
+  def close(self) -> None:
+    self._kill()
+
+  def __call__(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[dict]:
+    results: list[dict | None] = [None] * len(responses)
+    todo = list(range(len(responses)))
+    while todo:
+      pool = self._executor()
+      futures = {pool.submit(_call, self.fn_path, responses[i], ground_truths[i]): i for i in todo}
+      pending = set(futures)
+      while pending:
+        finished, pending = cf.wait(pending, timeout=self.timeout_s, return_when=cf.FIRST_COMPLETED)
+        for fut in finished:
+          i = futures[fut]
+          try:
+            results[i] = fut.result()
+          except Exception as e:  # The function raised, or its process died.
+            self.errors += 1
+            logging.warning("reward %s failed on sample %d: %s: %s", self.fn_path, i, type(e).__name__, e)
+            results[i] = dict(FAILURE)
+        if not finished:
+          # Nothing finished for timeout_s: every call now running has exceeded the timeout.
+          for fut in pending:
+            if fut.running():
+              i = futures[fut]
+              self.timeouts += 1
+              logging.warning("reward %s timed out after %.1fs on sample %d", self.fn_path, self.timeout_s, i)
+              results[i] = dict(FAILURE)
+          self._kill()  # A hung worker cannot be interrupted; replace the pool.
+          break
+      todo = [i for i, r in enumerate(results) if r is None]
+    return results  # type: ignore[return-value]

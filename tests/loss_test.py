@@ -1,0 +1,148 @@
+"""Policy loss against a float64 NumPy reference written from DAPO_SPEC §1.3 / §1.5."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax import loss
+
+EPS_LOW, EPS_HIGH, C = 0.2, 0.28, 3.0
+
+
+def np_reference(logp, old, adv, mask, agg, clip_c, norm_len=None):
+  """Returns (loss, d loss / d logp, metrics), all from the formulas, token by token."""
+  B, T = logp.shape
+  r = np.exp(logp - old)
+  A = adv[:, None] * np.ones((1, T))
+  L = np.zeros((B, T))
+  g = np.zeros((B, T))   # d L_tok / d logp = d L_tok / d r * r
+  hi = np.zeros((B, T), bool)
+  lo = np.zeros((B, T), bool)
+  du = np.zeros((B, T), bool)
+  for i in range(B):
+    for t in range(T):
+      a, x = A[i, t], r[i, t]
+      if a >= 0:
+        eff = min(x, 1 + EPS_HIGH)          # effective ratio multiplying -A
+        L[i, t], g[i, t] = -a * eff, (-a * x if x <= 1 + EPS_HIGH else 0.0)
+        hi[i, t] = a > 0 and x > 1 + EPS_HIGH
+      else:
+        eff = max(x, 1 - EPS_LOW)
+        lo[i, t] = x < 1 - EPS_LOW
+        L[i, t], g[i, t] = -a * eff, (-a * x if x >= 1 - EPS_LOW else 0.0)
+        if clip_c is not None and eff > clip_c:
+          L[i, t], g[i, t], du[i, t] = -a * clip_c, 0.0, True
+  m = mask.astype(float)
+  rows = [i for i in range(B) if m[i].sum() > 0]
+  if agg == "token_mean":
+    W = m / m.sum()
+  elif agg == "seq_mean_token_mean":
+    W = np.array([m[i] / max(m[i].sum(), 1) for i in range(B)]) / len(rows)
+  elif agg == "seq_mean_token_sum":
+    W = m / len(rows)
+  else:
+    W = m / (norm_len or T) / len(rows)
+  tm = lambda x: (x * m).sum() / m.sum()
+  metrics = {"pg_clipfrac_upper": tm(hi), "pg_clipfrac_lower": tm(lo), "pg_clipfrac": tm(hi | lo),
+             "pg_clipfrac_dual": tm(du), "ppo_kl": tm(old - logp)}
+  return (L * W).sum(), g * W, metrics
+
+
+def case(seed=0):
+  """4 responses x 6 tokens, ratios from 0.5 to 15, both signs of A, unequal lengths."""
+  rng = np.random.default_rng(seed)
+  ratios = np.array([[0.5, 0.79, 0.81, 1.0, 1.27, 1.29],
+                     [0.5, 0.9, 1.1, 1.3, 4.0, 15.0],
+                     [0.7, 0.85, 1.0, 1.2, 2.9, 3.5],
+                     [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+  old = rng.normal(-2, 0.5, size=ratios.shape)
+  logp = old + np.log(ratios)
+  adv = np.array([1.5, -0.7, -2.0, 0.3])
+  mask = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]], bool)
+  return logp, old, adv, mask
+
+
+@pytest.mark.parametrize("agg", loss.AGG_MODES)
+@pytest.mark.parametrize("clip_c", [None, C])
+def test_matches_numpy_reference(agg, clip_c):
+  logp, old, adv, mask = case()
+  ref_loss, ref_grad, ref_metrics = np_reference(logp, old, adv, mask, agg, clip_c)
+  with jax.enable_x64(True):
+    f = lambda lp: loss.policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
+                                    eps_low=EPS_LOW, eps_high=EPS_HIGH, clip_ratio_c=clip_c, agg=agg)
+    (val, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
+    val, grad = float(val), np.asarray(grad)
+    metrics = {k: float(v) for k, v in metrics.items()}
+  assert val == pytest.approx(ref_loss, abs=1e-10)
+  np.testing.assert_allclose(grad, ref_grad, atol=1e-10)
+  for k, v in ref_metrics.items():
+    assert metrics[k] == pytest.approx(v, abs=1e-7), k  # Metrics are fp32 by design.
+  assert metrics["pg_loss"] == pytest.approx(ref_loss, abs=1e-10)
+
+
+def test_zero_gradient_where_clip_binds():
+  logp, old, adv, mask = case()
+  with jax.enable_x64(True):
+    grad = np.asarray(jax.grad(lambda lp: loss.policy_loss(
+        lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), eps_low=EPS_LOW, eps_high=EPS_HIGH,
+        clip_ratio_c=C)[0])(jnp.asarray(logp)))
+  r = np.exp(logp - old)
+  A = adv[:, None]
+  binds = ((A > 0) & (r > 1 + EPS_HIGH)) | ((A < 0) & (r < 1 - EPS_LOW)) | ((A < 0) & (r > C))
+  assert binds.sum() >= 5
+  assert (grad[binds] == 0).all()
+  assert (grad[~binds & mask & (A != 0)] != 0).all()
+  assert (grad[~mask] == 0).all()  # Masked tokens get no gradient.
+
+
+def test_token_mean_and_seq_mean_differ_with_unequal_lengths():
+  logp, old, adv, mask = case()
+  kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH)
+  a = loss.policy_loss(logp, old, adv, mask, agg="token_mean", **kw)[0]
+  b = loss.policy_loss(logp, old, adv, mask, agg="seq_mean_token_mean", **kw)[0]
+  assert abs(float(a) - float(b)) > 1e-3
+
+
+def two_micro_batches():
+  """DAPO_SPEC §1.5 example: ratio 1, A=-3.75 on 4 tokens and A=-1.25 on 8 tokens."""
+  mask = np.zeros((2, 8), bool)
+  mask[0, :4] = True
+  mask[1, :] = True
+  logp = np.full((2, 8), -1.0)
+  return logp, logp.copy(), np.array([-3.75, -1.25]), mask
+
+
+def test_global_token_mean_vs_verl_micro_batch_weighting():
+  logp, old, adv, mask = two_micro_batches()
+  kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH)
+  n_tok = mask.sum()
+  # Global token mean: each micro-batch divides by the whole mini-batch's token count.
+  global_mean = sum(float(loss.policy_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1],
+                                           num_tokens=n_tok, **kw)[0]) for i in range(2))
+  # verl: per-micro-batch token mean weighted by its share of sequences.
+  verl = sum(float(loss.policy_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], **kw)[0]) * 1 / 2
+             for i in range(2))
+  assert global_mean == pytest.approx(2.0833333, abs=1e-6)
+  assert verl == pytest.approx(2.5, abs=1e-6)
+
+
+def test_kl_estimators():
+  logp = np.array([[-1.0, -2.0]])
+  ref = np.array([[-1.5, -1.0]])
+  k1 = np.asarray(loss.kl_penalty(logp, ref, "k1"))
+  k3 = np.asarray(loss.kl_penalty(logp, ref, "k3"))
+  d = ref - logp
+  np.testing.assert_allclose(k1, logp - ref, rtol=1e-6)
+  np.testing.assert_allclose(k3, np.exp(d) - d - 1, rtol=1e-6)
+  out, metrics = loss.policy_loss(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray([0.0]),
+                                  jnp.ones((1, 2), bool), eps_low=0.2, eps_high=0.2, ref_logp_BC=ref,
+                                  kl_coef=0.1, kl_estimator="k3")
+  assert float(out) == pytest.approx(0.1 * k3.mean(), rel=1e-6)
+
+
+def test_entropy_and_token_logprobs():
+  z = np.array([[[1.0, 2.0, 0.5], [0.0, 0.0, 0.0]]])
+  p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(loss.entropy(z)), -(p * np.log(p)).sum(-1), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(loss.token_logprobs(z, np.array([[1, 2]]))),
+                             np.log([[p[0, 0, 1], p[0, 1, 2]]]), rtol=1e-6)

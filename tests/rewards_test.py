@@ -1,0 +1,95 @@
+"""DAPO-Math scorer parity (DAPO_SPEC §4.3 table), overlong shaping (§3.2), and the reward pool."""
+import time
+
+import pytest
+
+from dapo_jax import rewards
+
+PLUS = ["Answer: 540", "answer:540", "ANSWER :  540  ", "Answer: $540$", "Answer: \\boxed{540}",
+        "Answer: $\\boxed{540}$", "Answer: x = 540", "Answer: 540 degrees", "Final Answer: 540"]
+
+
+@pytest.mark.parametrize("tail", PLUS)
+def test_correct_formats(tail):
+  out = rewards.math_dapo("Some reasoning.\n" + tail, "540")
+  assert out == {"score": 1.0, "acc": True, "pred": "540"}
+
+
+@pytest.mark.parametrize("response,gt,pred", [
+    ("Answer: 1,000", "1000", "1000"),
+    ("Answer: -3", "-3", "-3"),
+])
+def test_correct_other(response, gt, pred):
+  assert rewards.math_dapo(response, gt) == {"score": 1.0, "acc": True, "pred": pred}
+
+
+@pytest.mark.parametrize("response,pred", [
+    ("Answer: 540.", "540."),             # trailing period
+    ("**Answer:** 540", "**540"),         # markdown bold
+    ("Answer: **540**", "**540**"),
+    ("Answer: \\(540\\)", "\\(540\\)"),
+    ("Answer: 0540", "0540"),             # leading zero
+    ("The answer is \\boxed{540}", "[INVALID]"),
+])
+def test_brittle_formats_score_minus_one(response, pred):
+  assert rewards.math_dapo(response, "540") == {"score": -1.0, "acc": False, "pred": pred}
+
+
+def test_answer_outside_last_300_chars():
+  response = "Answer: 540\n" + "x" * 300
+  assert rewards.math_dapo(response, "540")["score"] == -1.0
+  assert rewards.math_dapo("Answer: 540\n" + "x" * 287, "540")["score"] == 1.0  # 300 chars exactly
+
+
+def test_last_match_wins():
+  assert rewards.math_dapo("Answer: 12\nwait, no.\nAnswer: 540", "540")["acc"]
+  assert not rewards.math_dapo("Answer: 540\nAnswer: 12", "540")["acc"]
+
+
+@pytest.mark.parametrize("length,value", [(16384, 0.0), (16385, -1 / 4096), (18432, -0.5),
+                                          (20479, -4095 / 4096), (20480, -1.0), (100, 0.0)])
+def test_overlong_penalty_values(length, value):
+  assert rewards.overlong_penalty(length, 20480, 4096, 1.0) == pytest.approx(value, abs=1e-12)
+
+
+def test_overlong_penalty_floor_and_factor():
+  assert rewards.overlong_penalty(30000, 20480, 4096, 1.0) == -1.0
+  assert rewards.overlong_penalty(18432, 20480, 4096, 0.5) == pytest.approx(-0.25)
+  assert rewards.overlong_penalty(20480, 20480, 0, 1.0) == 0.0  # buffer off
+
+
+def test_resolve_errors():
+  assert rewards.resolve("dapo_jax.rewards:math_dapo") is rewards.math_dapo
+  with pytest.raises(rewards.RewardConfigError, match="no_such_module"):
+    rewards.resolve("no_such_module:f")
+  with pytest.raises(rewards.RewardConfigError, match="has no function 'nope'"):
+    rewards.resolve("dapo_jax.rewards:nope")
+  with pytest.raises(rewards.RewardConfigError, match="package.module:function"):
+    rewards.resolve("dapo_jax.rewards.math_dapo")
+
+
+def test_pool_scores_in_workers():
+  pool = rewards.RewardPool("dapo_jax.rewards:math_dapo", timeout_s=30)
+  try:
+    out = pool(["Answer: 5", "Answer: 6", "nothing"], ["5", "5", "5"])
+  finally:
+    pool.close()
+  assert [o["score"] for o in out] == [1.0, -1.0, -1.0]
+
+
+def test_pool_survives_raising_and_hanging_functions():
+  pool = rewards.RewardPool("dapo_jax.testing:raising_reward", timeout_s=30)
+  try:
+    out = pool(["a", "b"], ["1", "1"])
+  finally:
+    pool.close()
+  assert out == [rewards.FAILURE, rewards.FAILURE] and pool.errors == 2
+
+  pool = rewards.RewardPool("dapo_jax.testing:hanging_reward", timeout_s=1.0, workers=2)
+  t0 = time.monotonic()
+  try:
+    out = pool(["a", "b", "c"], ["1", "1", "1"])
+  finally:
+    pool.close()
+  assert out == [rewards.FAILURE] * 3 and pool.timeouts == 3
+  assert time.monotonic() - t0 < 20  # Bounded by timeouts, not by the hang.
