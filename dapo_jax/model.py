@@ -168,7 +168,8 @@ class Transformer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BT, pos_BT, mask_BTS, cache: kvc.KVCache | None = None, index=0):
+  def __call__(self, tokens_BT, pos_BT, mask_BTS, cache: kvc.KVCache | None = None, index=0,
+               logits_from: int = 0):
     cfg = self.cfg
     embed_VD = _param(self, "embed_VD", (cfg.vocab_size, cfg.embed_dim), _normal, cfg)
     x_BTD = sharding.constrain(jnp.take(embed_VD, tokens_BT, axis=0), "BTD")
@@ -184,7 +185,7 @@ class Transformer(nn.Module):
     if cache is not None:
       cache = cache.replace(k_LBSKH=layer_caches[0], v_LBSKH=layer_caches[1])
 
-    x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD)
+    x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD[:, logits_from:])  # Skip unneeded unembeddings.
     if cfg.tie_embeddings:
       logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, embed_VD, preferred_element_type=jnp.float32)
     else:
@@ -216,16 +217,23 @@ def positions(mask_BT: jax.Array) -> jax.Array:
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS,
-            cache: kvc.KVCache | None = None, index=0):
-  """One model call: (logits_BTV fp32, cache). With a cache, the T tokens go to slots index..index+T-1."""
-  return Transformer(cfg).apply({"params": params}, tokens_BT, pos_BT, mask_BTS, cache, index)
+            cache: kvc.KVCache | None = None, index=0, logits_from: int = 0):
+  """One model call: (logits fp32, cache). With a cache, the T tokens go to slots index..index+T-1.
+
+  Logits are computed for positions >= logits_from only (static).
+  """
+  return Transformer(cfg).apply({"params": params}, tokens_BT, pos_BT, mask_BTS, cache, index, logits_from)
 
 
-def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-  """Teacher-forced logits [B, T, V] (fp32) of left-padded rows; mask 1 = real token."""
+def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array,
+           logits_from: int = 0) -> jax.Array:
+  """Teacher-forced logits [B, T, V] (fp32) of left-padded rows; mask 1 = real token.
+
+  With `logits_from`, only positions logits_from..T-1 are unembedded ([B, T - logits_from, V]).
+  """
   mask_BT = mask_BT.astype(bool)
   T = tokens_BT.shape[1]
   causal_TT = jnp.tril(jnp.ones((T, T), bool))
   mask_BTS = causal_TT[None, :, :] & mask_BT[:, None, :]
-  out, _ = forward(model_cfg, params, tokens_BT, positions(mask_BT), mask_BTS)
+  out, _ = forward(model_cfg, params, tokens_BT, positions(mask_BT), mask_BTS, logits_from=logits_from)
   return out

@@ -1,0 +1,33 @@
+"""Shapes and the batches that cross module boundaries.
+
+The one-letter shape alphabet (array names end with their axes: `x_BTD`, `logp_BC`):
+  Q prompts (questions)      G completions per prompt    B rows = Q*G (what the model sees)
+  P prompt positions         C completion positions      T = P + C model positions
+  S key / cache slots        L layers                    D model width
+  F MLP width                V vocabulary                N query heads
+  K KV heads                 R query heads per KV head   H head dimension
+`sharding.LOGICAL` maps these letters to logical axis names.
+"""
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class RLBatch:
+  """One mini-batch of scored rollouts, laid out as [left-padded prompt | right-padded completion]."""
+  tokens_BT: jax.Array      # int32 [B, P+C]
+  mask_BT: jax.Array        # bool: real prompt tokens and completion tokens up to and including EOS
+  loss_mask_BC: jax.Array   # bool: completion tokens counted in the loss (overlong filtering zeroes rows)
+  old_logp_BC: jax.Array    # fp32 log π_old of the completion tokens
+  adv_B: jax.Array          # fp32 advantage per row
+  ref_logp_BC: jax.Array    # fp32 log π_ref (zeros when the KL term is off)
+
+
+@struct.dataclass
+class LMBatch:
+  """Language-modelling batch (SFT): predict tokens_BT[:, 1:] where loss_mask_BT[:, 1:]."""
+  tokens_BT: jax.Array      # int32 [B, T]
+  mask_BT: jax.Array        # bool attention mask
+  loss_mask_BT: jax.Array   # bool: positions whose token is a target
