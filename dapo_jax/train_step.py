@@ -51,6 +51,7 @@ class PGConfig:
   temperature: float = 1.0                  # rollout temperature; log-probs use scaled logits
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
+  old_is_current: bool = False              # π_old = π_θ (one update per rollout step): ratio is 1
 
 
 # --- objectives: (counts over the whole mini-batch, loss of one micro-batch) ---------------------
@@ -68,6 +69,7 @@ def pg_objective(model_cfg: model_lib.ModelConfig, cfg: PGConfig, params, mb: RL
   logits_BCV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1)
   z_BCV = logits_BCV / cfg.temperature
   logp_BC = loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
+  old_logp_BC = jax.lax.stop_gradient(logp_BC) if cfg.old_is_current else mb.old_logp_BC
   if cfg.verl_microbatch_weighting:
     # verl: token mean inside the micro-batch, weighted by its share of the mini-batch's rows.
     denoms = dict(num_tokens=None, num_seqs=None)
@@ -76,7 +78,7 @@ def pg_objective(model_cfg: model_lib.ModelConfig, cfg: PGConfig, params, mb: RL
     denoms = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"])
     weight = 1.0
   loss, metrics = loss_lib.policy_loss(
-      logp_BC, mb.old_logp_BC, mb.adv_B, mb.loss_mask_BC, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+      logp_BC, old_logp_BC, mb.adv_B, mb.loss_mask_BC, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
       clip_ratio_c=cfg.clip_ratio_c, agg=cfg.loss_agg, ref_logp_BC=mb.ref_logp_BC, kl_coef=cfg.kl_coef,
       kl_estimator=cfg.kl_estimator, **denoms)
   metrics = jax.tree.map(lambda m: m * weight, metrics)

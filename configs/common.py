@@ -1,0 +1,76 @@
+"""Shared config pieces: the base recipe every config starts from, and `parse_arg`."""
+import ml_collections as mlc
+
+
+def parse_arg(arg, **defaults):
+  """'size=7b,runlocal' -> ConfigDict(size='7b', runlocal=True), over the given defaults."""
+  out = mlc.ConfigDict(defaults)
+  for part in (arg or "").split(","):
+    if not part:
+      continue
+    key, _, value = part.partition("=")
+    if key not in defaults:
+      raise ValueError(f"config argument {key!r} is unknown; known: {sorted(defaults)}")
+    if not value:
+      out[key] = True
+    elif isinstance(defaults[key], bool):
+      out[key] = value.lower() in ("1", "true", "yes")
+    else:
+      out[key] = type(defaults[key])(value)
+  return out
+
+
+def base() -> mlc.ConfigDict:
+  """The DAPO recipe of the paper (§5.1) on a model to be chosen; configs override what differs."""
+  c = mlc.ConfigDict()
+  c.seed = 0
+
+  # Model: `init` is "random" (from the fields below), "hf" (from `hf_dir`) or "sft" (random
+  # init, then the SFT warm start, whose result is reused on later runs).
+  c.model = dict(init="random", hf_dir="", vocab_size=0, embed_dim=128, mlp_dim=384, num_layers=4,
+                 num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, norm_eps=1e-6,
+                 qkv_bias=True, tie_embeddings=True, param_dtype="float32",
+                 dtype="float32",            # compute dtype: bfloat16 on GPU/TPU
+                 remat="none")               # none | full | dots
+  c.tokenizer = dict(path="",                # "" = train a small BPE on the task text into workdir
+                     vocab_size=256)
+  c.data = dict(task="file",                 # "file" (DAPO-Math schema) or "arith" (built in)
+                train_files=[""], eval_files=[""],
+                chat_template=True,          # render prompts with the tokenizer's chat template
+                prompt_template="",          # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
+                max_prompt_len=2048,         # tokens; longer prompts keep their end (truncation left)
+                prompt_buckets=[],           # prompt lengths compiled for; [] = just max_prompt_len
+                missing_answer="error",      # error | skip rows without a ground truth
+                digits=2, ops="+", heldout_fraction=0.1, num_eval=128)   # arith task knobs
+  c.rollout = dict(group_size=16,            # G, responses per prompt
+                   max_new_tokens=20_480,    # L_max, completion tokens
+                   temperature=1.0, top_p=1.0, top_k=0)
+  c.dapo = dict(prompts_per_step=512,        # Q, prompts in a train batch
+                gen_prompts=1536,            # prompts per generation batch (3x for dynamic sampling)
+                dynamic_sampling=True,       # drop groups whose correctness is all equal (Eq. 11)
+                max_gen_batches=10,          # cap per step; 0 = unlimited
+                on_cap="train",              # at the cap: "train" on what was kept, or "raise" (reference)
+                carry_over=True,             # keep surplus groups for the next step (reference: discard)
+                eps_low=0.2, eps_high=0.28,  # decoupled clip (Eq. 10)
+                clip_ratio_c=10.0,           # dual clip for A<0; 0 = off
+                loss_agg="token_mean",       # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+                verl_microbatch_weighting=False,   # reproduce the reference's micro-batch weighting
+                norm_adv_by_std=True,        # False = Dr.GRPO (mean-only)
+                overlong_buffer=4096,        # L_cache (Eq. 13); 0 = off
+                overlong_penalty=1.0,        # penalty factor
+                overlong_filter=False,       # mask truncated samples out of the loss
+                kl_coef=0.0, kl_estimator="k3")    # DAPO: no KL, no reference model
+  c.reward = dict(fn="dapo_jax.rewards:math_dapo",   # module:function(response, ground_truth)
+                  timeout_s=10.0, workers=2)
+  c.optim = dict(lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8)
+  c.train = dict(num_steps=500,              # rollout steps
+                 minibatches=16,             # optimizer updates per rollout step and epoch
+                 ppo_epochs=1,
+                 num_microbatches=1,         # gradient accumulation inside one update
+                 ckpt_every=5, keep_ckpts=3,
+                 eval_every=5, log_samples_every=5,
+                 max_bad_steps=5)            # stop after this many non-finite updates in a row
+  c.eval = dict(k=32, temperature=1.0, top_p=0.7, greedy=False, max_new_tokens=0)  # 0: rollout's
+  c.sft = dict(steps=0, batch_size=32, seq_len=128, lr=1e-3, warmup_steps=20, num_examples=20_000)
+  c.mesh = dict(data=1, fsdp=-1, tensor=1)   # -1: the rest of the devices
+  return c

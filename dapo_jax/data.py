@@ -1,0 +1,199 @@
+"""Prompt datasets in the DAPO-Math row schema, a built-in arithmetic task, and a resumable,
+per-host sharded prompt iterator. Host-side NumPy; no jax.
+
+Row schema (verl RL format, DAPO_SPEC §4.2):
+  {"data_source": str, "prompt": [{"role": "user", "content": str}], "ability": str,
+   "reward_model": {"ground_truth": str, "style": str}, "extra_info": {...}}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import zlib
+from typing import Iterator, Sequence
+
+import numpy as np
+
+DAPO_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should be of the "
+    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    'Remember to put your answer on its own line after "Answer:".')
+
+
+class DataError(ValueError):
+  """A dataset problem; the message names the file and row."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  messages: tuple[dict, ...]   # the chat, ending with the user turn
+  ground_truth: str
+  data_source: str = "math_dapo"
+  index: int = 0               # row number in its file (or generator index)
+
+
+# --- files -------------------------------------------------------------------------------------
+
+def _read_rows(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    raise DataError(f"dataset file {path!r} does not exist")
+  try:
+    if path.endswith(".parquet"):
+      import pyarrow.parquet as pq
+      return pq.read_table(path).to_pylist()
+    if path.endswith((".jsonl", ".json")):
+      rows = []
+      with open(path) as f:
+        for i, line in enumerate(f):
+          if line.strip():
+            try:
+              rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+              raise DataError(f"{path}: row {i}: not valid JSON ({e})") from None
+      return rows
+  except DataError:
+    raise
+  except Exception as e:  # Corrupt parquet, permissions, ...
+    raise DataError(f"dataset file {path!r} cannot be read: {type(e).__name__}: {e}") from None
+  raise DataError(f"dataset file {path!r}: unknown format (expected .parquet or .jsonl)")
+
+
+def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Example | None:
+  """One row -> Example; None when the ground truth is missing (the caller decides)."""
+  prompt = row.get("prompt")
+  if isinstance(prompt, str):
+    prompt = [{"role": "user", "content": prompt}]
+  if (not isinstance(prompt, (list, tuple)) or not prompt
+      or not all(isinstance(m, dict) and "content" in m for m in prompt)):
+    raise DataError(f"{path}: row {i}: field 'prompt' must be a non-empty list of "
+                    f"{{'role', 'content'}} messages, got {type(prompt).__name__}")
+  rm = row.get("reward_model")
+  gt = rm.get("ground_truth") if isinstance(rm, dict) else row.get("ground_truth")
+  if gt is None or (isinstance(gt, str) and not gt.strip()):
+    return None
+  messages = tuple({"role": m.get("role") or "user", "content": m["content"]} for m in prompt)
+  if prompt_template:
+    last = messages[-1]
+    messages = messages[:-1] + ({"role": last["role"], "content": prompt_template.format(problem=last["content"])},)
+  return Example(messages=messages, ground_truth=str(gt), data_source=str(row.get("data_source", "math_dapo")),
+                 index=i)
+
+
+def load_file(path: str, missing_answer: str = "error", prompt_template: str | None = None) -> list[Example]:
+  """All examples of a parquet/jsonl file in the DAPO-Math schema.
+
+  missing_answer: "error" fails naming the row; "skip" drops such rows and logs how many.
+  """
+  rows = _read_rows(path)
+  if not rows:
+    raise DataError(f"dataset file {path!r} has no rows")
+  out, skipped = [], 0
+  for i, row in enumerate(rows):
+    ex = _parse_row(row, path, i, prompt_template)
+    if ex is None:
+      if missing_answer == "skip":
+        skipped += 1
+        continue
+      raise DataError(f"{path}: row {i}: no ground truth (field 'reward_model.ground_truth'); "
+                      "set --config.data.missing_answer=skip to skip such rows")
+    out.append(ex)
+  if skipped:
+    logging.warning("%s: skipped %d rows without a ground truth", path, skipped)
+  return out
+
+
+# --- the built-in arithmetic task ------------------------------------------------------------
+
+ARITH_INSTRUCTION = "{problem} End with: Answer: <number>"
+
+
+def arith_problem(rng: np.random.Generator, digits: int, ops: str) -> tuple[str, int, str]:
+  op = ops[rng.integers(len(ops))]
+  lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10 ** digits
+  a, b = int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
+  if op == "-" and b > a:
+    a, b = b, a  # Non-negative results keep the task about carrying, not signs.
+  value = {"+": a + b, "-": a - b, "*": a * b}[op]
+  return f"{a}{op}{b}", value, op
+
+
+def in_heldout(text: str, fraction: float) -> bool:
+  """Deterministic split by problem text, so train and held-out never share a problem."""
+  return (zlib.crc32(text.encode()) % 10_000) < fraction * 10_000
+
+
+def arith_examples(n: int, *, split: str = "train", seed: int = 0, digits: int = 2, ops: str = "+",
+                   heldout_fraction: float = 0.1, template: str = ARITH_INSTRUCTION) -> list[Example]:
+  """`n` arithmetic problems ("What is 47+38?") of one split, deterministic by seed."""
+  if split not in ("train", "heldout"):
+    raise ValueError(f"split={split!r}; expected 'train' or 'heldout'")
+  rng = np.random.default_rng([seed, digits, len(ops), 0 if split == "train" else 1])
+  out, seen, tries = [], set(), 0
+  while len(out) < n:
+    tries += 1
+    if tries > 100 * n + 10_000:
+      raise DataError(f"arith: cannot draw {n} distinct {split} problems with digits={digits} ops={ops!r}")
+    text, value, _ = arith_problem(rng, digits, ops)
+    if in_heldout(text, heldout_fraction) != (split == "heldout"):
+      continue
+    if split == "heldout":  # Held-out problems are distinct; training draws may repeat.
+      if text in seen:
+        continue
+      seen.add(text)
+    problem = f"What is {text}?"
+    out.append(Example(messages=({"role": "user", "content": template.format(problem=problem)},),
+                       ground_truth=str(value), data_source="arith", index=len(out)))
+  return out
+
+
+def arith_solution(ex: Example) -> str:
+  """The reference completion used by the SFT warm start."""
+  return f"Answer: {ex.ground_truth}"
+
+
+# --- the iterator ------------------------------------------------------------------------------
+
+class PromptIterator:
+  """Endless shuffled epochs over examples; each host reads its own shard of every batch.
+
+  State is two integers (epoch, position) so a restored run continues with the same prompts.
+  """
+
+  def __init__(self, examples: Sequence[Example], seed: int = 0, shuffle: bool = True,
+               process_index: int = 0, process_count: int = 1):
+    if not examples:
+      raise DataError("no examples to iterate over")
+    self.examples, self.seed, self.shuffle = list(examples), seed, shuffle
+    self.process_index, self.process_count = process_index, process_count
+    self.epoch, self.position = 0, 0
+
+  def _order(self, epoch: int) -> np.ndarray:
+    n = len(self.examples)
+    return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+  def next_batch(self, global_size: int) -> list[Example]:
+    """The next `global_size` examples of the global order; returns this host's contiguous shard."""
+    if global_size % self.process_count:
+      raise ValueError(f"batch of {global_size} prompts does not split over {self.process_count} hosts")
+    picked = []
+    while len(picked) < global_size:
+      order = self._order(self.epoch)
+      take = min(global_size - len(picked), len(order) - self.position)
+      picked += [self.examples[i] for i in order[self.position:self.position + take]]
+      self.position += take
+      if self.position == len(order):
+        self.epoch, self.position = self.epoch + 1, 0
+    per_host = global_size // self.process_count
+    return picked[self.process_index * per_host:(self.process_index + 1) * per_host]
+
+  def state(self) -> dict:
+    return {"epoch": self.epoch, "position": self.position}
+
+  def restore(self, state: dict) -> None:
+    self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+  def __iter__(self) -> Iterator[Example]:
+    while True:
+      yield from self.next_batch(1)

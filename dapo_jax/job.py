@@ -1,0 +1,83 @@
+"""Builds what a run needs from its config: tokenizer, datasets, model config and initial params.
+
+The default job is self-contained: with no paths set it trains its own tokenizer on the task's
+text, initialises a small model and warm-starts it with SFT (the result is saved in the workdir
+and reused by later runs).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+from dapo_jax import data as data_lib
+from dapo_jax import hf
+from dapo_jax import model as model_lib
+from dapo_jax import tokenizer as tokenizer_lib
+
+_MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
+                 "norm_eps", "qkv_bias", "tie_embeddings", "param_dtype", "dtype", "remat")
+
+
+def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
+  """(train, held-out) examples."""
+  d = cfg.data
+  if d.task == "arith":
+    kw = dict(seed=cfg.seed, digits=d.digits, ops=d.ops, heldout_fraction=d.heldout_fraction)
+    return (data_lib.arith_examples(max(cfg.sft.num_examples, 4096), split="train", **kw),
+            data_lib.arith_examples(d.num_eval, split="heldout", **kw))
+  if d.task != "file":
+    raise ValueError(f"data.task={d.task!r}; expected 'file' or 'arith'")
+  files = [f for f in d.train_files if f]
+  if not files:
+    raise ValueError("data.train_files is empty; set --config.data.train_files=/path/to/train.parquet")
+  template = d.prompt_template or None
+  load = lambda f: data_lib.load_file(f, missing_answer=d.missing_answer, prompt_template=template)
+  train = [ex for f in files for ex in load(f)]
+  evals = [ex for f in d.eval_files if f for ex in load(f)]
+  return train, evals[: d.num_eval] if d.num_eval else evals
+
+
+def tokenizer(cfg, workdir: str, corpus_examples=None):
+  path = cfg.tokenizer.path or (cfg.model.hf_dir if cfg.model.init == "hf" else "")
+  if path:
+    return tokenizer_lib.load(path)
+  path = os.path.join(workdir, "tokenizer")
+  if not os.path.exists(os.path.join(path, "tokenizer.json")):
+    if not corpus_examples:
+      raise ValueError("tokenizer.path is empty and there is no task text to train a tokenizer on")
+    texts = [" ".join(m["content"] for m in ex.messages) + "\n" + data_lib.arith_solution(ex)
+             for ex in corpus_examples[:5000]]
+    texts += ["user", "assistant", "system"] * 10
+    tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size)
+    logging.info("trained a %d-token BPE tokenizer into %s", cfg.tokenizer.vocab_size, path)
+  return tokenizer_lib.load(path)
+
+
+def model_config(cfg, vocab_size: int) -> model_lib.ModelConfig:
+  fields = {k: cfg.model[k] for k in _MODEL_FIELDS}
+  v = cfg.model.vocab_size or vocab_size
+  return model_lib.ModelConfig(vocab_size=v, **fields)
+
+
+def initial_model(cfg, workdir: str, tok, mesh, train_examples):
+  """(ModelConfig, params) as `model.init` says: random, an HF directory, or the SFT warm start."""
+  init = cfg.model.init
+  if init == "hf":
+    overrides = {k: cfg.model[k] for k in ("param_dtype", "dtype", "remat")}
+    return hf.load(cfg.model.hf_dir, **overrides)
+  vocab = ((len(tok) + 63) // 64) * 64  # Round up: tidy shapes, room for tensor sharding.
+  model_cfg = model_config(cfg, vocab)
+  if init == "random":
+    return model_cfg, model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
+  if init == "sft":
+    sft_dir = os.path.join(workdir, "sft_model")
+    if not os.path.exists(os.path.join(sft_dir, "model.safetensors")):
+      from dapo_jax import sft
+      params = sft.run(cfg, model_cfg, tok, train_examples, mesh, workdir)
+      if jax.process_index() == 0:
+        hf.save(sft_dir, model_cfg, jax.device_get(params), tokenizer=tok)
+    loaded_cfg, params = hf.load(sft_dir, **{k: cfg.model[k] for k in ("param_dtype", "dtype", "remat")})
+    return loaded_cfg, params
+  raise ValueError(f"model.init={init!r}; expected 'random', 'hf' or 'sft'")

@@ -1,0 +1,79 @@
+"""Metric writers: TensorBoard event files, metrics.jsonl, and a one-line console summary.
+
+Only process 0 writes. TensorBoard files are written with tensorboard's own event writer and
+protos (no TensorFlow needed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Mapping
+
+import numpy as np
+
+
+class MetricWriter:
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    self.path = workdir
+    if not enabled:
+      return
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    os.makedirs(workdir, exist_ok=True)
+    self._tb = EventFileWriter(os.path.join(workdir, "tb"))
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    if not self.enabled:
+      return
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    clean = {k: float(v) for k, v in values.items() if v is not None and np.ndim(v) == 0}
+    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v)
+                                         for k, v in sorted(clean.items())])
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
+    self._jsonl.write(json.dumps(record) + "\n")
+
+  def text(self, step: int, tag: str, text: str) -> None:
+    if not self.enabled:
+      return
+    from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()],
+                                    tensor_shape=tensor_shape_pb2.TensorShapeProto())
+    meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+    value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=meta)
+    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                       summary=summary_pb2.Summary(value=[value])))
+
+  def flush(self) -> None:
+    if self.enabled:
+      self._tb.flush()
+      self._jsonl.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+def console(step: int, total: int, values: Mapping[str, float], keys: Mapping[str, str]) -> None:
+  """One line per step: a progress bar and the headline numbers."""
+  width = 20
+  done = int(width * step / max(total, 1))
+  parts = [f"{label} {values[k]:.3g}" for k, label in keys.items() if k in values]
+  print(f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  " + "  ".join(parts), flush=True)
+  sys.stdout.flush()
+
+
+def read_jsonl(path: str) -> dict[int, dict]:
+  """metrics.jsonl -> {step: record}; a step logged twice (a resumed run) keeps its last record."""
+  out: dict[int, dict] = {}
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {}).update(rec)
+  return out

@@ -1,0 +1,28 @@
+"""Train a policy with DAPO.
+
+  python -m launch.train                                   # configs/default.py, ./runs/default
+  python -m launch.train --config=configs/dapo_qwen2_5_32b.py --workdir=DIR --config.dapo.eps_high=0.3
+"""
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from launch import common
+
+_CONFIG = config_flags.DEFINE_config_file("config", common.DEFAULT_CONFIG, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs, samples (default ./runs/<config>).")
+
+
+def main(argv):
+  del argv
+  common.init_distributed()
+  from dapo_jax import loop, sharding  # After distributed init.
+  cfg = _CONFIG.value
+  workdir = _WORKDIR.value or os.path.join("runs", common.config_name(flags.FLAGS["config"].value))
+  logging.info("workdir %s", workdir)
+  loop.run(cfg, workdir, sharding.make_mesh(cfg.mesh))
+
+
+if __name__ == "__main__":
+  common.run(main)
