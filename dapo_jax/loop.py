@@ -131,6 +131,7 @@ class DAPO:
                                              process_index=jax.process_index(),
                                              process_count=jax.process_count())
     self.carry: Groups | None = None
+    self.truncated_prompts = 0
     self.key = jax.random.key(cfg.seed)
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_ckpts)
@@ -159,7 +160,15 @@ class DAPO:
 
   def _encode(self, examples) -> tuple[np.ndarray, np.ndarray]:
     texts = [tokenizer_lib.render(self.tok, ex.messages, self.cfg.data.chat_template) for ex in examples]
-    return tokenizer_lib.encode_left_padded(self.tok, texts, self.cfg.data.max_prompt_len)
+    tokens, mask = tokenizer_lib.encode_left_padded(self.tok, texts, self.cfg.data.max_prompt_len)
+    if mask[:, 0].any():  # A full row may have been cut: check the real lengths once.
+      n = sum(len(ids) > self.cfg.data.max_prompt_len
+              for ids in self.tok(texts, add_special_tokens=False)["input_ids"])
+      if n:
+        self.truncated_prompts += n
+        logging.warning("%d prompts longer than data.max_prompt_len=%d lost their beginning",
+                        n, self.cfg.data.max_prompt_len)
+    return tokens, mask
 
   def _bucketed(self, prompt_mask_QP: np.ndarray) -> int:
     return tokenizer_lib.bucket(int(prompt_mask_QP.sum(1).max()), self.buckets)
