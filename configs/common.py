@@ -74,3 +74,31 @@ def base() -> mlc.ConfigDict:
   c.sft = dict(steps=0, batch_size=32, seq_len=128, lr=1e-3, warmup_steps=20, num_examples=20_000)
   c.mesh = dict(data=1, fsdp=-1, tensor=1)   # -1: the rest of the devices
   return c
+
+
+def qwen2_5(size: str) -> dict:
+  """Model fields of a Qwen2.5 size ('32b', '7b', '0_5b'), for a run that loads its HF weights."""
+  import dataclasses
+  from dapo_jax import model
+  preset = {"32b": model.ModelConfig.qwen2_5_32b, "7b": model.ModelConfig.qwen2_5_7b,
+            "0_5b": model.ModelConfig.qwen2_5_0_5b}[size]()
+  fields = dataclasses.asdict(preset)
+  fields.pop("arch")
+  return fields
+
+
+def runlocal(c: mlc.ConfigDict) -> None:
+  """Shrinks any recipe to a seconds-long CPU smoke run on the built-in arithmetic task."""
+  c.model.update(init="random", hf_dir="", vocab_size=0, embed_dim=32, mlp_dim=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
+                 tie_embeddings=True, param_dtype="float32", dtype="float32", remat="none")
+  c.tokenizer.update(path="", vocab_size=300)
+  c.data.update(task="arith", max_prompt_len=32, prompt_buckets=[], prompt_template="", num_eval=8)
+  c.rollout.update(group_size=4, max_new_tokens=8)
+  c.dapo.update(prompts_per_step=4, gen_prompts=8 if c.dapo.dynamic_sampling else 4, max_gen_batches=2,
+                overlong_buffer=min(c.dapo.overlong_buffer, 2))
+  c.train.update(num_steps=2, minibatches=2, num_microbatches=1, ckpt_every=0, eval_every=0,
+                 log_samples_every=1)
+  c.eval.update(k=2, max_new_tokens=0)
+  c.sft.steps = 0
+  c.mesh.update(data=1, fsdp=-1, tensor=1)

@@ -148,9 +148,27 @@ def arith_examples(n: int, *, split: str = "train", seed: int = 0, digits: int =
   return out
 
 
-def arith_solution(ex: Example) -> str:
-  """The reference completion used by the SFT warm start."""
-  return f"Answer: {ex.ground_truth}"
+def arith_solution(ex: Example, style: str = "steps") -> str:
+  """The reference completion used by the SFT warm start.
+
+  "direct": just the answer line. "steps": column addition written out digit by digit, right
+  to left with carries ("7+8=15, 4+3+1=8."), then the answer line; each step is a one-digit fact,
+  which a small model learns far faster than the whole sum at once.
+  """
+  if style == "direct":
+    return f"Answer: {ex.ground_truth}"
+  expr = ex.messages[-1]["content"].split("What is ")[1].split("?")[0]
+  if "+" not in expr:
+    return f"Answer: {ex.ground_truth}"
+  a, b = expr.split("+")
+  da, db = a[::-1], b[::-1]
+  steps, carry = [], 0
+  for i in range(max(len(da), len(db))):
+    x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+    s = x + y + carry
+    steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={s}")
+    carry = s // 10
+  return ", ".join(steps) + f". Answer: {ex.ground_truth}"
 
 
 # --- the iterator ------------------------------------------------------------------------------

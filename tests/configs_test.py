@@ -1,0 +1,55 @@
+"""Every config builds, validates its model, and rejects mistyped overrides."""
+import glob
+import importlib
+import os
+
+import pytest
+
+from configs import ablation
+from dapo_jax import job, model
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+                 if not os.path.basename(p).startswith(("_", "common")))
+ARGS = [(n, None) for n in CONFIGS] + [(n, "runlocal") for n in CONFIGS if n != "default"] + [
+    ("ablation", f"stage={s}") for s in ablation.STAGES] + [("dapo_qwen2_5_32b", "mesh=gpu16x8"),
+                                                           ("dapo_qwen2_5_32b", "mesh=v5p256")]
+
+
+def load(name, arg):
+  cfg = importlib.import_module(f"configs.{name}").get_config(arg)
+  cfg.lock()
+  return cfg
+
+
+@pytest.mark.parametrize("name,arg", ARGS)
+def test_config_builds(name, arg):
+  cfg = load(name, arg)
+  mc = job.model_config(cfg, 1024)
+  assert isinstance(mc, model.ModelConfig)
+  assert cfg.dapo.prompts_per_step * cfg.rollout.group_size % cfg.train.minibatches == 0
+
+
+def test_paper_recipe_values():
+  c = load("dapo_qwen2_5_32b", None)
+  assert (c.dapo.eps_low, c.dapo.eps_high, c.dapo.clip_ratio_c) == (0.2, 0.28, 10.0)
+  assert (c.dapo.prompts_per_step, c.dapo.gen_prompts, c.rollout.group_size) == (512, 1536, 16)
+  assert (c.rollout.max_new_tokens, c.dapo.overlong_buffer, c.dapo.max_gen_batches) == (20480, 4096, 10)
+  assert (c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay, c.train.minibatches) == (1e-6, 10, 0.1, 16)
+  mc = job.model_config(c, 0)
+  assert mc == model.ModelConfig.qwen2_5_32b(dtype="bfloat16", remat="full")
+
+
+def test_ablation_stages_are_cumulative():
+  stages = {s: load("ablation", f"stage={s}") for s in ablation.STAGES}
+  assert stages["naive_grpo"].dapo.eps_high == 0.2 and stages["clip_higher"].dapo.eps_high == 0.28
+  assert stages["overlong_filtering"].dapo.overlong_filter and not stages["naive_grpo"].dapo.overlong_filter
+  assert stages["soft_overlong"].dapo.overlong_buffer == 4096
+  assert stages["token_level_loss"].dapo.loss_agg == "token_mean"
+  assert stages["dapo"].dapo.dynamic_sampling and not stages["token_level_loss"].dapo.dynamic_sampling
+
+
+def test_locked_config_rejects_typos():
+  cfg = load("default", None)
+  with pytest.raises(AttributeError):
+    cfg.dapo.eps_hihg = 0.3
