@@ -41,7 +41,8 @@ def base() -> mlc.ConfigDict:
                 max_prompt_len=2048,         # tokens; longer prompts keep their end (truncation left)
                 prompt_buckets=[],           # prompt lengths compiled for; [] = just max_prompt_len
                 missing_answer="error",      # error | skip rows without a ground truth
-                digits=2, ops="+", heldout_fraction=0.1, num_eval=128)   # arith task knobs
+                digits=2, ops="+", heldout_fraction=0.1, num_eval=128,   # arith task knobs
+                solution_style="steps")      # SFT targets for arith: "steps" (column addition) | "direct"
   c.rollout = dict(group_size=16,            # G, responses per prompt
                    max_new_tokens=20_480,    # L_max, completion tokens
                    temperature=1.0, top_p=1.0, top_k=0)

@@ -24,7 +24,9 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                            create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "extra"))
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -44,11 +46,11 @@ class Checkpointer:
     """Fails with the parameter's name when the checkpoint was written by another model config."""
     meta = self.manager.item_metadata(step)["state"]
     meta = getattr(meta, "tree", meta)
-    want = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-    have = dict(jax.tree_util.tree_flatten_with_path(meta)[0])
+    want = [(_names(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+    have = {_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(meta)[0]}
     for path, leaf in want:
       got = have.get(path)
-      name = jax.tree_util.keystr(path)
+      name = "/".join(path)
       if got is None:
         raise CheckpointMismatchError(f"checkpoint {self.directory}/{step} has no entry {name}; "
                                       "it was written by another config")
@@ -71,3 +73,14 @@ class Checkpointer:
 
 def abstract(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
+
+
+def _names(path) -> tuple[str, ...]:
+  """A key path as plain names, whether it went through dataclass fields, dicts or tuples."""
+  out = []
+  for k in path:
+    for attr in ("name", "key", "idx"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+  return tuple(out)

@@ -47,7 +47,7 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
   if not os.path.exists(os.path.join(path, "tokenizer.json")):
     if not corpus_examples:
       raise ValueError("tokenizer.path is empty and there is no task text to train a tokenizer on")
-    texts = [" ".join(m["content"] for m in ex.messages) + "\n" + data_lib.arith_solution(ex)
+    texts = [" ".join(m["content"] for m in ex.messages) + "\n" + data_lib.arith_solution(ex, cfg.data.solution_style)
              for ex in corpus_examples[:5000]]
     texts += ["user", "assistant", "system"] * 10
     tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size)

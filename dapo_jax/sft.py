@@ -22,14 +22,18 @@ def pack(token_lists, seq_len: int, eos_id: int) -> np.ndarray:
   return stream[: n * seq_len].reshape(n, seq_len)
 
 
-def sft_texts(tok, examples, chat_template: bool) -> list[str]:
-  return [tokenizer_lib.render(tok, ex.messages, chat_template) + data_lib.arith_solution(ex) for ex in examples]
+def sft_texts(tok, examples, chat_template: bool, style: str = "steps") -> list[str]:
+  return [tokenizer_lib.render(tok, ex.messages, chat_template) + data_lib.arith_solution(ex, style)
+          for ex in examples]
 
 
 def run(cfg, model_cfg: model_lib.ModelConfig, tok, examples, mesh, workdir: str | None = None, params=None):
   """Returns SFT-trained params (random init unless `params` is given)."""
   s = cfg.sft
-  texts = sft_texts(tok, examples[: s.num_examples], cfg.data.chat_template)
+  if cfg.data.task != "arith":
+    raise ValueError("the SFT warm start needs reference solutions, which only data.task='arith' has; "
+                     "use model.init='hf' for other tasks")
+  texts = sft_texts(tok, examples[: s.num_examples], cfg.data.chat_template, cfg.data.solution_style)
   ids = tok(texts, add_special_tokens=False)["input_ids"]
   # Each example ends with the chat's end-of-turn token, which is what stops generation.
   chunks = pack(ids, s.seq_len, tok.eos_token_id)

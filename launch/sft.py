@@ -1,0 +1,34 @@
+"""Supervised warm start on the task's reference solutions (the default job runs it by itself).
+
+  python -m launch.sft --workdir=runs/default --config.sft.steps=600
+Writes WORKDIR/sft_model (an HF directory) that `launch.train` then starts from.
+"""
+import os
+
+import jax
+from absl import flags
+from ml_collections import config_flags
+
+from launch import common
+
+_CONFIG = config_flags.DEFINE_config_file("config", common.DEFAULT_CONFIG, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<config>).")
+
+
+def main(argv):
+  del argv
+  common.init_distributed()
+  from dapo_jax import hf, job, sharding, sft
+  cfg = _CONFIG.value
+  workdir = _WORKDIR.value or os.path.join("runs", common.config_name(flags.FLAGS["config"].value))
+  train, _ = job.datasets(cfg)
+  tok = job.tokenizer(cfg, workdir, train)
+  model_cfg = job.model_config(cfg, ((len(tok) + 63) // 64) * 64)
+  params = sft.run(cfg, model_cfg, tok, train, sharding.make_mesh(cfg.mesh), workdir)
+  out = os.path.join(workdir, "sft_model")
+  hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)
+  print(f"SFT model written to {out}")
+
+
+if __name__ == "__main__":
+  common.run(main)
