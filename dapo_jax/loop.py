@@ -385,6 +385,20 @@ class DAPO:
         lines.append(f"PROMPT: {prompt!r}\nRESPONSE: {texts[q * G + g]!r}  score={groups.score_QG[q, g]:+.2f}")
     self.writer.text(step, "samples", "\n\n".join(lines))
 
+  def train_step(self, step: int) -> tuple[dict, dict]:
+    """One rollout step: collect a filtered batch, update on it. Returns (metrics, collect stats)."""
+    t_step = time.perf_counter()
+    self.state = self.state.replace(rollout_step=step)  # Sets this step's learning rate.
+    groups, stats = self.collect(step)
+    if groups is None:
+      logging.warning("step %d: no group with mixed correctness; no update", step)
+      train_metrics, timing, adv = {}, {}, np.zeros((0,))
+    else:
+      batch, adv = self.make_batch(groups)
+      train_metrics, timing = self.update(batch)
+    step_s = time.perf_counter() - t_step
+    return self._step_metrics(groups, stats, train_metrics, timing, adv, step_s), stats
+
   def run(self) -> dict:
     cfg = self.cfg
     total = cfg.train.num_steps
@@ -398,17 +412,7 @@ class DAPO:
     last = {}
     with _StopFlag() as stop:
       for step in range(start, total):
-        t_step = time.perf_counter()
-        self.state = self.state.replace(rollout_step=step)  # Sets this step's learning rate.
-        groups, stats = self.collect(step)
-        if groups is None:
-          logging.warning("step %d: no group with mixed correctness; no update", step)
-          train_metrics, timing, adv = {}, {}, np.zeros((0,))
-        else:
-          batch, adv = self.make_batch(groups)
-          train_metrics, timing = self.update(batch)
-        step_s = time.perf_counter() - t_step
-        m = self._step_metrics(groups, stats, train_metrics, timing, adv, step_s)
+        m, stats = self.train_step(step)
         if int(self.state.bad_streak) >= cfg.train.max_bad_steps:
           self.ckpt.wait()
           raise TrainingError(

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dapo_jax import model as model_lib
-from dapo_jax import tokenizer as tokenizer_lib
+# Model code is imported inside the functions that need it: reward-pool workers import this
+# module for the toy rewards and should not pay for jax.
 
 
-def tiny_model_config(vocab_size: int = 128, **kw) -> model_lib.ModelConfig:
+def tiny_model_config(vocab_size: int = 128, **kw):
+  from dapo_jax import model as model_lib
   defaults = dict(vocab_size=vocab_size, embed_dim=32, mlp_dim=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, qkv_bias=True, tie_embeddings=True)
   return model_lib.ModelConfig(**{**defaults, **kw})
@@ -24,6 +25,7 @@ def corpus(n: int = 2000, seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(path: str, vocab_size: int = 300, chat_template: bool = True):
+  from dapo_jax import tokenizer as tokenizer_lib
   return tokenizer_lib.train_bpe(path, corpus(), vocab_size=vocab_size, chat_template=chat_template)
 
 
@@ -31,6 +33,12 @@ def length_reward(response: str, ground_truth: str) -> dict:
   """A deterministic toy reward: correct when the response has an even number of characters."""
   ok = len(response) % 2 == 0
   return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": str(len(response))}
+
+
+def has_seven(response: str, ground_truth: str) -> dict:
+  """The peer benchmarks' reward: +1 if the completion contains the digit 7."""
+  ok = "7" in response
+  return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": ""}
 
 
 def raising_reward(response: str, ground_truth: str) -> dict:
@@ -43,9 +51,10 @@ def hanging_reward(response: str, ground_truth: str) -> dict:
   return {"score": 1.0, "acc": True, "pred": ""}
 
 
-def sharp_params(cfg: model_lib.ModelConfig, seed: int = 0, scale: float = 8.0):
+def sharp_params(cfg, seed: int = 0, scale: float = 8.0):
   """Random params with peaked next-token distributions, so greedy choices have clear margins."""
   import jax
+  from dapo_jax import model as model_lib
   params = model_lib.init_params(cfg, jax.random.key(seed))
   params["embed_VD"] = params["embed_VD"] * scale
   return params

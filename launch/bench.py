@@ -1,0 +1,180 @@
+"""Benchmarks: sampler throughput, train-step throughput, and one whole DAPO step, each with
+model-FLOPs utilisation against a matmul peak measured in the same run. Prints one JSON line.
+
+  python -m launch.bench sampler --model_dir=DIR --batch=64 --prompt_len=32 --new_tokens=64
+  python -m launch.bench train   --model_dir=DIR --batch=64 --seq_len=96
+  python -m launch.bench e2e     --model_dir=DIR --prompts=prompts_32tok.jsonl   # 8 prompts x 8 samples
+
+DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
+Without --model_dir the config's model is built with random weights.
+"""
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from absl import flags
+from ml_collections import config_flags
+
+from launch import common
+
+_CONFIG = config_flags.DEFINE_config_file("config", common.DEFAULT_CONFIG, "Config file.", lock_config=True)
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "HF model directory (default: the config's model).")
+_BATCH = flags.DEFINE_integer("batch", 64, "Rows (sampler, train).")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens (sampler).")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per row (sampler, e2e).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 96, "Tokens per row (train).")
+_RUNS = flags.DEFINE_integer("runs", 5, "Timed runs after one warm-up.")
+_PROMPTS = flags.DEFINE_string("prompts", None, "jsonl of prompts with input_ids (e2e).")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts per step (e2e).")
+_GROUP = flags.DEFINE_integer("group", 8, "Samples per prompt (e2e).")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype.")
+
+
+def timed(fn, runs):
+  import jax
+  jax.block_until_ready(fn())  # Warm-up (compiles).
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), times
+
+
+def matmul_peak(n=2048, runs=5) -> float:
+  """fp32 FLOP/s of one large matmul: the ceiling for this machine and XLA build."""
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  t, _ = timed(lambda: f(a), runs)
+  return 2 * n ** 3 / t
+
+
+def load_model(cfg):
+  import jax
+  from dapo_jax import hf, job, model
+  if _MODEL_DIR.value:
+    return hf.load(_MODEL_DIR.value, dtype=_DTYPE.value)
+  mc = job.model_config(cfg, cfg.model.vocab_size or 1024)
+  return mc, model.init_params(mc, jax.random.key(0))
+
+
+def matmul_params(mc) -> int:
+  """Parameters that take part in matmuls per token (every projection and the unembedding)."""
+  D, F, N, K, H, V, L = mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size, mc.num_layers
+  return L * (D * H * (2 * N + 2 * K) + 3 * D * F) + V * D
+
+
+def attention_flops(mc, queries: int, keys: float) -> float:
+  """QK^T and AV for `queries` query tokens against `keys` keys each, forward."""
+  return 4 * mc.num_layers * queries * keys * mc.num_heads * mc.head_dim
+
+
+def bench_sampler(cfg, peak):
+  import jax
+  import numpy as np
+  from dapo_jax import sampling
+  mc, params = load_model(cfg)
+  B, P, C = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
+  tokens = np.random.default_rng(0).integers(0, mc.vocab_size, size=(B, P)).astype(np.int32)
+  mask = np.ones((B, P), bool)
+  # No EOS: every row generates exactly C tokens, as the peers' min_new_tokens does.
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, top_p=1.0, eos_ids=())
+  keys = iter(jax.random.split(jax.random.key(0), _RUNS.value + 1))
+  t, times = timed(lambda: sampling.generate(mc, sc, params, tokens, mask, next(keys)).tokens_BC, _RUNS.value)
+  flops = 2 * matmul_params(mc) * B * (P + C) + attention_flops(mc, B * P, P + C) + attention_flops(mc, B * C, P + C)
+  return {"bench": "sampler", "new_tokens_per_s": B * C / t, "median_s": t, "runs_s": times,
+          "model_flops_per_s": flops / t, "mfu": flops / t / peak}
+
+
+def rl_batch(mc, B, T, C, seed=0):
+  import numpy as np
+  from dapo_jax.datatypes import RLBatch
+  rng = np.random.default_rng(seed)
+  return RLBatch(tokens_BT=rng.integers(0, mc.vocab_size, size=(B, T)).astype(np.int32),
+                 mask_BT=np.ones((B, T), bool), loss_mask_BC=np.ones((B, C), bool),
+                 old_logp_BC=np.full((B, C), -5.0, np.float32), adv_B=rng.normal(size=B).astype(np.float32),
+                 ref_logp_BC=np.zeros((B, C), np.float32))
+
+
+def bench_train(cfg, peak):
+  import jax
+  from dapo_jax import optim, sharding, train_step
+  mc, params = load_model(cfg)
+  B, T = _BATCH.value, _SEQ_LEN.value
+  C = T - 1  # Score every position after the first, like a causal-LM loss over the whole row.
+  mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+  trainer = train_step.Trainer(mc, optim.OptimConfig(lr=1e-6, warmup_steps=0), mesh)
+  state = trainer.init(params=params)
+  batch = trainer.put_batch(rl_batch(mc, B, T, C))
+  t_fwd, _ = timed(lambda: trainer.logprobs(state.params, batch), _RUNS.value)
+  holder = {"state": state}
+
+  def step():
+    holder["state"], m = trainer.step(holder["state"], batch)
+    return m["loss"]
+  t_step, times = timed(step, _RUNS.value)
+  tokens = B * T
+  fwd = 2 * matmul_params(mc) * tokens + attention_flops(mc, tokens, T / 2)
+  return {"bench": "train", "forward_tokens_per_s": tokens / t_fwd, "update_tokens_per_s": tokens / t_step,
+          "update_median_s": t_step, "runs_s": times, "forward_mfu": fwd / t_fwd / peak,
+          "update_mfu": 3 * fwd / t_step / peak}
+
+
+def bench_e2e(cfg, peak):
+  """Seconds per DAPO rollout step on the peers' workload (8 x 8, 32-token prompts, 64 new tokens)."""
+  import numpy as np
+  from dapo_jax import loop, sharding
+  if not (_MODEL_DIR.value and _PROMPTS.value):
+    raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")
+  tmp = tempfile.mkdtemp(prefix="dapo_bench_")
+  rows = [json.loads(line) for line in open(_PROMPTS.value)]
+  with open(os.path.join(tmp, "prompts.jsonl"), "w") as f:
+    for r in rows:
+      f.write(json.dumps({"prompt": r["prompt"], "reward_model": {"ground_truth": "7"}}) + "\n")
+  Q, G, C = _NUM_PROMPTS.value, _GROUP.value, _NEW_TOKENS.value
+  with cfg.unlocked():
+    cfg.model.update(init="hf", hf_dir=_MODEL_DIR.value, dtype=_DTYPE.value)
+    cfg.tokenizer.path = _MODEL_DIR.value
+    cfg.data.update(task="file", train_files=[os.path.join(tmp, "prompts.jsonl")], eval_files=[""],
+                    chat_template=False, max_prompt_len=32, prompt_buckets=[])
+    cfg.rollout.update(group_size=G, max_new_tokens=C, temperature=1.0, top_p=1.0, top_k=0)
+    cfg.dapo.update(prompts_per_step=Q, gen_prompts=Q, dynamic_sampling=False, overlong_buffer=0,
+                    eps_low=0.2, eps_high=0.28, loss_agg="token_mean", kl_coef=0.0)
+    cfg.reward.fn = "dapo_jax.testing:has_seven"
+    cfg.optim.update(lr=1e-6, warmup_steps=0)
+    cfg.train.update(minibatches=1, ppo_epochs=1, num_microbatches=1, ckpt_every=0, eval_every=0)
+  dapo = loop.DAPO(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}))
+  dapo.train_step(0)  # Warm-up: compiles, starts the reward pool.
+  steps = [dapo.train_step(i + 1)[0] for i in range(_RUNS.value)]
+  dapo.reward_pool.close()
+  med = lambda k: statistics.median(m[k] for m in steps)
+  mc = dapo.model_cfg
+  B, P = Q * G, 32
+  tokens = B * (P + C)
+  fwd = 2 * matmul_params(mc) * tokens + attention_flops(mc, tokens, (P + C) / 2)
+  flops = fwd + 3 * fwd  # generation (~one forward over every token) + update (forward + backward)
+  return {"bench": "e2e", "step_s": med("timing_s/step"), "rollout_s": med("timing_s/gen"),
+          "reward_s": med("timing_s/reward"), "old_log_prob_s": med("timing_s/old_log_prob"),
+          "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
+          "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(
+              [m["perf/throughput"] * m["timing_s/step"] for m in steps]))}
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e"):
+    raise SystemExit("usage: python -m launch.bench sampler|train|e2e [flags]")
+  import jax
+  cfg = _CONFIG.value
+  peak = matmul_peak()
+  result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e}[argv[1]](cfg, peak)
+  result.update(matmul_peak_flops_per_s=peak, backend=jax.default_backend(), devices=jax.device_count(),
+                model_dir=_MODEL_DIR.value)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  common.run(main)
