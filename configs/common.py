@@ -54,7 +54,7 @@ def base() -> mlc.ConfigDict:
                 carry_over=True,             # keep surplus groups for the next step (reference: discard)
                 eps_low=0.2, eps_high=0.28,  # decoupled clip (Eq. 10)
                 clip_ratio_c=10.0,           # dual clip for A<0; 0 = off
-                loss_agg="token_mean",       # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+                loss_agg="token_mean",       # token_mean | seq_mean_token_{mean,sum,sum_norm}
                 verl_microbatch_weighting=False,   # reproduce the reference's micro-batch weighting
                 norm_adv_by_std=True,        # False = Dr.GRPO (mean-only)
                 overlong_buffer=4096,        # L_cache (Eq. 13); 0 = off
@@ -80,6 +80,7 @@ def base() -> mlc.ConfigDict:
 def qwen2_5(size: str) -> dict:
   """Model fields of a Qwen2.5 size ('32b', '7b', '0_5b'), for a run that loads its HF weights."""
   import dataclasses
+
   from dapo_jax import model
   preset = {"32b": model.ModelConfig.qwen2_5_32b, "7b": model.ModelConfig.qwen2_5_7b,
             "0_5b": model.ModelConfig.qwen2_5_0_5b}[size]()

@@ -23,14 +23,10 @@ import numpy as np
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
 from dapo_jax import data as data_lib
-from dapo_jax import job
+from dapo_jax import job, optim, sampling, sharding, train_step
 from dapo_jax import metrics as metrics_lib
-from dapo_jax import optim
 from dapo_jax import rewards as rewards_lib
-from dapo_jax import sampling
-from dapo_jax import sharding
 from dapo_jax import tokenizer as tokenizer_lib
-from dapo_jax import train_step
 from dapo_jax.datatypes import RLBatch
 
 

@@ -102,7 +102,8 @@ class RMSNorm(nn.Module):
     scale_D = _param(self, "scale_D", (x_BTD.shape[-1],), nn.initializers.ones, self.cfg)
     x = x_BTD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    return x.astype(x_BTD.dtype) * scale_D.reshape((1,) * (x.ndim - 1) + (-1,))  # Same order of casts as the HF reference.
+    # Same order of casts as the HF reference.
+    return x.astype(x_BTD.dtype) * scale_D.reshape((1,) * (x.ndim - 1) + (-1,))
 
 
 def rope(x_BTNH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:

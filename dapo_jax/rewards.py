@@ -10,7 +10,6 @@ import importlib
 import logging
 import multiprocessing as mp
 import re
-import time
 from typing import Callable, Sequence
 
 RewardFn = Callable[[str, str], dict]

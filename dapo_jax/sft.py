@@ -9,9 +9,8 @@ import numpy as np
 
 from dapo_jax import data as data_lib
 from dapo_jax import model as model_lib
-from dapo_jax import optim
+from dapo_jax import optim, train_step
 from dapo_jax import tokenizer as tokenizer_lib
-from dapo_jax import train_step
 from dapo_jax.datatypes import LMBatch
 
 

@@ -10,10 +10,11 @@ import math
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax.experimental import mesh_utils
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

@@ -54,6 +54,7 @@ def hanging_reward(response: str, ground_truth: str) -> dict:
 def sharp_params(cfg, seed: int = 0, scale: float = 8.0):
   """Random params with peaked next-token distributions, so greedy choices have clear margins."""
   import jax
+
   from dapo_jax import model as model_lib
   params = model_lib.init_params(cfg, jax.random.key(seed))
   params["embed_VD"] = params["embed_VD"] * scale

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dapo_jax import loss as loss_lib
 from dapo_jax import model as model_lib
-from dapo_jax import optim
-from dapo_jax import sharding
+from dapo_jax import optim, sharding
 from dapo_jax.datatypes import LMBatch, RLBatch
 
 

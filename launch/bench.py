@@ -55,6 +55,7 @@ def matmul_peak(n=2048, runs=5) -> float:
 
 def load_model(cfg):
   import jax
+
   from dapo_jax import hf, job, model
   if _MODEL_DIR.value:
     return hf.load(_MODEL_DIR.value, dtype=_DTYPE.value)
@@ -64,7 +65,8 @@ def load_model(cfg):
 
 def matmul_params(mc) -> int:
   """Parameters that take part in matmuls per token (every projection and the unembedding)."""
-  D, F, N, K, H, V, L = mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size, mc.num_layers
+  D, F, N, K, H = mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim
+  V, L = mc.vocab_size, mc.num_layers
   return L * (D * H * (2 * N + 2 * K) + 3 * D * F) + V * D
 
 
@@ -76,6 +78,7 @@ def attention_flops(mc, queries: int, keys: float) -> float:
 def bench_sampler(cfg, peak):
   import jax
   import numpy as np
+
   from dapo_jax import sampling
   mc, params = load_model(cfg)
   B, P, C = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
@@ -92,6 +95,7 @@ def bench_sampler(cfg, peak):
 
 def rl_batch(mc, B, T, C, seed=0):
   import numpy as np
+
   from dapo_jax.datatypes import RLBatch
   rng = np.random.default_rng(seed)
   return RLBatch(tokens_BT=rng.integers(0, mc.vocab_size, size=(B, T)).astype(np.int32),
@@ -101,7 +105,6 @@ def rl_batch(mc, B, T, C, seed=0):
 
 
 def bench_train(cfg, peak):
-  import jax
   from dapo_jax import optim, sharding, train_step
   mc, params = load_model(cfg)
   B, T = _BATCH.value, _SEQ_LEN.value
@@ -127,6 +130,7 @@ def bench_train(cfg, peak):
 def bench_e2e(cfg, peak):
   """Seconds per DAPO rollout step on the peers' workload (8 x 8, 32-token prompts, 64 new tokens)."""
   import numpy as np
+
   from dapo_jax import loop, sharding
   if not (_MODEL_DIR.value and _PROMPTS.value):
     raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")

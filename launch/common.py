@@ -26,9 +26,15 @@ def init_distributed() -> None:
                jax.device_count(), jax.local_device_count())
 
 
-def config_name(path: str) -> str:
-  base = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
-  return base + ("_" + path.split(":", 1)[1].replace(",", "_").replace("=", "") if ":" in path else "")
+def default_workdir() -> str:
+  """./runs/<config name>[_<config arg>], e.g. runs/default or runs/dapo_qwen2_5_32b_runlocal."""
+  from absl import flags
+  from ml_collections import config_flags
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  name = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
+  if ":" in path:
+    name += "_" + path.split(":", 1)[1].replace(",", "_").replace("=", "")
+  return os.path.join("runs", name)
 
 
 def _user_errors():

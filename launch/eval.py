@@ -20,14 +20,14 @@ _K = flags.DEFINE_integer("k", None, "Samples per prompt (default: config eval.k
 def main(argv):
   del argv
   common.init_distributed()
-  import os
   import tempfile
+
   from dapo_jax import loop, sharding
   cfg = _CONFIG.value
   if _MODEL_DIR.value:
     with cfg.unlocked():
       cfg.model.init, cfg.model.hf_dir = "hf", _MODEL_DIR.value
-  workdir = _WORKDIR.value or os.path.join("runs", common.config_name(flags.FLAGS["config"].value))
+  workdir = _WORKDIR.value or common.default_workdir()
   if _MODEL_DIR.value and not _WORKDIR.value:
     workdir = tempfile.mkdtemp(prefix="dapo_eval_")
   dapo = loop.DAPO(cfg, workdir, sharding.make_mesh(cfg.mesh))

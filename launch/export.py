@@ -15,6 +15,7 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 def main(argv):
   del argv
   import jax
+
   from dapo_jax import hf, loop, sharding
   cfg = _CONFIG.value
   dapo = loop.DAPO(cfg, _WORKDIR.value, sharding.make_mesh(cfg.mesh))

@@ -18,9 +18,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import hf, job, sharding, sft
+  from dapo_jax import hf, job, sft, sharding
   cfg = _CONFIG.value
-  workdir = _WORKDIR.value or os.path.join("runs", common.config_name(flags.FLAGS["config"].value))
+  workdir = _WORKDIR.value or common.default_workdir()
   train, _ = job.datasets(cfg)
   tok = job.tokenizer(cfg, workdir, train)
   model_cfg = job.model_config(cfg, ((len(tok) + 63) // 64) * 64)

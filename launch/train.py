@@ -3,9 +3,8 @@
   python -m launch.train                                   # configs/default.py, ./runs/default
   python -m launch.train --config=configs/dapo_qwen2_5_32b.py --workdir=DIR --config.dapo.eps_high=0.3
 """
-import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from launch import common
@@ -19,7 +18,7 @@ def main(argv):
   common.init_distributed()
   from dapo_jax import loop, sharding  # After distributed init.
   cfg = _CONFIG.value
-  workdir = _WORKDIR.value or os.path.join("runs", common.config_name(flags.FLAGS["config"].value))
+  workdir = _WORKDIR.value or common.default_workdir()
   logging.info("workdir %s", workdir)
   loop.run(cfg, workdir, sharding.make_mesh(cfg.mesh))
 

@@ -1,6 +1,5 @@
 """The DAPO loop end to end on a tiny config: metrics, checkpoints, resume, stop signals."""
 import glob
-import json
 import math
 import os
 import signal
