@@ -31,7 +31,8 @@ def base() -> mlc.ConfigDict:
                  num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, norm_eps=1e-6,
                  qkv_bias=True, tie_embeddings=True, param_dtype="float32",
                  dtype="float32",            # compute dtype: bfloat16 on GPU/TPU
-                 remat="none")               # none | full | dots
+                 remat="none",               # none | full | dots
+                 attn_chunk=0)               # attention query block (0 = whole rows); long rows need it
   c.tokenizer = dict(path="",                # "" = train a small BPE on the task text into workdir
                      vocab_size=256)
   c.data = dict(task="file",                 # "file" (DAPO-Math schema) or "arith" (built in)
@@ -93,7 +94,7 @@ def runlocal(c: mlc.ConfigDict) -> None:
   """Shrinks any recipe to a seconds-long CPU smoke run on the built-in arithmetic task."""
   c.model.update(init="random", hf_dir="", vocab_size=0, embed_dim=32, mlp_dim=64, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
-                 tie_embeddings=True, param_dtype="float32", dtype="float32", remat="none")
+                 tie_embeddings=True, param_dtype="float32", dtype="float32", remat="none", attn_chunk=0)
   c.tokenizer.update(path="", vocab_size=300)
   c.data.update(task="arith", max_prompt_len=32, prompt_buckets=[], prompt_template="", num_eval=8)
   c.rollout.update(group_size=4, max_new_tokens=8)

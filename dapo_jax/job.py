@@ -16,8 +16,10 @@ from dapo_jax import hf
 from dapo_jax import model as model_lib
 from dapo_jax import tokenizer as tokenizer_lib
 
+# Fields that are not in an HF config.json: they apply to a loaded model too.
+_RUNTIME_FIELDS = ("param_dtype", "dtype", "remat", "attn_chunk")
 _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
-                 "norm_eps", "qkv_bias", "tie_embeddings", "param_dtype", "dtype", "remat")
+                 "norm_eps", "qkv_bias", "tie_embeddings") + _RUNTIME_FIELDS
 
 
 def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
@@ -65,7 +67,7 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
   """(ModelConfig, params) as `model.init` says: random, an HF directory, or the SFT warm start."""
   init = cfg.model.init
   if init == "hf":
-    overrides = {k: cfg.model[k] for k in ("param_dtype", "dtype", "remat")}
+    overrides = {k: cfg.model[k] for k in _RUNTIME_FIELDS}
     return hf.load(cfg.model.hf_dir, **overrides)
   vocab = ((len(tok) + 63) // 64) * 64  # Round up: tidy shapes, room for tensor sharding.
   model_cfg = model_config(cfg, vocab)
@@ -78,6 +80,6 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
       params = sft.run(cfg, model_cfg, tok, train_examples, mesh, workdir)
       if jax.process_index() == 0:
         hf.save(sft_dir, model_cfg, jax.device_get(params), tokenizer=tok)
-    loaded_cfg, params = hf.load(sft_dir, **{k: cfg.model[k] for k in ("param_dtype", "dtype", "remat")})
+    loaded_cfg, params = hf.load(sft_dir, **{k: cfg.model[k] for k in _RUNTIME_FIELDS})
     return loaded_cfg, params
   raise ValueError(f"model.init={init!r}; expected 'random', 'hf' or 'sft'")

@@ -112,7 +112,7 @@ class DAPO:
     self.trainer = train_step.Trainer(self.model_cfg, optim.OptimConfig(**cfg.optim), self.mesh,
                                       pg_cfg=self.pg_cfg, num_microbatches=cfg.train.num_microbatches)
     self.state = self.trainer.init(params=params)
-    self.ref_params = jax.device_get(params) if d.kl_coef else None  # Only baselines with a KL term.
+    self.ref_params = sharding.fetch(self.state.params) if d.kl_coef else None  # Baselines with a KL term.
     del params
     self.eos_ids = tokenizer_lib.eos_ids(self.tok)
     r = cfg.rollout
@@ -174,31 +174,39 @@ class DAPO:
     P = self._bucketed(prompt_mask_QP)
     rows_BP = np.repeat(prompt_QP[:, -P:], G, axis=0)
     rmask_BP = np.repeat(prompt_mask_QP[:, -P:], G, axis=0)
+    rows_BP, rmask_BP = sharding.put((rows_BP, rmask_BP), self.trainer.batch_sharding)
     out = sampling.generate(self.model_cfg, sampler_cfg, params, rows_BP, rmask_BP, key)
-    return jax.device_get(out)
+    return sharding.fetch(out)
 
-  def score(self, examples, samples, G: int) -> dict:
-    texts = tokenizer_lib.decode(self.tok, samples.tokens_BC, samples.mask_BC)
+  def score(self, examples, tokens_BC, mask_BC, length_B, G: int) -> dict:
+    """Rewards of this host's rows (its examples x G); correctness + overlong penalty."""
+    texts = tokenizer_lib.decode(self.tok, tokens_BC, mask_BC)
     gts = [ex.ground_truth for ex in examples for _ in range(G)]
     results = self.reward_pool(texts, gts)
     d = self.cfg.dapo
     penalty = np.array([rewards_lib.overlong_penalty(int(n), self.sampler_cfg.max_new_tokens,
                                                      d.overlong_buffer, d.overlong_penalty)
-                        for n in samples.length_B])
+                        for n in length_B])
     Q = len(examples)
     return {"score": (np.array([r["score"] for r in results]) + penalty).reshape(Q, G),
             "acc": np.array([r["acc"] for r in results], bool).reshape(Q, G),
             "pred": [r["pred"] for r in results], "texts": texts}
 
   def rollout_batch(self, key, examples) -> tuple[Groups, dict]:
+    """Generates for the global batch (every host's prompts); each host scores its own rows."""
     G = self.cfg.rollout.group_size
-    prompt_QP, pmask_QP = self._encode(examples)
+    local_QP, local_mask_QP = self._encode(examples)
+    prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
     samples = self.generate(self.state.params, prompt_QP, pmask_QP, G, key, self.sampler_cfg)
     t1 = time.perf_counter()
-    scored = self.score(examples, samples, G)
+    rows = slice(jax.process_index() * len(examples) * G, (jax.process_index() + 1) * len(examples) * G)
+    local = self.score(examples, samples.tokens_BC[rows], samples.mask_BC[rows], samples.length_B[rows], G)
+    # Dynamic sampling and advantages need every group, identically on every host.
+    scored = {"score": sharding.gather_hosts(local["score"]), "acc": sharding.gather_hosts(local["acc"]),
+              "texts": local["texts"]}
     t2 = time.perf_counter()
-    Q, C = len(examples), self.sampler_cfg.max_new_tokens
+    Q, C = len(prompt_QP), self.sampler_cfg.max_new_tokens
     groups = Groups(prompt_QP=prompt_QP, prompt_mask_QP=pmask_QP,
                     tokens_QGC=samples.tokens_BC.reshape(Q, G, C), mask_QGC=samples.mask_BC.reshape(Q, G, C),
                     length_QG=samples.length_B.reshape(Q, G), truncated_QG=samples.truncated_B.reshape(Q, G),
@@ -284,11 +292,11 @@ class DAPO:
     t0 = time.perf_counter()
     if self.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
       old = self.trainer.logprobs(self.state.params, self.trainer.put_batch(batch))
-      batch = batch.replace(old_logp_BC=np.asarray(jax.device_get(old)))
+      batch = batch.replace(old_logp_BC=sharding.fetch(old))
     if self.ref_params is not None:
-      ref = self.trainer.logprobs(jax.device_put(self.ref_params, self.trainer.params_sharding),
+      ref = self.trainer.logprobs(sharding.put(self.ref_params, self.trainer.params_sharding),
                                   self.trainer.put_batch(batch))
-      batch = batch.replace(ref_logp_BC=np.asarray(jax.device_get(ref)))
+      batch = batch.replace(ref_logp_BC=sharding.fetch(ref))
     t1 = time.perf_counter()
     timing["old_log_prob_s"] = t1 - t0
     B = batch.adv_B.shape[0]
@@ -299,7 +307,7 @@ class DAPO:
         part = jax.tree.map(lambda x: x[i * mb:(i + 1) * mb], batch)
         self.state, m = self.trainer.step(self.state, self.trainer.put_batch(part))
         all_metrics.append(m)
-    all_metrics = jax.device_get(all_metrics)  # One host sync for the whole step.
+    all_metrics = sharding.fetch(all_metrics)  # One host sync for the whole step.
     timing["update_actor_s"] = time.perf_counter() - t1
     mean = {k: float(np.mean([m[k] for m in all_metrics])) for k in all_metrics[0]}
     mean["update_skipped"] = float(np.sum([m["update_skipped"] for m in all_metrics]))

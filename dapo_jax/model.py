@@ -43,6 +43,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"   # compute dtype: bfloat16 on GPU/TPU, float32 on CPU
   remat: str = "none"      # rematerialisation policy: none | full | dots
+  attn_chunk: int = 0      # queries per attention block (0 = all at once); bounds score memory for long rows
   arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama
 
   def __post_init__(self):
@@ -118,6 +119,16 @@ def rope(x_BTNH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
   return out.astype(x_BTNH.dtype)
 
 
+def attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS):
+  """Grouped-query attention: R query heads share each of the K key/value heads. fp32 softmax."""
+  H = q_BTKRH.shape[-1]
+  scores_BKRTS = jnp.einsum("BTKRH,BSKH->BKRTS", q_BTKRH, k_BSKH,
+                            preferred_element_type=jnp.float32) * (H ** -0.5)
+  scores_BKRTS = jnp.where(mask_BTS[:, None, None], scores_BKRTS, jnp.finfo(jnp.float32).min)
+  probs_BKRTS = jax.nn.softmax(scores_BKRTS, axis=-1).astype(q_BTKRH.dtype)
+  return jnp.einsum("BKRTS,BSKH->BTKRH", probs_BKRTS, v_BSKH)
+
+
 class Block(nn.Module):
   """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
   cfg: ModelConfig
@@ -149,11 +160,16 @@ class Block(nn.Module):
 
     R = N // K
     q_BTKRH = q_BTNH.reshape(B, T, K, R, H)
-    scores_BKRTS = jnp.einsum("BTKRH,BSKH->BKRTS", q_BTKRH, k_BSKH.astype(cfg.dtype),
-                              preferred_element_type=jnp.float32) * (H ** -0.5)
-    scores_BKRTS = jnp.where(mask_BTS[:, None, None], scores_BKRTS, jnp.finfo(jnp.float32).min)
-    probs_BKRTS = jax.nn.softmax(scores_BKRTS, axis=-1).astype(cfg.dtype)
-    o_BTKRH = jnp.einsum("BKRTS,BSKH->BTKRH", probs_BKRTS, v_BSKH.astype(cfg.dtype))
+    k_BSKH, v_BSKH = k_BSKH.astype(cfg.dtype), v_BSKH.astype(cfg.dtype)
+    c = cfg.attn_chunk
+    if c and T > c and T % c == 0:
+      # Query blocks, each rematerialised: scores never exceed [B, K, R, c, S] in memory.
+      q_nBcKRH = jnp.moveaxis(q_BTKRH.reshape(B, T // c, c, K, R, H), 1, 0)
+      mask_nBcS = jnp.moveaxis(mask_BTS.reshape(B, T // c, c, -1), 1, 0)
+      block = jax.checkpoint(lambda qm: attend(qm[0], k_BSKH, v_BSKH, qm[1]))
+      o_BTKRH = jnp.moveaxis(jax.lax.map(block, (q_nBcKRH, mask_nBcS)), 0, 1).reshape(B, T, K, R, H)
+    else:
+      o_BTKRH = attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS)
     o_BTNH = o_BTKRH.reshape(B, T, N, H)
     x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", o_BTNH, _param(self, "wo_NHD", (N, H, D), _normal, cfg))
 

@@ -111,3 +111,32 @@ def check_divisible(model_cfg, mesh: Mesh) -> None:
   bad = [f"model.{k}={n} is not divisible by mesh size {m}" for k, (n, m) in checks.items() if n % m]
   if bad:
     raise ValueError("mesh does not fit the model: " + "; ".join(bad) + f" (mesh {dict(mesh.shape)})")
+
+
+# --- host <-> global arrays (one code path for 1 process and for many) -------------------------
+
+def put(tree: Any, shardings: Any) -> Any:
+  """Host arrays that are identical on every process -> global arrays with the given shardings."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+  if isinstance(shardings, NamedSharding):
+    shardings = jax.tree.map(lambda _: shardings, tree)
+  return jax.tree.map(lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx]),
+                      tree, shardings)
+
+
+def fetch(tree: Any) -> Any:
+  """Global arrays -> the same full NumPy arrays on every process."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                      if isinstance(x, jax.Array) else x, tree)
+
+
+def gather_hosts(x: np.ndarray) -> np.ndarray:
+  """Concatenates each process's host-local rows along axis 0, in process order, on every process."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))

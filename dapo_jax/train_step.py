@@ -209,9 +209,9 @@ class Trainer:
     if params is None:
       params = self._init_params(rng)
     else:
-      params = jax.device_put(params, self.params_sharding)
+      params = sharding.put(params, self.params_sharding)
     return self._create(params)
 
   def put_batch(self, batch):
-    """Places a host batch (global arrays on one host; see `loop` for multi-host) on the mesh."""
-    return jax.device_put(batch, self.batch_sharding)
+    """Places a host batch (the same global rows on every process) on the mesh, split by rows."""
+    return sharding.put(batch, self.batch_sharding)

@@ -15,11 +15,10 @@ import tempfile
 import time
 
 from absl import flags
-from ml_collections import config_flags
 
 from launch import common
 
-_CONFIG = config_flags.DEFINE_config_file("config", common.DEFAULT_CONFIG, "Config file.", lock_config=True)
+_CONFIG = common.define_config()
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "HF model directory (default: the config's model).")
 _BATCH = flags.DEFINE_integer("batch", 64, "Rows (sampler, train).")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens (sampler).")

@@ -54,4 +54,37 @@ def run(main) -> None:
     except _user_errors() as e:
       print(f"error: {e}", file=sys.stderr, flush=True)
       sys.exit(1)
-  app.run(wrapped)
+  app.run(wrapped, flags_parser=_parse_flags)
+
+
+def define_config():
+  """`--config` (default: configs/default.py), locked so that an override of a missing field fails.
+
+  ml_collections applies `--config.a.b=v` overrides as the flag is defined; a misspelt field is
+  reported here in one line instead of a stack trace.
+  """
+  from ml_collections import config_flags
+  try:
+    return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file.", lock_config=True)
+  except (AttributeError, KeyError) as e:
+    _config_error(e, sys.argv)
+
+
+def _config_error(e, argv):
+  detail = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'").replace("\\", "")
+  key = detail.split("'")[1] if "'" in detail else detail
+  bad = [a.split("=")[0] for a in argv if a.startswith("--config.") and key in a.split("=")[0]]
+  print(f"error: config override {bad[0] if bad else ''} names no config field: {detail}", file=sys.stderr)
+  sys.exit(1)
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with a misspelt `--config.x.y=...` override named in one line."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
+  except (AttributeError, KeyError) as e:  # ml_collections: the field does not exist.
+    _config_error(e, argv)
+  sys.exit(1)

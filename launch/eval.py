@@ -7,11 +7,10 @@
 import json
 
 from absl import flags
-from ml_collections import config_flags
 
 from launch import common
 
-_CONFIG = config_flags.DEFINE_config_file("config", common.DEFAULT_CONFIG, "Config file.", lock_config=True)
+_CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is scored.")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Score this HF model directory instead.")
 _K = flags.DEFINE_integer("k", None, "Samples per prompt (default: config eval.k).")

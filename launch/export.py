@@ -3,11 +3,10 @@
   python -m launch.export --workdir=runs/default --out=exported/
 """
 from absl import flags
-from ml_collections import config_flags
 
 from launch import common
 
-_CONFIG = config_flags.DEFINE_config_file("config", common.DEFAULT_CONFIG, "Config file.", lock_config=True)
+_CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 

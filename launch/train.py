@@ -5,11 +5,10 @@
 """
 
 from absl import flags, logging
-from ml_collections import config_flags
 
 from launch import common
 
-_CONFIG = config_flags.DEFINE_config_file("config", common.DEFAULT_CONFIG, "Config file.", lock_config=True)
+_CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs, samples (default ./runs/<config>).")
 
 

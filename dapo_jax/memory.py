@@ -1,0 +1,80 @@
+"""Per-device memory plan of a config: parameters, optimizer state, gradients, activations
+(with and without rematerialisation), and the sampler's KV cache, for the config's mesh."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from dapo_jax import model as model_lib
+
+ACCELERATORS_GB = {"H100-80GB": 80, "H200-141GB": 141, "TPU-v5p-95GB": 95, "TPU-v5e-16GB": 16}
+GB = 1e9
+
+
+@dataclasses.dataclass
+class Plan:
+  params: float
+  optimizer: float
+  gradients: float
+  activations_no_remat: float
+  activations_remat: float
+  kv_cache: float
+  devices: int
+  remat: str
+
+  @property
+  def train_total(self) -> float:
+    act = self.activations_no_remat if self.remat == "none" else self.activations_remat
+    return self.params + self.optimizer + self.gradients + act
+
+  @property
+  def sample_total(self) -> float:
+    return self.params + self.optimizer + self.kv_cache  # The optimizer state stays resident.
+
+  @property
+  def peak(self) -> float:
+    return max(self.train_total, self.sample_total)
+
+  def fits(self, gb: float, headroom: float = 0.9) -> bool:
+    return self.peak <= headroom * gb * GB
+
+
+def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, num_microbatches: int,
+         prompt_len: int, completion_len: int, gen_rows: int) -> Plan:
+  """Bytes per device. Rows are sequences; one update sees rows_per_update rows in micro-batches."""
+  devices = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["tensor"]
+  model_shards = mesh_shape["fsdp"] * mesh_shape["tensor"]     # Parameters: FSDP x tensor.
+  batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]       # Rows: data x FSDP.
+  p_bytes = jnp.dtype(mc.param_dtype).itemsize
+  c_bytes = jnp.dtype(mc.dtype).itemsize
+  n = mc.num_params
+  params = n * p_bytes / model_shards
+  optimizer = 2 * n * 4 / model_shards                          # AdamW mu and nu, fp32.
+  gradients = n * 4 / model_shards
+  T = prompt_len + completion_len
+  rows = max(rows_per_update / num_microbatches / batch_shards, 1)
+  tokens = rows * T
+  t = mesh_shape["tensor"]
+  D, F, N, K, H, L, V = (mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers,
+                         mc.vocab_size)
+  # Saved for the backward pass per token and layer (compute dtype), split by tensor parallelism
+  # where the tensor is: norms and residuals (D), q/k/v/o (N·H + 2K·H + N·H), MLP (3F).
+  per_token_layer = c_bytes * (4 * D + (2 * N * H + 2 * K * H + 3 * F) / t)
+  scores = 2 * 4 * rows * (N / t) * T * T / 2                  # fp32 scores + probs, causal half.
+  logits = 2 * 4 * rows * completion_len * V / t                 # fp32 logits and their gradient.
+  act_full = L * (tokens * per_token_layer + scores) + logits
+  act_remat = L * tokens * D * c_bytes + tokens * per_token_layer + scores + logits
+  kv_rows = gen_rows / batch_shards
+  kv = 2 * L * kv_rows * T * (K / min(K, t)) * H * c_bytes if K >= t else 2 * L * kv_rows * T * H * c_bytes
+  return Plan(params, optimizer, gradients, act_full, act_remat, kv, devices, mc.remat)
+
+
+def report(p: Plan, name: str = "") -> str:
+  lines = [f"memory plan per device{(' for ' + name) if name else ''} ({p.devices} devices, remat={p.remat})"]
+  rows = [("parameters", p.params), ("optimizer state (AdamW)", p.optimizer), ("gradients", p.gradients),
+          ("activations, no remat", p.activations_no_remat), ("activations, remat", p.activations_remat),
+          ("KV cache (sampling)", p.kv_cache), ("peak (train or sample)", p.peak)]
+  lines += [f"  {k:28s} {v / GB:10.2f} GB" for k, v in rows]
+  lines += [f"  fits {acc:14s} {'yes' if p.fits(gb) else 'NO'}" for acc, gb in ACCELERATORS_GB.items()]
+  return "\n".join(lines)

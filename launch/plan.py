@@ -1,0 +1,36 @@
+"""Print the per-device memory plan of a config for its mesh, and which accelerators it fits.
+
+  python -m launch.plan --config=configs/dapo_qwen2_5_32b.py:mesh=gpu16x8
+  python -m launch.plan --config=configs/dapo_qwen2_5_32b.py:mesh=v5p256
+"""
+from absl import flags
+
+from launch import common
+
+_CONFIG = common.define_config()
+_DEVICES = flags.DEFINE_integer("devices", None, "Device count, for meshes with a -1 axis (default: 128).")
+
+
+def main(argv):
+  del argv
+  from dapo_jax import job, memory
+  cfg = _CONFIG.value
+  mc = job.model_config(cfg, cfg.model.vocab_size or 1024)
+  shape = dict(cfg.mesh)
+  rest = _DEVICES.value or 128
+  fixed = 1
+  for v in shape.values():
+    fixed *= v if v > 0 else 1
+  shape = {k: (rest // fixed if v == -1 else v) for k, v in shape.items()}
+  rows_per_update = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
+  p = memory.plan(mc, shape, rows_per_update=rows_per_update, num_microbatches=cfg.train.num_microbatches,
+                  prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
+                  gen_rows=cfg.dapo.gen_prompts * cfg.rollout.group_size)
+  print(f"model: {mc.num_params / 1e9:.2f}B parameters, mesh {shape}, "
+        f"{rows_per_update} rows x {cfg.data.max_prompt_len + cfg.rollout.max_new_tokens} tokens per update "
+        f"in {cfg.train.num_microbatches} micro-batches")
+  print(memory.report(p, common.default_workdir().split("/")[-1]))
+
+
+if __name__ == "__main__":
+  common.run(main)
