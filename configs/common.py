@@ -46,7 +46,8 @@ def base() -> mlc.ConfigDict:
                 solution_style="steps")      # SFT targets for arith: "steps" (column addition) | "direct"
   c.rollout = dict(group_size=16,            # G, responses per prompt
                    max_new_tokens=20_480,    # L_max, completion tokens
-                   temperature=1.0, top_p=1.0, top_k=0)
+                   temperature=1.0, top_p=1.0, top_k=0,
+                   rows_per_call=0)          # rows per sampler call (0 = the whole generation batch)
   c.dapo = dict(prompts_per_step=512,        # Q, prompts in a train batch
                 gen_prompts=1536,            # prompts per generation batch (3x for dynamic sampling)
                 dynamic_sampling=True,       # drop groups whose correctness is all equal (Eq. 11)
@@ -97,7 +98,7 @@ def runlocal(c: mlc.ConfigDict) -> None:
                  tie_embeddings=True, param_dtype="float32", dtype="float32", remat="none", attn_chunk=0)
   c.tokenizer.update(path="", vocab_size=300)
   c.data.update(task="arith", max_prompt_len=32, prompt_buckets=[], prompt_template="", num_eval=8)
-  c.rollout.update(group_size=4, max_new_tokens=8)
+  c.rollout.update(group_size=4, max_new_tokens=8, rows_per_call=0)
   c.dapo.update(prompts_per_step=4, gen_prompts=8 if c.dapo.dynamic_sampling else 4, max_gen_batches=2,
                 overlong_buffer=min(c.dapo.overlong_buffer, 2))
   c.train.update(num_steps=2, minibatches=2, num_microbatches=1, ckpt_every=0, eval_every=0,

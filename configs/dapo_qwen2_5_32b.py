@@ -12,8 +12,8 @@ Expected: AIME 2024 avg@32 ~50 after ~330 rollout steps (paper Fig. 1; 52 in the
 from configs import common
 
 MESHES = {
-    "gpu16x8": dict(data=8, fsdp=16, tensor=1),    # 128 GPUs: FSDP within 16, data-parallel across
-    "v5p256": dict(data=2, fsdp=64, tensor=1),     # 128 chips (v5p-256 counts TensorCores)
+    "gpu16x8": dict(data=1, fsdp=16, tensor=8),    # 128 GPUs: tensor-parallel in a node, FSDP across nodes
+    "v5p256": dict(data=1, fsdp=32, tensor=4),     # 128 chips (v5p-256 counts TensorCores)
     "auto": dict(data=1, fsdp=-1, tensor=1),
 }
 
@@ -22,15 +22,16 @@ def get_config(arg=None):
   arg = common.parse_arg(arg, mesh="auto", runlocal=False)
   c = common.base()
   c.model.update(init="hf", **common.qwen2_5("32b"))
-  c.model.update(dtype="bfloat16", remat="full")
+  c.model.update(dtype="bfloat16", remat="full", attn_chunk=2048)
   c.data.update(task="file", train_files=["dapo-math-17k.parquet"], eval_files=["aime-2024.parquet"],
                 max_prompt_len=2048, prompt_buckets=[512, 1024, 2048], num_eval=0)
-  c.rollout.update(group_size=16, max_new_tokens=20_480, temperature=1.0, top_p=1.0, top_k=0)
+  c.rollout.update(group_size=16, max_new_tokens=20_480, temperature=1.0, top_p=1.0, top_k=0,
+                   rows_per_call=1024)     # 24 sampler calls per 1536 x 16 generation batch
   c.dapo.update(prompts_per_step=512, gen_prompts=1536, dynamic_sampling=True, max_gen_batches=10,
                 eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, loss_agg="token_mean",
                 overlong_buffer=4096, overlong_penalty=1.0, overlong_filter=False)
   c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0)
-  c.train.update(num_steps=500, minibatches=16, ppo_epochs=1, num_microbatches=16, ckpt_every=5,
+  c.train.update(num_steps=500, minibatches=16, ppo_epochs=1, num_microbatches=32, ckpt_every=5,
                  eval_every=5)
   c.eval.update(k=1, temperature=1.0, top_p=0.7)   # the AIME file holds each problem 32 times: avg@32
   c.mesh.update(MESHES[arg.mesh])

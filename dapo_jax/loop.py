@@ -174,9 +174,16 @@ class DAPO:
     P = self._bucketed(prompt_mask_QP)
     rows_BP = np.repeat(prompt_QP[:, -P:], G, axis=0)
     rmask_BP = np.repeat(prompt_mask_QP[:, -P:], G, axis=0)
-    rows_BP, rmask_BP = sharding.put((rows_BP, rmask_BP), self.trainer.batch_sharding)
-    out = sampling.generate(self.model_cfg, sampler_cfg, params, rows_BP, rmask_BP, key)
-    return sharding.fetch(out)
+    B = len(rows_BP)
+    chunk = self.cfg.rollout.rows_per_call or B  # Bounds the KV cache of one sampler call.
+    if B % chunk:
+      raise ValueError(f"rollout.rows_per_call={chunk} must divide the {B} rows of a generation batch")
+    outs = []
+    for i in range(0, B, chunk):
+      part = sharding.put((rows_BP[i:i + chunk], rmask_BP[i:i + chunk]), self.trainer.batch_sharding)
+      k = key if chunk == B else jax.random.fold_in(key, i)
+      outs.append(sharding.fetch(sampling.generate(self.model_cfg, sampler_cfg, params, *part, k)))
+    return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
 
   def score(self, examples, tokens_BC, mask_BC, length_B, G: int) -> dict:
     """Rewards of this host's rows (its examples x G); correctness + overlong penalty."""

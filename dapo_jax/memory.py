@@ -61,9 +61,10 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
   # Saved for the backward pass per token and layer (compute dtype), split by tensor parallelism
   # where the tensor is: norms and residuals (D), q/k/v/o (N·H + 2K·H + N·H), MLP (3F).
   per_token_layer = c_bytes * (4 * D + (2 * N * H + 2 * K * H + 3 * F) / t)
-  scores = 2 * 4 * rows * (N / t) * T * T / 2                  # fp32 scores + probs, causal half.
+  q_block = mc.attn_chunk if mc.attn_chunk and T > mc.attn_chunk else T
+  scores = 2 * 4 * rows * (N / t) * q_block * T                # fp32 scores + probs of one query block
   logits = 2 * 4 * rows * completion_len * V / t                 # fp32 logits and their gradient.
-  act_full = L * (tokens * per_token_layer + scores) + logits
+  act_full = L * (tokens * per_token_layer + (scores if q_block == T else 0)) + logits
   act_remat = L * tokens * D * c_bytes + tokens * per_token_layer + scores + logits
   kv_rows = gen_rows / batch_shards
   kv = 2 * L * kv_rows * T * (K / min(K, t)) * H * c_bytes if K >= t else 2 * L * kv_rows * T * H * c_bytes

@@ -25,7 +25,7 @@ def main(argv):
   rows_per_update = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
   p = memory.plan(mc, shape, rows_per_update=rows_per_update, num_microbatches=cfg.train.num_microbatches,
                   prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
-                  gen_rows=cfg.dapo.gen_prompts * cfg.rollout.group_size)
+                  gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size)
   print(f"model: {mc.num_params / 1e9:.2f}B parameters, mesh {shape}, "
         f"{rows_per_update} rows x {cfg.data.max_prompt_len + cfg.rollout.max_new_tokens} tokens per update "
         f"in {cfg.train.num_microbatches} micro-batches")

@@ -10,8 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_quickstart_executes():
   nbclient = pytest.importorskip("nbclient")
   nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
-  env = {"QUICKSTART_SFT_STEPS": "30", "QUICKSTART_RL_STEPS": "2", "XLA_FLAGS": "", "PYTHONPATH": ROOT,
-         "MPLBACKEND": "Agg"}
+  env = {"QUICKSTART_SFT_STEPS": "30", "QUICKSTART_RL_STEPS": "2", "XLA_FLAGS": "", "PYTHONPATH": ROOT}
   old = {k: os.environ.get(k) for k in env}
   os.environ.update(env)
   try:

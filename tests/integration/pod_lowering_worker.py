@@ -1,0 +1,57 @@
+"""Lowers the Qwen2.5-32B DAPO train step and sampler on a 128-device CPU mesh with abstract
+shapes (nothing is allocated), then compiles a 2-layer cut. Run with 128 forced host devices."""
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from configs import dapo_qwen2_5_32b
+from dapo_jax import job, optim, sampling, sharding, train_step
+from dapo_jax.datatypes import RLBatch
+
+mesh_name = sys.argv[1]
+cfg = dapo_qwen2_5_32b.get_config(f"mesh={mesh_name}")
+mc = job.model_config(cfg, 0)
+mesh = sharding.make_mesh(cfg.mesh)
+assert mesh.devices.size == 128, mesh
+
+
+def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
+  pg = train_step.PGConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0)
+  trainer = train_step.Trainer(mc, optim.OptimConfig(**cfg.optim), mesh, pg_cfg=pg,
+                               num_microbatches=cfg.train.num_microbatches)
+  state = jax.eval_shape(lambda: train_step.TrainState.create(
+      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), trainer_param_shapes(mc)), trainer.tx))
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                       trainer.state_sharding)
+  T = T_prompt + C
+  bs = trainer.batch_sharding
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=bs)
+  batch = RLBatch(tokens_BT=sds((rows, T), jnp.int32), mask_BT=sds((rows, T), bool),
+                  loss_mask_BC=sds((rows, C), bool), old_logp_BC=sds((rows, C), jnp.float32),
+                  adv_B=sds((rows,), jnp.float32), ref_logp_BC=sds((rows, C), jnp.float32))
+  lowered = trainer.step.lower(state, batch)
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(151643, 151645))
+  prompt = jax.ShapeDtypeStruct((gen_rows, T_prompt), jnp.int32, sharding=bs)
+  pmask = jax.ShapeDtypeStruct((gen_rows, T_prompt), bool, sharding=bs)
+  lowered_s = sampling._generate.lower(mc, sc, state.params, prompt, pmask, jax.random.key(0),
+                                       jnp.asarray(C, jnp.int32))
+  if compile_it:
+    lowered.compile()
+    lowered_s.compile()
+  return lowered
+
+
+def trainer_param_shapes(mc):
+  from dapo_jax import model
+  return jax.eval_shape(lambda: model.init_params(mc, jax.random.key(0)))
+
+
+rows = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
+with mesh:
+  lower(mc, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, rows, cfg.rollout.rows_per_call, False)
+  print("lowered full 32B train step and sampler", flush=True)
+  cut = dataclasses.replace(mc, num_layers=2)
+  lower(cut, 512, 1024, rows, cfg.rollout.rows_per_call, True)
+  print("compiled 2-layer cut", flush=True)
