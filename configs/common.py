@@ -36,11 +36,11 @@ def base() -> mlc.ConfigDict:
   c.tokenizer = dict(path="",                # "" = train a small BPE on the task text into workdir
                      vocab_size=256)
   c.data = dict(task="file",                 # "file" (DAPO-Math schema) or "arith" (built in)
-                train_files=[""], eval_files=[""],
+                train_files=("",), eval_files=("",),
                 chat_template=True,          # render prompts with the tokenizer's chat template
                 prompt_template="",          # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
                 max_prompt_len=2048,         # tokens; longer prompts keep their end (truncation left)
-                prompt_buckets=[],           # prompt lengths compiled for; [] = just max_prompt_len
+                prompt_buckets=(),            # prompt lengths compiled for; () = just max_prompt_len
                 missing_answer="error",      # error | skip rows without a ground truth
                 digits=2, ops="+", heldout_fraction=0.1, num_eval=128,   # arith task knobs
                 solution_style="steps")      # SFT targets for arith: "steps" (column addition) | "direct"
@@ -97,7 +97,7 @@ def runlocal(c: mlc.ConfigDict) -> None:
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
                  tie_embeddings=True, param_dtype="float32", dtype="float32", remat="none", attn_chunk=0)
   c.tokenizer.update(path="", vocab_size=300)
-  c.data.update(task="arith", max_prompt_len=32, prompt_buckets=[], prompt_template="", num_eval=8)
+  c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8)
   c.rollout.update(group_size=4, max_new_tokens=8, rows_per_call=0)
   c.dapo.update(prompts_per_step=4, gen_prompts=8 if c.dapo.dynamic_sampling else 4, max_gen_batches=2,
                 overlong_buffer=min(c.dapo.overlong_buffer, 2))

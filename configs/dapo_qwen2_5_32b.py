@@ -23,8 +23,8 @@ def get_config(arg=None):
   c = common.base()
   c.model.update(init="hf", **common.qwen2_5("32b"))
   c.model.update(dtype="bfloat16", remat="full", attn_chunk=2048)
-  c.data.update(task="file", train_files=["dapo-math-17k.parquet"], eval_files=["aime-2024.parquet"],
-                max_prompt_len=2048, prompt_buckets=[512, 1024, 2048], num_eval=0)
+  c.data.update(task="file", train_files=("dapo-math-17k.parquet",), eval_files=("aime-2024.parquet",),
+                max_prompt_len=2048, prompt_buckets=(512, 1024, 2048), num_eval=0)
   c.rollout.update(group_size=16, max_new_tokens=20_480, temperature=1.0, top_p=1.0, top_k=0,
                    rows_per_call=1024)     # 24 sampler calls per 1536 x 16 generation batch
   c.dapo.update(prompts_per_step=512, gen_prompts=1536, dynamic_sampling=True, max_gen_batches=10,

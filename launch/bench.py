@@ -142,8 +142,8 @@ def bench_e2e(cfg, peak):
   with cfg.unlocked():
     cfg.model.update(init="hf", hf_dir=_MODEL_DIR.value, dtype=_DTYPE.value)
     cfg.tokenizer.path = _MODEL_DIR.value
-    cfg.data.update(task="file", train_files=[os.path.join(tmp, "prompts.jsonl")], eval_files=[""],
-                    chat_template=False, max_prompt_len=32, prompt_buckets=[])
+    cfg.data.update(task="file", train_files=(os.path.join(tmp, "prompts.jsonl"),), eval_files=("",),
+                    chat_template=False, max_prompt_len=32, prompt_buckets=())
     cfg.rollout.update(group_size=G, max_new_tokens=C, temperature=1.0, top_p=1.0, top_k=0)
     cfg.dapo.update(prompts_per_step=Q, gen_prompts=Q, dynamic_sampling=False, overlong_buffer=0,
                     eps_low=0.2, eps_high=0.28, loss_agg="token_mean", kl_coef=0.0)

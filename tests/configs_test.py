@@ -37,7 +37,7 @@ def test_paper_recipe_values():
   assert (c.rollout.max_new_tokens, c.dapo.overlong_buffer, c.dapo.max_gen_batches) == (20480, 4096, 10)
   assert (c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay, c.train.minibatches) == (1e-6, 10, 0.1, 16)
   mc = job.model_config(c, 0)
-  assert mc == model.ModelConfig.qwen2_5_32b(dtype="bfloat16", remat="full")
+  assert mc == model.ModelConfig.qwen2_5_32b(dtype="bfloat16", remat="full", attn_chunk=2048)
 
 
 def test_ablation_stages_are_cumulative():

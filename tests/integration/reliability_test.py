@@ -1,0 +1,68 @@
+"""Bad input is named in one line; nothing half-written or non-finite is trusted."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import dapo_qwen2_5_32b
+from dapo_jax import checkpoint, loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tiny_cfg(**train):
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  cfg.reward.fn = "dapo_jax.testing:length_reward"
+  cfg.train.update(train)
+  return cfg
+
+
+def run_train(*args):
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "launch.train", *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
+def test_mistyped_override_is_one_line(tmp_path):
+  out = run_train(f"--workdir={tmp_path}", "--config.dapo.eps_hihg=0.3")
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines()[-1].startswith("error: config override --config.dapo.eps_hihg")
+  assert "Traceback" not in out.stderr
+  out = run_train(f"--workdir={tmp_path}", "--config.dapo.eps_high=abc")
+  assert out.returncode == 1 and "eps_high=abc" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_missing_dataset_is_one_line(tmp_path):
+  out = run_train(f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal", f"--workdir={tmp_path}",
+                  "--config.data.task=file", "--config.data.train_files=/no/such/file.parquet")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == "error: dataset file '/no/such/file.parquet' does not exist"
+
+
+def test_checkpoint_from_another_config_is_named(tmp_path):
+  workdir = str(tmp_path)
+  loop.run(tiny_cfg(num_steps=1, ckpt_every=1, eval_every=0), workdir)
+  cfg = tiny_cfg(num_steps=2, eval_every=0)
+  cfg.model.mlp_dim = 96
+  with pytest.raises(checkpoint.CheckpointMismatchError, match=r"w_down_FD has shape \(2, 64, 32\).*\(2, 96, 32\)"):
+    dapo = loop.DAPO(cfg, workdir)
+    try:
+      dapo.restore()
+    finally:
+      dapo.reward_pool.close()
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  os.makedirs(tmp_path / "7.orbax-checkpoint-tmp" / "state")   # what a crash mid-write leaves
+  assert ckpt.latest_step() is None
+  ckpt.close()
+
+
+def test_nonfinite_updates_stop_after_k_in_a_row(tmp_path):
+  cfg = tiny_cfg(num_steps=10, ckpt_every=1, eval_every=0, max_bad_steps=2)
+  cfg.reward.fn = "dapo_jax.testing:nan_reward"
+  with pytest.raises(loop.TrainingError, match="2 updates in a row had a non-finite"):
+    loop.run(cfg, str(tmp_path))
+  assert not os.path.isdir(tmp_path / "checkpoints" / "1")  # The bad step is not checkpointed.
