@@ -2,31 +2,37 @@
 import os
 import sys
 
-workdir, out = sys.argv[1], sys.argv[2]
-import jax  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-if len(sys.argv) > 3:
-  rank, nproc, port = map(int, sys.argv[3:6])
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=rank)
+def main():
+  workdir, out = sys.argv[1], sys.argv[2]
+  import jax
 
-import numpy as np  # noqa: E402
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if len(sys.argv) > 3:
+    rank, nproc, port = map(int, sys.argv[3:6])
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=rank)
 
-from configs import dapo_qwen2_5_32b  # noqa: E402
-from dapo_jax import loop, metrics, sharding  # noqa: E402
+  import numpy as np
 
-cfg = dapo_qwen2_5_32b.get_config("runlocal")
-cfg.reward.fn = "dapo_jax.testing:length_reward"
-cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
-cfg.mesh.update(data=-1, fsdp=1, tensor=1)
-assert jax.device_count() == 2, jax.devices()
-dapo = loop.DAPO(cfg, workdir)
-dapo.run()
-params = sharding.fetch(dapo.state.params)
-dapo.reward_pool.close()
-dapo.ckpt.close()
-if jax.process_index() == 0:
-  flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-  recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  np.savez(out, losses=np.array([recs[s]["actor/pg_loss"] for s in (1, 2)]), **flat)
-print("done", jax.process_index())
+  from configs import dapo_qwen2_5_32b
+  from dapo_jax import loop, metrics, sharding
+
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  cfg.reward.fn = "dapo_jax.testing:length_reward"
+  cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
+  cfg.mesh.update(data=-1, fsdp=1, tensor=1)
+  assert jax.device_count() == 2, jax.devices()
+  dapo = loop.DAPO(cfg, workdir)
+  dapo.run()
+  params = sharding.fetch(dapo.state.params)
+  dapo.reward_pool.close()
+  dapo.ckpt.close()
+  if jax.process_index() == 0:
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    np.savez(out, losses=np.array([recs[s]["actor/pg_loss"] for s in (1, 2)]), **flat)
+  print("done", jax.process_index())
+
+
+if __name__ == "__main__":  # Reward-pool workers are spawned and re-import this file.
+  main()
