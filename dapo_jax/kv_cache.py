@@ -43,9 +43,14 @@ def attention_mask(cache_mask_BS: jax.Array, index: jax.Array, num_queries: int)
   return causal_TS[None, :, :] & cache_mask_BS[:, None, :]
 
 
-def update_layer(k_BSKH: jax.Array, v_BSKH: jax.Array, new_k_BTKH: jax.Array, new_v_BTKH: jax.Array,
-                 index: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Writes T new keys/values at slots [index, index + T) of one layer."""
-  start = (0, index, 0, 0)
-  return (jax.lax.dynamic_update_slice(k_BSKH, new_k_BTKH.astype(k_BSKH.dtype), start),
-          jax.lax.dynamic_update_slice(v_BSKH, new_v_BTKH.astype(v_BSKH.dtype), start))
+def update(kv, new_k_BTKH: jax.Array, new_v_BTKH: jax.Array, layer: jax.Array, index: jax.Array):
+  """Writes T new keys/values of one layer at slots [index, index + T); kv = (k_LBSKH, v_LBSKH)."""
+  k_LBSKH, v_LBSKH = kv
+  start = (layer, 0, index, 0, 0)
+  return (jax.lax.dynamic_update_slice(k_LBSKH, new_k_BTKH[None].astype(k_LBSKH.dtype), start),
+          jax.lax.dynamic_update_slice(v_LBSKH, new_v_BTKH[None].astype(v_LBSKH.dtype), start))
+
+
+def layer(kv, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(k_BSKH, v_BSKH) of one layer."""
+  return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in kv)

@@ -134,8 +134,9 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BTD, shared, layer_cache):
+  def __call__(self, carry, shared, layer):
     cfg = self.cfg
+    x_BTD, kv = carry  # kv: None, or the whole cache (k_LBSKH, v_LBSKH), updated in place
     pos_BT, mask_BTS, index = shared
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     B, T, _ = x_BTD.shape
@@ -152,11 +153,11 @@ class Block(nn.Module):
     q_BTNH = rope(q_BTNH, pos_BT, cfg.rope_theta)
     k_BTKH = rope(k_BTKH, pos_BT, cfg.rope_theta)
 
-    if layer_cache is None:  # Teacher-forced: attend over this call's own tokens.
+    if kv is None:  # Teacher-forced: attend over this call's own tokens.
       k_BSKH, v_BSKH = k_BTKH, v_BTKH
     else:
-      k_BSKH, v_BSKH = kvc.update_layer(*layer_cache, k_BTKH, v_BTKH, index)
-      layer_cache = (k_BSKH, v_BSKH)
+      kv = kvc.update(kv, k_BTKH, v_BTKH, layer, index)
+      k_BSKH, v_BSKH = kvc.layer(kv, layer)
 
     R = N // K
     q_BTKRH = q_BTNH.reshape(B, T, K, R, H)
@@ -178,7 +179,7 @@ class Block(nn.Module):
     up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, _param(self, "w_up_DF", (D, F), _normal, cfg))
     down_FD = _param(self, "w_down_FD", (F, D), _normal, cfg)
     x_BTD = x_BTD + jnp.einsum("BTF,FD->BTD", nn.silu(gate_BTF) * up_BTF, down_FD)
-    return sharding.constrain(x_BTD, "BTD"), layer_cache
+    return (sharding.constrain(x_BTD, "BTD"), kv), None
 
 
 class Transformer(nn.Module):
@@ -194,13 +195,16 @@ class Transformer(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    # The cache rides in the scan carry, so each layer writes its slot in place instead of the
+    # scan copying the whole cache in and out on every decoded token.
     layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(nn.broadcast, 0), length=cfg.num_layers,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    layer_caches = None if cache is None else (cache.k_LBSKH, cache.v_LBSKH)
-    x_BTD, layer_caches = layers(cfg, name="layers")(x_BTD, (pos_BT, mask_BTS, index), layer_caches)
+    kv = None if cache is None else (cache.k_LBSKH, cache.v_LBSKH)
+    (x_BTD, kv), _ = layers(cfg, name="layers")((x_BTD, kv), (pos_BT, mask_BTS, index),
+                                                jnp.arange(cfg.num_layers))
     if cache is not None:
-      cache = cache.replace(k_LBSKH=layer_caches[0], v_LBSKH=layer_caches[1])
+      cache = cache.replace(k_LBSKH=kv[0], v_LBSKH=kv[1])
 
     x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD[:, logits_from:])  # Skip unneeded unembeddings.
     if cfg.tie_embeddings:
