@@ -141,10 +141,12 @@ class Block(nn.Module):
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     B, T, _ = x_BTD.shape
 
-    h_BTD = RMSNorm(cfg, name="attn_norm")(x_BTD)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, _param(self, "wq_DNH", (D, N, H), _normal, cfg))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, _param(self, "wk_DKH", (D, K, H), _normal, cfg))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, _param(self, "wv_DKH", (D, K, H), _normal, cfg))
+    # Dense projections run on flattened tokens (X = B*T): 2-D matmuls whose gradients XLA
+    # computes without transposed copies.
+    h_XD = RMSNorm(cfg, name="attn_norm")(x_BTD).reshape(B * T, D)
+    q_BTNH = jnp.einsum("XD,DNH->XNH", h_XD, _param(self, "wq_DNH", (D, N, H), _normal, cfg)).reshape(B, T, N, H)
+    k_BTKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wk_DKH", (D, K, H), _normal, cfg)).reshape(B, T, K, H)
+    v_BTKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wv_DKH", (D, K, H), _normal, cfg)).reshape(B, T, K, H)
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q_BTNH += _param(self, "bq_NH", (N, H), zeros, cfg)[None, None]
@@ -172,13 +174,14 @@ class Block(nn.Module):
     else:
       o_BTKRH = attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS)
     o_BTNH = o_BTKRH.reshape(B, T, N, H)
-    x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", o_BTNH, _param(self, "wo_NHD", (N, H, D), _normal, cfg))
+    x_BTD = x_BTD + jnp.einsum("XNH,NHD->XD", o_BTNH.reshape(B * T, N, H),
+                               _param(self, "wo_NHD", (N, H, D), _normal, cfg)).reshape(B, T, D)
 
-    h_BTD = RMSNorm(cfg, name="mlp_norm")(x_BTD)
-    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, _param(self, "w_gate_DF", (D, F), _normal, cfg))
-    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, _param(self, "w_up_DF", (D, F), _normal, cfg))
+    h_XD = RMSNorm(cfg, name="mlp_norm")(x_BTD).reshape(B * T, D)
+    gate_XF = jnp.einsum("XD,DF->XF", h_XD, _param(self, "w_gate_DF", (D, F), _normal, cfg))
+    up_XF = jnp.einsum("XD,DF->XF", h_XD, _param(self, "w_up_DF", (D, F), _normal, cfg))
     down_FD = _param(self, "w_down_FD", (F, D), _normal, cfg)
-    x_BTD = x_BTD + jnp.einsum("BTF,FD->BTD", nn.silu(gate_BTF) * up_BTF, down_FD)
+    x_BTD = x_BTD + jnp.einsum("XF,FD->XD", nn.silu(gate_XF) * up_XF, down_FD).reshape(B, T, D)
     return (sharding.constrain(x_BTD, "BTD"), kv), None
 
 
