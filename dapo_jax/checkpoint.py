@@ -40,7 +40,18 @@ class Checkpointer:
                     "earlier checkpoints are untouched") from e
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Blocks until the async save is on disk; its errors (a full disk, say) surface here."""
+    try:
+      self.manager.wait_until_finished()
+    except OSError:
+      raise
+    except Exception as e:  # Orbax wraps errors of its background thread.
+      cause = e.__cause__ or e.__context__
+      if isinstance(cause, OSError):
+        raise cause from e
+      if "No space left" in str(e):
+        raise OSError(28, f"checkpoint write to {self.directory} failed: {e}") from e
+      raise
 
   def check_compatible(self, step: int, abstract_state: Any) -> None:
     """Fails with the parameter's name when the checkpoint was written by another model config."""

@@ -1,4 +1,5 @@
 """What every entry point shares: multi-host start-up, the default config path, clean errors."""
+import errno
 import os
 import sys
 
@@ -53,6 +54,12 @@ def run(main) -> None:
       return main(argv)
     except _user_errors() as e:
       print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.exit(1)
+    except OSError as e:
+      if e.errno != errno.ENOSPC and "No space left" not in str(e):
+        raise
+      print(f"error: no space left on device ({e}); checkpoints written before this are intact: free "
+            "space and run the same command again to resume", file=sys.stderr, flush=True)
       sys.exit(1)
   app.run(wrapped, flags_parser=_parse_flags)
 

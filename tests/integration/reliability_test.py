@@ -66,3 +66,31 @@ def test_nonfinite_updates_stop_after_k_in_a_row(tmp_path):
   with pytest.raises(loop.TrainingError, match="2 updates in a row had a non-finite"):
     loop.run(cfg, str(tmp_path))
   assert not os.path.isdir(tmp_path / "checkpoints" / "1")  # The bad step is not checkpointed.
+
+
+@pytest.mark.slow
+def test_full_disk_is_a_clear_error_and_keeps_checkpoints(tmp_path):
+  mnt = tmp_path / "small_disk"
+  mnt.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
+    pytest.skip("needs permission to mount a small tmpfs")
+  try:
+    workdir = str(mnt / "run")
+    args = [f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal", f"--workdir={workdir}",
+            "--config.reward.fn=dapo_jax.testing:length_reward", "--config.train.ckpt_every=1",
+            "--config.train.eval_every=0"]
+    assert run_train(*args, "--config.train.num_steps=1").returncode == 0
+    free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+    with open(mnt / "filler", "wb") as f:  # Leave a few KB: less than one checkpoint.
+      f.write(b"\0" * max(free - 8192, 0))
+    out = run_train(*args, "--config.train.num_steps=3")
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "error: no space left on device" in out.stderr and "Traceback" not in out.stderr.splitlines()[-1]
+    os.remove(mnt / "filler")
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    assert ckpt.latest_step() == 1  # The earlier checkpoint is intact and still the latest.
+    ckpt.close()
+    out = run_train(*args, "--config.train.num_steps=2")
+    assert out.returncode == 0 and "Resumed" in out.stdout
+  finally:
+    subprocess.run(["umount", str(mnt)], capture_output=True)

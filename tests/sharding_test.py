@@ -1,0 +1,56 @@
+"""Mesh construction, the divisibility check, and the sampler sharded over 8 host devices."""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dapo_jax import optim, sampling, sharding, testing, train_step
+
+
+def test_make_mesh_sizes_and_errors():
+  n = len(jax.devices())
+  mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+  assert dict(mesh.shape) == {"data": 1, "fsdp": n, "tensor": 1}
+  with pytest.raises(ValueError, match=r"data\*fsdp\*tensor = 3 .* but there are"):
+    sharding.make_mesh({"data": 3, "fsdp": 1, "tensor": 1})
+  with pytest.raises(ValueError, match="at most one axis may be -1"):
+    sharding.make_mesh({"data": -1, "fsdp": -1, "tensor": 1})
+  if n % 3:
+    with pytest.raises(ValueError, match=f"{n} devices do not divide"):
+      sharding.make_mesh({"data": 3, "fsdp": -1, "tensor": 1})
+
+
+def test_model_must_divide_the_tensor_axis():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 8})
+  cfg = testing.tiny_model_config(num_heads=4, num_kv_heads=2)
+  with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by mesh size 8"):
+    train_step.Trainer(cfg, optim.OptimConfig(), mesh)
+
+
+def test_logical_rules():
+  assert sharding.spec("BTD") == P(("data", "fsdp"), None, None)
+  assert sharding.spec("DF", sharding.PARAM_RULES) == P("fsdp", "tensor")
+  assert sharding.spec("DF", sharding.SAMPLING_PARAM_RULES) == P(None, "tensor")
+
+
+def test_sharded_sampler_matches_one_device():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  cfg = testing.tiny_model_config(vocab_size=64)
+  params = testing.sharp_params(cfg, seed=2)
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(4, 64, size=(8, 6)).astype(np.int32)
+  mask = np.ones((8, 6), bool)
+  mask[3, :2] = False
+  sc = sampling.SamplerConfig(max_new_tokens=8, temperature=0.0, eos_ids=(1,))
+  one = jax.device_get(sampling.generate(cfg, sc, params, prompt, mask, jax.random.key(0)))
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  trainer = train_step.Trainer(cfg, optim.OptimConfig(), mesh)
+  sharded_params = sharding.put(params, trainer.params_sharding)
+  rows = sharding.put((prompt, mask), trainer.batch_sharding)
+  out = sampling.generate(cfg, sc, sharded_params, *rows, jax.random.key(0))
+  assert len(out.tokens_BC.sharding.device_set) == 8
+  np.testing.assert_array_equal(np.asarray(out.tokens_BC), one.tokens_BC)
+  np.testing.assert_array_equal(np.asarray(out.length_B), one.length_B)
