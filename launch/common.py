@@ -39,9 +39,9 @@ def default_workdir() -> str:
 
 
 def _user_errors():
-  from dapo_jax import checkpoint, data, hf, loop, rewards, tokenizer
+  from dapo_jax import checkpoint, data, gguf, hf, loop, rewards, tokenizer
   return (data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
-          checkpoint.CheckpointMismatchError, loop.TrainingError)
+          checkpoint.CheckpointMismatchError, loop.TrainingError, gguf.GGUFError)
 
 
 def run(main) -> None:
