@@ -25,9 +25,10 @@ def base() -> mlc.ConfigDict:
   c = mlc.ConfigDict()
   c.seed = 0
 
-  # Model: `init` is "random" (from the fields below), "hf" (from `hf_dir`) or "sft" (random
-  # init, then the SFT warm start, whose result is reused on later runs).
-  c.model = dict(init="random", hf_dir="", vocab_size=0, embed_dim=128, mlp_dim=384, num_layers=4,
+  # Model: `init` is "random" (from the fields below), "hf" (from `hf_dir`), "gguf" (from `gguf`:
+  # a .gguf file or "smollm2", converted once into WORKDIR/model) or "sft" (random init, then the
+  # SFT warm start, whose result is reused on later runs).
+  c.model = dict(init="random", hf_dir="", gguf="", vocab_size=0, embed_dim=128, mlp_dim=384, num_layers=4,
                  num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, norm_eps=1e-6,
                  qkv_bias=True, tie_embeddings=True, param_dtype="float32",
                  dtype="float32",            # compute dtype: bfloat16 on GPU/TPU
@@ -43,6 +44,8 @@ def base() -> mlc.ConfigDict:
                 prompt_buckets=(),            # prompt lengths compiled for; () = just max_prompt_len
                 missing_answer="error",      # error | skip rows without a ground truth
                 digits=2, ops="+", heldout_fraction=0.1, num_eval=128,   # arith task knobs
+                digits_b=0,                  # digits of the second operand (0 = digits)
+                fewshot=0,                   # worked examples in the chat before each question
                 solution_style="steps")      # SFT targets for arith: "steps" (column addition) | "direct"
   c.rollout = dict(group_size=16,            # G, responses per prompt
                    max_new_tokens=20_480,    # L_max, completion tokens
@@ -93,11 +96,12 @@ def qwen2_5(size: str) -> dict:
 
 def runlocal(c: mlc.ConfigDict) -> None:
   """Shrinks any recipe to a seconds-long CPU smoke run on the built-in arithmetic task."""
-  c.model.update(init="random", hf_dir="", vocab_size=0, embed_dim=32, mlp_dim=64, num_layers=2,
+  c.model.update(init="random", hf_dir="", gguf="", vocab_size=0, embed_dim=32, mlp_dim=64, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
                  tie_embeddings=True, param_dtype="float32", dtype="float32", remat="none", attn_chunk=0)
   c.tokenizer.update(path="", vocab_size=300)
-  c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8)
+  c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8,
+                digits_b=0, fewshot=0)
   c.rollout.update(group_size=4, max_new_tokens=8, rows_per_call=0)
   c.dapo.update(prompts_per_step=4, gen_prompts=8 if c.dapo.dynamic_sampling else 4, max_gen_batches=2,
                 overlong_buffer=min(c.dapo.overlong_buffer, 2))

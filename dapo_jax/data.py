@@ -109,10 +109,10 @@ def load_file(path: str, missing_answer: str = "error", prompt_template: str | N
 ARITH_INSTRUCTION = "{problem} End with: Answer: <number>"
 
 
-def arith_problem(rng: np.random.Generator, digits: int, ops: str) -> tuple[str, int, str]:
+def arith_problem(rng: np.random.Generator, digits: int, ops: str, digits_b: int = 0) -> tuple[str, int, str]:
   op = ops[rng.integers(len(ops))]
-  lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10 ** digits
-  a, b = int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
+  span = lambda d: (10 ** (d - 1) if d > 1 else 0, 10 ** d)
+  a, b = int(rng.integers(*span(digits))), int(rng.integers(*span(digits_b or digits)))
   if op == "-" and b > a:
     a, b = b, a  # Non-negative results keep the task about carrying, not signs.
   value = {"+": a + b, "-": a - b, "*": a * b}[op]
@@ -125,17 +125,29 @@ def in_heldout(text: str, fraction: float) -> bool:
 
 
 def arith_examples(n: int, *, split: str = "train", seed: int = 0, digits: int = 2, ops: str = "+",
-                   heldout_fraction: float = 0.1, template: str = ARITH_INSTRUCTION) -> list[Example]:
-  """`n` arithmetic problems ("What is 47+38?") of one split, deterministic by seed."""
+                   heldout_fraction: float = 0.1, template: str = ARITH_INSTRUCTION, digits_b: int = 0,
+                   fewshot: int = 0) -> list[Example]:
+  """`n` arithmetic problems ("What is 47+38?") of one split, deterministic by seed.
+
+  digits_b: digits of the second operand (0 = digits). fewshot: worked examples (from the
+  training split) put in the chat before the question, for models that must learn the format.
+  """
   if split not in ("train", "heldout"):
     raise ValueError(f"split={split!r}; expected 'train' or 'heldout'")
-  rng = np.random.default_rng([seed, digits, len(ops), 0 if split == "train" else 1])
+  shots: tuple[dict, ...] = ()
+  if fewshot:
+    for ex in arith_examples(fewshot, split="train", seed=seed + 10_000, digits=digits, ops=ops,
+                             heldout_fraction=heldout_fraction, template=template, digits_b=digits_b):
+      expr = ex.messages[0]["content"].split("What is ")[1].split("?")[0]
+      shots += (ex.messages[0], {"role": "assistant", "content": f"{expr} = {ex.ground_truth}.\nAnswer: "
+                                                                 f"{ex.ground_truth}"})
+  rng = np.random.default_rng([seed, digits, len(ops), 0 if split == "train" else 1] + ([digits_b] if digits_b else []))
   out, seen, tries = [], set(), 0
   while len(out) < n:
     tries += 1
     if tries > 100 * n + 10_000:
       raise DataError(f"arith: cannot draw {n} distinct {split} problems with digits={digits} ops={ops!r}")
-    text, value, _ = arith_problem(rng, digits, ops)
+    text, value, _ = arith_problem(rng, digits, ops, digits_b)
     if in_heldout(text, heldout_fraction) != (split == "heldout"):
       continue
     if split == "heldout":  # Held-out problems are distinct; training draws may repeat.
@@ -143,7 +155,7 @@ def arith_examples(n: int, *, split: str = "train", seed: int = 0, digits: int =
         continue
       seen.add(text)
     problem = f"What is {text}?"
-    out.append(Example(messages=({"role": "user", "content": template.format(problem=problem)},),
+    out.append(Example(messages=shots + ({"role": "user", "content": template.format(problem=problem)},),
                        ground_truth=str(value), data_source="arith", index=len(out)))
   return out
 

@@ -26,7 +26,10 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
   """(train, held-out) examples."""
   d = cfg.data
   if d.task == "arith":
-    kw = dict(seed=cfg.seed, digits=d.digits, ops=d.ops, heldout_fraction=d.heldout_fraction)
+    kw = dict(seed=cfg.seed, digits=d.digits, ops=d.ops, heldout_fraction=d.heldout_fraction,
+              digits_b=d.digits_b, fewshot=d.fewshot)
+    if d.prompt_template:
+      kw["template"] = d.prompt_template
     return (data_lib.arith_examples(max(cfg.sft.num_examples, 4096), split="train", **kw),
             data_lib.arith_examples(d.num_eval, split="heldout", **kw))
   if d.task != "file":
@@ -41,7 +44,19 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
   return train, evals[: d.num_eval] if d.num_eval else evals
 
 
+def gguf_model_dir(cfg, workdir: str) -> str:
+  """The HF directory converted from `model.gguf` (a .gguf path, or "smollm2"), made once per workdir."""
+  from dapo_jax import gguf
+  out = os.path.join(workdir, "model")
+  if not os.path.exists(os.path.join(out, "model.safetensors")):
+    path = gguf.smollm2_path() if cfg.model.gguf == "smollm2" else cfg.model.gguf
+    gguf.to_hf_dir(path, out)
+  return out
+
+
 def tokenizer(cfg, workdir: str, corpus_examples=None):
+  if cfg.model.init == "gguf":
+    return tokenizer_lib.load(gguf_model_dir(cfg, workdir))
   path = cfg.tokenizer.path or (cfg.model.hf_dir if cfg.model.init == "hf" else "")
   if path:
     return tokenizer_lib.load(path)
@@ -69,6 +84,8 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
   if init == "hf":
     overrides = {k: cfg.model[k] for k in _RUNTIME_FIELDS}
     return hf.load(cfg.model.hf_dir, **overrides)
+  if init == "gguf":
+    return hf.load(gguf_model_dir(cfg, workdir), **{k: cfg.model[k] for k in _RUNTIME_FIELDS})
   vocab = ((len(tok) + 63) // 64) * 64  # Round up: tidy shapes, room for tensor sharding.
   model_cfg = model_config(cfg, vocab)
   if init == "random":

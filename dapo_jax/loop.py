@@ -296,6 +296,9 @@ class DAPO:
   def update(self, batch: RLBatch) -> tuple[dict, dict]:
     t = self.cfg.train
     timing = {}
+    # An async checkpoint may still be reading the state's buffers, which the train step donates
+    # (and overwrites). It has had the whole rollout phase to finish.
+    self.ckpt.wait()
     t0 = time.perf_counter()
     if self.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
       old = self.trainer.logprobs(self.state.params, self.trainer.put_batch(batch))
@@ -436,6 +439,7 @@ class DAPO:
           m.update(self.evaluate())
           m["timing_s/testing"] = time.perf_counter() - t0
         self.writer.scalars(done, m)
+        self.writer.flush()  # A kill -9 loses nothing that was logged.
         if cfg.train.log_samples_every and done % cfg.train.log_samples_every == 0:
           self.log_samples(done, stats["texts"], stats["first_groups"])
         metrics_lib.console(done, total, m, _HEADLINE)

@@ -84,6 +84,7 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path):
   assert "Resumed" in out.stdout
   ref = metrics.read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
   got = metrics.read_jsonl(os.path.join(dir_, "metrics.jsonl"))
+  assert sorted(got) == [0, 1, 2, 3, 4]  # What the killed process logged survived the kill.
   for step in (3, 4):
     for k, v in ref[step].items():
       if k.startswith(("timing_s/", "perf/")):

