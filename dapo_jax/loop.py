@@ -472,13 +472,15 @@ class DAPO:
           "response_length/min": float(lengths.min()),
           "response_length/clip_ratio": float((lengths >= C).mean())})
     gen = max(stats["groups_generated"], 1)
+    if stats["groups_generated"]:  # A step filled from carried-over groups generated nothing.
+      m["rollout/acc_all"] = stats["acc_all_sum"] / gen
     m.update({
         "train/num_gen_batches": stats["num_gen_batches"], "train/kept_fraction": stats["groups_kept"] / gen,
         "train/all_correct_fraction": stats["groups_all_correct"] / gen,
         "train/all_wrong_fraction": stats["groups_all_wrong"] / gen,
-        "train/cap_reached": stats.get("cap_reached", 0), "rollout/acc_all": stats["acc_all_sum"] / gen,
+        "train/cap_reached": stats.get("cap_reached", 0),
         "reward/errors": self.reward_pool.errors, "reward/timeouts": self.reward_pool.timeouts,
-        "train/skipped_updates": int(self.state.skipped),
+        "train/skipped_updates": int(self.state.skipped), "data/truncated_prompts": self.truncated_prompts,
         "timing_s/gen": stats["gen_s"], "timing_s/reward": stats["reward_s"],
         "timing_s/old_log_prob": timing.get("old_log_prob_s", 0.0),
         "timing_s/update_actor": timing.get("update_actor_s", 0.0), "timing_s/step": step_s,

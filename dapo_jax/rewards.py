@@ -106,6 +106,12 @@ def resolve(path: str) -> RewardFn:
 
 
 FAILURE = {"score": -1.0, "acc": False, "pred": "[REWARD_ERROR]"}
+_STARTUP_TIMEOUT_S = 300.0
+
+
+def _warm_up(path: str) -> None:
+  resolve(path)
+  time.sleep(0.05)  # Keep this worker busy so the next warm-up task starts another one.
 
 
 def _call(path: str, response: str, ground_truth: str) -> dict:
@@ -133,6 +139,10 @@ class RewardPool:
   def _executor(self) -> cf.ProcessPoolExecutor:
     if self._pool is None:  # spawn: forking a process that runs XLA threads is unsafe.
       self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+      # Start every worker and import the reward module before any call is timed: a slow
+      # start-up on a loaded machine must not count against the per-call timeout.
+      warm = [self._pool.submit(_warm_up, self.fn_path) for _ in range(self.workers)]
+      cf.wait(warm, timeout=_STARTUP_TIMEOUT_S)
     return self._pool
 
   def _kill(self) -> None:
