@@ -98,9 +98,10 @@ def prefill(model_cfg: model_lib.ModelConfig, params, prompt_BP, prompt_mask_BP,
                    jnp.dtype(model_cfg.dtype))
   cache = kvc.write_mask(cache, prompt_mask_BP, 0)
   mask_BPS = kvc.attention_mask(cache.mask_BS, 0, P)
-  logits_BPV, cache = model_lib.forward(model_cfg, params, prompt_BP, model_lib.positions(prompt_mask_BP),
-                                        mask_BPS, cache, 0)
-  return logits_BPV[:, -1], cache  # Left padding: every row's last prompt token sits at P-1.
+  # Left padding: every row's last prompt token sits at P-1; only it needs unembedding.
+  logits_B1V, cache = model_lib.forward(model_cfg, params, prompt_BP, model_lib.positions(prompt_mask_BP),
+                                        mask_BPS, cache, 0, logits_from=P - 1)
+  return logits_B1V[:, -1], cache
 
 
 def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, state: SamplingState,
