@@ -291,7 +291,6 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
     gen = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id}
     with open(os.path.join(path, "generation_config.json"), "w") as f:
       json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
-  params = {k: v for k, v in params.items()}
   write_safetensors(os.path.join(path, "model.safetensors"), params_to_tensors(model_cfg, params, dtype))
 
 

@@ -203,9 +203,12 @@ class DAPO:
     """Generates for the global batch (every host's prompts); each host scores its own rows."""
     G = self.cfg.rollout.group_size
     local_QP, local_mask_QP = self._encode(examples)
+    params = self.state.params
+    if self.mesh.shape["fsdp"] > 1:
+      params = jax.device_put(params, self.trainer.sampling_params_sharding)
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
-    samples = self.generate(self.state.params, prompt_QP, pmask_QP, G, key, self.sampler_cfg)
+    samples = self.generate(params, prompt_QP, pmask_QP, G, key, self.sampler_cfg)
     t1 = time.perf_counter()
     rows = slice(jax.process_index() * len(examples) * G, (jax.process_index() + 1) * len(examples) * G)
     local = self.score(examples, samples.tokens_BC[rows], samples.mask_BC[rows], samples.length_B[rows], G)

@@ -182,6 +182,9 @@ class Trainer:
     logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
+    # The sampler gathers FSDP shards once per rollout instead of once per decoded token.
+    self.sampling_params_sharding = nn.logical_to_mesh_sharding(logical.params, mesh,
+                                                                sharding.SAMPLING_PARAM_RULES)
     self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
     self.replicated = NamedSharding(mesh, P())
 

@@ -48,9 +48,10 @@ def test_sharded_sampler_matches_one_device():
   one = jax.device_get(sampling.generate(cfg, sc, params, prompt, mask, jax.random.key(0)))
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   trainer = train_step.Trainer(cfg, optim.OptimConfig(), mesh)
-  sharded_params = sharding.put(params, trainer.params_sharding)
   rows = sharding.put((prompt, mask), trainer.batch_sharding)
-  out = sampling.generate(cfg, sc, sharded_params, *rows, jax.random.key(0))
-  assert len(out.tokens_BC.sharding.device_set) == 8
-  np.testing.assert_array_equal(np.asarray(out.tokens_BC), one.tokens_BC)
-  np.testing.assert_array_equal(np.asarray(out.length_B), one.length_B)
+  for shardings in (trainer.params_sharding, trainer.sampling_params_sharding):  # FSDP'd, and gathered
+    out = sampling.generate(cfg, sc, sharding.put(params, shardings), *rows, jax.random.key(0))
+    assert len(out.tokens_BC.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(out.tokens_BC), one.tokens_BC)
+    np.testing.assert_array_equal(np.asarray(out.length_B), one.length_B)
+  assert trainer.sampling_params_sharding["layers"]["w_up_DF"].spec == P(None, None, "tensor")
