@@ -10,6 +10,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import re
+import time
 from typing import Callable, Sequence
 
 RewardFn = Callable[[str, str], dict]
