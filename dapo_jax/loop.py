@@ -199,13 +199,16 @@ class DAPO:
             "acc": np.array([r["acc"] for r in results], bool).reshape(Q, G),
             "pred": [r["pred"] for r in results], "texts": texts}
 
-  def rollout_batch(self, key, examples) -> tuple[Groups, dict]:
+  def sampling_params(self):
+    """The policy placed for the sampler: FSDP shards gathered once per rollout step."""
+    if self.mesh.shape["fsdp"] > 1:
+      return jax.device_put(self.state.params, self.trainer.sampling_params_sharding)
+    return self.state.params
+
+  def rollout_batch(self, key, examples, params) -> tuple[Groups, dict]:
     """Generates for the global batch (every host's prompts); each host scores its own rows."""
     G = self.cfg.rollout.group_size
     local_QP, local_mask_QP = self._encode(examples)
-    params = self.state.params
-    if self.mesh.shape["fsdp"] > 1:
-      params = jax.device_put(params, self.trainer.sampling_params_sharding)
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
     samples = self.generate(params, prompt_QP, pmask_QP, G, key, self.sampler_cfg)
@@ -234,6 +237,7 @@ class DAPO:
     stats = Counter()
     first_texts, first_groups = None, None
     n_gen = 0
+    params = self.sampling_params() if n_kept < Q else None
     while n_kept < Q:
       if d.dynamic_sampling and d.max_gen_batches > 0 and n_gen >= d.max_gen_batches:
         if d.on_cap == "raise":
@@ -244,7 +248,7 @@ class DAPO:
         stats["cap_reached"] = 1
         break
       key = jax.random.fold_in(jax.random.fold_in(self.key, step), n_gen)
-      groups, info = self.rollout_batch(key, self.data_iter.next_batch(gen_prompts))
+      groups, info = self.rollout_batch(key, self.data_iter.next_batch(gen_prompts), params)
       n_gen += 1
       stats["gen_s"] += info["gen_s"]
       stats["reward_s"] += info["reward_s"]
