@@ -1,9 +1,13 @@
-"""The KV cache: an explicit pytree that the model reads and returns.
+"""The KV cache: an explicit pytree that the decoder reads and returns.
 
-Layout (one cache for the whole model, layers stacked so `nn.scan` slices it):
-  k, v:   [L, B, S, K, H]  keys/values at cache slot s (slot = absolute index into the
-                           left-padded prompt followed by the decoded tokens)
-  mask:   [B, S] bool      slot s holds a real token (prompt padding and unwritten slots: False)
+Layout (one buffer per layer, so a decode step writes and reads each layer's buffer in place;
+slicing one stacked [L, ...] array would copy a layer's whole cache on every token):
+  k:      L arrays [B, K, H, S]  keys at cache slot s (slot = absolute index into the left-padded
+                                 prompt followed by the decoded tokens)
+  v:      L arrays [B, K, S, H]  values at cache slot s
+                                 Both attention matmuls are then batched over (B, K) and contract
+                                 a non-minor axis of the cache: no transposed copy per token.
+  mask:   [B, S] bool            slot s holds a real token (prompt padding and unwritten slots: False)
 A query written at slot i attends to every slot j <= i with mask[b, j].
 """
 from __future__ import annotations
@@ -15,8 +19,8 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-  k_LBSKH: jax.Array
-  v_LBSKH: jax.Array
+  k: list[jax.Array]   # L x [B, K, H, S]
+  v: list[jax.Array]   # L x [B, K, S, H]
   mask_BS: jax.Array
 
   @property
@@ -24,10 +28,14 @@ class KVCache:
     return self.mask_BS.shape[1]
 
 
-def init(num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
-         dtype=jnp.float32) -> KVCache:
-  shape = (num_layers, batch, size, num_kv_heads, head_dim)
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, size), bool))
+def from_prompt(k_LBKPH: jax.Array, v_LBKPH: jax.Array, prompt_mask_BP: jax.Array, size: int) -> KVCache:
+  """A cache of `size` slots whose first P hold a prefilled prompt's keys and values."""
+  P = k_LBKPH.shape[3]
+  pad = ((0, 0), (0, 0), (0, size - P), (0, 0))
+  k = [jnp.pad(x_BKPH, pad).swapaxes(2, 3) for x_BKPH in k_LBKPH]
+  v = [jnp.pad(x_BKPH, pad) for x_BKPH in v_LBKPH]
+  mask_BS = jnp.pad(prompt_mask_BP.astype(bool), ((0, 0), (0, size - P)))
+  return KVCache(k, v, mask_BS)
 
 
 def write_mask(cache: KVCache, new_mask_BT: jax.Array, index: jax.Array) -> KVCache:
@@ -36,21 +44,8 @@ def write_mask(cache: KVCache, new_mask_BT: jax.Array, index: jax.Array) -> KVCa
   return cache.replace(mask_BS=mask_BS)
 
 
-def attention_mask(cache_mask_BS: jax.Array, index: jax.Array, num_queries: int) -> jax.Array:
-  """[B, T, S] mask for T queries written at slots index..index+T-1: causal and real keys only."""
-  q_T = index + jnp.arange(num_queries)
-  causal_TS = jnp.arange(cache_mask_BS.shape[1])[None, :] <= q_T[:, None]
-  return causal_TS[None, :, :] & cache_mask_BS[:, None, :]
-
-
-def update(kv, new_k_BTKH: jax.Array, new_v_BTKH: jax.Array, layer: jax.Array, index: jax.Array):
-  """Writes T new keys/values of one layer at slots [index, index + T); kv = (k_LBSKH, v_LBSKH)."""
-  k_LBSKH, v_LBSKH = kv
-  start = (layer, 0, index, 0, 0)
-  return (jax.lax.dynamic_update_slice(k_LBSKH, new_k_BTKH[None].astype(k_LBSKH.dtype), start),
-          jax.lax.dynamic_update_slice(v_LBSKH, new_v_BTKH[None].astype(v_LBSKH.dtype), start))
-
-
-def layer(kv, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(k_BSKH, v_BSKH) of one layer."""
-  return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in kv)
+def update(k_BKHS: jax.Array, v_BKSH: jax.Array, new_k_BKTH: jax.Array, new_v_BKTH: jax.Array,
+           index: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Writes one layer's T new keys/values at slots [index, index + T)."""
+  return (jax.lax.dynamic_update_slice(k_BKHS, new_k_BKTH.swapaxes(2, 3).astype(k_BKHS.dtype), (0, 0, 0, index)),
+          jax.lax.dynamic_update_slice(v_BKSH, new_v_BKTH.astype(v_BKSH.dtype), (0, 0, index, 0)))

@@ -95,24 +95,32 @@ def _param(module: nn.Module, name: str, shape, init, cfg: ModelConfig):
 _normal = nn.initializers.normal(0.02)
 
 
+def rms_norm(x: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+  """RMS normalisation over the last axis, in fp32, with the HF reference's order of casts."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return x32.astype(x.dtype) * scale_D.reshape((1,) * (x.ndim - 1) + (-1,))
+
+
 class RMSNorm(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     scale_D = _param(self, "scale_D", (x_BTD.shape[-1],), nn.initializers.ones, self.cfg)
-    x = x_BTD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.cfg.norm_eps)
-    # Same order of casts as the HF reference.
-    return x.astype(x_BTD.dtype) * scale_D.reshape((1,) * (x.ndim - 1) + (-1,))
+    return rms_norm(x_BTD, scale_D, self.cfg.norm_eps)
 
 
 def rope(x_BTNH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, HF "rotate half" convention (first and second halves pair up)."""
+  """Rotary embedding, HF "rotate half" convention (first and second halves pair up).
+
+  Any [B, T, ..., H] array works: the angles broadcast over the axes between T and H.
+  """
   H = x_BTNH.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
   angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]
-  cos, sin = jnp.cos(angle_BTh)[:, :, None, :], jnp.sin(angle_BTh)[:, :, None, :]
+  middle = (slice(None), slice(None)) + (None,) * (x_BTNH.ndim - 3)
+  cos, sin = jnp.cos(angle_BTh)[middle], jnp.sin(angle_BTh)[middle]
   x = x_BTNH.astype(jnp.float32)
   x1, x2 = x[..., : H // 2], x[..., H // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -130,14 +138,17 @@ def attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS):
 
 
 class Block(nn.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+  With `emit_kv`, also returns this call's keys and values ([B, K, T, H] each) for a KV cache.
+  """
   cfg: ModelConfig
+  emit_kv: bool = False
 
   @nn.compact
-  def __call__(self, carry, shared, layer):
+  def __call__(self, x_BTD, shared):
     cfg = self.cfg
-    x_BTD, kv = carry  # kv: None, or the whole cache (k_LBSKH, v_LBSKH), updated in place
-    pos_BT, mask_BTS, index = shared
+    pos_BT, mask_BTS = shared
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     B, T, _ = x_BTD.shape
 
@@ -155,24 +166,17 @@ class Block(nn.Module):
     q_BTNH = rope(q_BTNH, pos_BT, cfg.rope_theta)
     k_BTKH = rope(k_BTKH, pos_BT, cfg.rope_theta)
 
-    if kv is None:  # Teacher-forced: attend over this call's own tokens.
-      k_BSKH, v_BSKH = k_BTKH, v_BTKH
-    else:
-      kv = kvc.update(kv, k_BTKH, v_BTKH, layer, index)
-      k_BSKH, v_BSKH = kvc.layer(kv, layer)
-
     R = N // K
     q_BTKRH = q_BTNH.reshape(B, T, K, R, H)
-    k_BSKH, v_BSKH = k_BSKH.astype(cfg.dtype), v_BSKH.astype(cfg.dtype)
     c = cfg.attn_chunk
     if c and T > c and T % c == 0:
       # Query blocks, each rematerialised: scores never exceed [B, K, R, c, S] in memory.
       q_nBcKRH = jnp.moveaxis(q_BTKRH.reshape(B, T // c, c, K, R, H), 1, 0)
       mask_nBcS = jnp.moveaxis(mask_BTS.reshape(B, T // c, c, -1), 1, 0)
-      block = jax.checkpoint(lambda qm: attend(qm[0], k_BSKH, v_BSKH, qm[1]))
+      block = jax.checkpoint(lambda qm: attend(qm[0], k_BTKH, v_BTKH, qm[1]))
       o_BTKRH = jnp.moveaxis(jax.lax.map(block, (q_nBcKRH, mask_nBcS)), 0, 1).reshape(B, T, K, R, H)
     else:
-      o_BTKRH = attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS)
+      o_BTKRH = attend(q_BTKRH, k_BTKH, v_BTKH, mask_BTS)
     o_BTNH = o_BTKRH.reshape(B, T, N, H)
     x_BTD = x_BTD + jnp.einsum("XNH,NHD->XD", o_BTNH.reshape(B * T, N, H),
                                _param(self, "wo_NHD", (N, H, D), _normal, cfg)).reshape(B, T, D)
@@ -182,15 +186,16 @@ class Block(nn.Module):
     up_XF = jnp.einsum("XD,DF->XF", h_XD, _param(self, "w_up_DF", (D, F), _normal, cfg))
     down_FD = _param(self, "w_down_FD", (F, D), _normal, cfg)
     x_BTD = x_BTD + jnp.einsum("XF,FD->XD", nn.silu(gate_XF) * up_XF, down_FD).reshape(B, T, D)
-    return (sharding.constrain(x_BTD, "BTD"), kv), None
+    kv = (k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)) if self.emit_kv else None
+    return sharding.constrain(x_BTD, "BTD"), kv
 
 
 class Transformer(nn.Module):
   cfg: ModelConfig
+  emit_kv: bool = False  # also return every layer's keys/values: ([L, B, K, T, H], [L, B, K, T, H])
 
   @nn.compact
-  def __call__(self, tokens_BT, pos_BT, mask_BTS, cache: kvc.KVCache | None = None, index=0,
-               logits_from: int = 0):
+  def __call__(self, tokens_BT, pos_BT, mask_BTS, logits_from: int = 0):
     cfg = self.cfg
     embed_VD = _param(self, "embed_VD", (cfg.vocab_size, cfg.embed_dim), _normal, cfg)
     x_BTD = sharding.constrain(jnp.take(embed_VD, tokens_BT, axis=0), "BTD")
@@ -198,16 +203,10 @@ class Transformer(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    # The cache rides in the scan carry, so each layer writes its slot in place instead of the
-    # scan copying the whole cache in and out on every decoded token.
     layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=(nn.broadcast, 0), length=cfg.num_layers,
+                     in_axes=(nn.broadcast,), length=cfg.num_layers,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    kv = None if cache is None else (cache.k_LBSKH, cache.v_LBSKH)
-    (x_BTD, kv), _ = layers(cfg, name="layers")((x_BTD, kv), (pos_BT, mask_BTS, index),
-                                                jnp.arange(cfg.num_layers))
-    if cache is not None:
-      cache = cache.replace(k_LBSKH=kv[0], v_LBSKH=kv[1])
+    x_BTD, kv = layers(cfg, self.emit_kv, name="layers")(x_BTD, (pos_BT, mask_BTS))
 
     x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD[:, logits_from:])  # Skip unneeded unembeddings.
     if cfg.tie_embeddings:
@@ -215,7 +214,8 @@ class Transformer(nn.Module):
     else:
       unembed_DV = _param(self, "unembed_DV", (cfg.embed_dim, cfg.vocab_size), _normal, cfg)
       logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, unembed_DV, preferred_element_type=jnp.float32)
-    return sharding.constrain(logits_BTV, "BTV"), cache
+    logits_BTV = sharding.constrain(logits_BTV, "BTV")
+    return (logits_BTV, kv) if self.emit_kv else logits_BTV
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
@@ -240,13 +240,13 @@ def positions(mask_BT: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS,
-            cache: kvc.KVCache | None = None, index=0, logits_from: int = 0):
-  """One model call: (logits fp32, cache). With a cache, the T tokens go to slots index..index+T-1.
+def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logits_from: int = 0,
+            emit_kv: bool = False):
+  """Teacher-forced logits (fp32) for positions >= logits_from (static).
 
-  Logits are computed for positions >= logits_from only (static).
+  With `emit_kv`, returns (logits, (k_LBKTH, v_LBKTH)): every layer's keys and values, to fill a cache.
   """
-  return Transformer(cfg).apply({"params": params}, tokens_BT, pos_BT, mask_BTS, cache, index, logits_from)
+  return Transformer(cfg, emit_kv).apply({"params": params}, tokens_BT, pos_BT, mask_BTS, logits_from)
 
 
 def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array,
@@ -259,5 +259,80 @@ def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT
   T = tokens_BT.shape[1]
   causal_TT = jnp.tril(jnp.ones((T, T), bool))
   mask_BTS = causal_TT[None, :, :] & mask_BT[:, None, :]
-  out, _ = forward(model_cfg, params, tokens_BT, positions(mask_BT), mask_BTS, logits_from=logits_from)
-  return out
+  return forward(model_cfg, params, tokens_BT, positions(mask_BT), mask_BTS, logits_from=logits_from)
+
+
+# --- Cached decoding -----------------------------------------------------------------------------
+# The teacher-forced model keeps its layers stacked for `nn.scan`. The decode loop instead reads a
+# per-layer copy of the weights, made once per `generate` call, with q/k/v fused into one matrix
+# and gate/up into another: each decoded token then runs three matmuls fewer per layer and never
+# slices a stacked weight or cache (a slice inside the loop is a copy on every token).
+
+def decode_params(cfg: ModelConfig, params: Params) -> dict:
+  """Per-layer weights for `decode_step`, in the compute dtype.
+
+  layers[l]: attn_scale_D, wqkv_DKEH (E = R + 2: the R query heads of KV group k, then its key and
+  its value, so tensor parallelism splits K), bqkv_KEH (None without bias), wo_NHD, mlp_scale_D,
+  w_gate_up_D2F, w_down_FD. Also embed_VD, final_scale_D and unembed_DV.
+  """
+  D, N, K, H, L = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+  R = N // K
+  cast = lambda x: x.astype(cfg.dtype)
+  p = params["layers"]
+  wqkv_LDKEH = jnp.concatenate([p["wq_DNH"].reshape(L, D, K, R, H), p["wk_DKH"][:, :, :, None],
+                                p["wv_DKH"][:, :, :, None]], axis=3)
+  bqkv_LKEH = None
+  if cfg.qkv_bias:
+    bqkv_LKEH = jnp.concatenate([p["bq_NH"].reshape(L, K, R, H), p["bk_KH"][:, :, None],
+                                 p["bv_KH"][:, :, None]], axis=2)
+  w_gate_up_LD2F = jnp.stack([p["w_gate_DF"], p["w_up_DF"]], axis=2)
+  layers = [dict(attn_scale_D=cast(p["attn_norm"]["scale_D"][l]), wqkv_DKEH=cast(wqkv_LDKEH[l]),
+                 bqkv_KEH=None if bqkv_LKEH is None else cast(bqkv_LKEH[l]), wo_NHD=cast(p["wo_NHD"][l]),
+                 mlp_scale_D=cast(p["mlp_norm"]["scale_D"][l]), w_gate_up_D2F=cast(w_gate_up_LD2F[l]),
+                 w_down_FD=cast(p["w_down_FD"][l]))
+            for l in range(L)]
+  # A tied unembedding is transposed once here, so each token's logits are a plain [B,D]x[D,V] matmul.
+  unembed_DV = params["embed_VD"].T if cfg.tie_embeddings else params["unembed_DV"]
+  return dict(layers=layers, embed_VD=cast(params["embed_VD"]), final_scale_D=cast(params["final_norm"]["scale_D"]),
+              unembed_DV=cast(unembed_DV))
+
+
+def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Array, cache: kvc.KVCache,
+                index: jax.Array) -> tuple[jax.Array, kvc.KVCache]:
+  """One token per row through the cache: writes slot `index` of every layer, returns (logits_BV fp32, cache).
+
+  `cache.mask_BS` must already mark slot `index` (see `kv_cache.write_mask`); a row attends to
+  every marked slot, which are exactly its real tokens up to and including this one.
+  """
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  R = N // K
+  B = tok_B.shape[0]
+  pos_B1 = pos_B[:, None]
+  mask_BKRS = cache.mask_BS[:, None, None, :]
+  x_BD = jnp.take(dparams["embed_VD"], tok_B, axis=0)
+  ks, vs = [], []
+  for p, k_BKHS, v_BKSH in zip(dparams["layers"], cache.k, cache.v):
+    h_BD = rms_norm(x_BD, p["attn_scale_D"], cfg.norm_eps)
+    qkv_BKEH = jnp.einsum("BD,DKEH->BKEH", h_BD, p["wqkv_DKEH"])
+    if p["bqkv_KEH"] is not None:
+      qkv_BKEH += p["bqkv_KEH"][None]
+    q_BKRH = rope(qkv_BKEH[:, :, :R], pos_B1, cfg.rope_theta)
+    k_BK1H = rope(qkv_BKEH[:, :, R:R + 1], pos_B1, cfg.rope_theta)
+    k_BKHS, v_BKSH = kvc.update(k_BKHS, v_BKSH, k_BK1H, qkv_BKEH[:, :, R + 1:], index)
+    ks.append(k_BKHS)
+    vs.append(v_BKSH)
+
+    scores_BKRS = jnp.einsum("BKRH,BKHS->BKRS", q_BKRH, k_BKHS.astype(cfg.dtype),
+                             preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores_BKRS = jnp.where(mask_BKRS, scores_BKRS, jnp.finfo(jnp.float32).min)
+    probs_BKRS = jax.nn.softmax(scores_BKRS, axis=-1).astype(cfg.dtype)
+    o_BKRH = jnp.einsum("BKRS,BKSH->BKRH", probs_BKRS, v_BKSH.astype(cfg.dtype))
+    x_BD = x_BD + jnp.einsum("BNH,NHD->BD", o_BKRH.reshape(B, N, H), p["wo_NHD"])
+
+    h_BD = rms_norm(x_BD, p["mlp_scale_D"], cfg.norm_eps)
+    gate_up_B2F = jnp.einsum("BD,DGF->BGF", h_BD, p["w_gate_up_D2F"])
+    x_BD = x_BD + jnp.einsum("BF,FD->BD", nn.silu(gate_up_B2F[:, 0]) * gate_up_B2F[:, 1], p["w_down_FD"])
+
+  x_BD = rms_norm(x_BD, dparams["final_scale_D"], cfg.norm_eps)
+  logits_BV = jnp.einsum("BD,DV->BV", x_BD, dparams["unembed_DV"], preferred_element_type=jnp.float32)
+  return logits_BV, cache.replace(k=ks, v=vs)

@@ -79,6 +79,30 @@ def truncate(z_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return z_BV
 
 
+def sample_inverse_cdf(logp_BV: jax.Array, u_B: jax.Array, block: int = 128) -> jax.Array:
+  """Draws token i with probability exp(logp[i]) by inverting the CDF at u in [0, 1).
+
+  Exact like Gumbel-max but needs one uniform per row instead of V: on CPU the V random numbers
+  and logarithms cost more than the model itself for large vocabularies. The CDF is built in two
+  levels (block masses, then one block), so no O(V log V) scan runs over the whole vocabulary.
+  A token of probability 0 is never drawn.
+  """
+  B, V = logp_BV.shape
+  nb = -(-V // block)
+  p_Bnb = jnp.pad(jnp.exp(logp_BV), ((0, 0), (0, nb * block - V))).reshape(B, nb, block)
+  mass_Bn = p_Bnb.sum(-1)
+  cdf_Bn = jnp.cumsum(mass_Bn, -1)
+  u_B = u_B * cdf_Bn[:, -1]
+  blk_B = jnp.sum(cdf_Bn < u_B[:, None], -1)  # First block whose cumulative mass reaches u.
+  pick = lambda x_Bn: jnp.take_along_axis(x_Bn, blk_B[:, None], axis=1)[:, 0]
+  p_Bb = jnp.take_along_axis(p_Bnb, blk_B[:, None, None], axis=1)[:, 0]
+  u_B = u_B - (pick(cdf_Bn) - pick(mass_Bn))
+  i_B = jnp.sum(jnp.cumsum(p_Bb, -1) < u_B[:, None], -1)
+  # Rounding can leave u just past the block's own sum: stay on its last token of positive mass.
+  last_B = block - 1 - jnp.argmax(p_Bb[:, ::-1] > 0, axis=-1)
+  return blk_B * block + jnp.minimum(i_B, last_B)
+
+
 def choose(logits_BV: jax.Array, rng: jax.Array, cfg: SamplerConfig) -> tuple[jax.Array, jax.Array]:
   """Picks one token per row; returns (tokens_B, logp_B)."""
   z_BV = scaled_logits(logits_BV.astype(jnp.float32), cfg)
@@ -86,25 +110,26 @@ def choose(logits_BV: jax.Array, rng: jax.Array, cfg: SamplerConfig) -> tuple[ja
   if cfg.greedy:
     tok_B = jnp.argmax(z_BV, axis=-1)
   else:
-    tok_B = jax.random.categorical(rng, truncate(z_BV, cfg.top_k, cfg.top_p), axis=-1)
+    logq_BV = logp_BV  # The distribution sampled from: renormalised after any truncation.
+    if cfg.top_k or cfg.top_p < 1.0:
+      logq_BV = jax.nn.log_softmax(truncate(z_BV, cfg.top_k, cfg.top_p), axis=-1)
+    tok_B = sample_inverse_cdf(logq_BV, jax.random.uniform(rng, (z_BV.shape[0],)))
   tok_B = tok_B.astype(jnp.int32)
   return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
 
 
 def prefill(model_cfg: model_lib.ModelConfig, params, prompt_BP, prompt_mask_BP, cache_size: int):
-  """Runs the prompt through the model, filling cache slots [0, P); returns (next-token logits, cache)."""
-  B, P = prompt_BP.shape
-  cache = kvc.init(model_cfg.num_layers, B, cache_size, model_cfg.num_kv_heads, model_cfg.head_dim,
-                   jnp.dtype(model_cfg.dtype))
-  cache = kvc.write_mask(cache, prompt_mask_BP, 0)
-  mask_BPS = kvc.attention_mask(cache.mask_BS, 0, P)
+  """Runs the prompt through the model; returns (next-token logits, a cache whose slots [0, P) are filled)."""
+  P = prompt_BP.shape[1]
+  causal_PP = jnp.tril(jnp.ones((P, P), bool))
+  mask_BPS = causal_PP[None] & prompt_mask_BP[:, None, :]
   # Left padding: every row's last prompt token sits at P-1; only it needs unembedding.
-  logits_B1V, cache = model_lib.forward(model_cfg, params, prompt_BP, model_lib.positions(prompt_mask_BP),
-                                        mask_BPS, cache, 0, logits_from=P - 1)
-  return logits_B1V[:, -1], cache
+  logits_B1V, (k_LBKPH, v_LBKPH) = model_lib.forward(
+      model_cfg, params, prompt_BP, model_lib.positions(prompt_mask_BP), mask_BPS, logits_from=P - 1, emit_kv=True)
+  return logits_B1V[:, -1], kvc.from_prompt(k_LBKPH, v_LBKPH, prompt_mask_BP, cache_size)
 
 
-def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, state: SamplingState,
+def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state: SamplingState,
            prompt_len_B: jax.Array, budget: jax.Array) -> SamplingState:
   """The decode loop: choose a token, feed it back through the cache, until every row stops."""
   P = state.cache.size - cfg.max_new_tokens
@@ -127,11 +152,9 @@ def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, state: 
 
     slot = P + s.step
     cache = kvc.write_mask(s.cache, jnp.ones_like(tok_B, bool)[:, None], slot)
-    logits_B1V, cache = model_lib.forward(
-        model_cfg, params, tok_B[:, None], (prompt_len_B + s.step)[:, None],
-        kvc.attention_mask(cache.mask_BS, slot, 1), cache, slot)
+    logits_BV, cache = model_lib.decode_step(model_cfg, dparams, tok_B, prompt_len_B + s.step, cache, slot)
     return SamplingState(step=s.step + 1, tokens_BC=tokens_BC, logp_BC=logp_BC, done_B=done_B,
-                         length_B=s.length_B + running_B.astype(jnp.int32), logits_BV=logits_B1V[:, 0],
+                         length_B=s.length_B + running_B.astype(jnp.int32), logits_BV=logits_BV,
                          cache=cache, rng=rng)
 
   return jax.lax.while_loop(cond, body, state)
@@ -147,7 +170,8 @@ def _generate(model_cfg, cfg: SamplerConfig, params, prompt_BP, prompt_mask_BP, 
       logp_BC=jnp.zeros((B, C), jnp.float32), done_B=jnp.zeros((B,), bool),
       length_B=jnp.zeros((B,), jnp.int32), logits_BV=logits_BV, cache=cache, rng=rng)
   prompt_len_B = jnp.sum(prompt_mask_BP, axis=-1, dtype=jnp.int32)
-  state = decode(model_cfg, cfg, params, state, prompt_len_B, jnp.minimum(budget, C))
+  dparams = model_lib.decode_params(model_cfg, params)
+  state = decode(model_cfg, cfg, dparams, state, prompt_len_B, jnp.minimum(budget, C))
   mask_BC = jnp.arange(C)[None, :] < state.length_B[:, None]
   return Samples(tokens_BC=state.tokens_BC, logp_BC=state.logp_BC, mask_BC=mask_BC,
                  length_B=state.length_B, truncated_B=~state.done_B)

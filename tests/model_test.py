@@ -2,8 +2,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from dapo_jax import kv_cache, model, testing
+from dapo_jax import kv_cache, model, sampling, testing
 
 CFG = testing.tiny_model_config(vocab_size=40)
 PARAMS = model.init_params(CFG, jax.random.key(0))
@@ -45,16 +46,21 @@ def test_remat_and_jit_do_not_change_outputs_or_grads():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grad, base_grad)
 
 
-def test_cached_decode_matches_full_forward():
-  tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, size=(2, 6)))
-  mask = jnp.ones((2, 6), bool)
-  full = model.logits(CFG, PARAMS, tokens, mask)
-  cache = kv_cache.init(CFG.num_layers, 2, 6, CFG.num_kv_heads, CFG.head_dim)
-  for t in range(6):  # One token at a time through the cache.
+@pytest.mark.parametrize("overrides", [{}, dict(num_kv_heads=1, qkv_bias=False, tie_embeddings=False)])
+def test_cached_decode_matches_full_forward(overrides):
+  cfg = testing.tiny_model_config(vocab_size=40, **overrides)
+  params = model.init_params(cfg, jax.random.key(5))
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 7)))
+  mask = jnp.ones((2, 7), bool).at[1, :2].set(False)  # Row 1 is left-padded by two.
+  full = model.logits(cfg, params, tokens, mask)
+  # Prefill three tokens, then one token at a time through the cache.
+  logits, cache = sampling.prefill(cfg, params, tokens[:, :3], mask[:, :3], cache_size=7)
+  np.testing.assert_allclose(logits, full[:, 2], atol=1e-5)
+  dparams = model.decode_params(cfg, params)
+  for t in range(3, 7):
     cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
-    out, cache = model.forward(CFG, PARAMS, tokens[:, t:t + 1], jnp.full((2, 1), t),
-                               kv_cache.attention_mask(cache.mask_BS, t, 1), cache, t)
-    np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5)
+    logits, cache = model.decode_step(cfg, dparams, tokens[:, t], model.positions(mask)[:, t], cache, t)
+    np.testing.assert_allclose(logits, full[:, t], atol=1e-5)
 
 
 def test_bf16_compute_close_to_fp32():

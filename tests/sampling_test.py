@@ -65,29 +65,34 @@ def test_greedy_independent_of_padding_and_batch():
       np.testing.assert_array_equal(got[0], batched[b])
 
 
-def test_several_eos_ids_and_truncation():
-  prompt, pmask = prompts([8, 6, 4], seed=7)
-  # Sampling at T=1 gives varied tokens; with the same key, a row's tokens do not depend on
-  # whether other rows have stopped.
-  free = np.asarray(sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=10), PARAMS, prompt,
-                                      pmask, jax.random.key(0)).tokens_BC)
-  # Pick EOS ids from the free-running output so rows 0 and 1 stop at different steps via
-  # different ids, and row 2 (containing neither) runs out of budget.
-  eos = None
+def _eos_pair(free):
+  """EOS ids from a free-running output such that rows 0 and 1 stop at different steps via
+  different ids, and row 2 (containing neither) runs out of budget; None if there are none."""
   for t0 in range(1, 10):
     for t1 in range(1, 10):
       a, b = free[0, t0], free[1, t1]
       if (t0 != t1 and a != b and a not in free[0, :t0] and b not in free[1, :t1]
           and a not in free[1, :t1 + 1] and b not in free[0, :t0 + 1]
           and a not in free[2] and b not in free[2]):
-        eos = (int(a), int(b), t0, t1)
-        break
+        return int(a), int(b), t0, t1
+  return None
+
+
+def test_several_eos_ids_and_truncation():
+  prompt, pmask = prompts([8, 6, 4], seed=7)
+  # Sampling at T=1 gives varied tokens; with the same key, a row's tokens do not depend on
+  # whether other rows have stopped.
+  for seed in range(10):
+    key = jax.random.key(seed)
+    free = np.asarray(sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=10), PARAMS, prompt,
+                                        pmask, key).tokens_BC)
+    eos = _eos_pair(free)
     if eos:
       break
   assert eos is not None, "test model produced no usable tokens; change the seed"
   a, b, t0, t1 = eos
   cfg = sampling.SamplerConfig(max_new_tokens=10, eos_ids=(a, b), pad_id=0)
-  out = sampling.generate(CFG, cfg, PARAMS, prompt, pmask, jax.random.key(0))
+  out = sampling.generate(CFG, cfg, PARAMS, prompt, pmask, key)
   np.testing.assert_array_equal(np.asarray(out.length_B), [t0 + 1, t1 + 1, 10])
   np.testing.assert_array_equal(np.asarray(out.truncated_B), [False, False, True])
   mask = np.asarray(out.mask_BC)
