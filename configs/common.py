@@ -73,6 +73,7 @@ def base() -> mlc.ConfigDict:
                  minibatches=16,             # optimizer updates per rollout step and epoch
                  ppo_epochs=1,
                  num_microbatches=1,         # gradient accumulation inside one update
+                 share_prompt=True,          # a group's prompt runs through the model once (exact)
                  ckpt_every=5, keep_ckpts=3,
                  eval_every=5, log_samples_every=5,
                  max_bad_steps=5)            # stop after this many non-finite updates in a row

@@ -20,8 +20,9 @@ def get_config(arg=None):
                 max_prompt_len=192, prompt_buckets=(128, 192), num_eval=64)
   c.rollout.update(group_size=8, max_new_tokens=24, temperature=1.0, top_p=1.0, top_k=0)
   c.dapo.update(prompts_per_step=8, gen_prompts=16, max_gen_batches=3, overlong_buffer=6)
-  c.optim.update(lr=2e-6, warmup_steps=3, weight_decay=0.1)
-  c.train.update(num_steps=40, minibatches=2, num_microbatches=2, ckpt_every=5, eval_every=10,
+  c.optim.update(lr=5e-6, warmup_steps=2, weight_decay=0.1)
+  # One update per rollout step: pi_old is the current policy, so no old-log-prob pass runs.
+  c.train.update(num_steps=40, minibatches=1, num_microbatches=1, ckpt_every=5, eval_every=5,
                  log_samples_every=5)
   c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
   c.mesh.update(data=1, fsdp=-1, tensor=1)

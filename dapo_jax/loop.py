@@ -108,7 +108,8 @@ class DAPO:
     self.pg_cfg = train_step.PGConfig(
         eps_low=d.eps_low, eps_high=d.eps_high, clip_ratio_c=d.clip_ratio_c or None, loss_agg=d.loss_agg,
         verl_microbatch_weighting=d.verl_microbatch_weighting, temperature=cfg.rollout.temperature or 1.0,
-        kl_coef=d.kl_coef, kl_estimator=d.kl_estimator, old_is_current=self.updates_per_step == 1)
+        kl_coef=d.kl_coef, kl_estimator=d.kl_estimator, old_is_current=self.updates_per_step == 1,
+        group_size=cfg.rollout.group_size if cfg.train.share_prompt else 0)
     self.trainer = train_step.Trainer(self.model_cfg, optim.OptimConfig(**cfg.optim), self.mesh,
                                       pg_cfg=self.pg_cfg, num_microbatches=cfg.train.num_microbatches)
     self.state = self.trainer.init(params=params)
@@ -146,6 +147,10 @@ class DAPO:
       raise ValueError(f"train batch of {d.prompts_per_step} prompts x {c.rollout.group_size} = {rows} rows "
                        f"does not split into train.minibatches={t.minibatches} x "
                        f"train.num_microbatches={t.num_microbatches}")
+    if t.share_prompt and (per_mb // t.num_microbatches) % c.rollout.group_size:
+      raise ValueError(f"train.share_prompt needs whole groups per micro-batch: {per_mb // t.num_microbatches} rows "
+                       f"per micro-batch is not a multiple of rollout.group_size={c.rollout.group_size} "
+                       "(change train.minibatches / train.num_microbatches, or set train.share_prompt=False)")
     if not d.dynamic_sampling and d.gen_prompts != d.prompts_per_step:
       logging.info("dynamic sampling is off: each step generates dapo.prompts_per_step prompts")
     if d.overlong_buffer > c.rollout.max_new_tokens:
@@ -172,17 +177,21 @@ class DAPO:
   def generate(self, params, prompt_QP, prompt_mask_QP, G: int, key, sampler_cfg):
     """G samples per prompt (rows interleaved: prompt q's samples are rows qG..qG+G-1)."""
     P = self._bucketed(prompt_mask_QP)
-    rows_BP = np.repeat(prompt_QP[:, -P:], G, axis=0)
-    rmask_BP = np.repeat(prompt_mask_QP[:, -P:], G, axis=0)
-    B = len(rows_BP)
-    chunk = self.cfg.rollout.rows_per_call or B  # Bounds the KV cache of one sampler call.
-    if B % chunk:
-      raise ValueError(f"rollout.rows_per_call={chunk} must divide the {B} rows of a generation batch")
+    prompt_QP, prompt_mask_QP = prompt_QP[:, -P:], prompt_mask_QP[:, -P:]
+    Q = len(prompt_QP)
+    chunk = self.cfg.rollout.rows_per_call or Q * G  # Bounds the KV cache of one sampler call.
+    if chunk % G or (Q * G) % chunk:
+      raise ValueError(f"rollout.rows_per_call={chunk} must be a multiple of rollout.group_size={G} "
+                       f"and divide the {Q * G} rows of a generation batch")
+    per_call = chunk // G
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    # Prompts are split over the data shards when they divide evenly, else every shard holds them all.
+    placement = self.trainer.batch_sharding if per_call % shards == 0 else self.trainer.replicated
     outs = []
-    for i in range(0, B, chunk):
-      part = sharding.put((rows_BP[i:i + chunk], rmask_BP[i:i + chunk]), self.trainer.batch_sharding)
-      k = key if chunk == B else jax.random.fold_in(key, i)
-      outs.append(sharding.fetch(sampling.generate(self.model_cfg, sampler_cfg, params, *part, k)))
+    for i in range(0, Q, per_call):
+      part = sharding.put((prompt_QP[i:i + per_call], prompt_mask_QP[i:i + per_call]), placement)
+      k = key if per_call == Q else jax.random.fold_in(key, i)
+      outs.append(sharding.fetch(sampling.generate(self.model_cfg, sampler_cfg, params, *part, k, num_samples=G)))
     return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
 
   def score(self, examples, tokens_BC, mask_BC, length_B, G: int) -> dict:

@@ -9,6 +9,7 @@ Parameters live in `param_dtype`, matrix work runs in `dtype`; logits and softma
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -137,68 +138,113 @@ def attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS):
   return jnp.einsum("BKRTS,BSKH->BTKRH", probs_BKRTS, v_BSKH)
 
 
+def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask_QP):
+  """Attention of B = Q*G completion rows, row qG+g seeing prompt q's keys and then its own.
+
+  The prompt's keys and values are read once per prompt, never repeated G times.
+  """
+  Q, P = mask_QP.shape
+  B, C, K, R, H = q_BCKRH.shape
+  G = B // Q
+  q_QGCKRH = q_BCKRH.reshape(Q, G, C, K, R, H)
+  k_QGCKH, v_QGCKH = k_BCKH.reshape(Q, G, C, K, H), v_BCKH.reshape(Q, G, C, K, H)
+  f32 = dict(preferred_element_type=jnp.float32)
+  scores_QGKRCS = jnp.concatenate([jnp.einsum("QGCKRH,QPKH->QGKRCP", q_QGCKRH, k_QPKH, **f32),
+                                   jnp.einsum("QGCKRH,QGSKH->QGKRCS", q_QGCKRH, k_QGCKH, **f32)], -1)
+  mask_QGKRCS = jnp.concatenate(
+      [jnp.broadcast_to(mask_QP[:, None, None, None, None, :], (Q, G, 1, 1, C, P)),
+       mask_BCC.reshape(Q, G, 1, 1, C, C)], -1)
+  scores_QGKRCS = jnp.where(mask_QGKRCS, scores_QGKRCS * (H ** -0.5), jnp.finfo(jnp.float32).min)
+  probs_QGKRCS = jax.nn.softmax(scores_QGKRCS, axis=-1).astype(q_BCKRH.dtype)
+  o_QGCKRH = (jnp.einsum("QGKRCP,QPKH->QGCKRH", probs_QGKRCS[..., :P], v_QPKH)
+              + jnp.einsum("QGKRCS,QGSKH->QGCKRH", probs_QGKRCS[..., P:], v_QGCKH))
+  return o_QGCKRH.reshape(B, C, K, R, H)
+
+
 class Block(nn.Module):
   """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-  With `emit_kv`, also returns this call's keys and values ([B, K, T, H] each) for a KV cache.
+  `x` is one segment of rows, [B, T, D], or two: Q prompts [Q, P, D] and their B = Q*G completions
+  [B, C, D], completion row qG+g continuing prompt q (a rollout group shares one prompt forward).
+  Dense layers run on every token of every segment at once; only attention sees the segments.
+  With `emit_kv` (one segment), also returns this call's keys and values ([B, K, T, H] each).
   """
   cfg: ModelConfig
   emit_kv: bool = False
 
   @nn.compact
-  def __call__(self, x_BTD, shared):
+  def __call__(self, x, shared):
     cfg = self.cfg
-    pos_BT, mask_BTS = shared
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    B, T, _ = x_BTD.shape
+    R = N // K
+    segments = x if isinstance(x, tuple) else (x,)
+    pos, mask = shared if isinstance(x, tuple) else ((shared[0],), (shared[1],))
+    shapes = [s.shape[:2] for s in segments]
+    x_XD = jnp.concatenate([s.reshape(-1, D) for s in segments])  # X: every token, flattened
 
-    # Dense projections run on flattened tokens (X = B*T): 2-D matmuls whose gradients XLA
-    # computes without transposed copies.
-    h_XD = RMSNorm(cfg, name="attn_norm")(x_BTD).reshape(B * T, D)
-    q_BTNH = jnp.einsum("XD,DNH->XNH", h_XD, _param(self, "wq_DNH", (D, N, H), _normal, cfg)).reshape(B, T, N, H)
-    k_BTKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wk_DKH", (D, K, H), _normal, cfg)).reshape(B, T, K, H)
-    v_BTKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wv_DKH", (D, K, H), _normal, cfg)).reshape(B, T, K, H)
+    def per_segment(a_X, *trailing):
+      """[X, ...] -> one [rows, T, ...] array per segment."""
+      sizes = [b * t for b, t in shapes]
+      parts = jnp.split(a_X, list(itertools.accumulate(sizes))[:-1]) if len(sizes) > 1 else [a_X]
+      return [p.reshape(b, t, *trailing) for p, (b, t) in zip(parts, shapes)]
+
+    # Dense projections run on flattened tokens: 2-D matmuls whose gradients XLA computes
+    # without transposed copies.
+    h_XD = RMSNorm(cfg, name="attn_norm")(x_XD)
+    q_XNH = jnp.einsum("XD,DNH->XNH", h_XD, _param(self, "wq_DNH", (D, N, H), _normal, cfg))
+    k_XKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wk_DKH", (D, K, H), _normal, cfg))
+    v_XKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wv_DKH", (D, K, H), _normal, cfg))
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
-      q_BTNH += _param(self, "bq_NH", (N, H), zeros, cfg)[None, None]
-      k_BTKH += _param(self, "bk_KH", (K, H), zeros, cfg)[None, None]
-      v_BTKH += _param(self, "bv_KH", (K, H), zeros, cfg)[None, None]
-    q_BTNH = rope(q_BTNH, pos_BT, cfg.rope_theta)
-    k_BTKH = rope(k_BTKH, pos_BT, cfg.rope_theta)
+      q_XNH += _param(self, "bq_NH", (N, H), zeros, cfg)[None]
+      k_XKH += _param(self, "bk_KH", (K, H), zeros, cfg)[None]
+      v_XKH += _param(self, "bv_KH", (K, H), zeros, cfg)[None]
+    qs = [rope(q, p, cfg.rope_theta).reshape(*q.shape[:2], K, R, H) for q, p in zip(per_segment(q_XNH, N, H), pos)]
+    ks = [rope(k, p, cfg.rope_theta) for k, p in zip(per_segment(k_XKH, K, H), pos)]
+    vs = per_segment(v_XKH, K, H)
 
-    R = N // K
-    q_BTKRH = q_BTNH.reshape(B, T, K, R, H)
-    c = cfg.attn_chunk
-    if c and T > c and T % c == 0:
-      # Query blocks, each rematerialised: scores never exceed [B, K, R, c, S] in memory.
-      q_nBcKRH = jnp.moveaxis(q_BTKRH.reshape(B, T // c, c, K, R, H), 1, 0)
-      mask_nBcS = jnp.moveaxis(mask_BTS.reshape(B, T // c, c, -1), 1, 0)
-      block = jax.checkpoint(lambda qm: attend(qm[0], k_BTKH, v_BTKH, qm[1]))
-      o_BTKRH = jnp.moveaxis(jax.lax.map(block, (q_nBcKRH, mask_nBcS)), 0, 1).reshape(B, T, K, R, H)
-    else:
-      o_BTKRH = attend(q_BTKRH, k_BTKH, v_BTKH, mask_BTS)
-    o_BTNH = o_BTKRH.reshape(B, T, N, H)
-    x_BTD = x_BTD + jnp.einsum("XNH,NHD->XD", o_BTNH.reshape(B * T, N, H),
-                               _param(self, "wo_NHD", (N, H, D), _normal, cfg)).reshape(B, T, D)
+    if len(segments) == 1:
+      outs = [self._attend_rows(qs[0], ks[0], vs[0], mask[0])]
+    else:  # Prompts attend among themselves; completions to their prompt, then to themselves.
+      mask_QPP, mask_BCC = mask
+      outs = [attend(qs[0], ks[0], vs[0], mask_QPP),
+              attend_shared_prompt(qs[1], ks[1], vs[1], mask_BCC, ks[0], vs[0], mask_QPP[:, -1])]
+    o_XNH = jnp.concatenate([o.reshape(-1, N, H) for o in outs])
+    x_XD = x_XD + jnp.einsum("XNH,NHD->XD", o_XNH, _param(self, "wo_NHD", (N, H, D), _normal, cfg))
 
-    h_XD = RMSNorm(cfg, name="mlp_norm")(x_BTD).reshape(B * T, D)
+    h_XD = RMSNorm(cfg, name="mlp_norm")(x_XD)
     gate_XF = jnp.einsum("XD,DF->XF", h_XD, _param(self, "w_gate_DF", (D, F), _normal, cfg))
     up_XF = jnp.einsum("XD,DF->XF", h_XD, _param(self, "w_up_DF", (D, F), _normal, cfg))
     down_FD = _param(self, "w_down_FD", (F, D), _normal, cfg)
-    x_BTD = x_BTD + jnp.einsum("XF,FD->XD", nn.silu(gate_XF) * up_XF, down_FD).reshape(B, T, D)
-    kv = (k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)) if self.emit_kv else None
-    return sharding.constrain(x_BTD, "BTD"), kv
+    x_XD = x_XD + jnp.einsum("XF,FD->XD", nn.silu(gate_XF) * up_XF, down_FD)
+    out = tuple(sharding.constrain(s, "BTD") for s in per_segment(x_XD, D))
+    kv = (ks[0].transpose(0, 2, 1, 3), vs[0].transpose(0, 2, 1, 3)) if self.emit_kv else None
+    return (out if isinstance(x, tuple) else out[0]), kv
+
+  def _attend_rows(self, q_BTKRH, k_BTKH, v_BTKH, mask_BTS):
+    B, T, K, R, H = q_BTKRH.shape
+    c = self.cfg.attn_chunk
+    if not (c and T > c and T % c == 0):
+      return attend(q_BTKRH, k_BTKH, v_BTKH, mask_BTS)
+    # Query blocks, each rematerialised: scores never exceed [B, K, R, c, S] in memory.
+    q_nBcKRH = jnp.moveaxis(q_BTKRH.reshape(B, T // c, c, K, R, H), 1, 0)
+    mask_nBcS = jnp.moveaxis(mask_BTS.reshape(B, T // c, c, -1), 1, 0)
+    block = jax.checkpoint(lambda qm: attend(qm[0], k_BTKH, v_BTKH, qm[1]))
+    return jnp.moveaxis(jax.lax.map(block, (q_nBcKRH, mask_nBcS)), 0, 1).reshape(B, T, K, R, H)
 
 
 class Transformer(nn.Module):
+  """The whole model. Inputs are one segment of rows, or (prompts, completions) as in `Block`:
+  then the logits are those predicting each completion token, [B, C, V]."""
   cfg: ModelConfig
   emit_kv: bool = False  # also return every layer's keys/values: ([L, B, K, T, H], [L, B, K, T, H])
 
   @nn.compact
-  def __call__(self, tokens_BT, pos_BT, mask_BTS, logits_from: int = 0):
+  def __call__(self, tokens, pos, mask, logits_from: int = 0):
     cfg = self.cfg
     embed_VD = _param(self, "embed_VD", (cfg.vocab_size, cfg.embed_dim), _normal, cfg)
-    x_BTD = sharding.constrain(jnp.take(embed_VD, tokens_BT, axis=0), "BTD")
+    embed = lambda t: sharding.constrain(jnp.take(embed_VD, t, axis=0), "BTD")
+    x = tuple(map(embed, tokens)) if isinstance(tokens, tuple) else embed(tokens)
 
     block = Block
     if cfg.remat != "none":
@@ -206,9 +252,16 @@ class Transformer(nn.Module):
     layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(nn.broadcast,), length=cfg.num_layers,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    x_BTD, kv = layers(cfg, self.emit_kv, name="layers")(x_BTD, (pos_BT, mask_BTS))
+    x, kv = layers(cfg, self.emit_kv, name="layers")(x, (pos, mask))
 
-    x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD[:, logits_from:])  # Skip unneeded unembeddings.
+    if isinstance(x, tuple):
+      # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
+      x_prompt_QD, x_BCD = x
+      G = x_BCD.shape[0] // x_prompt_QD.shape[0]
+      x_BTD = jnp.concatenate([jnp.repeat(x_prompt_QD[:, -1:], G, axis=0), x_BCD[:, :-1]], axis=1)
+    else:
+      x_BTD = x[:, logits_from:]  # Skip unneeded unembeddings.
+    x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD)
     if cfg.tie_embeddings:
       logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, embed_VD, preferred_element_type=jnp.float32)
     else:
@@ -260,6 +313,24 @@ def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT
   causal_TT = jnp.tril(jnp.ones((T, T), bool))
   mask_BTS = causal_TT[None, :, :] & mask_BT[:, None, :]
   return forward(model_cfg, params, tokens_BT, positions(mask_BT), mask_BTS, logits_from=logits_from)
+
+
+def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
+                      completion_BC: jax.Array, completion_mask_BC: jax.Array) -> jax.Array:
+  """Logits [B, C, V] (fp32) predicting each completion token, for G = B/Q completions per prompt.
+
+  Equals `logits` on the rows [prompt q | completion qG+g] (positions P-1 .. P+C-2), but each
+  prompt's tokens pass through the model once rather than G times.
+  """
+  prompt_mask_QP, completion_mask_BC = prompt_mask_QP.astype(bool), completion_mask_BC.astype(bool)
+  G = completion_BC.shape[0] // prompt_QP.shape[0]
+  P, C = prompt_QP.shape[1], completion_BC.shape[1]
+  mask_QPP = jnp.tril(jnp.ones((P, P), bool))[None] & prompt_mask_QP[:, None, :]
+  mask_BCC = jnp.tril(jnp.ones((C, C), bool))[None] & completion_mask_BC[:, None, :]
+  prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
+  pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
+  return Transformer(model_cfg).apply({"params": params}, (prompt_QP, completion_BC),
+                                      (positions(prompt_mask_QP), pos_BC), (mask_QPP, mask_BCC))
 
 
 # --- Cached decoding -----------------------------------------------------------------------------

@@ -160,16 +160,18 @@ def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state:
   return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _generate(model_cfg, cfg: SamplerConfig, params, prompt_BP, prompt_mask_BP, rng, budget) -> Samples:
-  B, P = prompt_BP.shape
-  C = cfg.max_new_tokens
-  logits_BV, cache = prefill(model_cfg, params, prompt_BP, prompt_mask_BP, P + C)
+@functools.partial(jax.jit, static_argnums=(0, 1, 7))
+def _generate(model_cfg, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP, rng, budget, G: int) -> Samples:
+  Q, P = prompt_QP.shape
+  B, C = Q * G, cfg.max_new_tokens
+  # Each prompt is prefilled once; its G samples share the result (rows qG..qG+G-1).
+  logits_QV, cache = prefill(model_cfg, params, prompt_QP, prompt_mask_QP, P + C)
+  logits_BV, cache = jax.tree.map(lambda x_Q: jnp.repeat(x_Q, G, axis=0), (logits_QV, cache))
   state = SamplingState(
       step=jnp.zeros((), jnp.int32), tokens_BC=jnp.full((B, C), cfg.pad_id, jnp.int32),
       logp_BC=jnp.zeros((B, C), jnp.float32), done_B=jnp.zeros((B,), bool),
       length_B=jnp.zeros((B,), jnp.int32), logits_BV=logits_BV, cache=cache, rng=rng)
-  prompt_len_B = jnp.sum(prompt_mask_BP, axis=-1, dtype=jnp.int32)
+  prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   dparams = model_lib.decode_params(model_cfg, params)
   state = decode(model_cfg, cfg, dparams, state, prompt_len_B, jnp.minimum(budget, C))
   mask_BC = jnp.arange(C)[None, :] < state.length_B[:, None]
@@ -177,9 +179,10 @@ def _generate(model_cfg, cfg: SamplerConfig, params, prompt_BP, prompt_mask_BP, 
                  length_B=state.length_B, truncated_B=~state.done_B)
 
 
-def generate(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, prompt_BP, prompt_mask_BP,
-             rng: jax.Array, max_new_tokens: int | None = None) -> Samples:
-  """Samples one completion per left-padded prompt row. `max_new_tokens` <= C needs no recompile."""
+def generate(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP,
+             rng: jax.Array, max_new_tokens: int | None = None, num_samples: int = 1) -> Samples:
+  """Samples `num_samples` (G) completions per left-padded prompt row: Q prompts -> B = Q*G rows,
+  prompt q's samples at rows qG..qG+G-1. `max_new_tokens` <= C needs no recompile."""
   budget = jnp.asarray(cfg.max_new_tokens if max_new_tokens is None else max_new_tokens, jnp.int32)
-  return _generate(model_cfg, cfg, params, jnp.asarray(prompt_BP, jnp.int32),
-                   jnp.asarray(prompt_mask_BP, bool), rng, budget)
+  return _generate(model_cfg, cfg, params, jnp.asarray(prompt_QP, jnp.int32),
+                   jnp.asarray(prompt_mask_QP, bool), rng, budget, num_samples)

@@ -52,6 +52,8 @@ class PGConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   old_is_current: bool = False              # π_old = π_θ (one update per rollout step): ratio is 1
+  group_size: int = 0                       # >0: rows come in groups of G sharing one prompt, which
+                                            # then runs through the model once per group
 
 
 # --- objectives: (counts over the whole mini-batch, loss of one micro-batch) ---------------------
@@ -62,12 +64,20 @@ def pg_counts(batch: RLBatch) -> dict:
           "num_rows": jnp.asarray(batch.adv_B.shape[0], jnp.float32)}
 
 
-def pg_objective(model_cfg: model_lib.ModelConfig, cfg: PGConfig, params, mb: RLBatch, counts: dict):
+def policy_logits(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch) -> jax.Array:
+  """Logits [B, C, V] predicting each completion token of a mini-batch of RL rows."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
+  if group_size:
+    return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
+                                       mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:])
   # Logits at position P-1+t predict completion token t.
-  logits_BCV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1)
-  z_BCV = logits_BCV / cfg.temperature
+  return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1)
+
+
+def pg_objective(model_cfg: model_lib.ModelConfig, cfg: PGConfig, params, mb: RLBatch, counts: dict):
+  P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
+  z_BCV = policy_logits(model_cfg, cfg.group_size, params, mb) / cfg.temperature
   logp_BC = loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
   old_logp_BC = jax.lax.stop_gradient(logp_BC) if cfg.old_is_current else mb.old_logp_BC
   if cfg.verl_microbatch_weighting:
@@ -103,18 +113,33 @@ def lm_objective(model_cfg: model_lib.ModelConfig, params, mb: LMBatch, counts: 
 
 # --- the step ---------------------------------------------------------------------------------
 
-def split_microbatches(batch, num_microbatches: int):
-  """[B, ...] -> [M, B/M, ...]; micro-batch m takes rows m, m+M, ... so data shards stay local."""
+def split_microbatches(batch, num_microbatches: int, group_size: int = 1):
+  """[B, ...] -> [M, B/M, ...]; micro-batch m takes groups of rows m, m+M, ... so data shards stay local.
+
+  A group is `group_size` consecutive rows (the samples of one prompt) and is never split.
+  """
+  M, G = num_microbatches, max(group_size, 1)
+
   def split(x):
     B = x.shape[0]
-    if B % num_microbatches:
-      raise ValueError(f"batch of {B} rows does not split into {num_microbatches} micro-batches")
-    return jnp.swapaxes(x.reshape(B // num_microbatches, num_microbatches, *x.shape[1:]), 0, 1)
+    if B % (M * G):
+      raise ValueError(f"batch of {B} rows does not split into {M} micro-batches of whole groups of {G}")
+    x = x.reshape(B // (M * G), M, G, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(M, B // M, *x.shape[3:])
   return jax.tree.map(split, batch)
 
 
+def merge_microbatches(x_M, group_size: int = 1):
+  """Inverse of `split_microbatches` for one array [M, B/M, ...] -> [B, ...]."""
+  M, rows = x_M.shape[:2]
+  G = max(group_size, 1)
+  x = x_M.reshape(M, rows // G, G, *x_M.shape[2:])
+  return jnp.swapaxes(x, 0, 1).reshape(M * rows, *x_M.shape[2:])
+
+
 def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Callable,
-               tx: optax.GradientTransformation, optim_cfg: optim.OptimConfig, num_microbatches: int = 1):
+               tx: optax.GradientTransformation, optim_cfg: optim.OptimConfig, num_microbatches: int = 1,
+               group_size: int = 1):
   """One optimizer update on one mini-batch; pure. Returns (state, metrics)."""
   counts = counts_fn(batch)  # Global over the mini-batch: the denominators of every micro-batch.
   grad_fn = jax.value_and_grad(lambda p, mb: objective(p, mb, counts), has_aux=True)
@@ -126,7 +151,7 @@ def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Call
   if num_microbatches == 1:
     (loss, metrics), grads = grad_fn(state.params, batch)
   else:
-    micro = split_microbatches(batch, num_microbatches)
+    micro = split_microbatches(batch, num_microbatches, group_size)
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = jax.eval_shape(lambda: grad_fn(state.params, first))
     (loss0, metrics0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -148,17 +173,17 @@ def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Call
   return state, metrics
 
 
-def completion_logprobs(model_cfg, temperature: float, params, batch: RLBatch, num_microbatches: int = 1):
+def completion_logprobs(model_cfg, temperature: float, params, batch: RLBatch, num_microbatches: int = 1,
+                        group_size: int = 0):
   """log π(completion token) under `params`, from temperature-scaled logits: [B, C] fp32."""
   def one(mb):
     C = mb.loss_mask_BC.shape[1]
     P = mb.tokens_BT.shape[1] - C
-    logits_BCV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1)
+    logits_BCV = policy_logits(model_cfg, group_size, params, mb)
     return loss_lib.token_logprobs(logits_BCV / temperature, mb.tokens_BT[:, P:])
   if num_microbatches == 1:
     return one(batch)
-  out_MbC = jax.lax.map(one, split_microbatches(batch, num_microbatches))
-  return jnp.swapaxes(out_MbC, 0, 1).reshape(-1, out_MbC.shape[-1])  # Undo the strided split.
+  return merge_microbatches(jax.lax.map(one, split_microbatches(batch, num_microbatches, group_size)), group_size)
 
 
 class Trainer:
@@ -195,12 +220,13 @@ class Trainer:
     else:
       raise ValueError(f"objective {objective!r}; expected 'pg' or 'lm'")
     step = functools.partial(train_step, objective=obj, counts_fn=counts_fn, tx=self.tx,
-                             optim_cfg=optim_cfg, num_microbatches=num_microbatches)
+                             optim_cfg=optim_cfg, num_microbatches=num_microbatches,
+                             group_size=pg_cfg.group_size if objective == "pg" else 1)
     self.step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
                         out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
     self.logprobs = jax.jit(
         functools.partial(completion_logprobs, model_cfg, pg_cfg.temperature,
-                          num_microbatches=num_microbatches),
+                          num_microbatches=num_microbatches, group_size=pg_cfg.group_size),
         in_shardings=(self.params_sharding, self.batch_sharding), out_shardings=self.batch_sharding)
     self._create = jax.jit(lambda p: TrainState.create(p, self.tx), in_shardings=(self.params_sharding,),
                            out_shardings=self.state_sharding)

@@ -142,3 +142,15 @@ def test_token_distribution(temperature, top_k, top_p):
   # logp is the temperature-scaled log-softmax before truncation.
   ref_logp = z - np.log(np.exp(z).sum())
   np.testing.assert_allclose(np.asarray(logp)[:100], ref_logp[np.asarray(tok)[:100]], atol=1e-5)
+
+
+def test_samples_per_prompt_share_one_prefill():
+  # G samples of one prompt row == the same prompt repeated G times (same key, same rows).
+  cfg = sampling.SamplerConfig(max_new_tokens=6, temperature=1.0)
+  prompt, pmask = prompts([5, 3], seed=3)
+  shared = sampling.generate(CFG, cfg, PARAMS, prompt, pmask, jax.random.key(2), num_samples=3)
+  repeated = sampling.generate(CFG, cfg, PARAMS, np.repeat(prompt, 3, 0), np.repeat(pmask, 3, 0),
+                               jax.random.key(2))
+  np.testing.assert_array_equal(np.asarray(shared.tokens_BC), np.asarray(repeated.tokens_BC))
+  np.testing.assert_allclose(np.asarray(shared.logp_BC), np.asarray(repeated.logp_BC), atol=1e-6)
+  assert len(set(map(tuple, np.asarray(shared.tokens_BC)[:3]))) > 1  # The samples differ.
