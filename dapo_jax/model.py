@@ -112,16 +112,21 @@ class RMSNorm(nn.Module):
     return rms_norm(x_BTD, scale_D, self.cfg.norm_eps)
 
 
-def rope(x_BTNH: jax.Array, pos_BT: jax.Array, theta: float) -> jax.Array:
+def rope_table(pos_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) [B, T, H/2] of the rotary angles, computed once per call and shared by every layer."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]
+  return jnp.cos(angle_BTh), jnp.sin(angle_BTh)
+
+
+def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
   """Rotary embedding, HF "rotate half" convention (first and second halves pair up).
 
   Any [B, T, ..., H] array works: the angles broadcast over the axes between T and H.
   """
   H = x_BTNH.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-  angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_freq[None, None, :]
   middle = (slice(None), slice(None)) + (None,) * (x_BTNH.ndim - 3)
-  cos, sin = jnp.cos(angle_BTh)[middle], jnp.sin(angle_BTh)[middle]
+  cos, sin = table[0][middle], table[1][middle]
   x = x_BTNH.astype(jnp.float32)
   x1, x2 = x[..., : H // 2], x[..., H // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -178,7 +183,7 @@ class Block(nn.Module):
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     R = N // K
     segments = x if isinstance(x, tuple) else (x,)
-    pos, mask = shared if isinstance(x, tuple) else ((shared[0],), (shared[1],))
+    tables, mask = shared if isinstance(x, tuple) else ((shared[0],), (shared[1],))
     shapes = [s.shape[:2] for s in segments]
     x_XD = jnp.concatenate([s.reshape(-1, D) for s in segments])  # X: every token, flattened
 
@@ -199,8 +204,8 @@ class Block(nn.Module):
       q_XNH += _param(self, "bq_NH", (N, H), zeros, cfg)[None]
       k_XKH += _param(self, "bk_KH", (K, H), zeros, cfg)[None]
       v_XKH += _param(self, "bv_KH", (K, H), zeros, cfg)[None]
-    qs = [rope(q, p, cfg.rope_theta).reshape(*q.shape[:2], K, R, H) for q, p in zip(per_segment(q_XNH, N, H), pos)]
-    ks = [rope(k, p, cfg.rope_theta) for k, p in zip(per_segment(k_XKH, K, H), pos)]
+    qs = [rope(q, t).reshape(*q.shape[:2], K, R, H) for q, t in zip(per_segment(q_XNH, N, H), tables)]
+    ks = [rope(k, t) for k, t in zip(per_segment(k_XKH, K, H), tables)]
     vs = per_segment(v_XKH, K, H)
 
     if len(segments) == 1:
@@ -252,7 +257,9 @@ class Transformer(nn.Module):
     layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(nn.broadcast,), length=cfg.num_layers,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    x, kv = layers(cfg, self.emit_kv, name="layers")(x, (pos, mask))
+    table = lambda p: rope_table(p, cfg.head_dim, cfg.rope_theta)
+    tables = tuple(map(table, pos)) if isinstance(pos, tuple) else table(pos)
+    x, kv = layers(cfg, self.emit_kv, name="layers")(x, (tables, mask))
 
     if isinstance(x, tuple):
       # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
@@ -378,7 +385,7 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   R = N // K
   B = tok_B.shape[0]
-  pos_B1 = pos_B[:, None]
+  table = rope_table(pos_B[:, None], H, cfg.rope_theta)
   mask_BKRS = cache.mask_BS[:, None, None, :]
   x_BD = jnp.take(dparams["embed_VD"], tok_B, axis=0)
   ks, vs = [], []
@@ -387,8 +394,8 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     qkv_BKEH = jnp.einsum("BD,DKEH->BKEH", h_BD, p["wqkv_DKEH"])
     if p["bqkv_KEH"] is not None:
       qkv_BKEH += p["bqkv_KEH"][None]
-    q_BKRH = rope(qkv_BKEH[:, :, :R], pos_B1, cfg.rope_theta)
-    k_BK1H = rope(qkv_BKEH[:, :, R:R + 1], pos_B1, cfg.rope_theta)
+    q_BKRH = rope(qkv_BKEH[:, :, :R], table)
+    k_BK1H = rope(qkv_BKEH[:, :, R:R + 1], table)
     k_BKHS, v_BKSH = kvc.update(k_BKHS, v_BKSH, k_BK1H, qkv_BKEH[:, :, R + 1:], index)
     ks.append(k_BKHS)
     vs.append(v_BKSH)
