@@ -18,7 +18,8 @@ assert mesh.devices.size == 128, mesh
 
 
 def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
-  pg = train_step.PGConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0)
+  G = cfg.rollout.group_size  # As the loop runs it: one prompt forward per group, one prefill per prompt.
+  pg = train_step.PGConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, group_size=G)
   trainer = train_step.Trainer(mc, optim.OptimConfig(**cfg.optim), mesh, pg_cfg=pg,
                                num_microbatches=cfg.train.num_microbatches)
   state = jax.eval_shape(lambda: train_step.TrainState.create(
@@ -33,10 +34,10 @@ def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
                   adv_B=sds((rows,), jnp.float32), ref_logp_BC=sds((rows, C), jnp.float32))
   lowered = trainer.step.lower(state, batch)
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(151643, 151645))
-  prompt = jax.ShapeDtypeStruct((gen_rows, T_prompt), jnp.int32, sharding=bs)
-  pmask = jax.ShapeDtypeStruct((gen_rows, T_prompt), bool, sharding=bs)
+  prompt = jax.ShapeDtypeStruct((gen_rows // G, T_prompt), jnp.int32, sharding=bs)
+  pmask = jax.ShapeDtypeStruct((gen_rows // G, T_prompt), bool, sharding=bs)
   lowered_s = sampling._generate.lower(mc, sc, state.params, prompt, pmask, jax.random.key(0),
-                                       jnp.asarray(C, jnp.int32))
+                                       jnp.asarray(C, jnp.int32), G)
   if compile_it:
     lowered.compile()
     lowered_s.compile()
