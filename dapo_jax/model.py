@@ -263,9 +263,9 @@ class Transformer(nn.Module):
 
     if isinstance(x, tuple):
       # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
-      x_prompt_QD, x_BCD = x
-      G = x_BCD.shape[0] // x_prompt_QD.shape[0]
-      x_BTD = jnp.concatenate([jnp.repeat(x_prompt_QD[:, -1:], G, axis=0), x_BCD[:, :-1]], axis=1)
+      x_QPD, x_BCD = x
+      G = x_BCD.shape[0] // x_QPD.shape[0]
+      x_BTD = jnp.concatenate([jnp.repeat(x_QPD[:, -1:], G, axis=0), x_BCD[:, :-1]], axis=1)
     else:
       x_BTD = x[:, logits_from:]  # Skip unneeded unembeddings.
     x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD)
@@ -309,17 +309,19 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logit
   return Transformer(cfg, emit_kv).apply({"params": params}, tokens_BT, pos_BT, mask_BTS, logits_from)
 
 
+def causal_mask(mask_BT: jax.Array) -> jax.Array:
+  """[B, T, T] attention mask of rows attending to themselves: causal, real keys only."""
+  T = mask_BT.shape[1]
+  return jnp.tril(jnp.ones((T, T), bool))[None] & mask_BT.astype(bool)[:, None, :]
+
+
 def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array,
            logits_from: int = 0) -> jax.Array:
   """Teacher-forced logits [B, T, V] (fp32) of left-padded rows; mask 1 = real token.
 
   With `logits_from`, only positions logits_from..T-1 are unembedded ([B, T - logits_from, V]).
   """
-  mask_BT = mask_BT.astype(bool)
-  T = tokens_BT.shape[1]
-  causal_TT = jnp.tril(jnp.ones((T, T), bool))
-  mask_BTS = causal_TT[None, :, :] & mask_BT[:, None, :]
-  return forward(model_cfg, params, tokens_BT, positions(mask_BT), mask_BTS, logits_from=logits_from)
+  return forward(model_cfg, params, tokens_BT, positions(mask_BT), causal_mask(mask_BT), logits_from=logits_from)
 
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
@@ -329,15 +331,13 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
   Equals `logits` on the rows [prompt q | completion qG+g] (positions P-1 .. P+C-2), but each
   prompt's tokens pass through the model once rather than G times.
   """
-  prompt_mask_QP, completion_mask_BC = prompt_mask_QP.astype(bool), completion_mask_BC.astype(bool)
   G = completion_BC.shape[0] // prompt_QP.shape[0]
-  P, C = prompt_QP.shape[1], completion_BC.shape[1]
-  mask_QPP = jnp.tril(jnp.ones((P, P), bool))[None] & prompt_mask_QP[:, None, :]
-  mask_BCC = jnp.tril(jnp.ones((C, C), bool))[None] & completion_mask_BC[:, None, :]
+  C = completion_BC.shape[1]
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
   return Transformer(model_cfg).apply({"params": params}, (prompt_QP, completion_BC),
-                                      (positions(prompt_mask_QP), pos_BC), (mask_QPP, mask_BCC))
+                                      (positions(prompt_mask_QP), pos_BC),
+                                      (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)))
 
 
 # --- Cached decoding -----------------------------------------------------------------------------
@@ -400,11 +400,11 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     ks.append(k_BKHS)
     vs.append(v_BKSH)
 
-    scores_BKRS = jnp.einsum("BKRH,BKHS->BKRS", q_BKRH, k_BKHS.astype(cfg.dtype),
+    scores_BKRS = jnp.einsum("BKRH,BKHS->BKRS", q_BKRH, k_BKHS,
                              preferred_element_type=jnp.float32) * (H ** -0.5)
     scores_BKRS = jnp.where(mask_BKRS, scores_BKRS, jnp.finfo(jnp.float32).min)
     probs_BKRS = jax.nn.softmax(scores_BKRS, axis=-1).astype(cfg.dtype)
-    o_BKRH = jnp.einsum("BKRS,BKSH->BKRH", probs_BKRS, v_BKSH.astype(cfg.dtype))
+    o_BKRH = jnp.einsum("BKRS,BKSH->BKRH", probs_BKRS, v_BKSH)
     x_BD = x_BD + jnp.einsum("BNH,NHD->BD", o_BKRH.reshape(B, N, H), p["wo_NHD"])
 
     h_BD = rms_norm(x_BD, p["mlp_scale_D"], cfg.norm_eps)

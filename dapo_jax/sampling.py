@@ -121,11 +121,10 @@ def choose(logits_BV: jax.Array, rng: jax.Array, cfg: SamplerConfig) -> tuple[ja
 def prefill(model_cfg: model_lib.ModelConfig, params, prompt_BP, prompt_mask_BP, cache_size: int):
   """Runs the prompt through the model; returns (next-token logits, a cache whose slots [0, P) are filled)."""
   P = prompt_BP.shape[1]
-  causal_PP = jnp.tril(jnp.ones((P, P), bool))
-  mask_BPS = causal_PP[None] & prompt_mask_BP[:, None, :]
   # Left padding: every row's last prompt token sits at P-1; only it needs unembedding.
   logits_B1V, (k_LBKPH, v_LBKPH) = model_lib.forward(
-      model_cfg, params, prompt_BP, model_lib.positions(prompt_mask_BP), mask_BPS, logits_from=P - 1, emit_kv=True)
+      model_cfg, params, prompt_BP, model_lib.positions(prompt_mask_BP),
+      model_lib.causal_mask(prompt_mask_BP), logits_from=P - 1, emit_kv=True)
   return logits_B1V[:, -1], kvc.from_prompt(k_LBKPH, v_LBKPH, prompt_mask_BP, cache_size)
 
 
