@@ -32,7 +32,8 @@ def base() -> mlc.ConfigDict:
                  num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, norm_eps=1e-6,
                  qkv_bias=True, tie_embeddings=True, param_dtype="float32",
                  dtype="float32",            # compute dtype: bfloat16 on GPU/TPU
-                 remat="none",               # none | full | dots
+                 remat="dots",               # none | full | dots: on XLA:CPU "dots" (keep matmul
+                                             # outputs, recompute the rest) is also the fastest
                  attn_chunk=0)               # attention query block (0 = whole rows); long rows need it
   c.tokenizer = dict(path="",                # "" = train a small BPE on the task text into workdir
                      vocab_size=256)

@@ -23,7 +23,7 @@ def get_config(arg=None):
     raise ValueError(f"task={a.task!r}; expected one of {sorted(TASKS)}")
   task = TASKS[a.task]
   c = common.base()
-  c.model.update(init="gguf", gguf="smollm2", dtype="float32", remat="none")
+  c.model.update(init="gguf", gguf="smollm2", dtype="float32", remat="dots")
   c.data.update(task="arith", digits=2, digits_b=task["digits_b"], ops=task["ops"], fewshot=2,
                 prompt_template=INSTRUCTION, max_prompt_len=192, prompt_buckets=(128, 192), num_eval=64)
   c.rollout.update(group_size=8, max_new_tokens=24, temperature=1.0, top_p=1.0, top_k=0)

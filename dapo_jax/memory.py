@@ -18,14 +18,16 @@ class Plan:
   optimizer: float
   gradients: float
   activations_no_remat: float
-  activations_remat: float
+  activations_remat: float   # remat="full": each layer's input is kept
+  activations_dots: float    # remat="dots": each layer's input and its matmul outputs are kept
   kv_cache: float
   devices: int
   remat: str
 
   @property
   def train_total(self) -> float:
-    act = self.activations_no_remat if self.remat == "none" else self.activations_remat
+    act = {"none": self.activations_no_remat, "full": self.activations_remat,
+           "dots": self.activations_dots}[self.remat]
     return self.params + self.optimizer + self.gradients + act
 
   @property
@@ -66,15 +68,19 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
   logits = 2 * 4 * rows * completion_len * V / t                 # fp32 logits and their gradient.
   act_full = L * (tokens * per_token_layer + (scores if q_block == T else 0)) + logits
   act_remat = L * tokens * D * c_bytes + tokens * per_token_layer + scores + logits
+  # "dots" keeps q/k/v and gate/up (attention scores are batched matmuls: recomputed).
+  dots_token_layer = c_bytes * (D + ((N + 2 * K) * H + 2 * F) / t)
+  act_dots = L * tokens * dots_token_layer + tokens * per_token_layer + scores + logits
   kv_rows = gen_rows / batch_shards
   kv = 2 * L * kv_rows * T * (K / min(K, t)) * H * c_bytes if K >= t else 2 * L * kv_rows * T * H * c_bytes
-  return Plan(params, optimizer, gradients, act_full, act_remat, kv, devices, mc.remat)
+  return Plan(params, optimizer, gradients, act_full, act_remat, act_dots, kv, devices, mc.remat)
 
 
 def report(p: Plan, name: str = "") -> str:
   lines = [f"memory plan per device{(' for ' + name) if name else ''} ({p.devices} devices, remat={p.remat})"]
   rows = [("parameters", p.params), ("optimizer state (AdamW)", p.optimizer), ("gradients", p.gradients),
-          ("activations, no remat", p.activations_no_remat), ("activations, remat", p.activations_remat),
+          ("activations, no remat", p.activations_no_remat), ("activations, remat=full", p.activations_remat),
+          ("activations, remat=dots", p.activations_dots),
           ("KV cache (sampling)", p.kv_cache), ("peak (train or sample)", p.peak)]
   lines += [f"  {k:28s} {v / GB:10.2f} GB" for k, v in rows]
   lines += [f"  fits {acc:14s} {'yes' if p.fits(gb) else 'NO'}" for acc, gb in ACCELERATORS_GB.items()]

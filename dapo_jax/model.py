@@ -43,7 +43,8 @@ class ModelConfig:
   tie_embeddings: bool = True
   param_dtype: str = "float32"
   dtype: str = "float32"   # compute dtype: bfloat16 on GPU/TPU, float32 on CPU
-  remat: str = "none"      # rematerialisation policy: none | full | dots
+  remat: str = "none"      # what the backward pass re-computes: none | full (all but each layer's
+                           # input) | dots (all but matmul outputs; the fastest on XLA:CPU too)
   attn_chunk: int = 0      # queries per attention block (0 = all at once); bounds score memory for long rows
   arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama
 
@@ -134,36 +135,46 @@ def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 def attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS):
-  """Grouped-query attention: R query heads share each of the K key/value heads. fp32 softmax."""
-  H = q_BTKRH.shape[-1]
-  scores_BKRTS = jnp.einsum("BTKRH,BSKH->BKRTS", q_BTKRH, k_BSKH,
+  """Grouped-query attention: R query heads share each of the K key/value heads. fp32 softmax.
+
+  Runs heads-major ([B, K, R*T, H] queries against [B, K, S, H] keys): XLA:CPU's batched matmuls
+  are about 30% faster forward and backward on this layout than on token-major operands, even
+  counting the transposes.
+  """
+  B, T, K, R, H = q_BTKRH.shape
+  q_BKRTH = q_BTKRH.transpose(0, 2, 3, 1, 4)
+  k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+  scores_BKRTS = jnp.einsum("BKRTH,BKSH->BKRTS", q_BKRTH, k_BKSH,
                             preferred_element_type=jnp.float32) * (H ** -0.5)
   scores_BKRTS = jnp.where(mask_BTS[:, None, None], scores_BKRTS, jnp.finfo(jnp.float32).min)
   probs_BKRTS = jax.nn.softmax(scores_BKRTS, axis=-1).astype(q_BTKRH.dtype)
-  return jnp.einsum("BKRTS,BSKH->BTKRH", probs_BKRTS, v_BSKH)
+  return jnp.einsum("BKRTS,BKSH->BKRTH", probs_BKRTS, v_BKSH).transpose(0, 3, 1, 2, 4)
 
 
 def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask_QP):
   """Attention of B = Q*G completion rows, row qG+g seeing prompt q's keys and then its own.
 
-  The prompt's keys and values are read once per prompt, never repeated G times.
+  The prompt's keys and values are read once per prompt, never repeated G times: against them,
+  all G*R*C queries of a (prompt, KV head) pair form one matmul. Heads-major, as in `attend`.
   """
   Q, P = mask_QP.shape
   B, C, K, R, H = q_BCKRH.shape
   G = B // Q
-  q_QGCKRH = q_BCKRH.reshape(Q, G, C, K, R, H)
-  k_QGCKH, v_QGCKH = k_BCKH.reshape(Q, G, C, K, H), v_BCKH.reshape(Q, G, C, K, H)
+  q_QKGRCH = q_BCKRH.reshape(Q, G, C, K, R, H).transpose(0, 3, 1, 4, 2, 5)
+  k_QKGCH = k_BCKH.reshape(Q, G, C, K, H).transpose(0, 3, 1, 2, 4)
+  v_QKGCH = v_BCKH.reshape(Q, G, C, K, H).transpose(0, 3, 1, 2, 4)
+  k_QKPH, v_QKPH = k_QPKH.transpose(0, 2, 1, 3), v_QPKH.transpose(0, 2, 1, 3)
   f32 = dict(preferred_element_type=jnp.float32)
-  scores_QGKRCS = jnp.concatenate([jnp.einsum("QGCKRH,QPKH->QGKRCP", q_QGCKRH, k_QPKH, **f32),
-                                   jnp.einsum("QGCKRH,QGSKH->QGKRCS", q_QGCKRH, k_QGCKH, **f32)], -1)
-  mask_QGKRCS = jnp.concatenate(
-      [jnp.broadcast_to(mask_QP[:, None, None, None, None, :], (Q, G, 1, 1, C, P)),
-       mask_BCC.reshape(Q, G, 1, 1, C, C)], -1)
-  scores_QGKRCS = jnp.where(mask_QGKRCS, scores_QGKRCS * (H ** -0.5), jnp.finfo(jnp.float32).min)
-  probs_QGKRCS = jax.nn.softmax(scores_QGKRCS, axis=-1).astype(q_BCKRH.dtype)
-  o_QGCKRH = (jnp.einsum("QGKRCP,QPKH->QGCKRH", probs_QGKRCS[..., :P], v_QPKH)
-              + jnp.einsum("QGKRCS,QGSKH->QGCKRH", probs_QGKRCS[..., P:], v_QGCKH))
-  return o_QGCKRH.reshape(B, C, K, R, H)
+  scores_QKGRCS = jnp.concatenate([jnp.einsum("QKGRCH,QKPH->QKGRCP", q_QKGRCH, k_QKPH, **f32),
+                                   jnp.einsum("QKGRCH,QKGSH->QKGRCS", q_QKGRCH, k_QKGCH, **f32)], -1)
+  mask_QKGRCS = jnp.concatenate(
+      [jnp.broadcast_to(mask_QP[:, None, None, None, None, :], (Q, 1, G, 1, C, P)),
+       mask_BCC.reshape(Q, 1, G, 1, C, C)], -1)
+  scores_QKGRCS = jnp.where(mask_QKGRCS, scores_QKGRCS * (H ** -0.5), jnp.finfo(jnp.float32).min)
+  probs_QKGRCS = jax.nn.softmax(scores_QKGRCS, axis=-1).astype(q_BCKRH.dtype)
+  o_QKGRCH = (jnp.einsum("QKGRCP,QKPH->QKGRCH", probs_QKGRCS[..., :P], v_QKPH)
+              + jnp.einsum("QKGRCS,QKGSH->QKGRCH", probs_QKGRCS[..., P:], v_QKGCH))
+  return o_QKGRCH.transpose(0, 2, 4, 1, 3, 5).reshape(B, C, K, R, H)
 
 
 class Block(nn.Module):

@@ -15,6 +15,9 @@ def test_plan_by_hand():
   logits = 2 * 4 * 2 * 10 * V / 2
   assert p.activations_no_remat == L * (2 * T * per_token_layer + scores) + logits
   assert p.activations_remat == L * 2 * T * D * 4 + 2 * T * per_token_layer + scores + logits
+  dots_token_layer = 4 * (D + ((N + 2 * K) * H + 2 * F) / 2)   # input; q, k, v; gate, up
+  assert p.activations_dots == L * 2 * T * dots_token_layer + 2 * T * per_token_layer + scores + logits
+  assert p.remat == "none" and p.train_total == p.params + p.optimizer + p.gradients + p.activations_no_remat
   assert p.kv_cache == 2 * L * 8 * T * H * 4   # 16 rows / 2 shards; one KV head per tensor shard
   assert p.fits(16) and not p.fits(1e-6)
   assert "fits H100-80GB" in memory.report(p)
