@@ -79,7 +79,10 @@ def base() -> mlc.ConfigDict:
                  eval_every=5, log_samples_every=5,
                  max_bad_steps=5)            # stop after this many non-finite updates in a row
   c.eval = dict(k=32, temperature=1.0, top_p=0.7, greedy=False, max_new_tokens=0)  # 0: rollout's
-  c.sft = dict(steps=0, batch_size=32, seq_len=128, lr=1e-3, warmup_steps=20, num_examples=20_000)
+  c.sft = dict(steps=0, batch_size=32, seq_len=128, lr=1e-3, warmup_steps=20, num_examples=20_000,
+               target_acc=0.0,       # >0: stop early once greedy solves this fraction of a probe
+               probe_size=256,       # training problems in that probe
+               probe_every=25)       # steps between probes
   c.mesh = dict(data=1, fsdp=-1, tensor=1)   # -1: the rest of the devices
   return c
 

@@ -22,5 +22,6 @@ def get_config(arg=None):
   c.optim.update(lr=1e-4, warmup_steps=3, weight_decay=0.0)
   c.train.update(num_steps=100, minibatches=2, ckpt_every=10, eval_every=10, log_samples_every=10)
   c.eval.update(k=4, temperature=1.0, top_p=0.7, greedy=True)
-  c.sft.update(steps=300, batch_size=32, seq_len=128, lr=2e-3, warmup_steps=20, num_examples=20_000)
+  c.sft.update(steps=600, batch_size=32, seq_len=128, lr=2e-3, warmup_steps=20, num_examples=20_000,
+               target_acc=0.3, probe_every=5)
   return c

@@ -1,10 +1,12 @@
 """Supervised warm start: packed language modelling on reference solutions, with the RL train step."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dapo_jax import data as data_lib
@@ -26,6 +28,31 @@ def sft_texts(tok, examples, chat_template: bool, style: str = "steps") -> list[
           for ex in examples]
 
 
+def probe_batch(tok, examples, chat_template: bool, style: str = "steps") -> tuple[np.ndarray, ...]:
+  """Rows of prompt + reference solution + EOS, tokenized as generation sees them (prompt and
+  completion apart), left-padded: (tokens [B, T], mask [B, T], completion mask [B, T])."""
+  prompts = tok([tokenizer_lib.render(tok, ex.messages, chat_template) for ex in examples],
+                add_special_tokens=False)["input_ids"]
+  completions = tok([data_lib.arith_solution(ex, style) for ex in examples], add_special_tokens=False)["input_ids"]
+  rows = [(p, c + [tok.eos_token_id]) for p, c in zip(prompts, completions)]
+  T = max(len(p) + len(c) for p, c in rows)
+  tokens = np.full((len(rows), T), tok.pad_token_id, np.int32)
+  mask, completion = np.zeros((len(rows), T), bool), np.zeros((len(rows), T), bool)
+  for b, (p, c) in enumerate(rows):
+    tokens[b, T - len(p) - len(c):] = p + c
+    mask[b, T - len(p) - len(c):] = True
+    completion[b, T - len(c):] = True
+  return tokens, mask, completion
+
+
+def exact_match(model_cfg: model_lib.ModelConfig, params, tokens_BT, mask_BT, completion_BT) -> jax.Array:
+  """Fraction of rows whose every completion token is the argmax given the tokens before it:
+  exactly the rows that greedy decoding from the prompt would reproduce."""
+  logits_BTV = model_lib.logits(model_cfg, params, tokens_BT[:, :-1], mask_BT[:, :-1])
+  hit_BT = (jnp.argmax(logits_BTV, -1) == tokens_BT[:, 1:]) | ~completion_BT[:, 1:]
+  return jnp.mean(jnp.all(hit_BT, axis=1))
+
+
 def run(cfg, model_cfg: model_lib.ModelConfig, tok, examples, mesh, workdir: str | None = None, params=None):
   """Returns SFT-trained params (random init unless `params` is given)."""
   s = cfg.sft
@@ -40,6 +67,11 @@ def run(cfg, model_cfg: model_lib.ModelConfig, tok, examples, mesh, workdir: str
   trainer = train_step.Trainer(model_cfg, opt, mesh, objective="lm")
   state = trainer.init(jax.random.key(cfg.seed), params=params)
   rng = np.random.default_rng(cfg.seed)
+  if s.target_acc:
+    # Stop once greedy decoding reproduces target_acc of a probe of training problems: a warm start
+    # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
+    probe = probe_batch(tok, examples[-s.probe_size:], cfg.data.chat_template, cfg.data.solution_style)
+    probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
   t0 = time.time()
   logging.info("SFT: %d steps of %d x %d tokens from %d chunks", s.steps, s.batch_size, s.seq_len, len(chunks))
   for step in range(s.steps):
@@ -51,4 +83,10 @@ def run(cfg, model_cfg: model_lib.ModelConfig, tok, examples, mesh, workdir: str
       m = jax.device_get(metrics)
       print(f"SFT step {step + 1}/{s.steps}  loss {m['lm_loss']:.3f}  token acc {m['token_acc']:.3f}  "
             f"({time.time() - t0:.0f}s)", flush=True)
+    if s.target_acc and (step + 1) % s.probe_every == 0:
+      acc = float(probe_acc(state.params, *probe))
+      if acc >= s.target_acc:
+        print(f"SFT step {step + 1}: greedy reproduces {acc:.1%} of {len(probe[0])} training problems "
+              f"(sft.target_acc={s.target_acc}); warm start done", flush=True)
+        break
   return state.params

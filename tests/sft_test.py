@@ -1,0 +1,48 @@
+"""The SFT warm start's packing and its greedy-accuracy probe."""
+import jax
+import numpy as np
+import pytest
+
+from dapo_jax import data, sampling, sft, testing
+
+CFG = testing.tiny_model_config(vocab_size=50)
+PARAMS = testing.sharp_params(CFG, seed=3)
+
+
+def test_pack_joins_with_eos_and_drops_the_tail():
+  chunks = sft.pack([[1, 2, 3], [4], [5, 6]], seq_len=3, eos_id=0)
+  # Stream: 1 2 3 0 4 0 5 6 0 -> three full chunks, nothing left over.
+  np.testing.assert_array_equal(chunks, [[1, 2, 3], [0, 4, 0], [5, 6, 0]])
+  np.testing.assert_array_equal(sft.pack([[1, 2, 3, 4]], seq_len=3, eos_id=0), [[1, 2, 3]])
+
+
+def test_exact_match_counts_the_rows_greedy_decoding_reproduces():
+  rng = np.random.default_rng(0)
+  B, P, C = 6, 7, 9
+  prompt = rng.integers(5, CFG.vocab_size, size=(B, P)).astype(np.int32)
+  pmask = np.ones((B, P), bool)
+  for b, pad in enumerate([0, 2, 4, 0, 1, 3]):  # Left padding of different amounts.
+    pmask[b, :pad] = False
+  greedy = np.asarray(sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=C, temperature=0.0), PARAMS,
+                                        prompt, pmask, jax.random.key(0)).tokens_BC)
+  tokens = np.concatenate([prompt, greedy], 1)
+  mask = np.concatenate([pmask, np.ones((B, C), bool)], 1)
+  completion = np.concatenate([np.zeros((B, P), bool), np.ones((B, C), bool)], 1)
+  assert float(sft.exact_match(CFG, PARAMS, tokens, mask, completion)) == 1.0
+  # One wrong token anywhere in the completion loses that row; two rows of six lost.
+  tokens[1, P + 4] = (tokens[1, P + 4] + 1) % CFG.vocab_size
+  tokens[4, -1] = (tokens[4, -1] + 1) % CFG.vocab_size
+  assert float(sft.exact_match(CFG, PARAMS, tokens, mask, completion)) == pytest.approx(4 / 6)
+
+
+def test_probe_rows_are_prompt_then_solution_then_eos(tmp_path):
+  tok = testing.build_tokenizer(str(tmp_path / "tok"))
+  examples = data.arith_examples(5, seed=1)
+  tokens, mask, completion = sft.probe_batch(tok, examples, chat_template=True)
+  for b, ex in enumerate(examples):
+    row = tokens[b][mask[b]].tolist()
+    answer = tokens[b][completion[b]].tolist()
+    assert answer[-1] == tok.eos_token_id and row[-len(answer):] == answer
+    assert tok.decode(answer[:-1]) == data.arith_solution(ex)
+    assert (completion[b] <= mask[b]).all()
+  assert mask[:, -1].all()  # Every row ends at the last column (left padding).
