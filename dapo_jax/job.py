@@ -78,14 +78,18 @@ def model_config(cfg, vocab_size: int) -> model_lib.ModelConfig:
   return model_lib.ModelConfig(vocab_size=v, **fields)
 
 
+def runtime_overrides(cfg) -> dict:
+  """The config's model fields that apply to a model loaded from disk (not in its config.json)."""
+  return {k: cfg.model[k] for k in _RUNTIME_FIELDS}
+
+
 def initial_model(cfg, workdir: str, tok, mesh, train_examples):
   """(ModelConfig, params) as `model.init` says: random, an HF directory, or the SFT warm start."""
   init = cfg.model.init
   if init == "hf":
-    overrides = {k: cfg.model[k] for k in _RUNTIME_FIELDS}
-    return hf.load(cfg.model.hf_dir, **overrides)
+    return hf.load(cfg.model.hf_dir, **runtime_overrides(cfg))
   if init == "gguf":
-    return hf.load(gguf_model_dir(cfg, workdir), **{k: cfg.model[k] for k in _RUNTIME_FIELDS})
+    return hf.load(gguf_model_dir(cfg, workdir), **runtime_overrides(cfg))
   vocab = ((len(tok) + 63) // 64) * 64  # Round up: tidy shapes, room for tensor sharding.
   model_cfg = model_config(cfg, vocab)
   if init == "random":
@@ -97,6 +101,6 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
       params = sft.run(cfg, model_cfg, tok, train_examples, mesh, workdir)
       if jax.process_index() == 0:
         hf.save(sft_dir, model_cfg, jax.device_get(params), tokenizer=tok)
-    loaded_cfg, params = hf.load(sft_dir, **{k: cfg.model[k] for k in _RUNTIME_FIELDS})
+    loaded_cfg, params = hf.load(sft_dir, **runtime_overrides(cfg))
     return loaded_cfg, params
   raise ValueError(f"model.init={init!r}; expected 'random', 'hf' or 'sft'")

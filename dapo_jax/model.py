@@ -141,7 +141,7 @@ def attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS):
   are about 30% faster forward and backward on this layout than on token-major operands, even
   counting the transposes.
   """
-  B, T, K, R, H = q_BTKRH.shape
+  H = q_BTKRH.shape[-1]
   q_BKRTH = q_BTKRH.transpose(0, 2, 3, 1, 4)
   k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
   scores_BKRTS = jnp.einsum("BKRTH,BKSH->BKRTS", q_BKRTH, k_BKSH,

@@ -57,7 +57,7 @@ def load_model(cfg):
 
   from dapo_jax import hf, job, model
   if _MODEL_DIR.value:
-    return hf.load(_MODEL_DIR.value, dtype=_DTYPE.value, remat=cfg.model.remat)
+    return hf.load(_MODEL_DIR.value, **{**job.runtime_overrides(cfg), "dtype": _DTYPE.value})
   mc = job.model_config(cfg, cfg.model.vocab_size or 1024)
   return mc, model.init_params(mc, jax.random.key(0))
 
