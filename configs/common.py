@@ -32,6 +32,7 @@ def base() -> mlc.ConfigDict:
                  num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, norm_eps=1e-6,
                  qkv_bias=True, tie_embeddings=True, param_dtype="float32",
                  dtype="float32",            # compute dtype: bfloat16 on GPU/TPU
+                 matmul_dtype="",            # weight-matmul operands ("" = dtype; fp32 accumulation)
                  remat="dots",               # none | full | dots: on XLA:CPU "dots" (keep matmul
                                              # outputs, recompute the rest) is also the fastest
                  attn_chunk=0)               # attention query block (0 = whole rows); long rows need it
@@ -103,7 +104,8 @@ def runlocal(c: mlc.ConfigDict) -> None:
   """Shrinks any recipe to a seconds-long CPU smoke run on the built-in arithmetic task."""
   c.model.update(init="random", hf_dir="", gguf="", vocab_size=0, embed_dim=32, mlp_dim=64, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
-                 tie_embeddings=True, param_dtype="float32", dtype="float32", remat="none", attn_chunk=0)
+                 tie_embeddings=True, param_dtype="float32", dtype="float32", matmul_dtype="", remat="none",
+                 attn_chunk=0)
   c.tokenizer.update(path="", vocab_size=300)
   c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8,
                 digits_b=0, fewshot=0)

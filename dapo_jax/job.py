@@ -17,7 +17,7 @@ from dapo_jax import model as model_lib
 from dapo_jax import tokenizer as tokenizer_lib
 
 # Fields that are not in an HF config.json: they apply to a loaded model too.
-_RUNTIME_FIELDS = ("param_dtype", "dtype", "remat", "attn_chunk")
+_RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk")
 _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
                  "norm_eps", "qkv_bias", "tie_embeddings") + _RUNTIME_FIELDS
 

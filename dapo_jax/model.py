@@ -4,11 +4,13 @@ RMSNorm, rotary embeddings, grouped-query attention (N query heads share K KV he
 SwiGLU MLP, optional QKV bias (Qwen2), tied or untied embeddings. Layers are stacked with
 `nn.scan`, so compile time does not grow with depth and every layer parameter has a leading
 L axis. Parameters carry logical axis names derived from their shape-suffixed names.
-Parameters live in `param_dtype`, matrix work runs in `dtype`; logits and softmax are fp32.
+Parameters live in `param_dtype`, activations in `dtype`; the weight matmuls read their operands in
+`matmul_dtype` and accumulate in fp32; logits and softmax are fp32.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -43,6 +45,9 @@ class ModelConfig:
   tie_embeddings: bool = True
   param_dtype: str = "float32"
   dtype: str = "float32"   # compute dtype: bfloat16 on GPU/TPU, float32 on CPU
+  matmul_dtype: str = ""   # operands of the weight matmuls ("" = dtype), fp32 accumulation; bfloat16
+                           # with dtype=float32 is mixed precision, 2x the matmul rate of CPUs with
+                           # AVX512-BF16 (XLA:CPU runs a bf16 dot with f32 output on its fast path)
   remat: str = "none"      # what the backward pass re-computes: none | full (all but each layer's
                            # input) | dots (all but matmul outputs; the fastest on XLA:CPU too)
   attn_chunk: int = 0      # queries per attention block (0 = all at once); bounds score memory for long rows
@@ -57,8 +62,12 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r}; expected one of {sorted(REMAT_POLICIES)}")
     if self.arch not in ("qwen2", "llama"):
       raise ValueError(f"arch={self.arch!r}; expected 'qwen2' or 'llama'")
-    for f in ("param_dtype", "dtype"):
-      jnp.dtype(getattr(self, f))
+    for f in ("param_dtype", "dtype", "matmul_dtype"):
+      try:
+        if getattr(self, f) or f != "matmul_dtype":
+          jnp.dtype(getattr(self, f))
+      except TypeError as e:
+        raise ValueError(f"{f}={getattr(self, f)!r} is not a dtype name") from e
 
   @property
   def num_params(self) -> int:
@@ -95,6 +104,38 @@ def _param(module: nn.Module, name: str, shape, init, cfg: ModelConfig):
 
 
 _normal = nn.initializers.normal(0.02)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, out_dtype=None) -> jax.Array:
+  """A weight matmul `einsum(spec, x, w)`: operands in `matmul_dtype`, fp32 accumulation, result in
+  `out_dtype` (default `dtype`). The backward pass multiplies in `matmul_dtype` too."""
+  operand = jnp.dtype(cfg.matmul_dtype or cfg.dtype)
+  return _matmul(spec, operand, jnp.dtype(out_dtype or cfg.dtype), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul(spec, operand, out_dtype, x, w):
+  return jnp.einsum(spec, x.astype(operand), w.astype(operand), preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _matmul_fwd(spec, operand, out_dtype, x, w):
+  x_op, w_op = x.astype(operand), w.astype(operand)
+  y = jnp.einsum(spec, x_op, w_op, preferred_element_type=jnp.float32).astype(out_dtype)
+  return y, (x_op, w_op, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _matmul_bwd(spec, operand, out_dtype, res, g):
+  """The input gradient multiplies in the operand dtype; the weight gradient (which contracts the
+  token axis, a layout XLA:CPU has no fast reduced-precision path for) in fp32."""
+  x_op, w_op, x_like, w_like = res
+  xs, rest = spec.split(",")
+  ws, ys = rest.split("->")
+  dx = jnp.einsum(f"{ys},{ws}->{xs}", g.astype(operand), w_op, preferred_element_type=jnp.float32)
+  dw = jnp.einsum(f"{xs},{ys}->{ws}", x_op.astype(jnp.float32), g.astype(jnp.float32))
+  return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def rms_norm(x: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -207,9 +248,9 @@ class Block(nn.Module):
     # Dense projections run on flattened tokens: 2-D matmuls whose gradients XLA computes
     # without transposed copies.
     h_XD = RMSNorm(cfg, name="attn_norm")(x_XD)
-    q_XNH = jnp.einsum("XD,DNH->XNH", h_XD, _param(self, "wq_DNH", (D, N, H), _normal, cfg))
-    k_XKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wk_DKH", (D, K, H), _normal, cfg))
-    v_XKH = jnp.einsum("XD,DKH->XKH", h_XD, _param(self, "wv_DKH", (D, K, H), _normal, cfg))
+    q_XNH = matmul("XD,DNH->XNH", h_XD, _param(self, "wq_DNH", (D, N, H), _normal, cfg), cfg)
+    k_XKH = matmul("XD,DKH->XKH", h_XD, _param(self, "wk_DKH", (D, K, H), _normal, cfg), cfg)
+    v_XKH = matmul("XD,DKH->XKH", h_XD, _param(self, "wv_DKH", (D, K, H), _normal, cfg), cfg)
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q_XNH += _param(self, "bq_NH", (N, H), zeros, cfg)[None]
@@ -226,13 +267,13 @@ class Block(nn.Module):
       outs = [attend(qs[0], ks[0], vs[0], mask_QPP),
               attend_shared_prompt(qs[1], ks[1], vs[1], mask_BCC, ks[0], vs[0], mask_QPP[:, -1])]
     o_XNH = jnp.concatenate([o.reshape(-1, N, H) for o in outs])
-    x_XD = x_XD + jnp.einsum("XNH,NHD->XD", o_XNH, _param(self, "wo_NHD", (N, H, D), _normal, cfg))
+    x_XD = x_XD + matmul("XNH,NHD->XD", o_XNH, _param(self, "wo_NHD", (N, H, D), _normal, cfg), cfg)
 
     h_XD = RMSNorm(cfg, name="mlp_norm")(x_XD)
-    gate_XF = jnp.einsum("XD,DF->XF", h_XD, _param(self, "w_gate_DF", (D, F), _normal, cfg))
-    up_XF = jnp.einsum("XD,DF->XF", h_XD, _param(self, "w_up_DF", (D, F), _normal, cfg))
+    gate_XF = matmul("XD,DF->XF", h_XD, _param(self, "w_gate_DF", (D, F), _normal, cfg), cfg)
+    up_XF = matmul("XD,DF->XF", h_XD, _param(self, "w_up_DF", (D, F), _normal, cfg), cfg)
     down_FD = _param(self, "w_down_FD", (F, D), _normal, cfg)
-    x_XD = x_XD + jnp.einsum("XF,FD->XD", nn.silu(gate_XF) * up_XF, down_FD)
+    x_XD = x_XD + matmul("XF,FD->XD", nn.silu(gate_XF) * up_XF, down_FD, cfg)
     out = tuple(sharding.constrain(s, "BTD") for s in per_segment(x_XD, D))
     kv = (ks[0].transpose(0, 2, 1, 3), vs[0].transpose(0, 2, 1, 3)) if self.emit_kv else None
     return (out if isinstance(x, tuple) else out[0]), kv
@@ -281,10 +322,10 @@ class Transformer(nn.Module):
       x_BTD = x[:, logits_from:]  # Skip unneeded unembeddings.
     x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD)
     if cfg.tie_embeddings:
-      logits_BTV = jnp.einsum("BTD,VD->BTV", x_BTD, embed_VD, preferred_element_type=jnp.float32)
+      logits_BTV = matmul("BTD,VD->BTV", x_BTD, embed_VD, cfg, jnp.float32)
     else:
       unembed_DV = _param(self, "unembed_DV", (cfg.embed_dim, cfg.vocab_size), _normal, cfg)
-      logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, unembed_DV, preferred_element_type=jnp.float32)
+      logits_BTV = matmul("BTD,DV->BTV", x_BTD, unembed_DV, cfg, jnp.float32)
     logits_BTV = sharding.constrain(logits_BTV, "BTV")
     return (logits_BTV, kv) if self.emit_kv else logits_BTV
 
@@ -358,7 +399,7 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
 # slices a stacked weight or cache (a slice inside the loop is a copy on every token).
 
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
-  """Per-layer weights for `decode_step`, in the compute dtype.
+  """Per-layer weights for `decode_step`: matrices in the matmul dtype, the rest in the compute dtype.
 
   layers[l]: attn_scale_D, wqkv_DKEH (E = R + 2: the R query heads of KV group k, then its key and
   its value, so tensor parallelism splits K), bqkv_KEH (None without bias), wo_NHD, mlp_scale_D,
@@ -367,6 +408,7 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   D, N, K, H, L = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
   R = N // K
   cast = lambda x: x.astype(cfg.dtype)
+  cast_w = lambda x: x.astype(cfg.matmul_dtype or cfg.dtype)
   p = params["layers"]
   wqkv_LDKEH = jnp.concatenate([p["wq_DNH"].reshape(L, D, K, R, H), p["wk_DKH"][:, :, :, None],
                                 p["wv_DKH"][:, :, :, None]], axis=3)
@@ -375,15 +417,15 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
     bqkv_LKEH = jnp.concatenate([p["bq_NH"].reshape(L, K, R, H), p["bk_KH"][:, :, None],
                                  p["bv_KH"][:, :, None]], axis=2)
   w_gate_up_LD2F = jnp.stack([p["w_gate_DF"], p["w_up_DF"]], axis=2)
-  layers = [dict(attn_scale_D=cast(p["attn_norm"]["scale_D"][l]), wqkv_DKEH=cast(wqkv_LDKEH[l]),
-                 bqkv_KEH=None if bqkv_LKEH is None else cast(bqkv_LKEH[l]), wo_NHD=cast(p["wo_NHD"][l]),
-                 mlp_scale_D=cast(p["mlp_norm"]["scale_D"][l]), w_gate_up_D2F=cast(w_gate_up_LD2F[l]),
-                 w_down_FD=cast(p["w_down_FD"][l]))
+  layers = [dict(attn_scale_D=cast(p["attn_norm"]["scale_D"][l]), wqkv_DKEH=cast_w(wqkv_LDKEH[l]),
+                 bqkv_KEH=None if bqkv_LKEH is None else cast(bqkv_LKEH[l]), wo_NHD=cast_w(p["wo_NHD"][l]),
+                 mlp_scale_D=cast(p["mlp_norm"]["scale_D"][l]), w_gate_up_D2F=cast_w(w_gate_up_LD2F[l]),
+                 w_down_FD=cast_w(p["w_down_FD"][l]))
             for l in range(L)]
   # A tied unembedding is transposed once here, so each token's logits are a plain [B,D]x[D,V] matmul.
   unembed_DV = params["embed_VD"].T if cfg.tie_embeddings else params["unembed_DV"]
   return dict(layers=layers, embed_VD=cast(params["embed_VD"]), final_scale_D=cast(params["final_norm"]["scale_D"]),
-              unembed_DV=cast(unembed_DV))
+              unembed_DV=cast_w(unembed_DV))
 
 
 def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Array, cache: kvc.KVCache,
@@ -402,7 +444,7 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
   ks, vs = [], []
   for p, k_BKHS, v_BKSH in zip(dparams["layers"], cache.k, cache.v):
     h_BD = rms_norm(x_BD, p["attn_scale_D"], cfg.norm_eps)
-    qkv_BKEH = jnp.einsum("BD,DKEH->BKEH", h_BD, p["wqkv_DKEH"])
+    qkv_BKEH = matmul("BD,DKEH->BKEH", h_BD, p["wqkv_DKEH"], cfg)
     if p["bqkv_KEH"] is not None:
       qkv_BKEH += p["bqkv_KEH"][None]
     q_BKRH = rope(qkv_BKEH[:, :, :R], table)
@@ -416,12 +458,12 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     scores_BKRS = jnp.where(mask_BKRS, scores_BKRS, jnp.finfo(jnp.float32).min)
     probs_BKRS = jax.nn.softmax(scores_BKRS, axis=-1).astype(cfg.dtype)
     o_BKRH = jnp.einsum("BKRS,BKSH->BKRH", probs_BKRS, v_BKSH)
-    x_BD = x_BD + jnp.einsum("BNH,NHD->BD", o_BKRH.reshape(B, N, H), p["wo_NHD"])
+    x_BD = x_BD + matmul("BNH,NHD->BD", o_BKRH.reshape(B, N, H), p["wo_NHD"], cfg)
 
     h_BD = rms_norm(x_BD, p["mlp_scale_D"], cfg.norm_eps)
-    gate_up_B2F = jnp.einsum("BD,DGF->BGF", h_BD, p["w_gate_up_D2F"])
-    x_BD = x_BD + jnp.einsum("BF,FD->BD", nn.silu(gate_up_B2F[:, 0]) * gate_up_B2F[:, 1], p["w_down_FD"])
+    gate_up_B2F = matmul("BD,DGF->BGF", h_BD, p["w_gate_up_D2F"], cfg)
+    x_BD = x_BD + matmul("BF,FD->BD", nn.silu(gate_up_B2F[:, 0]) * gate_up_B2F[:, 1], p["w_down_FD"], cfg)
 
   x_BD = rms_norm(x_BD, dparams["final_scale_D"], cfg.norm_eps)
-  logits_BV = jnp.einsum("BD,DV->BV", x_BD, dparams["unembed_DV"], preferred_element_type=jnp.float32)
+  logits_BV = matmul("BD,DV->BV", x_BD, dparams["unembed_DV"], cfg, jnp.float32)
   return logits_BV, cache.replace(k=ks, v=vs)

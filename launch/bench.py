@@ -29,6 +29,7 @@ _PROMPTS = flags.DEFINE_string("prompts", None, "jsonl of prompts with input_ids
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts per step (e2e).")
 _GROUP = flags.DEFINE_integer("group", 8, "Samples per prompt (e2e).")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype.")
+_MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = --dtype).")
 
 
 def timed(fn, runs):
@@ -57,7 +58,8 @@ def load_model(cfg):
 
   from dapo_jax import hf, job, model
   if _MODEL_DIR.value:
-    return hf.load(_MODEL_DIR.value, **{**job.runtime_overrides(cfg), "dtype": _DTYPE.value})
+    return hf.load(_MODEL_DIR.value, **{**job.runtime_overrides(cfg), "dtype": _DTYPE.value,
+                                          "matmul_dtype": _MATMUL_DTYPE.value})
   mc = job.model_config(cfg, cfg.model.vocab_size or 1024)
   return mc, model.init_params(mc, jax.random.key(0))
 
@@ -140,7 +142,7 @@ def bench_e2e(cfg, peak):
       f.write(json.dumps({"prompt": r["prompt"], "reward_model": {"ground_truth": "7"}}) + "\n")
   Q, G, C = _NUM_PROMPTS.value, _GROUP.value, _NEW_TOKENS.value
   with cfg.unlocked():
-    cfg.model.update(init="hf", hf_dir=_MODEL_DIR.value, dtype=_DTYPE.value)
+    cfg.model.update(init="hf", hf_dir=_MODEL_DIR.value, dtype=_DTYPE.value, matmul_dtype=_MATMUL_DTYPE.value)
     cfg.tokenizer.path = _MODEL_DIR.value
     cfg.data.update(task="file", train_files=(os.path.join(tmp, "prompts.jsonl"),), eval_files=("",),
                     chat_template=False, max_prompt_len=32, prompt_buckets=())

@@ -46,7 +46,8 @@ def test_remat_and_jit_do_not_change_outputs_or_grads():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grad, base_grad)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(num_kv_heads=1, qkv_bias=False, tie_embeddings=False)])
+@pytest.mark.parametrize("overrides", [{}, dict(num_kv_heads=1, qkv_bias=False, tie_embeddings=False),
+                                       dict(matmul_dtype="bfloat16")])
 def test_cached_decode_matches_full_forward(overrides):
   cfg = testing.tiny_model_config(vocab_size=40, **overrides)
   params = model.init_params(cfg, jax.random.key(5))
@@ -54,13 +55,15 @@ def test_cached_decode_matches_full_forward(overrides):
   mask = jnp.ones((2, 7), bool).at[1, :2].set(False)  # Row 1 is left-padded by two.
   full = model.logits(cfg, params, tokens, mask)
   # Prefill three tokens, then one token at a time through the cache.
+  # bf16 operands: a last-bit difference in an activation moves its rounding by one bf16 step.
+  atol = 2e-2 if cfg.matmul_dtype else 1e-5
   logits, cache = sampling.prefill(cfg, params, tokens[:, :3], mask[:, :3], cache_size=7)
-  np.testing.assert_allclose(logits, full[:, 2], atol=1e-5)
+  np.testing.assert_allclose(logits, full[:, 2], atol=atol)
   dparams = model.decode_params(cfg, params)
   for t in range(3, 7):
     cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
     logits, cache = model.decode_step(cfg, dparams, tokens[:, t], model.positions(mask)[:, t], cache, t)
-    np.testing.assert_allclose(logits, full[:, t], atol=1e-5)
+    np.testing.assert_allclose(logits, full[:, t], atol=atol)
 
 
 def test_bf16_compute_close_to_fp32():
@@ -70,6 +73,39 @@ def test_bf16_compute_close_to_fp32():
   out = model.logits(cfg, PARAMS, tokens, mask)
   assert out.dtype == jnp.float32  # Logits stay fp32 whatever the compute dtype.
   np.testing.assert_allclose(out, model.logits(CFG, PARAMS, tokens, mask), atol=0.05)
+
+
+def _bf16(a):
+  return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("operand", ["float32", "bfloat16"])
+def test_matmul_and_its_gradients_against_float64(operand):
+  """`model.matmul` multiplies operands rounded to `matmul_dtype` with fp32 accumulation, forward
+  and backward: input gradient from the rounded cotangent and weight, weight gradient in fp32."""
+  cfg = testing.tiny_model_config(vocab_size=40, matmul_dtype=operand)
+  rng = np.random.default_rng(7)
+  x, w, g = (rng.standard_normal(s).astype(np.float32) for s in [(6, 3, 4), (3, 4, 5), (6, 5)])
+  y, vjp = jax.vjp(lambda x, w: model.matmul("XNH,NHD->XD", x, w, cfg), jnp.asarray(x), jnp.asarray(w))
+  dx, dw = vjp(jnp.asarray(g))
+  r = _bf16 if operand == "bfloat16" else (lambda a: np.asarray(a, np.float64))
+  np.testing.assert_allclose(y, np.einsum("xnh,nhd->xd", r(x), r(w)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, np.einsum("xd,nhd->xnh", r(g), r(w)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, np.einsum("xnh,xd->nhd", r(x), np.float64(g)), rtol=1e-5, atol=1e-5)
+  assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+
+
+def test_bf16_matmuls_close_to_fp32_outputs_and_grads():
+  cfg = testing.tiny_model_config(vocab_size=40, matmul_dtype="bfloat16", remat="dots")
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 40, size=(2, 6)))
+  mask = jnp.ones((2, 6), bool)
+  loss = lambda cfg, p: jax.nn.log_softmax(model.logits(cfg, p, tokens, mask)).mean()
+  val, grad = jax.jit(jax.value_and_grad(lambda p: loss(cfg, p)))(PARAMS)
+  ref_val, ref_grad = jax.value_and_grad(lambda p: loss(CFG, p))(PARAMS)
+  np.testing.assert_allclose(val, ref_val, rtol=1e-2)
+  for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad)):
+    assert a.dtype == jnp.float32
+    np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max() + 1e-6)
 
 
 def test_param_count():
