@@ -8,6 +8,7 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
 DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
 Without --model_dir the config's model is built with random weights.
 """
+import dataclasses
 import json
 import os
 import statistics
@@ -28,8 +29,14 @@ _RUNS = flags.DEFINE_integer("runs", 5, "Timed runs after one warm-up.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "jsonl of prompts with input_ids (e2e).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts per step (e2e).")
 _GROUP = flags.DEFINE_integer("group", 8, "Samples per prompt (e2e).")
-_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype.")
-_MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = --dtype).")
+_DTYPE = flags.DEFINE_string("dtype", "", "Compute dtype ('' = the config's model.dtype).")
+_MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = the config's "
+                                    "model.matmul_dtype, or else the compute dtype).")
+
+
+def numerics(cfg) -> dict:
+  """The model's dtype and matmul_dtype: the flags where given, else the config's."""
+  return dict(dtype=_DTYPE.value or cfg.model.dtype, matmul_dtype=_MATMUL_DTYPE.value or cfg.model.matmul_dtype)
 
 
 def timed(fn, runs):
@@ -43,12 +50,13 @@ def timed(fn, runs):
   return statistics.median(times), times
 
 
-def matmul_peak(n=2048, runs=5) -> float:
-  """fp32 FLOP/s of one large matmul: the ceiling for this machine and XLA build."""
+def matmul_peak(dtype="float32", n=2048, runs=5) -> float:
+  """FLOP/s of one large matmul with `dtype` operands and fp32 accumulation, as the model's weight
+  matmuls run: the ceiling for this machine and XLA build."""
   import jax
   import jax.numpy as jnp
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+  f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
   t, _ = timed(lambda: f(a), runs)
   return 2 * n ** 3 / t
 
@@ -58,9 +66,8 @@ def load_model(cfg):
 
   from dapo_jax import hf, job, model
   if _MODEL_DIR.value:
-    return hf.load(_MODEL_DIR.value, **{**job.runtime_overrides(cfg), "dtype": _DTYPE.value,
-                                          "matmul_dtype": _MATMUL_DTYPE.value})
-  mc = job.model_config(cfg, cfg.model.vocab_size or 1024)
+    return hf.load(_MODEL_DIR.value, **{**job.runtime_overrides(cfg), **numerics(cfg)})
+  mc = dataclasses.replace(job.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))
   return mc, model.init_params(mc, jax.random.key(0))
 
 
@@ -142,7 +149,7 @@ def bench_e2e(cfg, peak):
       f.write(json.dumps({"prompt": r["prompt"], "reward_model": {"ground_truth": "7"}}) + "\n")
   Q, G, C = _NUM_PROMPTS.value, _GROUP.value, _NEW_TOKENS.value
   with cfg.unlocked():
-    cfg.model.update(init="hf", hf_dir=_MODEL_DIR.value, dtype=_DTYPE.value, matmul_dtype=_MATMUL_DTYPE.value)
+    cfg.model.update(init="hf", hf_dir=_MODEL_DIR.value, **numerics(cfg))
     cfg.tokenizer.path = _MODEL_DIR.value
     cfg.data.update(task="file", train_files=(os.path.join(tmp, "prompts.jsonl"),), eval_files=("",),
                     chat_template=False, max_prompt_len=32, prompt_buckets=())
@@ -174,9 +181,10 @@ def main(argv):
     raise SystemExit("usage: python -m launch.bench sampler|train|e2e [flags]")
   import jax
   cfg = _CONFIG.value
-  peak = matmul_peak()
+  operand_dtype = numerics(cfg)["matmul_dtype"] or numerics(cfg)["dtype"]
+  peak = matmul_peak(operand_dtype)
   result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e}[argv[1]](cfg, peak)
-  result.update(matmul_peak_flops_per_s=peak, backend=jax.default_backend(), devices=jax.device_count(),
+  result.update(matmul_peak_flops_per_s=peak, matmul_dtype=operand_dtype, backend=jax.default_backend(), devices=jax.device_count(),
                 model_dir=_MODEL_DIR.value)
   print(json.dumps(result))
 
