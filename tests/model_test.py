@@ -108,6 +108,11 @@ def test_bf16_matmuls_close_to_fp32_outputs_and_grads():
     np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max() + 1e-6)
 
 
+def test_bad_dtype_name_names_the_field():
+  with pytest.raises(ValueError, match="matmul_dtype='bf'"):
+    testing.tiny_model_config(vocab_size=40, matmul_dtype="bf")
+
+
 def test_param_count():
   n = sum(x.size for x in jax.tree.leaves(PARAMS))
   assert n == CFG.num_params
