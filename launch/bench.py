@@ -89,6 +89,7 @@ def bench_sampler(cfg, peak):
 
   from dapo_jax import sampling
   mc, params = load_model(cfg)
+  params = jax.device_put(params)  # Resident, as in training: not copied in on every call.
   B, P, C = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
   tokens = np.random.default_rng(0).integers(0, mc.vocab_size, size=(B, P)).astype(np.int32)
   mask = np.ones((B, P), bool)
