@@ -33,8 +33,8 @@ def one_device_mesh():
   return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
 
 
-def run(mesh, num_microbatches, batch, steps=1, pg=train_step.PGConfig(), **kw):
-  trainer = train_step.Trainer(CFG, OPT, mesh, pg_cfg=pg, num_microbatches=num_microbatches, **kw)
+def run(mesh, num_microbatches, batch, steps=1, pg=train_step.PGConfig(), cfg=CFG, **kw):
+  trainer = train_step.Trainer(cfg, OPT, mesh, pg_cfg=pg, num_microbatches=num_microbatches, **kw)
   state = trainer.init(jax.random.key(0))
   metrics = []
   for _ in range(steps):
@@ -128,6 +128,20 @@ def test_sharded_step_matches_one_device():
   assert specs["embed_VD"] == P("tensor", "fsdp")
   mu = trainer.state_sharding.opt_state.inner_state[1][0].mu  # AdamW moments shard like params.
   assert mu["layers"]["wq_DNH"].spec == P(None, "fsdp", "tensor", None)
+
+
+def test_sharded_step_with_bf16_matmuls_matches_one_device():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  cfg = testing.tiny_model_config(vocab_size=64, num_heads=4, num_kv_heads=2, matmul_dtype="bfloat16")
+  batch = make_batch(B=8)
+  init = jax.device_get(train_step.Trainer(cfg, OPT, one_device_mesh()).init(jax.random.key(0)).params)
+  _, s8, m8 = run(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), 2, batch, cfg=cfg)
+  _, s1, m1 = run(one_device_mesh(), 2, batch, cfg=cfg)
+  # Shards sum in another order; a last-bit difference can move a bf16 rounding, so compare loosely:
+  # the loss, and each parameter's update (lr 1e-3, so ~1e-3 per element).
+  np.testing.assert_allclose(m8[0]["loss"], m1[0]["loss"], rtol=1e-3)
+  jax.tree.map(lambda a, b, p0: np.testing.assert_allclose(a - p0, b - p0, atol=1e-4), s8.params, s1.params, init)
 
 
 def test_shared_prompt_forward_equals_repeated_rows():
