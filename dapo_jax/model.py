@@ -108,7 +108,7 @@ _normal = nn.initializers.normal(0.02)
 
 def matmul(spec: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, out_dtype=None) -> jax.Array:
   """A weight matmul `einsum(spec, x, w)`: operands in `matmul_dtype`, fp32 accumulation, result in
-  `out_dtype` (default `dtype`). The backward pass multiplies in `matmul_dtype` too."""
+  `out_dtype` (default `dtype`). Its gradients accumulate in fp32 too (see `_matmul_bwd`)."""
   operand = jnp.dtype(cfg.matmul_dtype or cfg.dtype)
   return _matmul(spec, operand, jnp.dtype(out_dtype or cfg.dtype), x, w)
 
@@ -121,17 +121,22 @@ def _matmul(spec, operand, out_dtype, x, w):
 def _matmul_fwd(spec, operand, out_dtype, x, w):
   x_op, w_op = x.astype(operand), w.astype(operand)
   y = jnp.einsum(spec, x_op, w_op, preferred_element_type=jnp.float32).astype(out_dtype)
+  # Empty arrays carry the primal dtypes, which the gradients are returned in.
   return y, (x_op, w_op, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _matmul_bwd(spec, operand, out_dtype, res, g):
-  """The input gradient multiplies in the operand dtype; the weight gradient (which contracts the
-  token axis, a layout XLA:CPU has no fast reduced-precision path for) in fp32."""
+  """Input gradient from operands in the operand dtype. The weight gradient contracts the token
+  axis of both operands, a layout XLA:CPU runs only in fp32 (a bf16 dot there is upcast anyway,
+  or fails): on CPU it multiplies in fp32, on GPU/TPU in the operand dtype."""
   x_op, w_op, x_like, w_like = res
   xs, rest = spec.split(",")
   ws, ys = rest.split("->")
-  dx = jnp.einsum(f"{ys},{ws}->{xs}", g.astype(operand), w_op, preferred_element_type=jnp.float32)
-  dw = jnp.einsum(f"{xs},{ys}->{ws}", x_op.astype(jnp.float32), g.astype(jnp.float32))
+  g_op = g.astype(operand)
+  dx = jnp.einsum(f"{ys},{ws}->{xs}", g_op, w_op, preferred_element_type=jnp.float32)
+  if jax.default_backend() == "cpu":
+    x_op, g_op = x_op.astype(jnp.float32), g.astype(jnp.float32)
+  dw = jnp.einsum(f"{xs},{ys}->{ws}", x_op, g_op, preferred_element_type=jnp.float32)
   return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
 
 
