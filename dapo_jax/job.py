@@ -83,8 +83,30 @@ def runtime_overrides(cfg) -> dict:
   return {k: cfg.model[k] for k in _RUNTIME_FIELDS}
 
 
+def bf16_cpu_warning(matmul_dtype: str, backend: str, cpuinfo: str) -> str | None:
+  """A warning when bf16 matmuls are asked of a CPU without the instructions that make them fast."""
+  if matmul_dtype != "bfloat16" or backend != "cpu" or not cpuinfo:
+    return None
+  if "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo:
+    return None
+  return ("model.matmul_dtype/dtype is bfloat16 on a CPU without AVX512-BF16 or AMX-BF16, the "
+          "instructions that make bf16 matmuls faster than float32 here; compare "
+          "`python -m launch.bench train --matmul_dtype=bfloat16` with the float32 default")
+
+
+def _cpuinfo() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      return f.read()
+  except OSError:  # Not Linux: nothing to check.
+    return ""
+
+
 def initial_model(cfg, workdir: str, tok, mesh, train_examples):
   """(ModelConfig, params) as `model.init` says: random, an HF directory, or the SFT warm start."""
+  warning = bf16_cpu_warning(cfg.model.matmul_dtype or cfg.model.dtype, jax.default_backend(), _cpuinfo())
+  if warning:
+    logging.warning(warning)
   init = cfg.model.init
   if init == "hf":
     return hf.load(cfg.model.hf_dir, **runtime_overrides(cfg))

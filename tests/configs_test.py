@@ -53,3 +53,13 @@ def test_locked_config_rejects_typos():
   cfg = load("default", None)
   with pytest.raises(AttributeError):
     cfg.dapo.eps_hihg = 0.3
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_warns():
+  fast_cpu = "flags : fpu sse2 avx512f avx512_bf16 avx512_vnni"
+  slow_cpu = "flags : fpu sse2 avx2 fma"
+  assert "AVX512-BF16" in job.bf16_cpu_warning("bfloat16", "cpu", slow_cpu)
+  assert job.bf16_cpu_warning("bfloat16", "cpu", fast_cpu) is None
+  assert job.bf16_cpu_warning("bfloat16", "cpu", "flags : avx2 amx_bf16 amx_tile") is None
+  assert job.bf16_cpu_warning("float32", "cpu", slow_cpu) is None
+  assert job.bf16_cpu_warning("bfloat16", "gpu", slow_cpu) is None
