@@ -63,11 +63,13 @@ class ModelConfig:
     if self.arch not in ("qwen2", "llama"):
       raise ValueError(f"arch={self.arch!r}; expected 'qwen2' or 'llama'")
     for f in ("param_dtype", "dtype", "matmul_dtype"):
+      name = getattr(self, f)
+      if f == "matmul_dtype" and not name:
+        continue  # "" = dtype
       try:
-        if getattr(self, f) or f != "matmul_dtype":
-          jnp.dtype(getattr(self, f))
+        jnp.dtype(name)
       except TypeError as e:
-        raise ValueError(f"{f}={getattr(self, f)!r} is not a dtype name") from e
+        raise ValueError(f"{f}={name!r} is not a dtype name") from e
 
   @property
   def num_params(self) -> int:
