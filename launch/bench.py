@@ -87,12 +87,14 @@ def bench_sampler(cfg, peak):
   import jax
   import numpy as np
 
-  from dapo_jax import sampling
+  from dapo_jax import sampling, sharding
   mc, params = load_model(cfg)
-  params = jax.device_put(params)  # Resident, as in training: not copied in on every call.
   B, P, C = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
+  # Data-parallel over every local device, as the training loop's rollouts are; params resident.
+  mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  params = jax.device_put(params, sharding.replicated(mesh))
   tokens = np.random.default_rng(0).integers(0, mc.vocab_size, size=(B, P)).astype(np.int32)
-  mask = np.ones((B, P), bool)
+  tokens, mask = sharding.put((tokens, np.ones((B, P), bool)), sharding.named(mesh, "BT"))
   # No EOS: every row generates exactly C tokens, as the peers' min_new_tokens does.
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, top_p=1.0, eos_ids=())
   keys = iter(jax.random.split(jax.random.key(0), _RUNS.value + 1))
