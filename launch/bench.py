@@ -92,6 +92,8 @@ def bench_sampler(cfg, peak):
   B, P, C = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
   # Data-parallel over every local device, as the training loop's rollouts are; params resident.
   mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  if B % mesh.size:
+    raise ValueError(f"--batch={B} must be divisible by the {mesh.size} local devices it is split over")
   params = jax.device_put(params, sharding.replicated(mesh))
   tokens = np.random.default_rng(0).integers(0, mc.vocab_size, size=(B, P)).astype(np.int32)
   tokens, mask = sharding.put((tokens, np.ones((B, P), bool)), sharding.named(mesh, "BT"))
