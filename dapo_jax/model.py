@@ -72,6 +72,11 @@ class ModelConfig:
         raise ValueError(f"{f}={name!r} is not a dtype name") from e
 
   @property
+  def operand_dtype(self) -> str:
+    """The dtype the weight matmuls read their operands in."""
+    return self.matmul_dtype or self.dtype
+
+  @property
   def num_params(self) -> int:
     D, F, N, K, H, V, L = (self.embed_dim, self.mlp_dim, self.num_heads, self.num_kv_heads,
                            self.head_dim, self.vocab_size, self.num_layers)
@@ -111,13 +116,12 @@ _normal = nn.initializers.normal(0.02)
 def matmul(spec: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, out_dtype=None) -> jax.Array:
   """A weight matmul `einsum(spec, x, w)`: operands in `matmul_dtype`, fp32 accumulation, result in
   `out_dtype` (default `dtype`). Its gradients accumulate in fp32 too (see `_matmul_bwd`)."""
-  operand = jnp.dtype(cfg.matmul_dtype or cfg.dtype)
-  return _matmul(spec, operand, jnp.dtype(out_dtype or cfg.dtype), x, w)
+  return _matmul(spec, jnp.dtype(cfg.operand_dtype), jnp.dtype(out_dtype or cfg.dtype), x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _matmul(spec, operand, out_dtype, x, w):
-  return jnp.einsum(spec, x.astype(operand), w.astype(operand), preferred_element_type=jnp.float32).astype(out_dtype)
+  return _matmul_fwd(spec, operand, out_dtype, x, w)[0]
 
 
 def _matmul_fwd(spec, operand, out_dtype, x, w):
@@ -415,7 +419,7 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   D, N, K, H, L = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
   R = N // K
   cast = lambda x: x.astype(cfg.dtype)
-  cast_w = lambda x: x.astype(cfg.matmul_dtype or cfg.dtype)
+  cast_w = lambda x: x.astype(cfg.operand_dtype)
   p = params["layers"]
   wqkv_LDKEH = jnp.concatenate([p["wq_DNH"].reshape(L, D, K, R, H), p["wk_DKH"][:, :, :, None],
                                 p["wv_DKH"][:, :, :, None]], axis=3)

@@ -186,11 +186,12 @@ def main(argv):
     raise SystemExit("usage: python -m launch.bench sampler|train|e2e [flags]")
   import jax
   cfg = _CONFIG.value
-  operand_dtype = numerics(cfg)["matmul_dtype"] or numerics(cfg)["dtype"]
+  dtypes = numerics(cfg)
+  operand_dtype = dtypes["matmul_dtype"] or dtypes["dtype"]
   peak = matmul_peak(operand_dtype)
   result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e}[argv[1]](cfg, peak)
-  result.update(matmul_peak_flops_per_s=peak, matmul_dtype=operand_dtype, backend=jax.default_backend(), devices=jax.device_count(),
-                model_dir=_MODEL_DIR.value)
+  result.update(matmul_peak_flops_per_s=peak, matmul_dtype=operand_dtype, backend=jax.default_backend(),
+                devices=jax.device_count(), model_dir=_MODEL_DIR.value)
   print(json.dumps(result))
 
 
