@@ -74,7 +74,9 @@ def base() -> mlc.ConfigDict:
   c.train = dict(num_steps=500,              # rollout steps
                  minibatches=16,             # optimizer updates per rollout step and epoch
                  ppo_epochs=1,
-                 num_microbatches=1,         # gradient accumulation inside one update
+                 num_microbatches=0,         # gradient accumulation inside one update; 0 = auto:
+                 microbatch_tokens=2048,     # the fewest micro-batches of at most this many tokens
+                                             # per data shard (the SFT warm start always uses auto)
                  share_prompt=True,          # a group's prompt runs through the model once (exact)
                  ckpt_every=5, keep_ckpts=3,
                  eval_every=5, log_samples_every=5,

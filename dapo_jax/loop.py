@@ -96,8 +96,8 @@ class DAPO:
     self.mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
     os.makedirs(workdir, exist_ok=True)
     # Fail fast on configuration mistakes, before any compile or generation.
-    self.reward_pool = rewards_lib.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
     self._validate()
+    self.reward_pool = rewards_lib.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
     self.train_examples, self.eval_examples = job.datasets(cfg)
     self.tok = job.tokenizer(cfg, workdir, self.train_examples)
     for ex in self.train_examples[:1]:
@@ -111,7 +111,8 @@ class DAPO:
         kl_coef=d.kl_coef, kl_estimator=d.kl_estimator, old_is_current=self.updates_per_step == 1,
         group_size=cfg.rollout.group_size if cfg.train.share_prompt else 0)
     self.trainer = train_step.Trainer(self.model_cfg, optim.OptimConfig(**cfg.optim), self.mesh,
-                                      pg_cfg=self.pg_cfg, num_microbatches=cfg.train.num_microbatches)
+                                      pg_cfg=self.pg_cfg, num_microbatches=cfg.train.num_microbatches,
+                                      microbatch_tokens=cfg.train.microbatch_tokens)
     self.state = self.trainer.init(params=params)
     self.ref_params = sharding.fetch(self.state.params) if d.kl_coef else None  # Baselines with a KL term.
     del params
@@ -143,11 +144,15 @@ class DAPO:
       raise ValueError(f"dapo.on_cap={d.on_cap!r}; expected 'train' or 'raise'")
     rows = d.prompts_per_step * c.rollout.group_size
     per_mb = rows // t.minibatches if rows % t.minibatches == 0 else None
-    if per_mb is None or per_mb % t.num_microbatches:
+    if t.num_microbatches < 0:
+      raise ValueError(f"train.num_microbatches={t.num_microbatches}: expected a count >= 1, or 0 (auto)")
+    if t.microbatch_tokens <= 0:
+      raise ValueError(f"train.microbatch_tokens={t.microbatch_tokens}: expected a positive token budget")
+    if per_mb is None or per_mb % (t.num_microbatches or 1):
       raise ValueError(f"train batch of {d.prompts_per_step} prompts x {c.rollout.group_size} = {rows} rows "
                        f"does not split into train.minibatches={t.minibatches} x "
                        f"train.num_microbatches={t.num_microbatches}")
-    if t.share_prompt and (per_mb // t.num_microbatches) % c.rollout.group_size:
+    if t.share_prompt and t.num_microbatches and (per_mb // t.num_microbatches) % c.rollout.group_size:
       raise ValueError(f"train.share_prompt needs whole groups per micro-batch: {per_mb // t.num_microbatches} rows "
                        f"per micro-batch is not a multiple of rollout.group_size={c.rollout.group_size} "
                        "(change train.minibatches / train.num_microbatches, or set train.share_prompt=False)")

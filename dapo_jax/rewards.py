@@ -150,7 +150,9 @@ class RewardPool:
     if self._pool is not None:
       for p in list(getattr(self._pool, "_processes", {}).values()):
         p.kill()
-      self._pool.shutdown(wait=False, cancel_futures=True)
+      # Join the pool's management thread now: left running, it races the interpreter's exit hook
+      # over the pool's wake-up pipe ("Exception ignored ... Bad file descriptor" at exit).
+      self._pool.shutdown(wait=True, cancel_futures=True)
       self._pool = None
 
   def close(self) -> None:

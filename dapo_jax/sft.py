@@ -64,7 +64,8 @@ def run(cfg, model_cfg: model_lib.ModelConfig, tok, examples, mesh, workdir: str
   # Each example ends with the chat's end-of-turn token, which is what stops generation.
   chunks = pack(ids, s.seq_len, tok.eos_token_id)
   opt = optim.OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=0.0, grad_clip=1.0)
-  trainer = train_step.Trainer(model_cfg, opt, mesh, objective="lm")
+  trainer = train_step.Trainer(model_cfg, opt, mesh, objective="lm", num_microbatches=0,
+                               microbatch_tokens=cfg.train.microbatch_tokens)
   state = trainer.init(jax.random.key(cfg.seed), params=params)
   rng = np.random.default_rng(cfg.seed)
   if s.target_acc:

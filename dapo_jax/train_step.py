@@ -129,6 +129,23 @@ def split_microbatches(batch, num_microbatches: int, group_size: int = 1):
   return jax.tree.map(split, batch)
 
 
+def auto_microbatches(rows: int, seq_len: int, *, group_size: int = 1, shards: int = 1,
+                      max_tokens: int = 2048) -> int:
+  """The fewest micro-batches that keep each one's tokens per data shard at or below `max_tokens`.
+
+  A count is valid when every shard's rows split into it in whole groups (`split_microbatches`),
+  so it divides the groups per shard; past the last valid count it returns the largest (one group
+  per shard per micro-batch). On CPU, activations that stay in cache make a 3M model's update ~15%
+  faster at ~2K tokens than at 6K; a compute-bound model is indifferent.
+  """
+  G = max(group_size, 1)
+  if rows % (G * shards):
+    return 1  # Uneven shards: `split_microbatches` needs whole groups per shard.
+  groups = rows // (G * shards)
+  counts = [m for m in range(1, groups + 1) if groups % m == 0]
+  return next((m for m in counts if rows // (m * shards) * seq_len <= max_tokens), counts[-1])
+
+
 def merge_microbatches(x_M, group_size: int = 1):
   """Inverse of `split_microbatches` for one array [M, B/M, ...] -> [B, ...]."""
   M, rows = x_M.shape[:2]
@@ -191,11 +208,17 @@ class Trainer:
 
   def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh, *,
                objective: str = "pg", pg_cfg: PGConfig = PGConfig(), num_microbatches: int = 1,
-               param_rules=sharding.PARAM_RULES):
+               microbatch_tokens: int = 2048, param_rules=sharding.PARAM_RULES):
+    """`num_microbatches` splits each update's mini-batch for gradient accumulation; 0 picks, for
+    each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
+    (`auto_microbatches`). The old-log-prob forward runs in the same micro-batches."""
     sharding.check_divisible(model_cfg, mesh)
+    if num_microbatches < 0 or (num_microbatches == 0 and microbatch_tokens <= 0):
+      raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
+                       "count >= 1, or 0 (auto) with a positive token budget")
     self.model_cfg, self.optim_cfg, self.mesh, self.pg_cfg = model_cfg, optim_cfg, mesh, pg_cfg
     self.tx = optim.make(optim_cfg)
-    self.num_microbatches = num_microbatches
+    self.num_microbatches, self.microbatch_tokens = num_microbatches, microbatch_tokens
 
     # Shardings of the whole state from the parameters' logical axes (boxed abstract params:
     # optax's moments inherit the boxes, so they shard like their parameters).
@@ -219,19 +242,33 @@ class Trainer:
       obj, counts_fn = functools.partial(lm_objective, model_cfg), lm_counts
     else:
       raise ValueError(f"objective {objective!r}; expected 'pg' or 'lm'")
-    step = functools.partial(train_step, objective=obj, counts_fn=counts_fn, tx=self.tx,
-                             optim_cfg=optim_cfg, num_microbatches=num_microbatches,
-                             group_size=pg_cfg.group_size if objective == "pg" else 1)
+    self.group_size = pg_cfg.group_size if objective == "pg" else 1
+
+    # The micro-batch count is read off each batch's (static) shape when the function is traced.
+    def step(state, batch):
+      return train_step(state, batch, objective=obj, counts_fn=counts_fn, tx=self.tx, optim_cfg=optim_cfg,
+                        num_microbatches=self.microbatches_for(batch), group_size=self.group_size)
+
+    def logprobs(params, batch):
+      return completion_logprobs(model_cfg, pg_cfg.temperature, params, batch,
+                                 num_microbatches=self.microbatches_for(batch), group_size=pg_cfg.group_size)
     self.step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
                         out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
-    self.logprobs = jax.jit(
-        functools.partial(completion_logprobs, model_cfg, pg_cfg.temperature,
-                          num_microbatches=num_microbatches, group_size=pg_cfg.group_size),
-        in_shardings=(self.params_sharding, self.batch_sharding), out_shardings=self.batch_sharding)
+    self.logprobs = jax.jit(logprobs, in_shardings=(self.params_sharding, self.batch_sharding),
+                            out_shardings=self.batch_sharding)
     self._create = jax.jit(lambda p: TrainState.create(p, self.tx), in_shardings=(self.params_sharding,),
                            out_shardings=self.state_sharding)
     self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng),
                                 out_shardings=self.params_sharding)
+
+  def microbatches_for(self, batch) -> int:
+    """Micro-batches an update (or old-log-prob pass) over `batch`, an array tree of [B, T] rows, runs in."""
+    if self.num_microbatches:
+      return self.num_microbatches
+    rows, seq_len = batch.tokens_BT.shape
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    return auto_microbatches(rows, seq_len, group_size=self.group_size, shards=shards,
+                             max_tokens=self.microbatch_tokens)
 
   def init(self, rng: jax.Array | None = None, params=None) -> TrainState:
     """A fresh state from given params (e.g. `hf.load`) or from random ones."""

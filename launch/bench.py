@@ -123,7 +123,9 @@ def bench_train(cfg, peak):
   B, T = _BATCH.value, _SEQ_LEN.value
   C = T - 1  # Score every position after the first, like a causal-LM loss over the whole row.
   mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  trainer = train_step.Trainer(mc, optim.OptimConfig(lr=1e-6, warmup_steps=0), mesh)
+  trainer = train_step.Trainer(mc, optim.OptimConfig(lr=1e-6, warmup_steps=0), mesh,
+                               num_microbatches=cfg.train.num_microbatches,
+                               microbatch_tokens=cfg.train.microbatch_tokens)
   state = trainer.init(params=params)
   batch = trainer.put_batch(rl_batch(mc, B, T, C))
   t_fwd, _ = timed(lambda: trainer.logprobs(state.params, batch), _RUNS.value)
@@ -135,7 +137,8 @@ def bench_train(cfg, peak):
   t_step, times = timed(step, _RUNS.value)
   tokens = B * T
   fwd = 2 * matmul_params(mc) * tokens + attention_flops(mc, tokens, T / 2)
-  return {"bench": "train", "forward_tokens_per_s": tokens / t_fwd, "update_tokens_per_s": tokens / t_step,
+  return {"bench": "train", "microbatches": trainer.microbatches_for(batch),
+          "forward_tokens_per_s": tokens / t_fwd, "update_tokens_per_s": tokens / t_step,
           "update_median_s": t_step, "runs_s": times, "forward_mfu": fwd / t_fwd / peak,
           "update_mfu": 3 * fwd / t_step / peak}
 
@@ -163,7 +166,7 @@ def bench_e2e(cfg, peak):
                     eps_low=0.2, eps_high=0.28, loss_agg="token_mean", kl_coef=0.0)
     cfg.reward.fn = "dapo_jax.testing:has_seven"
     cfg.optim.update(lr=1e-6, warmup_steps=0)
-    cfg.train.update(minibatches=1, ppo_epochs=1, num_microbatches=1, ckpt_every=0, eval_every=0)
+    cfg.train.update(minibatches=1, ppo_epochs=1, ckpt_every=0, eval_every=0)
   dapo = loop.DAPO(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}))
   dapo.train_step(0)  # Warm-up: compiles, starts the reward pool.
   steps = [dapo.train_step(i + 1)[0] for i in range(_RUNS.value)]

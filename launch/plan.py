@@ -13,7 +13,7 @@ _DEVICES = flags.DEFINE_integer("devices", None, "Device count, for meshes with 
 
 def main(argv):
   del argv
-  from dapo_jax import job, memory
+  from dapo_jax import job, memory, train_step
   cfg = _CONFIG.value
   mc = job.model_config(cfg, cfg.model.vocab_size or 1024)
   shape = dict(cfg.mesh)
@@ -23,12 +23,15 @@ def main(argv):
     fixed *= v if v > 0 else 1
   shape = {k: (rest // fixed if v == -1 else v) for k, v in shape.items()}
   rows_per_update = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
-  p = memory.plan(mc, shape, rows_per_update=rows_per_update, num_microbatches=cfg.train.num_microbatches,
+  seq_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  num_microbatches = cfg.train.num_microbatches or train_step.auto_microbatches(
+      rows_per_update, seq_len, group_size=cfg.rollout.group_size if cfg.train.share_prompt else 1,
+      shards=shape["data"] * shape["fsdp"], max_tokens=cfg.train.microbatch_tokens)
+  p = memory.plan(mc, shape, rows_per_update=rows_per_update, num_microbatches=num_microbatches,
                   prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
                   gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size)
   print(f"model: {mc.num_params / 1e9:.2f}B parameters, mesh {shape}, "
-        f"{rows_per_update} rows x {cfg.data.max_prompt_len + cfg.rollout.max_new_tokens} tokens per update "
-        f"in {cfg.train.num_microbatches} micro-batches")
+        f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} micro-batches")
   print(memory.report(p, common.default_workdir().split("/")[-1]))
 
 

@@ -63,6 +63,34 @@ def test_microbatch_accumulation_equals_full_batch_gradient():
     np.testing.assert_allclose(m1[0][k], m4[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("rows,seq_len,group,shards,budget,expected", [
+    (64, 96, 1, 1, 2048, 4),       # 16 rows x 96 = 1536 <= 2048 < 32 x 96
+    (64, 96, 1, 1, 1024, 8),       # 8 x 96 = 768
+    (64, 96, 1, 1, 10**6, 1),      # fits whole
+    (64, 96, 8, 1, 2048, 4),       # 8 groups: counts 1, 2, 4, 8 -> 2 groups (16 rows) each
+    (64, 96, 8, 1, 100, 8),        # over budget even at one group: the most there is
+    (64, 96, 8, 2, 2048, 2),       # 4 groups per shard: 64 / (2 x 2) = 16 rows per shard
+    (48, 100, 1, 1, 1000, 6),      # 48 rows: 5 does not divide, 6 does (8 x 100 = 800)
+    (6, 10, 4, 1, 10, 1),          # groups do not divide the rows: one micro-batch
+])
+def test_auto_microbatches(rows, seq_len, group, shards, budget, expected):
+  assert train_step.auto_microbatches(rows, seq_len, group_size=group, shards=shards,
+                                      max_tokens=budget) == expected
+
+
+def test_auto_microbatches_runs_the_step_in_that_many():
+  batch = make_batch(B=8, Pl=6, C=10)  # 8 rows x 16 tokens; a budget of 64 makes 2 micro-batches of 4 rows.
+  auto, s_auto, m_auto = run(one_device_mesh(), 0, batch, microbatch_tokens=64)
+  assert auto.microbatches_for(batch) == 2
+  _, s2, m2 = run(one_device_mesh(), 2, batch)
+  _, s1, _ = run(one_device_mesh(), 1, batch)
+  jax.tree.map(np.testing.assert_array_equal, s_auto.params, s2.params)  # The same program as 2.
+  assert m_auto[0]["loss"] == m2[0]["loss"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_auto.params, s1.params)
+  with pytest.raises(ValueError, match="microbatch_tokens=0"):
+    train_step.Trainer(CFG, OPT, one_device_mesh(), num_microbatches=0, microbatch_tokens=0)
+
+
 def test_verl_weighting_differs_only_with_unequal_microbatches():
   batch = make_batch()
   _, _, m_global = run(one_device_mesh(), 2, batch)

@@ -53,6 +53,15 @@ def test_bad_reward_path_fails_at_start(tmp_path):
     loop.DAPO(cfg, str(tmp_path))
 
 
+@pytest.mark.parametrize("field,value", [("num_microbatches", -1), ("num_microbatches", 3),
+                                         ("microbatch_tokens", 0)])
+def test_bad_microbatching_is_named_at_start(tmp_path, field, value):
+  cfg = tiny_cfg()
+  cfg.train[field] = value
+  with pytest.raises(ValueError, match=f"train.{field}={value}"):
+    loop.DAPO(cfg, str(tmp_path))
+
+
 def train_cmd(workdir, steps):
   return [sys.executable, "-m", "launch.train", f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal",
           f"--workdir={workdir}", f"--config.reward.fn={REWARD}", f"--config.train.num_steps={steps}",
