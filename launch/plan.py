@@ -31,7 +31,7 @@ def main(argv):
                   prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
                   gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size)
   print(f"model: {mc.num_params / 1e9:.2f}B parameters, mesh {shape}, "
-        f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} micro-batches")
+        f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} micro-batch{'es' if num_microbatches > 1 else ''}")
   print(memory.report(p, common.default_workdir().split("/")[-1]))
 
 
