@@ -30,7 +30,7 @@ def get_config(arg=None):
   c.dapo.update(prompts_per_step=8, gen_prompts=16, max_gen_batches=3, overlong_buffer=6)
   c.optim.update(lr=task["lr"], warmup_steps=2, weight_decay=0.1)
   # One update per rollout step: pi_old is the current policy, so no old-log-prob pass runs.
-  c.train.update(num_steps=40, minibatches=1, num_microbatches=1, ckpt_every=5, eval_every=5,
+  c.train.update(num_steps=40, minibatches=1, ckpt_every=5, eval_every=5,
                  log_samples_every=5)
   c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
   c.mesh.update(data=1, fsdp=-1, tensor=1)
