@@ -23,7 +23,7 @@ import numpy as np
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
 from dapo_jax import data as data_lib
-from dapo_jax import job, optim, sampling, sharding, train_step
+from dapo_jax import from_config, optim, sampling, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import rewards as rewards_lib
 from dapo_jax import tokenizer as tokenizer_lib
@@ -96,13 +96,13 @@ class DAPO:
     self.mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
     os.makedirs(workdir, exist_ok=True)
     # Fail fast on configuration mistakes, before any compile or generation.
-    self._validate()
+    from_config.validate(cfg)
     self.reward_pool = rewards_lib.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
-    self.train_examples, self.eval_examples = job.datasets(cfg)
-    self.tok = job.tokenizer(cfg, workdir, self.train_examples)
+    self.train_examples, self.eval_examples = from_config.datasets(cfg)
+    self.tok = from_config.tokenizer(cfg, workdir, self.train_examples)
     for ex in self.train_examples[:1]:
       tokenizer_lib.render(self.tok, ex.messages, cfg.data.chat_template)  # Template errors now.
-    self.model_cfg, params = job.initial_model(cfg, workdir, self.tok, self.mesh, self.train_examples)
+    self.model_cfg, params = from_config.initial_model(cfg, workdir, self.tok, self.mesh, self.train_examples)
     d = cfg.dapo
     self.updates_per_step = cfg.train.minibatches * cfg.train.ppo_epochs
     self.pg_cfg = train_step.PGConfig(
@@ -134,33 +134,6 @@ class DAPO:
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_ckpts)
     self.buckets = sorted(cfg.data.prompt_buckets or [cfg.data.max_prompt_len])
-
-  def _validate(self) -> None:
-    c = self.cfg
-    d, t = c.dapo, c.train
-    if d.loss_agg not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
-      raise ValueError(f"dapo.loss_agg={d.loss_agg!r} is not a known aggregation")
-    if d.on_cap not in ("train", "raise"):
-      raise ValueError(f"dapo.on_cap={d.on_cap!r}; expected 'train' or 'raise'")
-    rows = d.prompts_per_step * c.rollout.group_size
-    per_mb = rows // t.minibatches if rows % t.minibatches == 0 else None
-    if t.num_microbatches < 0:
-      raise ValueError(f"train.num_microbatches={t.num_microbatches}: expected a count >= 1, or 0 (auto)")
-    if t.microbatch_tokens <= 0:
-      raise ValueError(f"train.microbatch_tokens={t.microbatch_tokens}: expected a positive token budget")
-    if per_mb is None or per_mb % (t.num_microbatches or 1):
-      raise ValueError(f"train batch of {d.prompts_per_step} prompts x {c.rollout.group_size} = {rows} rows "
-                       f"does not split into train.minibatches={t.minibatches} x "
-                       f"train.num_microbatches={t.num_microbatches}")
-    if t.share_prompt and t.num_microbatches and (per_mb // t.num_microbatches) % c.rollout.group_size:
-      raise ValueError(f"train.share_prompt needs whole groups per micro-batch: {per_mb // t.num_microbatches} rows "
-                       f"per micro-batch is not a multiple of rollout.group_size={c.rollout.group_size} "
-                       "(change train.minibatches / train.num_microbatches, or set train.share_prompt=False)")
-    if not d.dynamic_sampling and d.gen_prompts != d.prompts_per_step:
-      logging.info("dynamic sampling is off: each step generates dapo.prompts_per_step prompts")
-    if d.overlong_buffer > c.rollout.max_new_tokens:
-      raise ValueError(f"dapo.overlong_buffer={d.overlong_buffer} exceeds rollout.max_new_tokens="
-                       f"{c.rollout.max_new_tokens}")
 
   # --- generation and scoring --------------------------------------------------------------
 

@@ -13,9 +13,9 @@ _DEVICES = flags.DEFINE_integer("devices", None, "Device count, for meshes with 
 
 def main(argv):
   del argv
-  from dapo_jax import job, memory, train_step
+  from dapo_jax import from_config, memory, train_step
   cfg = _CONFIG.value
-  mc = job.model_config(cfg, cfg.model.vocab_size or 1024)
+  mc = from_config.model_config(cfg, cfg.model.vocab_size or 1024)
   shape = dict(cfg.mesh)
   rest = _DEVICES.value or 128
   fixed = 1

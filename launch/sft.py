@@ -17,12 +17,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import hf, job, sft, sharding
+  from dapo_jax import hf, from_config, sft, sharding
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or common.default_workdir()
-  train, _ = job.datasets(cfg)
-  tok = job.tokenizer(cfg, workdir, train)
-  model_cfg = job.model_config(cfg, ((len(tok) + 63) // 64) * 64)
+  train, _ = from_config.datasets(cfg)
+  tok = from_config.tokenizer(cfg, workdir, train)
+  model_cfg = from_config.model_config(cfg, ((len(tok) + 63) // 64) * 64)
   params = sft.run(cfg, model_cfg, tok, train, sharding.make_mesh(cfg.mesh), workdir)
   out = os.path.join(workdir, "sft_model")
   hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)

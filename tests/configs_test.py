@@ -6,7 +6,7 @@ import os
 import pytest
 
 from configs import ablation
-from dapo_jax import job, model
+from dapo_jax import from_config, model
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
@@ -25,7 +25,7 @@ def load(name, arg):
 @pytest.mark.parametrize("name,arg", ARGS)
 def test_config_builds(name, arg):
   cfg = load(name, arg)
-  mc = job.model_config(cfg, 1024)
+  mc = from_config.model_config(cfg, 1024)
   assert isinstance(mc, model.ModelConfig)
   assert cfg.dapo.prompts_per_step * cfg.rollout.group_size % cfg.train.minibatches == 0
 
@@ -36,7 +36,7 @@ def test_paper_recipe_values():
   assert (c.dapo.prompts_per_step, c.dapo.gen_prompts, c.rollout.group_size) == (512, 1536, 16)
   assert (c.rollout.max_new_tokens, c.dapo.overlong_buffer, c.dapo.max_gen_batches) == (20480, 4096, 10)
   assert (c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay, c.train.minibatches) == (1e-6, 10, 0.1, 16)
-  mc = job.model_config(c, 0)
+  mc = from_config.model_config(c, 0)
   assert mc == model.ModelConfig.qwen2_5_32b(dtype="bfloat16", remat="full", attn_chunk=2048)
 
 
@@ -58,8 +58,8 @@ def test_locked_config_rejects_typos():
 def test_bf16_on_a_cpu_without_bf16_instructions_warns():
   fast_cpu = "flags : fpu sse2 avx512f avx512_bf16 avx512_vnni"
   slow_cpu = "flags : fpu sse2 avx2 fma"
-  assert "AVX512-BF16" in job.bf16_cpu_warning("bfloat16", "cpu", slow_cpu)
-  assert job.bf16_cpu_warning("bfloat16", "cpu", fast_cpu) is None
-  assert job.bf16_cpu_warning("bfloat16", "cpu", "flags : avx2 amx_bf16 amx_tile") is None
-  assert job.bf16_cpu_warning("float32", "cpu", slow_cpu) is None
-  assert job.bf16_cpu_warning("bfloat16", "gpu", slow_cpu) is None
+  assert "AVX512-BF16" in from_config.bf16_cpu_warning("bfloat16", "cpu", slow_cpu)
+  assert from_config.bf16_cpu_warning("bfloat16", "cpu", fast_cpu) is None
+  assert from_config.bf16_cpu_warning("bfloat16", "cpu", "flags : avx2 amx_bf16 amx_tile") is None
+  assert from_config.bf16_cpu_warning("float32", "cpu", slow_cpu) is None
+  assert from_config.bf16_cpu_warning("bfloat16", "gpu", slow_cpu) is None

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import job, optim, sampling, sharding, train_step
+from dapo_jax import from_config, optim, sampling, sharding, train_step
 from dapo_jax.datatypes import RLBatch
 
 mesh_name = sys.argv[1]
 cfg = dapo_qwen2_5_32b.get_config(f"mesh={mesh_name}")
-mc = job.model_config(cfg, 0)
+mc = from_config.model_config(cfg, 0)
 mesh = sharding.make_mesh(cfg.mesh)
 assert mesh.devices.size == 128, mesh
 

@@ -22,6 +22,35 @@ _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_head
                  "norm_eps", "qkv_bias", "tie_embeddings") + _RUNTIME_FIELDS
 
 
+def validate(cfg) -> None:
+  """Refuses, before anything is built, every setting that cannot work; the error names the field."""
+  c = cfg
+  d, t = c.dapo, c.train
+  if d.loss_agg not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+    raise ValueError(f"dapo.loss_agg={d.loss_agg!r} is not a known aggregation")
+  if d.on_cap not in ("train", "raise"):
+    raise ValueError(f"dapo.on_cap={d.on_cap!r}; expected 'train' or 'raise'")
+  rows = d.prompts_per_step * c.rollout.group_size
+  per_mb = rows // t.minibatches if rows % t.minibatches == 0 else None
+  if t.num_microbatches < 0:
+    raise ValueError(f"train.num_microbatches={t.num_microbatches}: expected a count >= 1, or 0 (auto)")
+  if t.microbatch_tokens <= 0:
+    raise ValueError(f"train.microbatch_tokens={t.microbatch_tokens}: expected a positive token budget")
+  if per_mb is None or per_mb % (t.num_microbatches or 1):
+    raise ValueError(f"train batch of {d.prompts_per_step} prompts x {c.rollout.group_size} = {rows} rows "
+                     f"does not split into train.minibatches={t.minibatches} x "
+                     f"train.num_microbatches={t.num_microbatches}")
+  if t.share_prompt and t.num_microbatches and (per_mb // t.num_microbatches) % c.rollout.group_size:
+    raise ValueError(f"train.share_prompt needs whole groups per micro-batch: {per_mb // t.num_microbatches} rows "
+                     f"per micro-batch is not a multiple of rollout.group_size={c.rollout.group_size} "
+                     "(change train.minibatches / train.num_microbatches, or set train.share_prompt=False)")
+  if not d.dynamic_sampling and d.gen_prompts != d.prompts_per_step:
+    logging.info("dynamic sampling is off: each step generates dapo.prompts_per_step prompts")
+  if d.overlong_buffer > c.rollout.max_new_tokens:
+    raise ValueError(f"dapo.overlong_buffer={d.overlong_buffer} exceeds rollout.max_new_tokens="
+                     f"{c.rollout.max_new_tokens}")
+
+
 def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
   """(train, held-out) examples."""
   d = cfg.data
