@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -186,28 +186,40 @@ def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
   return out.astype(x_BTNH.dtype)
 
 
-def attend(q_BTKRH, k_BSKH, v_BSKH, mask_BTS):
-  """Grouped-query attention: R query heads share each of the K key/value heads. fp32 softmax.
+def attention(q_BKRTH: jax.Array, k_BKxx: jax.Array, v_BKSH: jax.Array, mask_BTS: jax.Array,
+              k_layout: str = "BKSH") -> jax.Array:
+  """The attention core: T queries per head against S keys, masked fp32 softmax, [B, K, R, T, H].
 
-  Runs heads-major ([B, K, R*T, H] queries against [B, K, S, H] keys): XLA:CPU's batched matmuls
-  are about 30% faster forward and backward on this layout than on token-major operands, even
-  counting the transposes.
+  Grouped-query and heads-major: the R query heads of KV head k read its keys and values. Teacher
+  forcing passes keys as [B, K, S, H]; the decode cache keeps them as [B, K, H, S] (`k_layout`), so
+  each decoded token contracts a non-minor axis of the cache without a transposed copy. XLA:CPU's
+  batched matmuls are about 30% faster on heads-major operands than on token-major ones.
   """
-  H = q_BTKRH.shape[-1]
+  H = q_BKRTH.shape[-1]
+  scores_BKRTS = jnp.einsum(f"BKRTH,{k_layout}->BKRTS", q_BKRTH, k_BKxx,
+                            preferred_element_type=jnp.float32) * (H ** -0.5)
+  probs_BKRTS = masked_softmax(scores_BKRTS, mask_BTS[:, None, None]).astype(q_BKRTH.dtype)
+  return jnp.einsum("BKRTS,BKSH->BKRTH", probs_BKRTS, v_BKSH)
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis (fp32) of the scores whose mask is True."""
+  return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+
+
+def attend_rows(q_BTKRH, k_BSKH, v_BSKH, mask_BTS):
+  """`attention` for token-major projections: [B, T, K, R, H] queries -> [B, T, K, R, H]."""
   q_BKRTH = q_BTKRH.transpose(0, 2, 3, 1, 4)
   k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
-  scores_BKRTS = jnp.einsum("BKRTH,BKSH->BKRTS", q_BKRTH, k_BKSH,
-                            preferred_element_type=jnp.float32) * (H ** -0.5)
-  scores_BKRTS = jnp.where(mask_BTS[:, None, None], scores_BKRTS, jnp.finfo(jnp.float32).min)
-  probs_BKRTS = jax.nn.softmax(scores_BKRTS, axis=-1).astype(q_BTKRH.dtype)
-  return jnp.einsum("BKRTS,BKSH->BKRTH", probs_BKRTS, v_BKSH).transpose(0, 3, 1, 2, 4)
+  return attention(q_BKRTH, k_BKSH, v_BKSH, mask_BTS).transpose(0, 3, 1, 2, 4)
 
 
 def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask_QP):
   """Attention of B = Q*G completion rows, row qG+g seeing prompt q's keys and then its own.
 
   The prompt's keys and values are read once per prompt, never repeated G times: against them,
-  all G*R*C queries of a (prompt, KV head) pair form one matmul. Heads-major, as in `attend`.
+  all G*R*C queries of a (prompt, KV head) pair form one matmul. One softmax over both key blocks,
+  as `attention` over the concatenated row would compute.
   """
   Q, P = mask_QP.shape
   B, C, K, R, H = q_BCKRH.shape
@@ -222,97 +234,167 @@ def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask
   mask_QKGRCS = jnp.concatenate(
       [jnp.broadcast_to(mask_QP[:, None, None, None, None, :], (Q, 1, G, 1, C, P)),
        mask_BCC.reshape(Q, 1, G, 1, C, C)], -1)
-  scores_QKGRCS = jnp.where(mask_QKGRCS, scores_QKGRCS * (H ** -0.5), jnp.finfo(jnp.float32).min)
-  probs_QKGRCS = jax.nn.softmax(scores_QKGRCS, axis=-1).astype(q_BCKRH.dtype)
+  probs_QKGRCS = masked_softmax(scores_QKGRCS * (H ** -0.5), mask_QKGRCS).astype(q_BCKRH.dtype)
   o_QKGRCH = (jnp.einsum("QKGRCP,QKPH->QKGRCH", probs_QKGRCS[..., :P], v_QKPH)
               + jnp.einsum("QKGRCS,QKGSH->QKGRCH", probs_QKGRCS[..., P:], v_QKGCH))
   return o_QKGRCH.transpose(0, 2, 4, 1, 3, 5).reshape(B, C, K, R, H)
 
 
-class Block(nn.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+# --- One layer, shared by teacher forcing, prefill and decode ---------------------------------------
+# `layer` runs on flattened tokens X (every row and position of a call) with a dict of one layer's
+# weights: the stacked training weights (`Block`) or the fused decode weights (`decode_params`).
+# How queries meet keys (rows, a shared prompt, a KV cache) is the caller's `attend` function.
 
-  `x` is one segment of rows, [B, T, D], or two: Q prompts [Q, P, D] and their B = Q*G completions
-  [B, C, D], completion row qG+g continuing prompt q (a rollout group shares one prompt forward).
-  Dense layers run on every token of every segment at once; only attention sees the segments.
-  With `emit_kv` (one segment), also returns this call's keys and values ([B, K, T, H] each).
+def project_qkv(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Queries [X, K, R, H], keys and values [X, K, H] (before rotary embedding)."""
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  R = N // K
+  if "wqkv_DKEH" in p:  # Decode weights: one matmul (E = R + 2: the R queries of KV head k, its key, its value).
+    qkv_XKEH = matmul("XD,DKEH->XKEH", h_XD, p["wqkv_DKEH"], cfg)
+    if p["bqkv_KEH"] is not None:
+      qkv_XKEH += p["bqkv_KEH"][None]
+    return qkv_XKEH[:, :, :R], qkv_XKEH[:, :, R], qkv_XKEH[:, :, R + 1]
+  q_XNH = matmul("XD,DNH->XNH", h_XD, p["wq_DNH"], cfg)
+  k_XKH = matmul("XD,DKH->XKH", h_XD, p["wk_DKH"], cfg)
+  v_XKH = matmul("XD,DKH->XKH", h_XD, p["wv_DKH"], cfg)
+  if cfg.qkv_bias:
+    q_XNH += p["bq_NH"][None]
+    k_XKH += p["bk_KH"][None]
+    v_XKH += p["bv_KH"][None]
+  return q_XNH.reshape(-1, K, R, H), k_XKH, v_XKH
+
+
+def mlp(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> jax.Array:
+  """SwiGLU: down(silu(gate(h)) * up(h)); gate and up fused into one matmul in decode weights."""
+  if "w_gate_up_D2F" in p:
+    gate_up_X2F = matmul("XD,DGF->XGF", h_XD, p["w_gate_up_D2F"], cfg)
+    gate_XF, up_XF = gate_up_X2F[:, 0], gate_up_X2F[:, 1]
+  else:
+    gate_XF = matmul("XD,DF->XF", h_XD, p["w_gate_DF"], cfg)
+    up_XF = matmul("XD,DF->XF", h_XD, p["w_up_DF"], cfg)
+  return matmul("XF,FD->XD", nn.silu(gate_XF) * up_XF, p["w_down_FD"], cfg)
+
+
+def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple[jax.Array, Any]:
+  """Pre-norm block on flattened tokens: x + attn(norm(x)), then x + mlp(norm(x)).
+
+  `attend(q_XKRH, k_XKH, v_XKH) -> (o_XNH, aux)` applies rotary embeddings and attention as the
+  caller lays its tokens out; `aux` (e.g. the keys and values written to a cache) is returned.
+  """
+  h_XD = rms_norm(x_XD, p["attn_norm"]["scale_D"], cfg.norm_eps)
+  o_XNH, aux = attend(*project_qkv(cfg, p, h_XD))
+  x_XD = x_XD + matmul("XNH,NHD->XD", o_XNH, p["wo_NHD"], cfg)
+  h_XD = rms_norm(x_XD, p["mlp_norm"]["scale_D"], cfg.norm_eps)
+  return x_XD + mlp(cfg, p, h_XD), aux
+
+
+class Block(nn.Module):
+  """One layer's parameters (training layout), applied to one or two segments of rows.
+
+  Layout "rows": one segment [B, T, D]. Layout "shared_prompt": Q prompts [Q, P, D] and their
+  B = Q*G completions [B, C, D], completion row qG+g continuing prompt q (a rollout group shares one
+  prompt forward). Dense layers run on every token of every segment at once; only attention sees
+  the segments. With `emit_kv` (rows), also returns this call's keys and values ([B, K, T, H] each).
   """
   cfg: ModelConfig
+  layout: str = "rows"
   emit_kv: bool = False
 
   @nn.compact
-  def __call__(self, x, shared):
+  def __call__(self, segments: tuple, shared: tuple):
     cfg = self.cfg
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    R = N // K
-    segments = x if isinstance(x, tuple) else (x,)
-    tables, mask = shared if isinstance(x, tuple) else ((shared[0],), (shared[1],))
+    tables, masks = shared
+    p = {"attn_norm": {"scale_D": _scale_param(self, "attn_norm")}}
+    p["wq_DNH"] = _param(self, "wq_DNH", (D, N, H), _normal, cfg)
+    p["wk_DKH"] = _param(self, "wk_DKH", (D, K, H), _normal, cfg)
+    p["wv_DKH"] = _param(self, "wv_DKH", (D, K, H), _normal, cfg)
+    if cfg.qkv_bias:
+      zeros = nn.initializers.zeros
+      p["bq_NH"] = _param(self, "bq_NH", (N, H), zeros, cfg)
+      p["bk_KH"] = _param(self, "bk_KH", (K, H), zeros, cfg)
+      p["bv_KH"] = _param(self, "bv_KH", (K, H), zeros, cfg)
+    p["wo_NHD"] = _param(self, "wo_NHD", (N, H, D), _normal, cfg)
+    p["mlp_norm"] = {"scale_D": _scale_param(self, "mlp_norm")}
+    p["w_gate_DF"] = _param(self, "w_gate_DF", (D, F), _normal, cfg)
+    p["w_up_DF"] = _param(self, "w_up_DF", (D, F), _normal, cfg)
+    p["w_down_FD"] = _param(self, "w_down_FD", (F, D), _normal, cfg)
+
     shapes = [s.shape[:2] for s in segments]
-    x_XD = jnp.concatenate([s.reshape(-1, D) for s in segments])  # X: every token, flattened
+    sizes = [b * t for b, t in shapes]
 
     def per_segment(a_X, *trailing):
       """[X, ...] -> one [rows, T, ...] array per segment."""
-      sizes = [b * t for b, t in shapes]
       parts = jnp.split(a_X, list(itertools.accumulate(sizes))[:-1]) if len(sizes) > 1 else [a_X]
-      return [p.reshape(b, t, *trailing) for p, (b, t) in zip(parts, shapes)]
+      return [a.reshape(b, t, *trailing) for a, (b, t) in zip(parts, shapes)]
+
+    def attend(q_XKRH, k_XKH, v_XKH):
+      R = N // K
+      qs = [rope(q, t) for q, t in zip(per_segment(q_XKRH.reshape(-1, N, H), N, H), tables)]
+      qs = [q.reshape(*q.shape[:2], K, R, H) for q in qs]
+      ks = [rope(k, t) for k, t in zip(per_segment(k_XKH, K, H), tables)]
+      vs = per_segment(v_XKH, K, H)
+      if self.layout == "rows":
+        outs = [self._attend_rows(qs[0], ks[0], vs[0], masks[0])]
+      else:  # Prompts attend among themselves; completions to their prompt, then to themselves.
+        mask_QPP, mask_BCC = masks
+        outs = [attend_rows(qs[0], ks[0], vs[0], mask_QPP),
+                attend_shared_prompt(qs[1], ks[1], vs[1], mask_BCC, ks[0], vs[0], mask_QPP[:, -1])]
+      kv = (ks[0].transpose(0, 2, 1, 3), vs[0].transpose(0, 2, 1, 3)) if self.emit_kv else None
+      return jnp.concatenate([o.reshape(-1, N, H) for o in outs]), kv
 
     # Dense projections run on flattened tokens: 2-D matmuls whose gradients XLA computes
     # without transposed copies.
-    h_XD = RMSNorm(cfg, name="attn_norm")(x_XD)
-    q_XNH = matmul("XD,DNH->XNH", h_XD, _param(self, "wq_DNH", (D, N, H), _normal, cfg), cfg)
-    k_XKH = matmul("XD,DKH->XKH", h_XD, _param(self, "wk_DKH", (D, K, H), _normal, cfg), cfg)
-    v_XKH = matmul("XD,DKH->XKH", h_XD, _param(self, "wv_DKH", (D, K, H), _normal, cfg), cfg)
-    if cfg.qkv_bias:
-      zeros = nn.initializers.zeros
-      q_XNH += _param(self, "bq_NH", (N, H), zeros, cfg)[None]
-      k_XKH += _param(self, "bk_KH", (K, H), zeros, cfg)[None]
-      v_XKH += _param(self, "bv_KH", (K, H), zeros, cfg)[None]
-    qs = [rope(q, t).reshape(*q.shape[:2], K, R, H) for q, t in zip(per_segment(q_XNH, N, H), tables)]
-    ks = [rope(k, t) for k, t in zip(per_segment(k_XKH, K, H), tables)]
-    vs = per_segment(v_XKH, K, H)
-
-    if len(segments) == 1:
-      outs = [self._attend_rows(qs[0], ks[0], vs[0], mask[0])]
-    else:  # Prompts attend among themselves; completions to their prompt, then to themselves.
-      mask_QPP, mask_BCC = mask
-      outs = [attend(qs[0], ks[0], vs[0], mask_QPP),
-              attend_shared_prompt(qs[1], ks[1], vs[1], mask_BCC, ks[0], vs[0], mask_QPP[:, -1])]
-    o_XNH = jnp.concatenate([o.reshape(-1, N, H) for o in outs])
-    x_XD = x_XD + matmul("XNH,NHD->XD", o_XNH, _param(self, "wo_NHD", (N, H, D), _normal, cfg), cfg)
-
-    h_XD = RMSNorm(cfg, name="mlp_norm")(x_XD)
-    gate_XF = matmul("XD,DF->XF", h_XD, _param(self, "w_gate_DF", (D, F), _normal, cfg), cfg)
-    up_XF = matmul("XD,DF->XF", h_XD, _param(self, "w_up_DF", (D, F), _normal, cfg), cfg)
-    down_FD = _param(self, "w_down_FD", (F, D), _normal, cfg)
-    x_XD = x_XD + matmul("XF,FD->XD", nn.silu(gate_XF) * up_XF, down_FD, cfg)
-    out = tuple(sharding.constrain(s, "BTD") for s in per_segment(x_XD, D))
-    kv = (ks[0].transpose(0, 2, 1, 3), vs[0].transpose(0, 2, 1, 3)) if self.emit_kv else None
-    return (out if isinstance(x, tuple) else out[0]), kv
+    x_XD = jnp.concatenate([s.reshape(-1, D) for s in segments])
+    x_XD, kv = layer(cfg, p, x_XD, attend)
+    return tuple(sharding.constrain(s, "BTD") for s in per_segment(x_XD, D)), kv
 
   def _attend_rows(self, q_BTKRH, k_BTKH, v_BTKH, mask_BTS):
     B, T, K, R, H = q_BTKRH.shape
     c = self.cfg.attn_chunk
     if not (c and T > c and T % c == 0):
-      return attend(q_BTKRH, k_BTKH, v_BTKH, mask_BTS)
+      return attend_rows(q_BTKRH, k_BTKH, v_BTKH, mask_BTS)
     # Query blocks, each rematerialised: scores never exceed [B, K, R, c, S] in memory.
     q_nBcKRH = jnp.moveaxis(q_BTKRH.reshape(B, T // c, c, K, R, H), 1, 0)
     mask_nBcS = jnp.moveaxis(mask_BTS.reshape(B, T // c, c, -1), 1, 0)
-    block = jax.checkpoint(lambda qm: attend(qm[0], k_BTKH, v_BTKH, qm[1]))
+    block = jax.checkpoint(lambda qm: attend_rows(qm[0], k_BTKH, v_BTKH, qm[1]))
     return jnp.moveaxis(jax.lax.map(block, (q_nBcKRH, mask_nBcS)), 0, 1).reshape(B, T, K, R, H)
 
 
-class Transformer(nn.Module):
-  """The whole model. Inputs are one segment of rows, or (prompts, completions) as in `Block`:
-  then the logits are those predicting each completion token, [B, C, V]."""
+def _scale_param(module: nn.Module, name: str) -> jax.Array:
+  """An RMSNorm scale stored as {name: {"scale_D": ...}} (the parameter tree HF import expects)."""
+  return RMSNormScale(module.cfg, name=name)()
+
+
+class RMSNormScale(nn.Module):
   cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return _param(self, "scale_D", (self.cfg.embed_dim,), nn.initializers.ones, self.cfg)
+
+
+HEADS = ("lm", "scalar")
+
+
+class Transformer(nn.Module):
+  """The trunk (embedding, scanned layers, final norm) and a head on it.
+
+  Head "lm": logits [B, T, V] (fp32). Head "scalar": one value per position [B, T] (fp32) from a
+  D-vector `score_D` (a reward model's or value model's head). Inputs are one segment of rows
+  (layout "rows") or (prompts, completions) (layout "shared_prompt", see `Block`): then the outputs
+  are those at the positions predicting each completion token, [B, C, ...].
+  """
+  cfg: ModelConfig
+  head: str = "lm"
+  layout: str = "rows"
   emit_kv: bool = False  # also return every layer's keys/values: ([L, B, K, T, H], [L, B, K, T, H])
 
   @nn.compact
-  def __call__(self, tokens, pos, mask, logits_from: int = 0):
+  def __call__(self, tokens: tuple, pos: tuple, masks: tuple, logits_from: int = 0):
     cfg = self.cfg
     embed_VD = _param(self, "embed_VD", (cfg.vocab_size, cfg.embed_dim), _normal, cfg)
-    embed = lambda t: sharding.constrain(jnp.take(embed_VD, t, axis=0), "BTD")
-    x = tuple(map(embed, tokens)) if isinstance(tokens, tuple) else embed(tokens)
+    x = tuple(sharding.constrain(jnp.take(embed_VD, t, axis=0), "BTD") for t in tokens)
 
     block = Block
     if cfg.remat != "none":
@@ -320,42 +402,38 @@ class Transformer(nn.Module):
     layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(nn.broadcast,), length=cfg.num_layers,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    table = lambda p: rope_table(p, cfg.head_dim, cfg.rope_theta)
-    tables = tuple(map(table, pos)) if isinstance(pos, tuple) else table(pos)
-    x, kv = layers(cfg, self.emit_kv, name="layers")(x, (tables, mask))
+    tables = tuple(rope_table(p, cfg.head_dim, cfg.rope_theta) for p in pos)
+    x, kv = layers(cfg, self.layout, self.emit_kv, name="layers")(x, (tables, masks))
 
-    if isinstance(x, tuple):
+    if self.layout == "shared_prompt":
       # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
       x_QPD, x_BCD = x
       G = x_BCD.shape[0] // x_QPD.shape[0]
       x_BTD = jnp.concatenate([jnp.repeat(x_QPD[:, -1:], G, axis=0), x_BCD[:, :-1]], axis=1)
     else:
-      x_BTD = x[:, logits_from:]  # Skip unneeded unembeddings.
+      x_BTD = x[0][:, logits_from:]  # Skip unneeded unembeddings.
     x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD)
-    if cfg.tie_embeddings:
-      logits_BTV = matmul("BTD,VD->BTV", x_BTD, embed_VD, cfg, jnp.float32)
+    if self.head == "scalar":
+      score_D = _param(self, "score_D", (cfg.embed_dim,), nn.initializers.zeros, cfg)
+      out = matmul("BTD,D->BT", x_BTD, score_D, cfg, jnp.float32)
+    elif cfg.tie_embeddings:
+      out = sharding.constrain(matmul("BTD,VD->BTV", x_BTD, embed_VD, cfg, jnp.float32), "BTV")
     else:
       unembed_DV = _param(self, "unembed_DV", (cfg.embed_dim, cfg.vocab_size), _normal, cfg)
-      logits_BTV = matmul("BTD,DV->BTV", x_BTD, unembed_DV, cfg, jnp.float32)
-    logits_BTV = sharding.constrain(logits_BTV, "BTV")
-    return (logits_BTV, kv) if self.emit_kv else logits_BTV
+      out = sharding.constrain(matmul("BTD,DV->BTV", x_BTD, unembed_DV, cfg, jnp.float32), "BTV")
+    return (out, kv) if self.emit_kv else out
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array) -> Params:
+def init_params(cfg: ModelConfig, rng: jax.Array, head: str = "lm") -> Params:
   """Random parameters (unboxed: plain arrays in `param_dtype`)."""
+  return nn.meta.unbox(init_boxed(cfg, rng, head))
+
+
+def init_boxed(cfg: ModelConfig, rng: jax.Array, head: str = "lm") -> Params:
+  """Random parameters boxed with their logical axes (`nn.get_partition_spec` reads them): the one
+  source of parameter shardings (under `jax.eval_shape`, nothing is computed)."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  variables = Transformer(cfg).init(rng, tokens, tokens, jnp.ones((1, 1, 1), bool))
-  return nn.meta.unbox(variables["params"])
-
-
-def param_axes(cfg: ModelConfig) -> Any:
-  """Tree of logical-axis tuples, one per parameter, e.g. ('layers', 'embed', 'heads', 'head_dim')."""
-  def init():
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    return Transformer(cfg).init(jax.random.key(0), tokens, tokens, jnp.ones((1, 1, 1), bool))
-  variables = jax.eval_shape(init)
-  specs = nn.get_partition_spec(variables["params"])
-  return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return Transformer(cfg, head).init(rng, (tokens,), (tokens,), (jnp.ones((1, 1, 1), bool),))["params"]
 
 
 def positions(mask_BT: jax.Array) -> jax.Array:
@@ -364,12 +442,14 @@ def positions(mask_BT: jax.Array) -> jax.Array:
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logits_from: int = 0,
-            emit_kv: bool = False):
-  """Teacher-forced logits (fp32) for positions >= logits_from (static).
+            emit_kv: bool = False, head: str = "lm"):
+  """Teacher-forced outputs of the head (fp32 logits [B, T', V], or values [B, T']) for positions
+  >= logits_from (static).
 
-  With `emit_kv`, returns (logits, (k_LBKTH, v_LBKTH)): every layer's keys and values, to fill a cache.
+  With `emit_kv`, returns (out, (k_LBKTH, v_LBKTH)): every layer's keys and values, to fill a cache.
   """
-  return Transformer(cfg, emit_kv).apply({"params": params}, tokens_BT, pos_BT, mask_BTS, logits_from)
+  return Transformer(cfg, head, "rows", emit_kv).apply(
+      {"params": params}, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from)
 
 
 def causal_mask(mask_BT: jax.Array) -> jax.Array:
@@ -388,7 +468,7 @@ def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT
 
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
-                      completion_BC: jax.Array, completion_mask_BC: jax.Array) -> jax.Array:
+                      completion_BC: jax.Array, completion_mask_BC: jax.Array, head: str = "lm") -> jax.Array:
   """Logits [B, C, V] (fp32) predicting each completion token, for G = B/Q completions per prompt.
 
   Equals `logits` on the rows [prompt q | completion qG+g] (positions P-1 .. P+C-2), but each
@@ -398,9 +478,9 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
   C = completion_BC.shape[1]
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
-  return Transformer(model_cfg).apply({"params": params}, (prompt_QP, completion_BC),
-                                      (positions(prompt_mask_QP), pos_BC),
-                                      (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)))
+  return Transformer(model_cfg, head, "shared_prompt").apply(
+      {"params": params}, (prompt_QP, completion_BC), (positions(prompt_mask_QP), pos_BC),
+      (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)))
 
 
 # --- Cached decoding -----------------------------------------------------------------------------
@@ -412,9 +492,9 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
   """Per-layer weights for `decode_step`: matrices in the matmul dtype, the rest in the compute dtype.
 
-  layers[l]: attn_scale_D, wqkv_DKEH (E = R + 2: the R query heads of KV group k, then its key and
-  its value, so tensor parallelism splits K), bqkv_KEH (None without bias), wo_NHD, mlp_scale_D,
-  w_gate_up_D2F, w_down_FD. Also embed_VD, final_scale_D and unembed_DV.
+  layers[l]: attn_norm, wqkv_DKEH (E = R + 2: the R query heads of KV group k, then its key and
+  its value, so tensor parallelism splits K), bqkv_KEH (None without bias), wo_NHD, mlp_norm,
+  w_gate_up_D2F, w_down_FD: what `layer` reads. Also embed_VD, final_scale_D and unembed_DV.
   """
   D, N, K, H, L = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
   R = N // K
@@ -428,9 +508,9 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
     bqkv_LKEH = jnp.concatenate([p["bq_NH"].reshape(L, K, R, H), p["bk_KH"][:, :, None],
                                  p["bv_KH"][:, :, None]], axis=2)
   w_gate_up_LD2F = jnp.stack([p["w_gate_DF"], p["w_up_DF"]], axis=2)
-  layers = [dict(attn_scale_D=cast(p["attn_norm"]["scale_D"][l]), wqkv_DKEH=cast_w(wqkv_LDKEH[l]),
+  layers = [dict(attn_norm=dict(scale_D=cast(p["attn_norm"]["scale_D"][l])), wqkv_DKEH=cast_w(wqkv_LDKEH[l]),
                  bqkv_KEH=None if bqkv_LKEH is None else cast(bqkv_LKEH[l]), wo_NHD=cast_w(p["wo_NHD"][l]),
-                 mlp_scale_D=cast(p["mlp_norm"]["scale_D"][l]), w_gate_up_D2F=cast_w(w_gate_up_LD2F[l]),
+                 mlp_norm=dict(scale_D=cast(p["mlp_norm"]["scale_D"][l])), w_gate_up_D2F=cast_w(w_gate_up_LD2F[l]),
                  w_down_FD=cast_w(p["w_down_FD"][l]))
             for l in range(L)]
   # A tied unembedding is transposed once here, so each token's logits are a plain [B,D]x[D,V] matmul.
@@ -446,35 +526,18 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
   `cache.mask_BS` must already mark slot `index` (see `kv_cache.write_mask`); a row attends to
   every marked slot, which are exactly its real tokens up to and including this one.
   """
-  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  R = N // K
-  B = tok_B.shape[0]
-  table = rope_table(pos_B[:, None], H, cfg.rope_theta)
-  mask_BKRS = cache.mask_BS[:, None, None, :]
+  table = rope_table(pos_B[:, None], cfg.head_dim, cfg.rope_theta)
+  mask_B1S = cache.mask_BS[:, None, :]
   x_BD = jnp.take(dparams["embed_VD"], tok_B, axis=0)
   ks, vs = [], []
   for p, k_BKHS, v_BKSH in zip(dparams["layers"], cache.k, cache.v):
-    h_BD = rms_norm(x_BD, p["attn_scale_D"], cfg.norm_eps)
-    qkv_BKEH = matmul("BD,DKEH->BKEH", h_BD, p["wqkv_DKEH"], cfg)
-    if p["bqkv_KEH"] is not None:
-      qkv_BKEH += p["bqkv_KEH"][None]
-    q_BKRH = rope(qkv_BKEH[:, :, :R], table)
-    k_BK1H = rope(qkv_BKEH[:, :, R:R + 1], table)
-    k_BKHS, v_BKSH = kvc.update(k_BKHS, v_BKSH, k_BK1H, qkv_BKEH[:, :, R + 1:], index)
+    def attend(q_BKRH, k_BKH, v_BKH, k_BKHS=k_BKHS, v_BKSH=v_BKSH):
+      k_BKHS, v_BKSH = kvc.update(k_BKHS, v_BKSH, rope(k_BKH[:, :, None], table), v_BKH[:, :, None], index)
+      o_BKRH = attention(rope(q_BKRH, table)[:, :, :, None], k_BKHS, v_BKSH, mask_B1S, k_layout="BKHS")[:, :, :, 0]
+      return o_BKRH.reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1]), (k_BKHS, v_BKSH)
+    x_BD, (k_BKHS, v_BKSH) = layer(cfg, p, x_BD, attend)
     ks.append(k_BKHS)
     vs.append(v_BKSH)
-
-    scores_BKRS = jnp.einsum("BKRH,BKHS->BKRS", q_BKRH, k_BKHS,
-                             preferred_element_type=jnp.float32) * (H ** -0.5)
-    scores_BKRS = jnp.where(mask_BKRS, scores_BKRS, jnp.finfo(jnp.float32).min)
-    probs_BKRS = jax.nn.softmax(scores_BKRS, axis=-1).astype(cfg.dtype)
-    o_BKRH = jnp.einsum("BKRS,BKSH->BKRH", probs_BKRS, v_BKSH)
-    x_BD = x_BD + matmul("BNH,NHD->BD", o_BKRH.reshape(B, N, H), p["wo_NHD"], cfg)
-
-    h_BD = rms_norm(x_BD, p["mlp_scale_D"], cfg.norm_eps)
-    gate_up_B2F = matmul("BD,DGF->BGF", h_BD, p["w_gate_up_D2F"], cfg)
-    x_BD = x_BD + matmul("BF,FD->BD", nn.silu(gate_up_B2F[:, 0]) * gate_up_B2F[:, 1], p["w_down_FD"], cfg)
-
   x_BD = rms_norm(x_BD, dparams["final_scale_D"], cfg.norm_eps)
   logits_BV = matmul("BD,DV->BV", x_BD, dparams["unembed_DV"], cfg, jnp.float32)
   return logits_BV, cache.replace(k=ks, v=vs)

@@ -96,12 +96,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def tree_shardings(axes_tree: Any, mesh: Mesh, rules: Rules = PARAM_RULES) -> Any:
-  """Maps a tree of logical-axis tuples (see `model.param_axes`) to NamedShardings."""
-  return jax.tree.map(lambda axes: named(mesh, axes, rules), axes_tree,
-                      is_leaf=lambda x: isinstance(x, tuple))
-
-
 def check_divisible(model_cfg, mesh: Mesh) -> None:
   """Fails early, with the numbers, when a sharded dimension does not divide its mesh axes."""
   t, f = mesh.shape["tensor"], mesh.shape["fsdp"]

@@ -224,10 +224,7 @@ class Trainer:
     # Shardings of the whole state from the parameters' logical axes (boxed abstract params:
     # optax's moments inherit the boxes, so they shard like their parameters).
     def boxed_state():
-      tokens = jnp.zeros((1, 1), jnp.int32)
-      boxed = model_lib.Transformer(model_cfg).init(jax.random.key(0), tokens, tokens,
-                                                    jnp.ones((1, 1, 1), bool))["params"]
-      return TrainState.create(boxed, self.tx)
+      return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0)), self.tx)
     logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
