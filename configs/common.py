@@ -52,17 +52,33 @@ def base() -> mlc.ConfigDict:
   c.rollout = dict(group_size=16,            # G, responses per prompt
                    max_new_tokens=20_480,    # L_max, completion tokens
                    temperature=1.0, top_p=1.0, top_k=0,
-                   rows_per_call=0)          # rows per sampler call (0 = the whole generation batch)
+                   rows_per_call=0,          # rows per sampler call (0 = the whole generation batch)
+                   # What ends a completion: "generation_config" = the model's EOS ids as verl reads
+                   # them (generation_config.json, else config.json, else the tokenizer's EOS; for a
+                   # base model often <|endoftext|> alone), "chat" = those plus the chat template's
+                   # end-of-turn tokens (<|im_end|>, <|eot_id|>, <|endoftext|>) in the vocabulary.
+                   # "chat" here: the tasks below are chat-templated and an instruct model ends its
+                   # turn with <|im_end|>; the default job's own tokenizer has no
+                   # generation_config.json. The paper recipe sets "generation_config" (reference).
+                   stop="chat")
   c.dapo = dict(prompts_per_step=512,        # Q, prompts in a train batch
                 gen_prompts=1536,            # prompts per generation batch (3x for dynamic sampling)
                 dynamic_sampling=True,       # drop groups whose correctness is all equal (Eq. 11)
                 max_gen_batches=10,          # cap per step; 0 = unlimited
+                filter_metric="acc",         # what must vary in a group: acc | score (the scorer's) |
+                                             # seq_reward | seq_final_reward (score + overlong penalty)
+                # Ours below; the reference (verl's recipe, configs/dapo_qwen2_5_32b.py) raises at the
+                # cap and discards surplus groups: on_cap="raise", carry_over=False.
                 on_cap="train",              # at the cap: "train" on what was kept, or "raise" (reference)
                 carry_over=True,             # keep surplus groups for the next step (reference: discard)
                 eps_low=0.2, eps_high=0.28,  # decoupled clip (Eq. 10)
                 clip_ratio_c=10.0,           # dual clip for A<0; 0 = off
-                loss_agg="token_mean",       # token_mean | seq_mean_token_{mean,sum,sum_norm}
-                verl_microbatch_weighting=False,   # reproduce the reference's micro-batch weighting
+                loss_agg="token_mean",       # token_mean | seq_mean_token_{mean,sum,sum_norm} |
+                                             # seq_sum_token_sum_norm (verl's "seq-mean-token-sum-norm")
+                # True: each micro-batch's loss is its own token mean weighted by its share of the
+                # mini-batch's rows, as verl weights micro-batches (on our micro-batch split, not
+                # verl's: verl balances rows across ranks and packs micro-batches by token count).
+                verl_microbatch_weighting=False,
                 norm_adv_by_std=True,        # False = Dr.GRPO (mean-only)
                 overlong_buffer=4096,        # L_cache (Eq. 13); 0 = off
                 overlong_penalty=1.0,        # penalty factor
@@ -112,8 +128,9 @@ def runlocal(c: mlc.ConfigDict) -> None:
   c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8,
                 digits_b=0, fewshot=0)
   c.rollout.update(group_size=4, max_new_tokens=8, rows_per_call=0)
+  # A random tiny model rarely solves anything, so at the cap a smoke run trains on what it kept.
   c.dapo.update(prompts_per_step=4, gen_prompts=8 if c.dapo.dynamic_sampling else 4, max_gen_batches=2,
-                overlong_buffer=min(c.dapo.overlong_buffer, 2))
+                overlong_buffer=min(c.dapo.overlong_buffer, 2), on_cap="train")
   c.train.update(num_steps=2, minibatches=2, num_microbatches=1, ckpt_every=0, eval_every=0,
                  log_samples_every=1)
   c.eval.update(k=2, max_new_tokens=0)

@@ -26,10 +26,14 @@ def get_config(arg=None):
   c.data.update(task="file", train_files=("dapo-math-17k.parquet",), eval_files=("aime-2024.parquet",),
                 max_prompt_len=2048, prompt_buckets=(512, 1024, 2048), num_eval=0)
   c.rollout.update(group_size=16, max_new_tokens=20_480, temperature=1.0, top_p=1.0, top_k=0,
-                   rows_per_call=1024)     # 24 sampler calls per 1536 x 16 generation batch
+                   rows_per_call=1024,     # 24 sampler calls per 1536 x 16 generation batch
+                   stop="generation_config")   # verl: Qwen2.5-32B (base) ends on <|endoftext|> only
   c.dapo.update(prompts_per_step=512, gen_prompts=1536, dynamic_sampling=True, max_gen_batches=10,
                 eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, loss_agg="token_mean",
-                overlong_buffer=4096, overlong_penalty=1.0, overlong_filter=False)
+                overlong_buffer=4096, overlong_penalty=1.0, overlong_filter=False, filter_metric="acc",
+                # As verl's recipe: raise when max_gen_batches generation batches did not fill Q
+                # groups, and drop the kept groups beyond Q (verl: batch[:Q*G]).
+                on_cap="raise", carry_over=False)
   c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0)
   c.train.update(num_steps=500, minibatches=16, ppo_epochs=1, num_microbatches=32, ckpt_every=5,
                  eval_every=5)

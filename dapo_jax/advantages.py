@@ -24,9 +24,29 @@ def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.nda
   return adv.astype(np.float32)
 
 
-def keep_groups(acc_QG: np.ndarray) -> np.ndarray:
-  """Dynamic sampling: keep a prompt iff its correctness varies (population std > 0), or G == 1."""
-  acc = np.asarray(acc_QG, np.float64)
-  if acc.shape[1] == 1:
-    return np.ones(acc.shape[0], bool)
-  return acc.std(axis=1) > 0
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def filter_values(metric: str, *, acc_QG: np.ndarray, score_QG: np.ndarray, reward_QG: np.ndarray) -> np.ndarray:
+  """The per-sample value dynamic sampling looks at (`dapo.filter_metric`), as verl names them.
+
+  acc: the scorer's correctness; score: the scorer's score alone; seq_reward: the reward that is
+  trained on (score + overlong penalty: verl's summed token-level scores); seq_final_reward: that
+  minus an in-reward KL penalty, which DAPO has none of, so it equals seq_reward here.
+  """
+  if metric == "acc":
+    return np.asarray(acc_QG)
+  if metric == "score":
+    return np.asarray(score_QG)
+  if metric in ("seq_reward", "seq_final_reward"):
+    return np.asarray(reward_QG)
+  raise ValueError(f"dapo.filter_metric={metric!r}; expected one of {FILTER_METRICS}")
+
+
+def keep_groups(values_QG: np.ndarray) -> np.ndarray:
+  """Dynamic sampling: keep a prompt iff its values differ (verl: population std > 0), or G == 1."""
+  v = np.asarray(values_QG, np.float64)
+  if v.shape[1] == 1:
+    return np.ones(v.shape[0], bool)
+  # max > min is std > 0 in exact arithmetic; np.std of equal floats can come out 1e-17, not 0.
+  return v.max(axis=1) > v.min(axis=1)

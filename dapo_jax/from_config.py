@@ -26,7 +26,8 @@ def validate(cfg) -> None:
   """Refuses, before anything is built, every setting that cannot work; the error names the field."""
   c = cfg
   d, t = c.dapo, c.train
-  if d.loss_agg not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+  if d.loss_agg not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+                        "seq_sum_token_sum_norm"):
     raise ValueError(f"dapo.loss_agg={d.loss_agg!r} is not a known aggregation")
   if d.on_cap not in ("train", "raise"):
     raise ValueError(f"dapo.on_cap={d.on_cap!r}; expected 'train' or 'raise'")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+             "seq_sum_token_sum_norm")
 
 
 def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -40,13 +41,20 @@ def num_seqs_with_tokens(mask_BC: jax.Array) -> jax.Array:
 
 def aggregate(loss_BC: jax.Array, mask_BC: jax.Array, agg: str = "token_mean", *, num_tokens=None,
               num_seqs=None, norm_len: int | None = None) -> jax.Array:
-  """Reduces per-token losses to a scalar (paper Eq. 12 for token_mean).
+  """Reduces per-token losses to a scalar (paper Eq. 12 for token_mean); i = rows, C = norm_len.
 
-  token_mean:               Σ L·m / Σ m                    (DAPO; over the whole mini-batch)
+  token_mean:               Σ_i Σ_t L·m / Σ_i Σ_t m        (DAPO; over the whole mini-batch)
   seq_mean_token_mean:      mean_i (Σ_t L·m / Σ_t m)        (GRPO, sample level)
   seq_mean_token_sum:       mean_i Σ_t L·m
-  seq_mean_token_sum_norm:  mean_i Σ_t L·m / norm_len      (Dr.GRPO; norm_len = max length C)
-  Sequence means count rows that have at least one loss token.
+  seq_mean_token_sum_norm:  mean_i Σ_t L·m / C              (Dr.GRPO, as TRL's `dr_grpo`)
+  seq_sum_token_sum_norm:   Σ_i Σ_t L·m / C                 (verl's agg_loss "seq-mean-token-sum-norm")
+  C defaults to the padded completion length (max_new_tokens). Sequence means count the rows with
+  at least one loss token. verl's "seq-mean-token-sum-norm" sums over rows instead of averaging
+  them, so its loss, and its gradient before clipping, is larger by a factor of the row count
+  (which changes how often grad clipping binds); `seq_sum_token_sum_norm` is that formula over the
+  whole mini-batch. verl applies it per micro-batch and averages micro-batches and data-parallel
+  ranks, so its effective scale is 1 / (micro-batches x ranks) of this sum; with
+  `verl_microbatch_weighting` the train step applies the micro-batch part of that average.
   """
   mask = mask_BC.astype(jnp.float32)
   if agg == "token_mean":
@@ -61,6 +69,8 @@ def aggregate(loss_BC: jax.Array, mask_BC: jax.Array, agg: str = "token_mean", *
     seq_B = seq_sum_B
   else:
     seq_B = seq_sum_B / float(norm_len or loss_BC.shape[-1])
+    if agg == "seq_sum_token_sum_norm":  # A sum needs no global denominator: micro-batches add up.
+      return jnp.sum(seq_B)
   return jnp.sum(seq_B) / jnp.maximum(seqs, 1.0)
 
 
@@ -104,6 +114,10 @@ def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_hig
   logp_BC: log π_θ of the sampled tokens (differentiated); old_logp_BC: log π_old (constant);
   adv_B: one advantage per response; mask_BC: tokens that count in the loss.
   Metrics are token means with the same denominators, so micro-batch metrics sum to the total.
+  verl's names mean verl's quantities: pg_clipfrac (either PPO clip binds), ppo_kl (mean of
+  log π_old - log π_θ) and pg_clipfrac_lower (the dual clip binds, A < 0 and ratio > c). The PPO
+  clip per side is ours: pg_clipfrac_eps_high (A > 0, ratio > 1+ε_high) and pg_clipfrac_eps_low
+  (A < 0, ratio < 1-ε_low).
   """
   old_logp_BC = jax.lax.stop_gradient(old_logp_BC)
   adv_B1 = jax.lax.stop_gradient(adv_B)[:, None].astype(logp_BC.dtype)
@@ -114,9 +128,9 @@ def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_hig
   metrics = {
       "pg_loss": pg_loss,
       "pg_clipfrac": tok_mean(high | low),
-      "pg_clipfrac_upper": tok_mean(high),
-      "pg_clipfrac_lower": tok_mean(low),
-      "pg_clipfrac_dual": tok_mean(dual),
+      "pg_clipfrac_lower": tok_mean(dual),   # verl's name for the dual-clip fraction
+      "pg_clipfrac_eps_high": tok_mean(high),
+      "pg_clipfrac_eps_low": tok_mean(low),
       "ppo_kl": tok_mean(jax.lax.stop_gradient(old_logp_BC - logp_BC)),
   }
   loss = pg_loss

@@ -1,6 +1,7 @@
 """Tokenizers from local directories (no hub), chat templates, left-padded batches."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Sequence
 
@@ -59,14 +60,54 @@ def decode(tok, tokens_BC: np.ndarray, mask_BC: np.ndarray) -> list[str]:
           for row, mrow in zip(np.asarray(tokens_BC), np.asarray(mask_BC))]
 
 
+STOP_MODES = ("chat", "generation_config")
+# End-of-turn tokens of the common chat templates (ChatML, Llama 3) and Qwen's end of document.
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+
+
+def generation_eos_ids(tok, model_dir: str) -> tuple[int, ...]:
+  """The model's EOS ids as verl reads them (`GenerationConfig.from_pretrained`).
+
+  generation_config.json's eos_token_id (int or list); without that file, config.json's; without
+  either (or with no eos_token_id in it), the tokenizer's EOS.
+  """
+  for name in ("generation_config.json", "config.json"):
+    path = os.path.join(model_dir, name) if model_dir else ""
+    if not path or not os.path.exists(path):
+      continue
+    try:
+      with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+      raise TokenizerError(f"{path}: cannot read eos_token_id ({e})") from e
+    if eos is None:
+      break  # The file exists but names no EOS; verl's rollout then stops on the tokenizer's.
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+      raise TokenizerError(f"{path}: eos_token_id={eos!r}; expected an int or a list of ints")
+    return tuple(dict.fromkeys(ids))
+  return (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+
+
+def stop_ids(tok, model_dir: str, mode: str = "chat") -> tuple[int, ...]:
+  """The ids that end a completion (`rollout.stop`); model_dir "" = the tokenizer's EOS alone.
+
+  "generation_config": the model's EOS ids as verl stops and masks on them (`generation_eos_ids`);
+  for a base model that can be <|endoftext|> alone. "chat": those plus the chat templates' end-of-turn
+  tokens (END_OF_TURN) present in the vocabulary, so an instruct model stops where its turn ends.
+  """
+  if mode not in STOP_MODES:
+    raise TokenizerError(f"rollout.stop={mode!r}; expected one of {STOP_MODES}")
+  ids = list(generation_eos_ids(tok, model_dir))
+  if mode == "chat":
+    vocab = tok.get_vocab()
+    ids += [vocab[t] for t in END_OF_TURN if t in vocab]
+  return tuple(dict.fromkeys(ids))
+
+
 def eos_ids(tok, extra: Sequence[int] = ()) -> tuple[int, ...]:
-  """Every id that ends a completion: the tokenizer's EOS, <|im_end|> style ends, and `extra`."""
-  ids = [tok.eos_token_id, *extra]
-  for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-    i = tok.convert_tokens_to_ids(t)
-    if isinstance(i, int) and i != tok.unk_token_id and i is not None and i >= 0:
-      ids.append(i)
-  return tuple(dict.fromkeys(i for i in ids if i is not None))
+  """stop_ids(tok, "", "chat") and `extra`: the tokenizer's EOS and the end-of-turn tokens."""
+  return tuple(dict.fromkeys((*stop_ids(tok, "", "chat"), *extra)))
 
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")

@@ -37,3 +37,25 @@ def test_keep_groups_uses_correctness():
   acc = np.array([[1, 1, 1], [0, 0, 0], [1, 0, 0], [0, 1, 1]], bool)
   np.testing.assert_array_equal(advantages.keep_groups(acc), [False, False, True, True])
   np.testing.assert_array_equal(advantages.keep_groups(np.array([[True], [False]])), [True, True])
+
+
+def test_filter_metrics_follow_verl():
+  """Two groups of 2: same correctness, scores that differ, and an overlong penalty on one sample."""
+  acc = np.array([[True, True], [False, True]])
+  score = np.array([[1.0, 0.5], [-1.0, 1.0]])      # e.g. a partial-credit scorer
+  penalty = np.array([[0.0, 0.0], [0.0, -2.0]])
+  reward = score + penalty                          # [[1, .5], [-1, -1]]: what advantages use
+  kw = dict(acc_QG=acc, score_QG=score, reward_QG=reward)
+  keep = {m: advantages.keep_groups(advantages.filter_values(m, **kw)).tolist() for m in advantages.FILTER_METRICS}
+  assert keep == {"acc": [False, True], "score": [True, True], "seq_reward": [True, False],
+                  "seq_final_reward": [True, False]}
+  with pytest.raises(ValueError, match="dapo.filter_metric='reward'"):
+    advantages.filter_values("reward", **kw)
+
+
+def test_keep_groups_of_equal_floats():
+  """Equal non-representable floats are one value, whatever np.std's rounding says."""
+  v = np.full((1, 3), 0.1)
+  assert v.std(axis=1)[0] > 0   # The rounding that a std > 0 test would trip over.
+  assert not advantages.keep_groups(v)[0]
+  assert advantages.keep_groups(np.array([[0.1, 0.1, 0.1 + 1e-12]]))[0]

@@ -36,6 +36,9 @@ def test_paper_recipe_values():
   assert (c.dapo.prompts_per_step, c.dapo.gen_prompts, c.rollout.group_size) == (512, 1536, 16)
   assert (c.rollout.max_new_tokens, c.dapo.overlong_buffer, c.dapo.max_gen_batches) == (20480, 4096, 10)
   assert (c.optim.lr, c.optim.warmup_steps, c.optim.weight_decay, c.train.minibatches) == (1e-6, 10, 0.1, 16)
+  # verl's recipe: raise at the cap, drop surplus groups, filter on acc, stop on generation_config's EOS.
+  assert (c.dapo.on_cap, c.dapo.carry_over, c.dapo.filter_metric) == ("raise", False, "acc")
+  assert c.rollout.stop == "generation_config"
   mc = from_config.model_config(c, 0)
   assert mc == model.ModelConfig.qwen2_5_32b(dtype="bfloat16", remat="full", attn_chunk=2048)
 

@@ -40,11 +40,13 @@ def np_reference(logp, old, adv, mask, agg, clip_c, norm_len=None):
     W = np.array([m[i] / max(m[i].sum(), 1) for i in range(B)]) / len(rows)
   elif agg == "seq_mean_token_sum":
     W = m / len(rows)
-  else:
+  elif agg == "seq_mean_token_sum_norm":
     W = m / (norm_len or T) / len(rows)
+  else:  # seq_sum_token_sum_norm: verl's agg_loss sums the rows' token sums, then divides by T.
+    W = m / (norm_len or T)
   tm = lambda x: (x * m).sum() / m.sum()
-  metrics = {"pg_clipfrac_upper": tm(hi), "pg_clipfrac_lower": tm(lo), "pg_clipfrac": tm(hi | lo),
-             "pg_clipfrac_dual": tm(du), "ppo_kl": tm(old - logp)}
+  metrics = {"pg_clipfrac_eps_high": tm(hi), "pg_clipfrac_eps_low": tm(lo), "pg_clipfrac": tm(hi | lo),
+             "pg_clipfrac_lower": tm(du), "ppo_kl": tm(old - logp)}
   return (L * W).sum(), g * W, metrics
 
 
@@ -73,6 +75,7 @@ def test_matches_numpy_reference(agg, clip_c):
     (val, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
     val, grad = float(val), np.asarray(grad)
     metrics = {k: float(v) for k, v in metrics.items()}
+  assert sorted(metrics) == sorted([*ref_metrics, "pg_loss"])
   assert val == pytest.approx(ref_loss, abs=1e-10)
   np.testing.assert_allclose(grad, ref_grad, atol=1e-10)
   for k, v in ref_metrics.items():
@@ -146,3 +149,59 @@ def test_entropy_and_token_logprobs():
   np.testing.assert_allclose(np.asarray(loss.entropy(z)), -(p * np.log(p)).sum(-1), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(loss.token_logprobs(z, np.array([[1, 2]]))),
                              np.log([[p[0, 0, 1], p[0, 1, 2]]]), rtol=1e-6)
+
+
+def verl_agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=None):
+  """verl's core_algos.agg_loss on one micro-batch with its defaults (dp_size=1, local counts)."""
+  m = loss_mask.astype(float)
+  if mode == "token-mean":
+    return (loss_mat * m).sum() / m.sum()
+  seq_sum = (loss_mat * m).sum(-1)
+  has = m.sum(-1) > 0
+  if mode == "seq-mean-token-sum":
+    return seq_sum[has].sum() / has.sum()
+  if mode == "seq-mean-token-mean":
+    return (seq_sum / (m.sum(-1) + 1e-8))[has].sum() / has.sum()
+  return seq_sum.sum() / (loss_scale_factor or loss_mat.shape[-1])   # seq-mean-token-sum-norm
+
+
+@pytest.mark.parametrize("ours,verl", [("token_mean", "token-mean"), ("seq_mean_token_sum", "seq-mean-token-sum"),
+                                       ("seq_mean_token_mean", "seq-mean-token-mean"),
+                                       ("seq_sum_token_sum_norm", "seq-mean-token-sum-norm")])
+def test_aggregations_match_verl_agg_loss(ours, verl):
+  rng = np.random.default_rng(1)
+  L = rng.normal(size=(5, 7))
+  mask = np.array([[1] * 7, [1] * 3 + [0] * 4, [0] * 7, [1] * 6 + [0], [1] + [0] * 6], bool)  # One empty row.
+  with jax.enable_x64(True):
+    got = float(loss.aggregate(jnp.asarray(L), jnp.asarray(mask), ours))
+    got20 = float(loss.aggregate(jnp.asarray(L), jnp.asarray(mask), ours, norm_len=20))
+  assert got == pytest.approx(verl_agg_loss(L, mask, verl), rel=1e-7)   # verl adds 1e-8 to token counts.
+  assert got20 == pytest.approx(verl_agg_loss(L, mask, verl, loss_scale_factor=20), rel=1e-7)
+
+
+def test_dr_grpo_norm_is_the_verl_sum_over_rows_with_tokens():
+  """Ours (TRL's dr_grpo) averages the rows that verl's variant sums: a factor of the row count."""
+  logp, old, adv, mask = case()
+  kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH)
+  mean = float(loss.policy_loss(logp, old, adv, mask, agg="seq_mean_token_sum_norm", **kw)[0])
+  total = float(loss.policy_loss(logp, old, adv, mask, agg="seq_sum_token_sum_norm", **kw)[0])
+  assert total == pytest.approx(4 * mean, rel=1e-6)
+  # Split into two micro-batches with the whole mini-batch's counts, the parts add up to the whole.
+  parts = [float(loss.policy_loss(logp[s], old[s], adv[s], mask[s], agg=agg, num_tokens=mask.sum(),
+                                  num_seqs=4.0, **kw)[0])
+           for agg in ("seq_mean_token_sum_norm", "seq_sum_token_sum_norm") for s in (slice(0, 2), slice(2, 4))]
+  assert parts[0] + parts[1] == pytest.approx(mean, rel=1e-6)
+  assert parts[2] + parts[3] == pytest.approx(total, rel=1e-6)
+
+
+def test_metric_names_follow_verl():
+  """pg_clipfrac_lower is verl's dual-clip fraction: A < 0 and the ratio above clip_ratio_c."""
+  logp = np.log(np.array([[5.0, 1.0, 0.5, 1.0], [1.5, 1.0, 1.0, 1.0]]))
+  old = np.zeros((2, 4))
+  mask = np.ones((2, 4), bool)
+  _, m = loss.policy_loss(logp, old, np.array([-1.0, 1.0]), mask, eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
+  # Row 0 (A<0): ratio 5 > c (dual clip), 0.5 < 0.8 (PPO low clip). Row 1 (A>0): 1.5 > 1.28.
+  assert float(m["pg_clipfrac_lower"]) == pytest.approx(1 / 8)
+  assert float(m["pg_clipfrac_eps_low"]) == pytest.approx(1 / 8)
+  assert float(m["pg_clipfrac_eps_high"]) == pytest.approx(1 / 8)
+  assert float(m["pg_clipfrac"]) == pytest.approx(2 / 8)   # verl: pg_losses2 > pg_losses1, both sides

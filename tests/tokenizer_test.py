@@ -1,4 +1,6 @@
 """Tokenizers from a local directory: chat template, left padding, decoding, EOS ids."""
+import os
+
 import numpy as np
 import pytest
 
@@ -47,3 +49,58 @@ def test_buckets():
   assert tokenizer.bucket(30, [64, 32, 128]) == 32
   assert tokenizer.bucket(33, [64, 32, 128]) == 64
   assert tokenizer.bucket(500, [64, 32, 128]) == 128
+
+
+def model_dir_with(tmp_path, tok_dir, **files):
+  """A copy of the tiny tokenizer plus the given JSON files (name without .json -> content)."""
+  import json
+  import shutil
+  d = tmp_path / "model"
+  shutil.copytree(tok_dir, d)
+  for name, content in files.items():
+    (d / f"{name}.json").write_text(json.dumps(content))
+  return str(d)
+
+
+def test_stop_ids_from_generation_config(tiny_tokenizer_dir, tmp_path):
+  tok = tokenizer.load(tiny_tokenizer_dir)
+  vocab = tok.get_vocab()
+  im_end, eot = vocab["<|im_end|>"], vocab["<|endoftext|>"]
+  assert "<|eot_id|>" not in vocab and tok.eos_token_id == im_end
+  # A base model: generation_config.json ends on <|endoftext|> alone (verl stops and masks there only).
+  d = model_dir_with(tmp_path, tiny_tokenizer_dir, generation_config={"eos_token_id": eot},
+                     config={"eos_token_id": 7})
+  assert tokenizer.stop_ids(tok, d, "generation_config") == (eot,)
+  assert tokenizer.stop_ids(tok, d, "chat") == (eot, im_end)    # + the template's end of turn
+
+
+def test_stop_ids_list_and_fallbacks(tiny_tokenizer_dir, tmp_path):
+  tok = tokenizer.load(tiny_tokenizer_dir)
+  vocab = tok.get_vocab()
+  im_end, eot = vocab["<|im_end|>"], vocab["<|endoftext|>"]
+  d = model_dir_with(tmp_path, tiny_tokenizer_dir, generation_config={"eos_token_id": [5, im_end, 5]})
+  assert tokenizer.stop_ids(tok, d, "generation_config") == (5, im_end)
+  assert tokenizer.stop_ids(tok, d, "chat") == (5, im_end, eot)
+  # No generation_config.json: config.json's eos_token_id, as GenerationConfig.from_model_config.
+  os.remove(os.path.join(d, "generation_config.json"))
+  with open(os.path.join(d, "config.json"), "w") as f:
+    f.write('{"eos_token_id": 9}')
+  assert tokenizer.stop_ids(tok, d, "generation_config") == (9,)
+  # Neither file, or no model directory: the tokenizer's EOS.
+  os.remove(os.path.join(d, "config.json"))
+  assert tokenizer.stop_ids(tok, d, "generation_config") == (im_end,)
+  assert tokenizer.stop_ids(tok, "", "generation_config") == (im_end,)
+  assert tokenizer.stop_ids(tok, "", "chat") == tokenizer.eos_ids(tok) == (im_end, eot)
+
+
+def test_stop_ids_errors_name_the_field_or_file(tiny_tokenizer_dir, tmp_path):
+  tok = tokenizer.load(tiny_tokenizer_dir)
+  with pytest.raises(tokenizer.TokenizerError, match="rollout.stop='eos'"):
+    tokenizer.stop_ids(tok, "", "eos")
+  d = model_dir_with(tmp_path, tiny_tokenizer_dir, generation_config={"eos_token_id": "</s>"})
+  with pytest.raises(tokenizer.TokenizerError, match="generation_config.json: eos_token_id='</s>'"):
+    tokenizer.stop_ids(tok, d, "chat")
+  with open(os.path.join(d, "generation_config.json"), "w") as f:
+    f.write("{not json")
+  with pytest.raises(tokenizer.TokenizerError, match="generation_config.json: cannot read"):
+    tokenizer.stop_ids(tok, d, "chat")
