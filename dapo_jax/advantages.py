@@ -1,7 +1,14 @@
-"""Group-relative advantages (paper Eq. 9) and the dynamic-sampling keep mask (Eq. 11). NumPy, host side."""
+"""Group-relative advantages (paper Eq. 9), the dynamic-sampling keep mask (Eq. 11) and the pure
+host functions that turn scored groups into a train batch (`fill_batch`, `to_train_batch`). NumPy.
+"""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import numpy as np
+
+from dapo_jax.datatypes import Groups, RLBatch
 
 EPS = 1e-6
 
@@ -50,3 +57,89 @@ def keep_groups(values_QG: np.ndarray) -> np.ndarray:
     return np.ones(v.shape[0], bool)
   # max > min is std > 0 in exact arithmetic; np.std of equal floats can come out 1e-17, not 0.
   return v.max(axis=1) > v.min(axis=1)
+
+
+# --- The train batch of a rollout step (host, pure) ---------------------------------------------
+
+class DynamicSamplingCapError(RuntimeError):
+  """Dynamic sampling reached `dapo.max_gen_batches` short of Q groups, with `dapo.on_cap="raise"`."""
+
+
+@dataclasses.dataclass
+class FillStats:
+  """What dynamic sampling saw in one rollout step (generated groups, before the filter)."""
+  gen_batches: int = 0
+  generated: int = 0
+  kept: int = 0
+  all_correct: int = 0
+  all_wrong: int = 0
+  acc_sum: float = 0.0        # sum over generated groups of their mean accuracy
+  cap_reached: bool = False
+
+
+def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, *, filter_groups: bool,
+               max_gen_batches: int, on_cap: str, carry_over: bool) -> tuple[Groups | None, Groups | None, FillStats]:
+  """Dynamic sampling (DAPO_SPEC §2.2): keeps groups whose `filter_QG` values differ, generating
+  batch after batch (`generate(i)` makes the i-th) until Q are kept or `max_gen_batches` were made.
+
+  Returns (batch, carry, stats): the first Q kept groups in arrival order (after any carried ones),
+  None if none was kept; `carry` holds the surplus when `carry_over` (else it is dropped). At the
+  cap, `on_cap="raise"` raises DynamicSamplingCapError and "train" returns what was kept.
+  """
+  kept = [carry] if carry is not None and len(carry) else []
+  n_kept = sum(len(k) for k in kept)
+  stats = FillStats()
+  while n_kept < Q:
+    if filter_groups and max_gen_batches > 0 and stats.gen_batches >= max_gen_batches:
+      if on_cap == "raise":
+        raise DynamicSamplingCapError(
+            f"dynamic sampling: {stats.gen_batches} generation batches (dapo.max_gen_batches) kept only "
+            f"{n_kept} of {Q} groups; the data is too easy or too hard")
+      stats.cap_reached = True
+      break
+    groups = generate(stats.gen_batches)
+    stats.gen_batches += 1
+    keep = keep_groups(groups.filter_QG) if filter_groups else np.ones(len(groups), bool)
+    stats.generated += len(groups)
+    stats.kept += int(keep.sum())
+    stats.acc_sum += float(groups.acc_QG.mean()) * len(groups)
+    stats.all_correct += int(groups.acc_QG.all(1).sum())
+    stats.all_wrong += int((~groups.acc_QG).all(1).sum())
+    if keep.any():
+      kept.append(groups.take(np.flatnonzero(keep)))
+      n_kept += int(keep.sum())
+  if not kept:
+    return None, None, stats
+  batch = Groups.concat(kept)
+  carry = batch.take(slice(Q, None)) if carry_over and len(batch) > Q else None
+  return batch.take(slice(0, Q)), carry, stats
+
+
+def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: bool,
+                   overlong_filter: bool) -> tuple[RLBatch, np.ndarray]:
+  """Host arrays of the train batch, [Q*G rows, P+C]: each group's prompt (its last `prompt_len`
+  positions, left-padded) then each completion; group advantages (Eq. 9).
+
+  Static shapes: fewer than Q groups are completed with repeats whose loss mask is all zero. With
+  `overlong_filter`, truncated samples leave the loss and its denominator (§3.3). Returns the batch
+  and the advantages of the real groups [n, G].
+  """
+  n, G, C = groups.tokens_QGC.shape
+  adv_QG = group_advantages(groups.score_QG, norm_adv_by_std)
+  real_Q = np.arange(Q) < n
+  if n < Q:
+    groups, adv_QG = groups.take(np.arange(Q) % n), adv_QG[np.arange(Q) % n]
+  P = prompt_len
+  prompt_BP = np.repeat(groups.prompt_QP[:, -P:], G, axis=0)
+  pmask_BP = np.repeat(groups.prompt_mask_QP[:, -P:], G, axis=0)
+  cmask_BC = groups.mask_QGC.reshape(-1, C)
+  loss_mask_BC = cmask_BC & np.repeat(real_Q, G)[:, None]
+  if overlong_filter:
+    loss_mask_BC &= ~groups.truncated_QG.reshape(-1, 1)
+  batch = RLBatch(tokens_BT=np.concatenate([prompt_BP, groups.tokens_QGC.reshape(-1, C)], 1).astype(np.int32),
+                  mask_BT=np.concatenate([pmask_BP, cmask_BC], 1),
+                  loss_mask_BC=loss_mask_BC,
+                  old_logp_BC=np.zeros(cmask_BC.shape, np.float32),
+                  adv_B=adv_QG.reshape(-1).astype(np.float32),
+                  ref_logp_BC=np.zeros(cmask_BC.shape, np.float32))
+  return batch, adv_QG[real_Q]

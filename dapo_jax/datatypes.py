@@ -10,7 +10,10 @@ The one-letter shape alphabet (array names end with their axes: `x_BTD`, `logp_B
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import numpy as np
 from flax import struct
 
 
@@ -31,3 +34,35 @@ class LMBatch:
   tokens_BT: jax.Array      # int32 [B, T]
   mask_BT: jax.Array        # bool attention mask
   loss_mask_BT: jax.Array   # bool: positions whose token is a target
+
+
+@dataclasses.dataclass
+class Groups:
+  """Scored rollouts on the host (NumPy), one leading entry per prompt group (Q), G responses each."""
+  prompt_QP: np.ndarray      # left-padded prompt tokens
+  prompt_mask_QP: np.ndarray
+  tokens_QGC: np.ndarray     # right-padded completions
+  mask_QGC: np.ndarray       # tokens up to and including the first EOS
+  length_QG: np.ndarray
+  truncated_QG: np.ndarray   # no EOS within the budget
+  score_QG: np.ndarray       # the reward: correctness score + overlong penalty
+  acc_QG: np.ndarray         # correctness alone
+  filter_QG: np.ndarray      # what dynamic sampling compares within a group (`dapo.filter_metric`)
+
+  def __len__(self) -> int:
+    return len(self.prompt_QP)
+
+  def take(self, idx) -> "Groups":
+    return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
+
+  @staticmethod
+  def concat(parts: list["Groups"]) -> "Groups":
+    return Groups(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(Groups)))
+
+  def to_json(self) -> dict:
+    return {f.name: getattr(self, f.name).tolist() for f in dataclasses.fields(self)} | {
+        "dtypes": {f.name: str(getattr(self, f.name).dtype) for f in dataclasses.fields(self)}}
+
+  @staticmethod
+  def from_json(d: dict) -> "Groups":
+    return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))

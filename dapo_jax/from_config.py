@@ -1,4 +1,9 @@
-"""Builds what a run needs from its config: tokenizer, datasets, model config and initial params.
+"""The launch boundary: validates a config and builds what a run needs from it.
+
+`validate(cfg)` refuses every setting that cannot work before anything is built. The builders
+turn the ConfigDict into the library's frozen dataclasses and objects (tokenizer, datasets, model
+config and initial params, sampler, rollout, evaluator, trainer, `loop.DAPO`): nothing below this
+module reads a ConfigDict.
 
 The default job is self-contained: with no paths set it trains its own tokenizer on the task's
 text, initialises a small model and warm-starts it with SFT (the result is saved in the workdir
@@ -6,20 +11,27 @@ and reused by later runs).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import jax
 
+from dapo_jax import checkpoint, evaluate, hf, loop, objectives, optim, sampling, sharding, train_step
 from dapo_jax import data as data_lib
-from dapo_jax import hf
 from dapo_jax import model as model_lib
+from dapo_jax import rewards as rewards_lib
+from dapo_jax import rollout as rollout_lib
 from dapo_jax import tokenizer as tokenizer_lib
 
 # Fields that are not in an HF config.json: they apply to a loaded model too.
 _RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk")
 _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
                  "norm_eps", "qkv_bias", "tie_embeddings") + _RUNTIME_FIELDS
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the field and what is allowed."""
 
 
 def validate(cfg) -> None:
@@ -150,9 +162,147 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
     sft_dir = os.path.join(workdir, "sft_model")
     if not os.path.exists(os.path.join(sft_dir, "model.safetensors")):
       from dapo_jax import sft
-      params = sft.run(cfg, model_cfg, tok, train_examples, mesh, workdir)
+      params = sft.run(sft_config(cfg), model_cfg, tok, train_examples, mesh)
       if jax.process_index() == 0:
         hf.save(sft_dir, model_cfg, jax.device_get(params), tokenizer=tok)
     loaded_cfg, params = hf.load(sft_dir, **runtime_overrides(cfg))
     return loaded_cfg, params
   raise ValueError(f"model.init={init!r}; expected 'random', 'hf' or 'sft'")
+
+
+# --- Builders: ConfigDict -> the library's dataclasses and objects -------------------------------
+
+def model_dir(cfg, workdir: str) -> str:
+  """The HF directory the policy is loaded from ("" for a model built here)."""
+  if cfg.model.init == "hf":
+    return cfg.model.hf_dir
+  if cfg.model.init == "gguf":
+    return gguf_model_dir(cfg, workdir)
+  return ""
+
+
+def sampler_config(cfg, tok, source_dir: str = "") -> sampling.SamplerConfig:
+  r = cfg.rollout
+  return sampling.SamplerConfig(
+      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+      eos_ids=tokenizer_lib.stop_ids(tok, source_dir, r.stop), pad_id=tok.pad_token_id)
+
+
+def eval_sampler_config(cfg, sampler_cfg: sampling.SamplerConfig) -> sampling.SamplerConfig:
+  e = cfg.eval
+  return dataclasses.replace(sampler_cfg, temperature=e.temperature, top_p=e.top_p, top_k=0,
+                             max_new_tokens=e.max_new_tokens or sampler_cfg.max_new_tokens)
+
+
+def rollout_config(cfg) -> rollout_lib.RolloutConfig:
+  d = cfg.dapo
+  return rollout_lib.RolloutConfig(
+      max_prompt_len=cfg.data.max_prompt_len, prompt_buckets=tuple(cfg.data.prompt_buckets),
+      chat_template=cfg.data.chat_template, rows_per_call=cfg.rollout.rows_per_call,
+      overlong_buffer=d.overlong_buffer, overlong_penalty=d.overlong_penalty, filter_metric=d.filter_metric)
+
+
+def pg_config(cfg) -> objectives.PGConfig:
+  d, t = cfg.dapo, cfg.train
+  return objectives.PGConfig(
+      eps_low=d.eps_low, eps_high=d.eps_high, clip_ratio_c=d.clip_ratio_c if d.clip_ratio_c > 0 else None,
+      loss_agg=d.loss_agg, verl_microbatch_weighting=d.verl_microbatch_weighting,
+      temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,  # greedy: unscaled
+      kl_coef=d.kl_coef, kl_estimator=d.kl_estimator, old_is_current=t.minibatches * t.ppo_epochs == 1,
+      group_size=cfg.rollout.group_size if t.share_prompt else 0)
+
+
+def loop_config(cfg) -> loop.LoopConfig:
+  d, t = cfg.dapo, cfg.train
+  return loop.LoopConfig(
+      num_steps=t.num_steps, prompts_per_step=d.prompts_per_step, group_size=cfg.rollout.group_size,
+      gen_prompts=d.gen_prompts, dynamic_sampling=d.dynamic_sampling, max_gen_batches=d.max_gen_batches,
+      on_cap=d.on_cap, carry_over=d.carry_over, norm_adv_by_std=d.norm_adv_by_std,
+      overlong_filter=d.overlong_filter, minibatches=t.minibatches, ppo_epochs=t.ppo_epochs,
+      reference=d.kl_coef > 0, seed=cfg.seed, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
+      log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps)
+
+
+def sft_config(cfg) -> "sft.SFTConfig":
+  from dapo_jax import sft
+  s = cfg.sft
+  if cfg.data.task != "arith":
+    raise ConfigError("the SFT warm start needs reference solutions, which only data.task='arith' has; "
+                      "use model.init='hf' for other tasks")
+  return sft.SFTConfig(steps=s.steps, batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr,
+                       warmup_steps=s.warmup_steps, num_examples=s.num_examples, target_acc=s.target_acc,
+                       probe_size=s.probe_size, probe_every=s.probe_every, seed=cfg.seed,
+                       chat_template=cfg.data.chat_template, solution_style=cfg.data.solution_style,
+                       microbatch_tokens=cfg.train.microbatch_tokens)
+
+
+def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_step.Trainer:
+  return train_step.Trainer(model_cfg, optim.OptimConfig(**cfg.optim), mesh, objective,
+                            num_microbatches=cfg.train.num_microbatches,
+                            microbatch_tokens=cfg.train.microbatch_tokens)
+
+
+def evaluator(cfg, rollout: rollout_lib.Rollout, examples) -> evaluate.Evaluator:
+  # Chunks of the rollout's row count, so the compiled sampler shapes are few.
+  rows = max(cfg.dapo.gen_prompts * cfg.rollout.group_size // cfg.eval.k, 1)
+  return evaluate.Evaluator(rollout, examples, k=cfg.eval.k, sampler_cfg=eval_sampler_config(cfg, rollout.sampler_cfg),
+                            greedy=cfg.eval.greedy, seed=cfg.seed, rows=rows)
+
+
+def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
+  """Everything one DAPO run needs, built from its config (a context manager: see `loop.DAPO`)."""
+  mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+  validate(cfg)  # Before any worker process, compile or generation.
+  os.makedirs(workdir, exist_ok=True)
+  reward = rewards_lib.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
+  try:
+    train, evals = datasets(cfg)
+    tok = tokenizer(cfg, workdir, train)
+    for ex in train[:1]:
+      tokenizer_lib.render(tok, ex.messages, cfg.data.chat_template)  # Template errors now.
+    model_cfg, params = initial_model(cfg, workdir, tok, mesh, train)
+    pg = pg_config(cfg)
+    trainer_ = trainer(cfg, model_cfg, mesh, objectives.policy_gradient(model_cfg, pg))
+    logprobs = trainer_.forward(objectives.completion_logprobs(model_cfg, pg.temperature, pg.group_size))
+    rollout = rollout_lib.Rollout(tok, model_cfg, mesh, rollout_config(cfg),
+                                  sampler_config(cfg, tok, model_dir(cfg, workdir)), reward)
+    data_iter = data_lib.PromptIterator(train, seed=cfg.seed, process_index=jax.process_index(),
+                                        process_count=jax.process_count())
+    return loop.DAPO(loop_config(cfg), trainer=trainer_, logprobs=logprobs, rollout=rollout,
+                     evaluator=evaluator(cfg, rollout, evals), data_iter=data_iter, params=params,
+                     workdir=workdir, keep_ckpts=cfg.train.keep_ckpts)
+  except BaseException:
+    reward.close()
+    raise
+
+
+def restore_policy(cfg, workdir: str, mesh=None):
+  """(model_cfg, params, tokenizer, rollout step) of the newest checkpoint in `workdir`, without
+  building a training run (no datasets, reward workers or SFT): for `launch.eval` and `launch.export`."""
+  mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+  ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_ckpts)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise checkpoint.CheckpointMismatchError(
+          f"{workdir} holds no checkpoint ({os.path.join(workdir, 'checkpoints')} is empty or missing): "
+          "train first, or pass --model_dir=HF_DIR")
+    tok, model_cfg = trained_model(cfg, workdir)
+    trainer_ = trainer(cfg, model_cfg, mesh, objectives.language_model(model_cfg))
+    abstract_state = jax.eval_shape(lambda: trainer_.init(jax.random.key(0)))
+    state, _ = ckpt.restore(step, checkpoint.abstract(abstract_state, trainer_.state_sharding))
+    return model_cfg, state.params, tok, step
+  finally:
+    ckpt.close()
+
+
+def trained_model(cfg, workdir: str):
+  """(tokenizer, ModelConfig) of the policy a run in `workdir` trains, from the files the run wrote."""
+  if cfg.model.init in ("hf", "gguf"):
+    source = model_dir(cfg, workdir)
+    return tokenizer_lib.load(cfg.tokenizer.path or source), hf.load_config(source, **runtime_overrides(cfg))
+  tok_dir = cfg.tokenizer.path or os.path.join(workdir, "tokenizer")
+  tok = tokenizer_lib.load(tok_dir)
+  if cfg.model.init == "sft":
+    return tok, hf.load_config(os.path.join(workdir, "sft_model"), **runtime_overrides(cfg))
+  return tok, model_config(cfg, ((len(tok) + 63) // 64) * 64)

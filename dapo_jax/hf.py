@@ -262,8 +262,8 @@ def params_to_tensors(cfg: model_lib.ModelConfig, params: dict, dtype=np.float32
 
 # --- public API --------------------------------------------------------------------------------
 
-def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
-  """Reads a local HF model directory into (ModelConfig, params); `overrides` set e.g. dtype."""
+def load_config(path: str, **overrides) -> model_lib.ModelConfig:
+  """The ModelConfig of a local HF model directory (its config.json), without reading weights."""
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
     raise CheckpointError(f"{path}: no config.json (is this a Hugging Face model directory?)")
@@ -271,7 +271,12 @@ def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
     hf_cfg = json.load(open(cfg_path))
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
-  cfg = config_from_hf(hf_cfg, cfg_path, **overrides)
+  return config_from_hf(hf_cfg, cfg_path, **overrides)
+
+
+def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
+  """Reads a local HF model directory into (ModelConfig, params); `overrides` set e.g. dtype."""
+  cfg = load_config(path, **overrides)
   tensors, origin = _read_dir_tensors(path)
   return cfg, params_from_tensors(cfg, tensors, origin, dtype=np.dtype(cfg.param_dtype))
 

@@ -77,3 +77,47 @@ def read_jsonl(path: str) -> dict[int, dict]:
         rec = json.loads(line)
         out.setdefault(rec["step"], {}).update(rec)
   return out
+
+
+# --- What a DAPO rollout step logs (verl's names where verl has the quantity) -------------------
+
+HEADLINE = {"critic/acc/mean": "acc", "rollout/acc_all": "acc(all)", "critic/score/mean": "score",
+            "response_length/mean": "len", "actor/entropy": "ent", "train/num_gen_batches": "gen",
+            "actor/grad_norm": "gnorm", "timing_s/step": "s", "val/acc/greedy": "VAL greedy"}
+
+
+def format_eval(ev: Mapping[str, float]) -> str:
+  return "  ".join(f"{k.removeprefix('val/acc/')} {v:.3f}" for k, v in ev.items())
+
+
+def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.ndarray, step_s: float, *,
+                 max_new_tokens: int, reward, skipped: int, truncated_prompts: int) -> dict:
+  """The metrics of one rollout step: the trained groups (`datatypes.Groups` or None), what
+  dynamic sampling saw (`advantages.FillStats`), generation `info`, the mean update metrics."""
+  m = {f"actor/{k}": v for k, v in train.items() if k not in ("lr", "grad_norm", "num_tokens")}
+  if train:
+    m["actor/lr"], m["actor/grad_norm"] = train["lr"], train["grad_norm"]
+  if groups is not None:
+    lengths = groups.length_QG
+    m.update({
+        "critic/score/mean": float(groups.score_QG.mean()), "critic/score/max": float(groups.score_QG.max()),
+        "critic/score/min": float(groups.score_QG.min()), "critic/acc/mean": float(groups.acc_QG.mean()),
+        "critic/advantages/mean": float(adv.mean()), "critic/advantages/max": float(adv.max()),
+        "critic/advantages/min": float(adv.min()),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).mean())})
+  gen = max(stats.generated, 1)
+  if stats.generated:  # A step filled from carried-over groups generated nothing.
+    m["rollout/acc_all"] = stats.acc_sum / gen
+  m.update({
+      "train/num_gen_batches": stats.gen_batches, "train/kept_fraction": stats.kept / gen,
+      "train/all_correct_fraction": stats.all_correct / gen, "train/all_wrong_fraction": stats.all_wrong / gen,
+      "train/cap_reached": int(stats.cap_reached),
+      "reward/errors": reward.errors, "reward/timeouts": reward.timeouts,
+      "train/skipped_updates": skipped, "data/truncated_prompts": truncated_prompts,
+      "timing_s/gen": info["gen_s"], "timing_s/reward": info["reward_s"],
+      "timing_s/old_log_prob": timing.get("old_log_prob_s", 0.0),
+      "timing_s/update_actor": timing.get("update_actor_s", 0.0), "timing_s/step": step_s,
+      "perf/throughput": info["gen_tokens"] / max(step_s, 1e-9)})
+  return m

@@ -1,6 +1,7 @@
 """Supervised warm start: packed language modelling on reference solutions, with the RL train step."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -11,7 +12,7 @@ import numpy as np
 
 from dapo_jax import data as data_lib
 from dapo_jax import model as model_lib
-from dapo_jax import optim, train_step
+from dapo_jax import objectives, optim, train_step
 from dapo_jax import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import LMBatch
 
@@ -53,25 +54,39 @@ def exact_match(model_cfg: model_lib.ModelConfig, params, tokens_BT, mask_BT, co
   return jnp.mean(jnp.all(hit_BT, axis=1))
 
 
-def run(cfg, model_cfg: model_lib.ModelConfig, tok, examples, mesh, workdir: str | None = None, params=None):
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """The supervised warm start on the arithmetic task's reference solutions."""
+  steps: int
+  batch_size: int = 32
+  seq_len: int = 128               # tokens per packed row
+  lr: float = 1e-3
+  warmup_steps: int = 20
+  num_examples: int = 20_000
+  target_acc: float = 0.0          # >0: stop once greedy decoding solves this fraction of a probe
+  probe_size: int = 256            # training problems in that probe
+  probe_every: int = 25            # steps between probes
+  seed: int = 0
+  chat_template: bool = True
+  solution_style: str = "steps"    # data.arith_solution's style
+  microbatch_tokens: int = 2048    # automatic micro-batches of at most this many tokens
+
+
+def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, params=None):
   """Returns SFT-trained params (random init unless `params` is given)."""
-  s = cfg.sft
-  if cfg.data.task != "arith":
-    raise ValueError("the SFT warm start needs reference solutions, which only data.task='arith' has; "
-                     "use model.init='hf' for other tasks")
-  texts = sft_texts(tok, examples[: s.num_examples], cfg.data.chat_template, cfg.data.solution_style)
+  texts = sft_texts(tok, examples[: s.num_examples], s.chat_template, s.solution_style)
   ids = tok(texts, add_special_tokens=False)["input_ids"]
   # Each example ends with the chat's end-of-turn token, which is what stops generation.
   chunks = pack(ids, s.seq_len, tok.eos_token_id)
   opt = optim.OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=0.0, grad_clip=1.0)
-  trainer = train_step.Trainer(model_cfg, opt, mesh, objective="lm", num_microbatches=0,
-                               microbatch_tokens=cfg.train.microbatch_tokens)
-  state = trainer.init(jax.random.key(cfg.seed), params=params)
-  rng = np.random.default_rng(cfg.seed)
+  trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.language_model(model_cfg), num_microbatches=0,
+                               microbatch_tokens=s.microbatch_tokens)
+  state = trainer.init(jax.random.key(s.seed), params=params)
+  rng = np.random.default_rng(s.seed)
   if s.target_acc:
     # Stop once greedy decoding reproduces target_acc of a probe of training problems: a warm start
     # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
-    probe = probe_batch(tok, examples[-s.probe_size:], cfg.data.chat_template, cfg.data.solution_style)
+    probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style)
     probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
   t0 = time.time()
   logging.info("SFT: %d steps of %d x %d tokens from %d chunks", s.steps, s.batch_size, s.seq_len, len(chunks))

@@ -1,13 +1,12 @@
 """The pure, sharded train step: micro-batch gradient accumulation, global denominators, AdamW.
 
 `Trainer` is the only place that calls `jax.jit` for training. It infers the sharding of the
-whole `TrainState` from the parameters' logical axes, jits the step with in/out shardings and
-donation, and jits the forward pass that recomputes π_old log-probs.
+whole `TrainState` from the parameters' logical axes, jits the step of any `objectives.Objective`
+with in/out shardings and donation, and jits read-only forward passes (π_old, reference) that run
+in the same micro-batches.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -18,10 +17,9 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import loss as loss_lib
 from dapo_jax import model as model_lib
 from dapo_jax import optim, sharding
-from dapo_jax.datatypes import LMBatch, RLBatch
+from dapo_jax.objectives import Objective
 
 
 @struct.dataclass
@@ -38,77 +36,6 @@ class TrainState:
     zero = jnp.zeros((), jnp.int32)
     return cls(step=zero, rollout_step=zero, params=params, opt_state=tx.init(params), skipped=zero,
                bad_streak=zero)
-
-
-@dataclasses.dataclass(frozen=True)
-class PGConfig:
-  """Static settings of the policy-gradient objective."""
-  eps_low: float = 0.2
-  eps_high: float = 0.28
-  clip_ratio_c: float | None = 10.0
-  loss_agg: str = "token_mean"
-  verl_microbatch_weighting: bool = False   # reproduce verl's per-micro-batch token mean (§1.5c)
-  temperature: float = 1.0                  # rollout temperature; log-probs use scaled logits
-  kl_coef: float = 0.0
-  kl_estimator: str = "k3"
-  old_is_current: bool = False              # π_old = π_θ (one update per rollout step): ratio is 1
-  group_size: int = 0                       # >0: rows come in groups of G sharing one prompt, which
-                                            # then runs through the model once per group
-
-
-# --- objectives: (counts over the whole mini-batch, loss of one micro-batch) ---------------------
-
-def pg_counts(batch: RLBatch) -> dict:
-  return {"num_tokens": jnp.sum(batch.loss_mask_BC.astype(jnp.float32)),
-          "num_seqs": loss_lib.num_seqs_with_tokens(batch.loss_mask_BC),
-          "num_rows": jnp.asarray(batch.adv_B.shape[0], jnp.float32)}
-
-
-def policy_logits(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch) -> jax.Array:
-  """Logits [B, C, V] predicting each completion token of a mini-batch of RL rows."""
-  C = mb.loss_mask_BC.shape[1]
-  P = mb.tokens_BT.shape[1] - C
-  if group_size:
-    return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
-                                       mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:])
-  # Logits at position P-1+t predict completion token t.
-  return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1)
-
-
-def pg_objective(model_cfg: model_lib.ModelConfig, cfg: PGConfig, params, mb: RLBatch, counts: dict):
-  P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
-  z_BCV = policy_logits(model_cfg, cfg.group_size, params, mb) / cfg.temperature
-  logp_BC = loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
-  old_logp_BC = jax.lax.stop_gradient(logp_BC) if cfg.old_is_current else mb.old_logp_BC
-  if cfg.verl_microbatch_weighting:
-    # verl: token mean inside the micro-batch, weighted by its share of the mini-batch's rows.
-    denoms = dict(num_tokens=None, num_seqs=None)
-    weight = mb.adv_B.shape[0] / counts["num_rows"]
-  else:
-    denoms = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"])
-    weight = 1.0
-  loss, metrics = loss_lib.policy_loss(
-      logp_BC, old_logp_BC, mb.adv_B, mb.loss_mask_BC, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-      clip_ratio_c=cfg.clip_ratio_c, agg=cfg.loss_agg, ref_logp_BC=mb.ref_logp_BC, kl_coef=cfg.kl_coef,
-      kl_estimator=cfg.kl_estimator, **denoms)
-  metrics = jax.tree.map(lambda m: m * weight, metrics)
-  metrics["entropy"] = loss_lib.masked_mean(loss_lib.entropy(jax.lax.stop_gradient(z_BCV)),
-                                            mb.loss_mask_BC, denoms["num_tokens"]) * weight
-  return loss * weight, metrics
-
-
-def lm_counts(batch: LMBatch) -> dict:
-  return {"num_tokens": jnp.sum(batch.loss_mask_BT[:, 1:].astype(jnp.float32))}
-
-
-def lm_objective(model_cfg: model_lib.ModelConfig, params, mb: LMBatch, counts: dict):
-  """Next-token cross-entropy, token mean over the whole mini-batch."""
-  logits_BTV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1])
-  logp_BT = loss_lib.token_logprobs(logits_BTV, mb.tokens_BT[:, 1:])
-  mask = mb.loss_mask_BT[:, 1:]
-  nll = -loss_lib.masked_mean(logp_BT, mask, counts["num_tokens"])
-  correct = (jnp.argmax(logits_BTV, -1) == mb.tokens_BT[:, 1:]).astype(jnp.float32)
-  return nll, {"lm_loss": nll, "token_acc": loss_lib.masked_mean(correct, mask, counts["num_tokens"])}
 
 
 # --- the step ---------------------------------------------------------------------------------
@@ -191,35 +118,36 @@ def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Call
   return state, metrics
 
 
-def completion_logprobs(model_cfg, temperature: float, params, batch: RLBatch, num_microbatches: int = 1,
-                        group_size: int = 0):
-  """log π(completion token) under `params`, from temperature-scaled logits: [B, C] fp32."""
-  def one(mb):
-    C = mb.loss_mask_BC.shape[1]
-    P = mb.tokens_BT.shape[1] - C
-    logits_BCV = policy_logits(model_cfg, group_size, params, mb)
-    return loss_lib.token_logprobs(logits_BCV / temperature, mb.tokens_BT[:, P:])
+def microbatched_forward(fn: Callable, params, batch, num_microbatches: int = 1, group_size: int = 1):
+  """`fn(params, batch) -> [B, ...]` over micro-batches (as the update splits the batch), reassembled."""
   if num_microbatches == 1:
-    return one(batch)
-  return merge_microbatches(jax.lax.map(one, split_microbatches(batch, num_microbatches, group_size)), group_size)
+    return fn(params, batch)
+  micro = split_microbatches(batch, num_microbatches, group_size)
+  return merge_microbatches(jax.lax.map(lambda mb: fn(params, mb), micro), group_size)
 
 
 class Trainer:
-  """Owns the mesh placement of the train state and the jitted step / log-prob functions."""
+  """Owns the mesh placement of the train state and the jitted update of one objective.
 
-  def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh, *,
-               objective: str = "pg", pg_cfg: PGConfig = PGConfig(), num_microbatches: int = 1,
-               microbatch_tokens: int = 2048, param_rules=sharding.PARAM_RULES):
+  The step and every forward pass run under the mesh (`jax.set_mesh`), so the model's activation
+  sharding constraints apply. Any `objectives.Objective` can be trained; `forward(fn)` jits a
+  read-only pass (π_old or reference log-probs, values) in the same micro-batches as the update.
+  """
+
+  def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh,
+               objective: Objective, *, num_microbatches: int = 1, microbatch_tokens: int = 2048,
+               param_rules=sharding.PARAM_RULES):
     """`num_microbatches` splits each update's mini-batch for gradient accumulation; 0 picks, for
     each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
-    (`auto_microbatches`). The old-log-prob forward runs in the same micro-batches."""
+    (`auto_microbatches`)."""
     sharding.check_divisible(model_cfg, mesh)
     if num_microbatches < 0 or (num_microbatches == 0 and microbatch_tokens <= 0):
       raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
                        "count >= 1, or 0 (auto) with a positive token budget")
-    self.model_cfg, self.optim_cfg, self.mesh, self.pg_cfg = model_cfg, optim_cfg, mesh, pg_cfg
+    self.model_cfg, self.optim_cfg, self.mesh, self.objective = model_cfg, optim_cfg, mesh, objective
     self.tx = optim.make(optim_cfg)
     self.num_microbatches, self.microbatch_tokens = num_microbatches, microbatch_tokens
+    self.group_size = max(objective.group_size, 1)
 
     # Shardings of the whole state from the parameters' logical axes (boxed abstract params:
     # optax's moments inherit the boxes, so they shard like their parameters).
@@ -228,39 +156,45 @@ class Trainer:
     logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
-    # The sampler gathers FSDP shards once per rollout instead of once per decoded token.
-    self.sampling_params_sharding = nn.logical_to_mesh_sharding(logical.params, mesh,
-                                                                sharding.SAMPLING_PARAM_RULES)
     self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
     self.replicated = NamedSharding(mesh, P())
 
-    if objective == "pg":
-      obj, counts_fn = functools.partial(pg_objective, model_cfg, pg_cfg), pg_counts
-    elif objective == "lm":
-      obj, counts_fn = functools.partial(lm_objective, model_cfg), lm_counts
-    else:
-      raise ValueError(f"objective {objective!r}; expected 'pg' or 'lm'")
-    self.group_size = pg_cfg.group_size if objective == "pg" else 1
-
     # The micro-batch count is read off each batch's (static) shape when the function is traced.
     def step(state, batch):
-      return train_step(state, batch, objective=obj, counts_fn=counts_fn, tx=self.tx, optim_cfg=optim_cfg,
-                        num_microbatches=self.microbatches_for(batch), group_size=self.group_size)
-
-    def logprobs(params, batch):
-      return completion_logprobs(model_cfg, pg_cfg.temperature, params, batch,
-                                 num_microbatches=self.microbatches_for(batch), group_size=pg_cfg.group_size)
-    self.step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
-                        out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
-    self.logprobs = jax.jit(logprobs, in_shardings=(self.params_sharding, self.batch_sharding),
-                            out_shardings=self.batch_sharding)
+      return train_step(state, batch, objective=objective.loss, counts_fn=objective.counts, tx=self.tx,
+                        optim_cfg=optim_cfg, num_microbatches=self.microbatches_for(batch),
+                        group_size=self.group_size)
+    self._step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
+                         out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
     self._create = jax.jit(lambda p: TrainState.create(p, self.tx), in_shardings=(self.params_sharding,),
                            out_shardings=self.state_sharding)
     self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng),
                                 out_shardings=self.params_sharding)
+    self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(self.params_sharding,),
+                         out_shardings=self.params_sharding)
+
+  def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+    """One optimizer update on a placed mini-batch (see `put_batch`)."""
+    with jax.set_mesh(self.mesh):
+      return self._step(state, batch)
+
+  def forward(self, fn: Callable) -> Callable:
+    """Jits `fn(params, batch) -> [B, ...]` to run sharded like the update, in its micro-batches."""
+    jitted = jax.jit(lambda params, batch: microbatched_forward(
+        fn, params, batch, self.microbatches_for(batch), self.group_size),
+        in_shardings=(self.params_sharding, self.batch_sharding), out_shardings=self.batch_sharding)
+
+    def run(params, batch):
+      with jax.set_mesh(self.mesh):
+        return jitted(params, batch)
+    return run
+
+  def copy_params(self, params):
+    """A separate on-device copy of `params`, sharded like them (e.g. a frozen reference model)."""
+    return self._copy(params)
 
   def microbatches_for(self, batch) -> int:
-    """Micro-batches an update (or old-log-prob pass) over `batch`, an array tree of [B, T] rows, runs in."""
+    """Micro-batches an update (or forward pass) over `batch`, an array tree of [B, T] rows, runs in."""
     if self.num_microbatches:
       return self.num_microbatches
     rows, seq_len = batch.tokens_BT.shape

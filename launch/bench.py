@@ -118,17 +118,19 @@ def rl_batch(mc, B, T, C, seed=0):
 
 
 def bench_train(cfg, peak):
-  from dapo_jax import optim, sharding, train_step
+  from dapo_jax import objectives, optim, sharding, train_step
   mc, params = load_model(cfg)
   B, T = _BATCH.value, _SEQ_LEN.value
   C = T - 1  # Score every position after the first, like a causal-LM loss over the whole row.
   mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   trainer = train_step.Trainer(mc, optim.OptimConfig(lr=1e-6, warmup_steps=0), mesh,
+                               objectives.policy_gradient(mc, objectives.PGConfig()),
                                num_microbatches=cfg.train.num_microbatches,
                                microbatch_tokens=cfg.train.microbatch_tokens)
+  logprobs = trainer.forward(objectives.completion_logprobs(mc, 1.0))
   state = trainer.init(params=params)
   batch = trainer.put_batch(rl_batch(mc, B, T, C))
-  t_fwd, _ = timed(lambda: trainer.logprobs(state.params, batch), _RUNS.value)
+  t_fwd, _ = timed(lambda: logprobs(state.params, batch), _RUNS.value)
   holder = {"state": state}
 
   def step():
@@ -147,7 +149,7 @@ def bench_e2e(cfg, peak):
   """Seconds per DAPO rollout step on the peers' workload (8 x 8, 32-token prompts, 64 new tokens)."""
   import numpy as np
 
-  from dapo_jax import loop, sharding
+  from dapo_jax import from_config, sharding
   if not (_MODEL_DIR.value and _PROMPTS.value):
     raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")
   tmp = tempfile.mkdtemp(prefix="dapo_bench_")
@@ -167,12 +169,11 @@ def bench_e2e(cfg, peak):
     cfg.reward.fn = "dapo_jax.testing:has_seven"
     cfg.optim.update(lr=1e-6, warmup_steps=0)
     cfg.train.update(minibatches=1, ppo_epochs=1, ckpt_every=0, eval_every=0)
-  dapo = loop.DAPO(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1}))
-  dapo.train_step(0)  # Warm-up: compiles, starts the reward pool.
-  steps = [dapo.train_step(i + 1)[0] for i in range(_RUNS.value)]
-  dapo.reward_pool.close()
+  with from_config.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
+    dapo.step(0)  # Warm-up: compiles, starts the reward pool.
+    steps = [dapo.step(i + 1)[0] for i in range(_RUNS.value)]
   med = lambda k: statistics.median(m[k] for m in steps)
-  mc = dapo.model_cfg
+  mc = dapo.rollout.model_cfg
   B, P = Q * G, 32
   tokens = B * (P + C)
   fwd = 2 * matmul_params(mc) * tokens + attention_flops(mc, tokens, (P + C) / 2)

@@ -19,21 +19,30 @@ _K = flags.DEFINE_integer("k", None, "Samples per prompt (default: config eval.k
 def main(argv):
   del argv
   common.init_distributed()
-  import tempfile
-
-  from dapo_jax import loop, sharding
+  from dapo_jax import from_config, hf, rewards, rollout, sharding, tokenizer
   cfg = _CONFIG.value
+  from_config.validate(cfg)
+  mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
+    model_cfg, params = hf.load(_MODEL_DIR.value, **from_config.runtime_overrides(cfg))
+    tok = tokenizer.load(cfg.tokenizer.path or _MODEL_DIR.value)
+    step, source = 0, _MODEL_DIR.value
+  else:
+    workdir = _WORKDIR.value or common.default_workdir()
+    model_cfg, params, tok, step = from_config.restore_policy(cfg, workdir, mesh)
+    source = from_config.model_dir(cfg, workdir)
+  _, examples = from_config.datasets(cfg)
+  if _K.value:
     with cfg.unlocked():
-      cfg.model.init, cfg.model.hf_dir = "hf", _MODEL_DIR.value
-  workdir = _WORKDIR.value or common.default_workdir()
-  if _MODEL_DIR.value and not _WORKDIR.value:
-    workdir = tempfile.mkdtemp(prefix="dapo_eval_")
-  dapo = loop.DAPO(cfg, workdir, sharding.make_mesh(cfg.mesh))
-  step = dapo.restore() if not _MODEL_DIR.value else 0
-  result = dapo.evaluate(k=_K.value)
-  dapo.reward_pool.close()
-  print(json.dumps({"rollout_step": step, "num_prompts": len(dapo.eval_examples), **result}))
+      cfg.eval.k = _K.value
+  reward = rewards.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
+  try:
+    r = rollout.Rollout(tok, model_cfg, mesh, from_config.rollout_config(cfg),
+                        from_config.sampler_config(cfg, tok, source), reward)
+    result = from_config.evaluator(cfg, r, examples).run(params)
+  finally:
+    reward.close()
+  print(json.dumps({"rollout_step": step, "num_prompts": len(examples), **result}))
 
 
 if __name__ == "__main__":

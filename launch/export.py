@@ -15,12 +15,10 @@ def main(argv):
   del argv
   import jax
 
-  from dapo_jax import hf, loop, sharding
+  from dapo_jax import from_config, hf
   cfg = _CONFIG.value
-  dapo = loop.DAPO(cfg, _WORKDIR.value, sharding.make_mesh(cfg.mesh))
-  step = dapo.restore()
-  dapo.reward_pool.close()
-  hf.save(_OUT.value, dapo.model_cfg, jax.device_get(dapo.state.params), tokenizer=dapo.tok)
+  model_cfg, params, tok, step = from_config.restore_policy(cfg, _WORKDIR.value)
+  hf.save(_OUT.value, model_cfg, jax.device_get(params), tokenizer=tok)
   print(f"wrote rollout step {step} of {_WORKDIR.value} to {_OUT.value}")
 
 

@@ -23,7 +23,7 @@ def main(argv):
   train, _ = from_config.datasets(cfg)
   tok = from_config.tokenizer(cfg, workdir, train)
   model_cfg = from_config.model_config(cfg, ((len(tok) + 63) // 64) * 64)
-  params = sft.run(cfg, model_cfg, tok, train, sharding.make_mesh(cfg.mesh), workdir)
+  params = sft.run(from_config.sft_config(cfg), model_cfg, tok, train, sharding.make_mesh(cfg.mesh))
   out = os.path.join(workdir, "sft_model")
   hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)
   print(f"SFT model written to {out}")

@@ -1,0 +1,154 @@
+"""Rollouts: encode prompts, generate on the mesh, score. The public way to sample from a policy.
+
+    r = rollout.Rollout(tok, model_cfg, mesh, rollout.RolloutConfig(...), sampler_cfg, reward)
+    samples = r.generate(params, ["What is 2+3?"], G=4, key=jax.random.key(0))
+    texts = r.decode(samples)
+
+`Rollout.groups` is one generation batch of the DAPO loop: every host's prompts generated together
+on the mesh, each host scoring its own rows, and the scored groups gathered on every host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import linen as nn
+
+from dapo_jax import advantages as adv_lib
+from dapo_jax import data as data_lib
+from dapo_jax import model as model_lib
+from dapo_jax import rewards as rewards_lib
+from dapo_jax import sampling, sharding
+from dapo_jax import tokenizer as tokenizer_lib
+from dapo_jax.datatypes import Groups
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """How prompts are encoded and generation is split; how responses are scored."""
+  max_prompt_len: int                  # tokens; longer prompts keep their end
+  prompt_buckets: tuple[int, ...] = ()  # prompt lengths compiled for; () = just max_prompt_len
+  chat_template: bool = True           # render prompts with the tokenizer's chat template
+  rows_per_call: int = 0               # rows per sampler call (0 = all rows at once)
+  overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
+  overlong_penalty: float = 1.0
+  filter_metric: str = "acc"           # what dynamic sampling compares (advantages.filter_values)
+
+
+class Rollout:
+  """Samples and scores completions of a policy whose params live on `mesh`."""
+
+  def __init__(self, tok, model_cfg: model_lib.ModelConfig, mesh, cfg: RolloutConfig,
+               sampler_cfg: sampling.SamplerConfig, reward=None):
+    self.tok, self.model_cfg, self.mesh, self.cfg = tok, model_cfg, mesh, cfg
+    self.sampler_cfg, self.reward = sampler_cfg, reward
+    self.buckets = sorted(cfg.prompt_buckets or [cfg.max_prompt_len])
+    self.truncated_prompts = 0  # training prompts (`groups`) that lost their beginning to max_prompt_len
+    self.batch_sharding = sharding.named(mesh, "B")
+    self.replicated = sharding.replicated(mesh)
+    logical = nn.get_partition_spec(jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0))))
+    # The sampler gathers FSDP shards once per rollout instead of once per decoded token.
+    self.params_sharding = nn.logical_to_mesh_sharding(logical, mesh, sharding.SAMPLING_PARAM_RULES)
+
+  # --- prompts -------------------------------------------------------------------------------
+
+  def encode(self, prompts: Sequence[data_lib.Example | str]) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompt tokens and mask [Q, max_prompt_len]; strings are single user turns."""
+    tokens, mask, _ = self._encode_counting(prompts)
+    return tokens, mask
+
+  def _encode_counting(self, prompts) -> tuple[np.ndarray, np.ndarray, int]:
+    texts = [self.render(p) for p in prompts]
+    P = self.cfg.max_prompt_len
+    tokens, mask = tokenizer_lib.encode_left_padded(self.tok, texts, P)
+    n = 0
+    if mask[:, 0].any():  # A full row may have been cut: check the real lengths once.
+      n = sum(len(ids) > P for ids in self.tok(texts, add_special_tokens=False)["input_ids"])
+      if n:
+        logging.warning("%d prompts longer than data.max_prompt_len=%d lost their beginning", n, P)
+    return tokens, mask, n
+
+  def render(self, prompt: data_lib.Example | str) -> str:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt.messages
+    return tokenizer_lib.render(self.tok, messages, self.cfg.chat_template)
+
+  def prompt_len(self, prompt_mask_QP: np.ndarray) -> int:
+    """The smallest compiled prompt length (bucket) that holds every prompt of the batch."""
+    return tokenizer_lib.bucket(int(prompt_mask_QP.sum(1).max()), self.buckets)
+
+  # --- generation ----------------------------------------------------------------------------
+
+  def sampling_params(self, params):
+    """The policy placed for the sampler: FSDP shards gathered once per rollout step."""
+    if self.mesh.shape["fsdp"] > 1:
+      return jax.device_put(params, self.params_sharding)
+    return params
+
+  def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None):
+    """G samples per prompt as host arrays (`sampling.Samples`); prompt q's samples are rows
+    qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair."""
+    sampler_cfg = sampler_cfg or self.sampler_cfg
+    prompt_QP, prompt_mask_QP = prompts if isinstance(prompts, tuple) else self.encode(prompts)
+    P = self.prompt_len(prompt_mask_QP)
+    prompt_QP, prompt_mask_QP = prompt_QP[:, -P:], prompt_mask_QP[:, -P:]
+    Q = len(prompt_QP)
+    chunk = self.cfg.rows_per_call or Q * G  # Bounds the KV cache of one sampler call.
+    if chunk % G or (Q * G) % chunk:
+      raise ValueError(f"rollout.rows_per_call={chunk} must be a multiple of rollout.group_size={G} "
+                       f"and divide the {Q * G} rows of a generation batch")
+    per_call = chunk // G
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    # Prompts are split over the data shards when they divide evenly, else every shard holds them all.
+    placement = self.batch_sharding if per_call % shards == 0 else self.replicated
+    outs = []
+    for i in range(0, Q, per_call):
+      part = sharding.put((prompt_QP[i:i + per_call], prompt_mask_QP[i:i + per_call]), placement)
+      k = key if per_call == Q else jax.random.fold_in(key, i)
+      outs.append(sharding.fetch(sampling.generate(self.model_cfg, sampler_cfg, params, *part, k, num_samples=G)))
+    return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+
+  def decode(self, samples) -> list[str]:
+    return tokenizer_lib.decode(self.tok, samples.tokens_BC, samples.mask_BC)
+
+  # --- scoring -------------------------------------------------------------------------------
+
+  def score(self, examples: Sequence[data_lib.Example], samples, G: int) -> dict:
+    """Rewards of the rows of `examples` x G: correctness + overlong penalty, and the filter values."""
+    texts = self.decode(samples)
+    results = self.reward(texts, [ex.ground_truth for ex in examples for _ in range(G)])
+    c = self.cfg
+    penalty = np.array([rewards_lib.overlong_penalty(int(n), self.sampler_cfg.max_new_tokens,
+                                                     c.overlong_buffer, c.overlong_penalty)
+                        for n in samples.length_B])
+    Q = len(examples)
+    raw_QG = np.array([r["score"] for r in results], np.float64).reshape(Q, G)
+    score_QG = raw_QG + penalty.reshape(Q, G)
+    acc_QG = np.array([r["acc"] for r in results], bool).reshape(Q, G)
+    filter_QG = adv_lib.filter_values(c.filter_metric, acc_QG=acc_QG, score_QG=raw_QG, reward_QG=score_QG)
+    return {"score": score_QG, "acc": acc_QG, "filter": np.asarray(filter_QG, np.float64),
+            "pred": [r["pred"] for r in results], "texts": texts}
+
+  def groups(self, params, examples: Sequence[data_lib.Example], G: int, key) -> tuple[Groups, dict]:
+    """One generation batch: every host's `examples` generated together; each host scores its own
+    rows, and every host returns all the scored groups (dynamic sampling and advantages need them)."""
+    local_QP, local_mask_QP, truncated = self._encode_counting(examples)
+    self.truncated_prompts += truncated
+    prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
+    t0 = time.perf_counter()
+    samples = self.generate(params, (prompt_QP, pmask_QP), G, key)
+    t1 = time.perf_counter()
+    rows = slice(jax.process_index() * len(examples) * G, (jax.process_index() + 1) * len(examples) * G)
+    local = self.score(examples, jax.tree.map(lambda x: x[rows], samples), G)
+    t2 = time.perf_counter()
+    Q, C = len(prompt_QP), self.sampler_cfg.max_new_tokens
+    groups = Groups(prompt_QP=prompt_QP, prompt_mask_QP=pmask_QP,
+                    tokens_QGC=samples.tokens_BC.reshape(Q, G, C), mask_QGC=samples.mask_BC.reshape(Q, G, C),
+                    length_QG=samples.length_B.reshape(Q, G), truncated_QG=samples.truncated_B.reshape(Q, G),
+                    score_QG=sharding.gather_hosts(local["score"]), acc_QG=sharding.gather_hosts(local["acc"]),
+                    filter_QG=sharding.gather_hosts(local["filter"]))
+    info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum())}
+    return groups, info
