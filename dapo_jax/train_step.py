@@ -178,6 +178,11 @@ class Trainer:
     with jax.set_mesh(self.mesh):
       return self._step(state, batch)
 
+  def lower_step(self, state, batch):
+    """The step lowered for `state` and `batch` (arrays or `jax.ShapeDtypeStruct`s), as it runs."""
+    with jax.set_mesh(self.mesh):
+      return self._step.lower(state, batch)
+
   def forward(self, fn: Callable) -> Callable:
     """Jits `fn(params, batch) -> [B, ...]` to run sharded like the update, in its micro-batches."""
     jitted = jax.jit(lambda params, batch: microbatched_forward(

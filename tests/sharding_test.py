@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import optim, sampling, sharding, testing, train_step
+from dapo_jax import objectives, optim, rollout, sampling, sharding, testing, train_step
 
 
 def test_make_mesh_sizes_and_errors():
@@ -26,7 +26,7 @@ def test_model_must_divide_the_tensor_axis():
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 8})
   cfg = testing.tiny_model_config(num_heads=4, num_kv_heads=2)
   with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by mesh size 8"):
-    train_step.Trainer(cfg, optim.OptimConfig(), mesh)
+    train_step.Trainer(cfg, optim.OptimConfig(), mesh, objectives.language_model(cfg))
 
 
 def test_logical_rules():
@@ -47,11 +47,38 @@ def test_sharded_sampler_matches_one_device():
   sc = sampling.SamplerConfig(max_new_tokens=8, temperature=0.0, eos_ids=(1,))
   one = jax.device_get(sampling.generate(cfg, sc, params, prompt, mask, jax.random.key(0)))
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  trainer = train_step.Trainer(cfg, optim.OptimConfig(), mesh)
+  trainer = train_step.Trainer(cfg, optim.OptimConfig(), mesh, objectives.language_model(cfg))
+  sampler_sharding = rollout.Rollout(None, cfg, mesh, rollout.RolloutConfig(max_prompt_len=6), sc).params_sharding
   rows = sharding.put((prompt, mask), trainer.batch_sharding)
-  for shardings in (trainer.params_sharding, trainer.sampling_params_sharding):  # FSDP'd, and gathered
+  for shardings in (trainer.params_sharding, sampler_sharding):  # FSDP'd, and gathered
     out = sampling.generate(cfg, sc, sharding.put(params, shardings), *rows, jax.random.key(0))
     assert len(out.tokens_BC.sharding.device_set) == 8
     np.testing.assert_array_equal(np.asarray(out.tokens_BC), one.tokens_BC)
     np.testing.assert_array_equal(np.asarray(out.length_B), one.length_B)
-  assert trainer.sampling_params_sharding["layers"]["w_up_DF"].spec == P(None, None, "tensor")
+  assert sampler_sharding["layers"]["w_up_DF"].spec == P(None, None, "tensor")
+
+
+def test_train_step_applies_activation_constraints_on_the_mesh():
+  """The model's `constrain(x, "BTD")` calls reach the compiled train step: it runs under the mesh."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  from dapo_jax.datatypes import RLBatch
+  cfg = testing.tiny_model_config(vocab_size=64)
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  trainer = train_step.Trainer(cfg, optim.OptimConfig(), mesh, objectives.policy_gradient(cfg, objectives.PGConfig()))
+  B, P_, C = 8, 4, 4
+  batch = trainer.put_batch(RLBatch(
+      tokens_BT=np.ones((B, P_ + C), np.int32), mask_BT=np.ones((B, P_ + C), bool), loss_mask_BC=np.ones((B, C), bool),
+      old_logp_BC=np.zeros((B, C), np.float32), adv_B=np.ones((B,), np.float32), ref_logp_BC=np.zeros((B, C), np.float32)))
+  state = trainer.init(jax.random.key(0))
+
+  def constraints(text):
+    return text.count("sharding_constraint") + text.count("@Sharding")
+  hlo = trainer.lower_step(state, batch).as_text()
+  # The embedding, every block output and the logits are constrained, batch over (data, fsdp).
+  assert constraints(hlo) >= 3, hlo[:2000]
+  # What makes them apply is the mesh context: outside one, `constrain` is a no-op.
+  x = np.zeros((8, 4, 2), np.float32)
+  assert constraints(jax.jit(lambda x: sharding.constrain(x, "BTD")).lower(x).as_text()) == 0
+  with jax.set_mesh(mesh):
+    assert constraints(jax.jit(lambda x: sharding.constrain(x, "BTD")).lower(x).as_text()) == 1

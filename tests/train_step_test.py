@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import loss, model, optim, sharding, testing, train_step
+from dapo_jax import loss, model, objectives, optim, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64, num_heads=4, num_kv_heads=2)
@@ -33,8 +33,17 @@ def one_device_mesh():
   return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
 
 
-def run(mesh, num_microbatches, batch, steps=1, pg=train_step.PGConfig(), cfg=CFG, **kw):
-  trainer = train_step.Trainer(cfg, OPT, mesh, pg_cfg=pg, num_microbatches=num_microbatches, **kw)
+def make_trainer(cfg=CFG, opt=OPT, mesh=None, pg=objectives.PGConfig(), **kw):
+  return train_step.Trainer(cfg, opt, mesh or one_device_mesh(), objectives.policy_gradient(cfg, pg), **kw)
+
+
+def logprobs(trainer, params, batch, pg=objectives.PGConfig()):
+  fn = trainer.forward(objectives.completion_logprobs(trainer.model_cfg, pg.temperature, pg.group_size))
+  return fn(params, trainer.put_batch(batch))
+
+
+def run(mesh, num_microbatches, batch, steps=1, pg=objectives.PGConfig(), cfg=CFG, **kw):
+  trainer = make_trainer(cfg, OPT, mesh, pg, num_microbatches=num_microbatches, **kw)
   state = trainer.init(jax.random.key(0))
   metrics = []
   for _ in range(steps):
@@ -45,10 +54,11 @@ def run(mesh, num_microbatches, batch, steps=1, pg=train_step.PGConfig(), cfg=CF
 
 def test_microbatch_accumulation_equals_full_batch_gradient():
   batch = make_batch()
-  trainer = train_step.Trainer(CFG, OPT, one_device_mesh())
+  trainer = make_trainer()
   state = trainer.init(jax.random.key(0))
-  counts = train_step.pg_counts(batch)
-  obj = lambda p, mb: train_step.pg_objective(CFG, train_step.PGConfig(), p, mb, counts)[0]
+  objective = objectives.policy_gradient(CFG, objectives.PGConfig())
+  counts = objective.counts(batch)
+  obj = lambda p, mb: objective.loss(p, mb, counts)[0]
   full = jax.grad(obj)(state.params, batch)
   micro = train_step.split_microbatches(jax.tree.map(jnp.asarray, batch), 4)
   acc = jax.tree.map(jnp.zeros_like, full)
@@ -88,19 +98,19 @@ def test_auto_microbatches_runs_the_step_in_that_many():
   assert m_auto[0]["loss"] == m2[0]["loss"]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_auto.params, s1.params)
   with pytest.raises(ValueError, match="microbatch_tokens=0"):
-    train_step.Trainer(CFG, OPT, one_device_mesh(), num_microbatches=0, microbatch_tokens=0)
+    make_trainer(num_microbatches=0, microbatch_tokens=0)
 
 
 def test_verl_weighting_differs_only_with_unequal_microbatches():
   batch = make_batch()
   _, _, m_global = run(one_device_mesh(), 2, batch)
-  _, _, m_verl = run(one_device_mesh(), 2, batch, pg=train_step.PGConfig(verl_microbatch_weighting=True))
+  _, _, m_verl = run(one_device_mesh(), 2, batch, pg=objectives.PGConfig(verl_microbatch_weighting=True))
   assert abs(m_global[0]["pg_loss"] - m_verl[0]["pg_loss"]) > 1e-4
 
 
 def test_pg_loss_matches_direct_policy_loss():
   batch = make_batch()
-  trainer = train_step.Trainer(CFG, OPT, one_device_mesh())
+  trainer = make_trainer()
   state = trainer.init(jax.random.key(0))
   logits = model.logits(CFG, state.params, batch.tokens_BT, batch.mask_BT)
   C = batch.loss_mask_BC.shape[1]
@@ -110,13 +120,13 @@ def test_pg_loss_matches_direct_policy_loss():
   _, metrics = trainer.step(state, trainer.put_batch(batch))
   np.testing.assert_allclose(metrics["pg_loss"], ref, rtol=1e-5)
   # Old log-probs recomputed by the trainer equal the direct computation.
-  np.testing.assert_allclose(trainer.logprobs(trainer.init(jax.random.key(0)).params, batch), logp, atol=1e-5)
+  np.testing.assert_allclose(logprobs(trainer, trainer.init(jax.random.key(0)).params, batch), logp, atol=1e-5)
 
 
 def test_nonfinite_update_is_skipped_and_counted():
   batch = make_batch()
   bad = batch.replace(adv_B=np.full_like(batch.adv_B, np.nan))
-  trainer = train_step.Trainer(CFG, OPT, one_device_mesh())
+  trainer = make_trainer()
   state = trainer.init(jax.random.key(0))
   before = jax.device_get(state.params)
   state, m = trainer.step(state, trainer.put_batch(bad))
@@ -132,7 +142,7 @@ def test_learning_rate_per_rollout_step():
   np.testing.assert_allclose(got, [1e-6 * min(1, s / 10) for s in range(13)], rtol=1e-6)
   assert got[0] == 0.0 and got[11] == pytest.approx(1e-6)
   # Within a rollout step the LR is constant: the first rollout step does not move the params.
-  trainer = train_step.Trainer(CFG, cfg, one_device_mesh())
+  trainer = make_trainer(opt=cfg)
   state = trainer.init(jax.random.key(0))
   before = jax.device_get(state.params)
   state, m = trainer.step(state, trainer.put_batch(make_batch()))
@@ -163,7 +173,7 @@ def test_sharded_step_with_bf16_matmuls_matches_one_device():
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   cfg = testing.tiny_model_config(vocab_size=64, num_heads=4, num_kv_heads=2, matmul_dtype="bfloat16")
   batch = make_batch(B=8)
-  init = jax.device_get(train_step.Trainer(cfg, OPT, one_device_mesh()).init(jax.random.key(0)).params)
+  init = jax.device_get(make_trainer(cfg).init(jax.random.key(0)).params)
   _, s8, m8 = run(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), 2, batch, cfg=cfg)
   _, s1, m1 = run(one_device_mesh(), 2, batch, cfg=cfg)
   # Shards sum in another order; a last-bit difference can move a bf16 rounding, so compare loosely:
@@ -179,7 +189,7 @@ def test_shared_prompt_forward_equals_repeated_rows():
   tokens, mask = batch.tokens_BT.copy(), batch.mask_BT.copy()
   tokens[1::2, :prompt_len], mask[1::2, :prompt_len] = tokens[::2, :prompt_len], mask[::2, :prompt_len]
   batch = batch.replace(tokens_BT=tokens, mask_BT=mask)
-  shared = train_step.PGConfig(group_size=2)
+  shared = objectives.PGConfig(group_size=2)
   _, base, mb = run(one_device_mesh(), 1, batch)
   meshes = [one_device_mesh()] + ([sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})]
                                   if len(jax.devices()) >= 8 else [])
@@ -191,8 +201,7 @@ def test_shared_prompt_forward_equals_repeated_rows():
         np.testing.assert_allclose(m[0][k], mb[0][k], rtol=1e-5, atol=1e-6, err_msg=k)
   # The log-prob pass (π_old) too, with the micro-batch order undone (padding positions may differ).
   params = trainer.init(jax.random.key(0)).params
-  plain = train_step.Trainer(CFG, OPT, one_device_mesh(), num_microbatches=2)
+  plain = make_trainer(num_microbatches=2)
   real = batch.mask_BT[:, prompt_len:]
-  np.testing.assert_allclose(np.where(real, trainer.logprobs(params, trainer.put_batch(batch)), 0),
-                             np.where(real, plain.logprobs(jax.device_get(params), plain.put_batch(batch)), 0),
-                             atol=1e-5)
+  np.testing.assert_allclose(np.where(real, logprobs(trainer, params, batch, shared), 0),
+                             np.where(real, logprobs(plain, jax.device_get(params), batch), 0), atol=1e-5)
