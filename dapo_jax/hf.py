@@ -195,6 +195,11 @@ def _rope_to_hf(cfg: model_lib.ModelConfig) -> dict:
   return out
 
 
+def _num(x: float):
+  """An integral float as an int (transformers' strict configs type-check some fields as int)."""
+  return int(x) if float(x).is_integer() else x
+
+
 def config_to_hf(cfg: model_lib.ModelConfig, eos_token_id=None, bos_token_id=None, pad_token_id=None) -> dict:
   rope = _rope_to_hf(cfg)
   max_pos = max(32_768, int(cfg.rope_original_max_pos * cfg.rope_factor) if cfg.rope_type != "default" else 0)
@@ -224,7 +229,7 @@ def config_to_hf(cfg: model_lib.ModelConfig, eos_token_id=None, bos_token_id=Non
       return out
     del out["hidden_act"]
     L = cfg.num_layers
-    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.query_scale or cfg.head_dim,
+    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_num(cfg.query_scale or cfg.head_dim),
                sliding_window=cfg.sliding_window or 4096, rope_local_base_freq=cfg.rope_local_theta,
                layer_types=["sliding_attention" if l in cfg.local_layers else "full_attention" for l in range(L)],
                attn_logit_softcapping=cfg.attn_softcap or None, final_logit_softcapping=cfg.final_softcap or None,

@@ -34,11 +34,12 @@ CASES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
                          "original_max_position_embeddings": 16})),
-    # Window 4 < the 11-token rows; a local and a global layer; soft-capping that bites.
+    # Window 4 < the 11-token rows; a local and a global layer; final soft-capping that bites.
+    # (transformers 5's Gemma3Attention does not pass attn_logit_softcapping on: tested below.)
     "gemma3_window4_softcap": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
         sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
-        attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
+        final_logit_softcapping=3.0,
         rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}})),
     "gemma3_mqa_untied_3layers": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
@@ -155,3 +156,17 @@ def test_presets_count_their_parameters():
                               local_layers=(0,) if a == "gemma3" else (), sliding_window=4)
             for a in ("llama", "qwen3", "gemma3")):
     assert sum(x.size for x in jax.tree.leaves(model.init_params(c, jax.random.key(0)))) == c.num_params
+
+
+def test_attention_softcap_and_window_against_a_loop():
+  """Scores scaled by query_scale**-0.5, capped c*tanh(s/c), keys within the window (Gemma)."""
+  rng = np.random.default_rng(0)
+  T, H, W, c, scale = 6, 4, 3, 0.7, 5.0 ** -0.5
+  q, k, v = (rng.standard_normal((1, 1, 1, T, H)).astype(np.float32) for _ in range(3))
+  mask = model.windowed(jnp.tril(jnp.ones((T, T), bool))[None], W)
+  out = model.attention(jnp.asarray(q), jnp.asarray(k[:, 0]), jnp.asarray(v[:, 0]), mask, scale=scale, softcap=c)
+  for t in range(T):
+    keys = [s for s in range(T) if t - W < s <= t]
+    z = np.array([c * np.tanh(q[0, 0, 0, t] @ k[0, 0, 0, s] * scale / c) for s in keys])
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    np.testing.assert_allclose(out[0, 0, 0, t], p @ v[0, 0, 0, keys], atol=1e-6)
