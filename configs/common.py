@@ -35,7 +35,18 @@ def base() -> mlc.ConfigDict:
                  matmul_dtype="",            # weight-matmul operands ("" = dtype; fp32 accumulation)
                  remat="dots",               # none | full | dots: on XLA:CPU "dots" (keep matmul
                                              # outputs, recompute the rest) is also the fastest
-                 attn_chunk=0)               # attention query block (0 = whole rows); long rows need it
+                 attn_chunk=0,               # attention query block (0 = whole rows); long rows need it
+                 # Family (a loaded model takes these from its config.json): qwen2 | llama | qwen3 | gemma3.
+                 arch="qwen2", qk_norm=False,
+                 rope_type="default",        # RoPE scaling: default | linear | llama3 | yarn
+                 rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                 rope_original_max_pos=8192, rope_beta_fast=32.0, rope_beta_slow=1.0,
+                 rope_attention_factor=0.0, rope_truncate=True,
+                 sliding_window=0,           # tokens seen by local layers (Gemma 3)
+                 local_layers=(),            # indices of the sliding-window layers
+                 rope_local_theta=10_000.0,  # RoPE base of local layers
+                 query_scale=0.0,            # scores scale by query_scale**-0.5 (0 = head_dim)
+                 attn_softcap=0.0, final_softcap=0.0)   # tanh soft-capping of scores / logits (0 = off)
   c.tokenizer = dict(path="",                # "" = train a small BPE on the task text into workdir
                      vocab_size=256)
   c.data = dict(task="file",                 # "file" (DAPO-Math schema) or "arith" (built in)
@@ -108,14 +119,15 @@ def base() -> mlc.ConfigDict:
 
 def qwen2_5(size: str) -> dict:
   """Model fields of a Qwen2.5 size ('32b', '7b', '0_5b'), for a run that loads its HF weights."""
+  return preset({"32b": "qwen2_5_32b", "7b": "qwen2_5_7b", "0_5b": "qwen2_5_0_5b"}[size])
+
+
+def preset(name: str) -> dict:
+  """Model fields of a `ModelConfig` preset ('qwen3_8b', 'llama3_1_8b', 'gemma3_4b', ...)."""
   import dataclasses
 
   from dapo_jax import model
-  preset = {"32b": model.ModelConfig.qwen2_5_32b, "7b": model.ModelConfig.qwen2_5_7b,
-            "0_5b": model.ModelConfig.qwen2_5_0_5b}[size]()
-  fields = dataclasses.asdict(preset)
-  fields.pop("arch")
-  return fields
+  return dataclasses.asdict(getattr(model.ModelConfig, name)())
 
 
 def runlocal(c: mlc.ConfigDict) -> None:
@@ -123,7 +135,8 @@ def runlocal(c: mlc.ConfigDict) -> None:
   c.model.update(init="random", hf_dir="", gguf="", vocab_size=0, embed_dim=32, mlp_dim=64, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
                  tie_embeddings=True, param_dtype="float32", dtype="float32", matmul_dtype="", remat="none",
-                 attn_chunk=0)
+                 attn_chunk=0, arch="qwen2", qk_norm=False, rope_type="default", sliding_window=0,
+                 local_layers=(), query_scale=0.0, attn_softcap=0.0, final_softcap=0.0)
   c.tokenizer.update(path="", vocab_size=300)
   c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8,
                 digits_b=0, fewshot=0)

@@ -27,7 +27,10 @@ from dapo_jax import tokenizer as tokenizer_lib
 # Fields that are not in an HF config.json: they apply to a loaded model too.
 _RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk")
 _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
-                 "norm_eps", "qkv_bias", "tie_embeddings") + _RUNTIME_FIELDS
+                 "norm_eps", "qkv_bias", "tie_embeddings", "arch", "qk_norm", "rope_type", "rope_factor",
+                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos", "rope_beta_fast",
+                 "rope_beta_slow", "rope_attention_factor", "rope_truncate", "sliding_window", "local_layers",
+                 "rope_local_theta", "query_scale", "attn_softcap", "final_softcap") + _RUNTIME_FIELDS
 
 
 class ConfigError(ValueError):
@@ -115,7 +118,7 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
 
 
 def model_config(cfg, vocab_size: int) -> model_lib.ModelConfig:
-  fields = {k: cfg.model[k] for k in _MODEL_FIELDS}
+  fields = {k: cfg.model[k] for k in _MODEL_FIELDS if k in cfg.model}  # Family fields default.
   v = cfg.model.vocab_size or vocab_size
   return model_lib.ModelConfig(vocab_size=v, **fields)
 

@@ -1,13 +1,14 @@
 """Hugging Face checkpoint directories <-> our params, without torch.
 
 Reads config.json plus `model.safetensors` (or sharded `*.safetensors` with
-`model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM`, and writes the
-same layout back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it.
+`model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM` (Llama 3.x rope
+scaling included) / `Qwen3ForCausalLM` / `Gemma3ForCausalLM`, and writes the same layout back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it.
 The mapping from HF tensor names to our parameter names lives only in this file.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Any, Iterator
@@ -17,7 +18,11 @@ import numpy as np
 
 from dapo_jax import model as model_lib
 
-SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+             "Gemma3ForCausalLM": "gemma3"}
+_CLASSES = {v: k for k, v in SUPPORTED.items()}
+_MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_ACTIVATIONS = {"gemma3": ("hidden_activation", "gelu_pytorch_tanh")}  # Others: hidden_act = silu.
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
            "BOOL": np.bool_}
@@ -96,43 +101,142 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> model_
       raise CheckpointError(f"{source}: missing field {key!r}")
     return hf[key]
 
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type not in ("default", None):
-    raise CheckpointError(f"{source}: field 'rope_scaling' type {rope_type!r} is not supported")
-  if arch == "llama" and hf.get("attention_bias"):
-    raise CheckpointError(f"{source}: field 'attention_bias'=true (Llama with q/k/v/o biases) is not supported")
+  if arch != "qwen2" and hf.get("attention_bias"):
+    raise CheckpointError(f"{source}: field 'attention_bias'=true ({arch} with q/k/v/o biases) is not supported")
   if hf.get("mlp_bias"):
     raise CheckpointError(f"{source}: field 'mlp_bias'=true is not supported")
   if hf.get("use_sliding_window"):
     raise CheckpointError(f"{source}: field 'use_sliding_window'=true is not supported")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise CheckpointError(f"{source}: field 'hidden_act'={hf['hidden_act']!r}; only 'silu' is supported")
+  act_field, act = _ACTIVATIONS.get(arch, ("hidden_act", "silu"))
+  if hf.get(act_field, act) != act:
+    raise CheckpointError(f"{source}: field {act_field!r}={hf[act_field]!r}; only {act!r} is supported for {arch}")
   num_heads = need("num_attention_heads")
+  rope, local_rope = _rope_fields(hf, source, arch)
   kw = dict(
       vocab_size=need("vocab_size"), embed_dim=need("hidden_size"), mlp_dim=need("intermediate_size"),
       num_layers=need("num_hidden_layers"), num_heads=num_heads,
       num_kv_heads=hf.get("num_key_value_heads") or num_heads,
       head_dim=hf.get("head_dim") or need("hidden_size") // num_heads,
-      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       qkv_bias=arch == "qwen2",
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      arch=arch)
+      tie_embeddings=bool(hf.get("tie_word_embeddings", arch == "gemma3")),
+      arch=arch, qk_norm=arch in ("qwen3", "gemma3"), **rope)
+  if arch == "gemma3":
+    L = kw["num_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) else "full_attention" for i in range(L)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != L or unknown:
+      raise CheckpointError(f"{source}: field 'layer_types' must list {L} of 'sliding_attention' / "
+                            f"'full_attention', got {types}")
+    if hf.get("use_bidirectional_attention"):
+      raise CheckpointError(f"{source}: field 'use_bidirectional_attention'=true is not supported")
+    kw.update(local_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+              sliding_window=int(hf.get("sliding_window") or 4096), query_scale=float(hf.get("query_pre_attn_scalar", 256)),
+              attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+              final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+              rope_local_theta=float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))))
   kw.update(overrides)
   return model_lib.ModelConfig(**kw)
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_fields(hf: dict, source: str, arch: str) -> tuple[dict, dict]:
+  """(ModelConfig rope fields, the local layers' rope dict) from `rope_parameters` (transformers 5)
+  or `rope_theta` + `rope_scaling` (older files); Gemma 3 nests them per layer type."""
+  params = hf.get("rope_parameters") or {}
+  local: dict = {}
+  if "full_attention" in params or "sliding_attention" in params:
+    params, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+  rope = {**params, **(hf.get("rope_scaling") or {})}
+  kind = rope.get("rope_type", rope.get("type")) or "default"
+  if kind not in ROPE_TYPES:
+    raise CheckpointError(f"{source}: field 'rope_scaling' type {kind!r} is not supported "
+                          f"(supported: {list(ROPE_TYPES)})")
+  if (local.get("rope_type") or "default") != "default":
+    raise CheckpointError(f"{source}: field 'rope_parameters.sliding_attention' type {local['rope_type']!r} "
+                          "is not supported (supported: 'default')")
+  default_theta = 1e6 if arch == "gemma3" else 10_000.0
+  out = dict(rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", default_theta))), rope_type=kind)
+  if kind != "default":
+    out["rope_factor"] = float(rope.get("factor") or 1.0)
+  if kind in ("llama3", "yarn"):
+    out["rope_original_max_pos"] = int(rope.get("original_max_position_embeddings")
+                                       or hf.get("max_position_embeddings", 8192))
+  if kind == "llama3":
+    out.update(rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+               rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)))
+  if kind == "yarn":
+    factor = out["rope_factor"]
+    attn = rope.get("attention_factor")
+    if attn is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+      m = lambda s: 0.1 * s * math.log(factor) + 1.0 if factor > 1 else 1.0
+      attn = m(rope["mscale"]) / m(rope["mscale_all_dim"])
+    out.update(rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+               rope_attention_factor=float(attn or 0.0), rope_truncate=bool(rope.get("truncate", True)))
+  return out, local
+
+
+def _rope_to_hf(cfg: model_lib.ModelConfig) -> dict:
+  """The (global layers') rope dict of config.json."""
+  out = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+  if cfg.rope_type != "default":
+    out["factor"] = cfg.rope_factor
+  if cfg.rope_type in ("llama3", "yarn"):
+    out["original_max_position_embeddings"] = cfg.rope_original_max_pos
+  if cfg.rope_type == "llama3":
+    out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+  if cfg.rope_type == "yarn":
+    out.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+    if cfg.rope_attention_factor:
+      out["attention_factor"] = cfg.rope_attention_factor
+  return out
+
+
+def _num(x: float):
+  """An integral float as an int (transformers' strict configs type-check some fields as int)."""
+  return int(x) if float(x).is_integer() else x
+
+
 def config_to_hf(cfg: model_lib.ModelConfig, eos_token_id=None, bos_token_id=None, pad_token_id=None) -> dict:
+  rope = _rope_to_hf(cfg)
+  max_pos = max(32_768, int(cfg.rope_original_max_pos * cfg.rope_factor) if cfg.rope_type != "default" else 0)
   common = dict(
       vocab_size=cfg.vocab_size, hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim,
       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
       num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
-      max_position_embeddings=32_768, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-      tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32", dtype="float32",
+      max_position_embeddings=max_pos, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+      rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32", dtype="float32",
       eos_token_id=eos_token_id, bos_token_id=bos_token_id, pad_token_id=pad_token_id,
       attention_dropout=0.0, initializer_range=0.02)
+  if cfg.rope_type != "default":  # Older transformers read the scaling from here.
+    common["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+  if cfg.arch != "gemma3" and (cfg.local_layers or cfg.attn_softcap or cfg.final_softcap or cfg.query_scale):
+    raise CheckpointError(f"model.local_layers / attn_softcap / final_softcap / query_scale are Gemma 3 "
+                          f"features; model.arch={cfg.arch!r} cannot be written with them")
+  if cfg.qk_norm != (cfg.arch in ("qwen3", "gemma3")):
+    raise CheckpointError(f"model.qk_norm={cfg.qk_norm} cannot be written as model.arch={cfg.arch!r} "
+                          "(q/k norms: qwen3 and gemma3 have them, qwen2 and llama do not)")
+  if cfg.arch in ("qwen3", "gemma3"):
+    if cfg.qkv_bias:
+      raise CheckpointError(f"model.qkv_bias=True cannot be written as model.arch={cfg.arch!r}")
+    out = dict(architectures=[_CLASSES[cfg.arch]], model_type=_MODEL_TYPES[cfg.arch], attention_bias=False,
+               **common)
+    if cfg.arch == "qwen3":
+      out.update(use_sliding_window=False, sliding_window=None)
+      return out
+    del out["hidden_act"]
+    L = cfg.num_layers
+    out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=_num(cfg.query_scale or cfg.head_dim),
+               sliding_window=cfg.sliding_window or 4096, rope_local_base_freq=cfg.rope_local_theta,
+               layer_types=["sliding_attention" if l in cfg.local_layers else "full_attention" for l in range(L)],
+               attn_logit_softcapping=cfg.attn_softcap or None, final_logit_softcapping=cfg.final_softcap or None,
+               rope_parameters={"full_attention": rope,
+                                "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+               use_bidirectional_attention=False)
+    return out
   if cfg.arch == "qwen2":
     if not cfg.qkv_bias:
       raise CheckpointError("model.qkv_bias=False cannot be written as Qwen2 (it always has QKV bias); "
@@ -150,7 +254,11 @@ def _layer_names(cfg: model_lib.ModelConfig) -> Iterator[tuple[str, str, Any]]:
   """(HF name suffix, our name, HF -> ours reshape) for one layer."""
   D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   yield "input_layernorm.weight", "attn_norm/scale_D", (D,)
-  yield "post_attention_layernorm.weight", "mlp_norm/scale_D", (D,)
+  if cfg.gemma:
+    yield "post_attention_layernorm.weight", "post_attn_norm/scale_D", (D,)
+    yield "pre_feedforward_layernorm.weight", "mlp_norm/scale_D", (D,)
+  else:
+    yield "post_attention_layernorm.weight", "mlp_norm/scale_D", (D,)
   # HF Linear weights are [out, in]; ours are [in, out...].
   yield "self_attn.q_proj.weight", "wq_DNH", (N, H, D)
   yield "self_attn.k_proj.weight", "wk_DKH", (K, H, D)
@@ -163,6 +271,12 @@ def _layer_names(cfg: model_lib.ModelConfig) -> Iterator[tuple[str, str, Any]]:
     yield "self_attn.q_proj.bias", "bq_NH", (N, H)
     yield "self_attn.k_proj.bias", "bk_KH", (K, H)
     yield "self_attn.v_proj.bias", "bv_KH", (K, H)
+  if cfg.qk_norm:
+    yield "self_attn.q_norm.weight", "q_norm_H", (H,)
+    yield "self_attn.k_norm.weight", "k_norm_H", (H,)
+  if cfg.gemma:  # Gemma's post_attention_layernorm normalises the attention output; its MLP input
+    # norm is pre_feedforward_layernorm (the Llama meaning of post_attention_layernorm).
+    yield "post_feedforward_layernorm.weight", "post_mlp_norm/scale_D", (D,)
 
 
 def _to_ours(name: str, hf_arr: np.ndarray, hf_shape) -> np.ndarray:
@@ -224,7 +338,7 @@ def params_from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarra
     params["unembed_DV"] = take("lm_head.weight", (V, D)).T.astype(dtype)
   layers: dict = {}
   for suffix, ours, hf_shape in _layer_names(cfg):
-    full_shape = _hf_shape(cfg, suffix)
+    full_shape = _hf_shape(cfg, suffix, hf_shape)
     stacked = np.stack([_to_ours(ours.rsplit("/", 1)[-1], take(f"model.layers.{i}.{suffix}", full_shape),
                                  hf_shape) for i in range(L)])
     _set(layers, ours, stacked.astype(dtype))
@@ -238,14 +352,14 @@ def params_from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarra
   return params
 
 
-def _hf_shape(cfg: model_lib.ModelConfig, suffix: str) -> tuple[int, ...]:
+def _hf_shape(cfg: model_lib.ModelConfig, suffix: str, default=None) -> tuple[int, ...]:
   D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   return {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
           "self_attn.q_proj.weight": (N * H, D), "self_attn.k_proj.weight": (K * H, D),
           "self_attn.v_proj.weight": (K * H, D), "self_attn.o_proj.weight": (D, N * H),
           "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
           "self_attn.q_proj.bias": (N * H,), "self_attn.k_proj.bias": (K * H,),
-          "self_attn.v_proj.bias": (K * H,)}[suffix]
+          "self_attn.v_proj.bias": (K * H,)}.get(suffix, default)
 
 
 def params_to_tensors(cfg: model_lib.ModelConfig, params: dict, dtype=np.float32) -> dict[str, np.ndarray]:
