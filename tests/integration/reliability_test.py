@@ -1,8 +1,11 @@
 """Bad input is named in one line; nothing half-written or non-finite is trusted."""
+import logging
 import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs import dapo_qwen2_5_32b
@@ -53,11 +56,54 @@ def test_checkpoint_from_another_config_is_named(tmp_path):
       dapo.reward_pool.close()
 
 
-def test_half_written_checkpoint_is_ignored(tmp_path):
-  ckpt = checkpoint.Checkpointer(str(tmp_path))
-  os.makedirs(tmp_path / "7.orbax-checkpoint-tmp" / "state")   # what a crash mid-write leaves
-  assert ckpt.latest_step() is None
-  ckpt.close()
+def test_half_written_checkpoint_falls_back_to_the_last_intact_one(tmp_path, caplog):
+  """A run checkpointed at steps 1 and 2 whose step-2 files were cut short resumes from step 1."""
+  workdir = str(tmp_path)
+  loop.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
+  step2 = os.path.join(workdir, "checkpoints", "2")
+  for root, _, files in os.walk(os.path.join(step2, "state")):
+    for f in files:  # What a copy or a write stopped half-way leaves.
+      path = os.path.join(root, f)
+      with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) // 2)
+  dapo = loop.DAPO(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
+  try:
+    with caplog.at_level(logging.WARNING):
+      assert dapo.restore() == 1
+    assert f"checkpoint {step2}" in caplog.text and "falling back" in caplog.text
+    ref = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    _, state1, _ = ref.restore_latest(checkpoint.abstract(dapo.state, dapo.trainer.state_sharding))
+    ref.close()
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), dapo.state, state1)
+  finally:
+    dapo.reward_pool.close()
+    dapo.ckpt.close()
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_from_the_command_line(tmp_path):
+  """The CLI resumes past a damaged newest step, and stops in one line when every step is damaged."""
+  workdir = str(tmp_path)
+  args = [f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal", f"--workdir={workdir}",
+          "--config.reward.fn=dapo_jax.testing:length_reward", "--config.train.ckpt_every=1",
+          "--config.train.eval_every=0"]
+  assert run_train(*args, "--config.train.num_steps=1").returncode == 0
+  os.makedirs(os.path.join(workdir, "checkpoints", "2"))  # A step directory with nothing in it.
+  out = run_train(*args, "--config.train.num_steps=2")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert f"checkpoint {workdir}/checkpoints/2" in out.stderr and "at rollout step 1." in out.stdout
+  for root, _, files in os.walk(os.path.join(workdir, "checkpoints")):
+    for f in files:
+      path = os.path.join(root, f)
+      if "/state/" in path and os.path.getsize(path) > 1000:
+        raw = bytearray(open(path, "rb").read())
+        raw[len(raw) // 2: len(raw) // 2 + 64] = b"\x7f" * 64
+        open(path, "wb").write(bytes(raw))
+  out = run_train(*args, "--config.train.num_steps=3")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: every checkpoint in {workdir}/checkpoints is damaged ({workdir}/checkpoints/2, "
+      f"{workdir}/checkpoints/1); delete them to start over, or restore them from a backup")
 
 
 def test_nonfinite_updates_stop_after_k_in_a_row(tmp_path):
