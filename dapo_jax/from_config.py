@@ -267,8 +267,11 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
   if not os.path.exists(os.path.join(path, "tokenizer.json")):
     if not corpus_examples:
       raise ValueError("tokenizer.path is empty and there is no task text to train a tokenizer on")
-    texts = [" ".join(m["content"] for m in ex.messages) + "\n" + data_lib.arith_solution(ex, cfg.data.solution_style)
-             for ex in corpus_examples[:5000]]
+    # The task's own text: prompts, and what a good answer looks like (the arith task's worked
+    # solutions; a file's ground-truth answers, which is all a dataset file has).
+    answer = ((lambda ex: data_lib.arith_solution(ex, cfg.data.solution_style)) if cfg.data.task == "arith"
+              else (lambda ex: f"Answer: {ex.ground_truth}"))
+    texts = [" ".join(m["content"] for m in ex.messages) + "\n" + answer(ex) for ex in corpus_examples[:5000]]
     texts += ["user", "assistant", "system"] * 10
     tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size)
     logging.info("trained a %d-token BPE tokenizer into %s", cfg.tokenizer.vocab_size, path)
@@ -311,12 +314,14 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
   if warning:
     logging.warning(warning)
   init = cfg.model.init
-  if init == "hf":
-    return hf.load(cfg.model.hf_dir, **runtime_overrides(cfg))
-  if init == "gguf":
-    return hf.load(gguf_model_dir(cfg, workdir), **runtime_overrides(cfg))
+  if init in ("hf", "gguf"):
+    path = cfg.model.hf_dir if init == "hf" else gguf_model_dir(cfg, workdir)
+    model_cfg, params = hf.load(path, **runtime_overrides(cfg))
+    tokenizer_lib.check_vocab(tok, model_cfg.vocab_size, f"{path}/config.json")
+    return model_cfg, params
   vocab = ((len(tok) + 63) // 64) * 64  # Round up: tidy shapes, room for tensor sharding.
   model_cfg = model_config(cfg, vocab)
+  tokenizer_lib.check_vocab(tok, model_cfg.vocab_size, f"model.vocab_size={cfg.model.vocab_size}")
   if init == "random":
     return model_cfg, model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
   if init == "sft":
