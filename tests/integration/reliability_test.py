@@ -140,3 +140,68 @@ def test_full_disk_is_a_clear_error_and_keeps_checkpoints(tmp_path):
     assert out.returncode == 0 and "Resumed" in out.stdout
   finally:
     subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def _default_job(workdir, steps):
+  """The default job (configs/default.py: tokenizer, SFT warm start, DAPO), shrunk to seconds a step."""
+  return [sys.executable, "-m", "launch.train", f"--workdir={workdir}", f"--config.train.num_steps={steps}",
+          "--config.model.embed_dim=32", "--config.model.mlp_dim=64", "--config.model.num_layers=2",
+          "--config.model.head_dim=8", "--config.tokenizer.vocab_size=300", "--config.sft.steps=30",
+          "--config.sft.target_acc=0.0", "--config.sft.batch_size=8", "--config.sft.seq_len=64",
+          "--config.dapo.prompts_per_step=4", "--config.dapo.gen_prompts=8", "--config.rollout.group_size=4",
+          "--config.rollout.max_new_tokens=16", "--config.dapo.overlong_buffer=4", "--config.data.num_eval=8",
+          "--config.train.ckpt_every=1", "--config.train.eval_every=0", "--config.train.log_samples_every=0",
+          "--config.reward.fn=dapo_jax.testing:length_reward"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_path):
+  """SIGKILL during SFT, mid rollout step and while a checkpoint is written; each resume ends with the
+  metrics of an uninterrupted run. (The kill -9 test in loop_test covers a kill between steps.)"""
+  import random
+  import signal
+  import time
+
+  from dapo_jax import metrics
+  steps, rng = 5, random.Random(0)
+  ref_dir, dir_ = tmp_path / "ref", tmp_path / "killed"
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  out = subprocess.run(_default_job(ref_dir, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+  def logged():
+    path = dir_ / "metrics.jsonl"
+    return len(open(path).read().splitlines()) if path.exists() else 0
+
+  def saving():
+    return any(".orbax-checkpoint-tmp" in p for p in os.listdir(dir_ / "checkpoints")) \
+        if (dir_ / "checkpoints").exists() else False
+
+  moments = [  # (what, the condition to wait for, extra random delay in seconds)
+      ("SFT", lambda: (dir_ / "tokenizer" / "tokenizer.json").exists(), rng.uniform(0.5, 3.0)),
+      ("rollout/update", lambda: logged() >= 2, rng.uniform(0.0, 2.0)),  # steps 0 and 1 logged: step 2 runs
+      ("checkpoint write", saving, 0.0),
+  ]
+  killed = []
+  for what, cond, delay in moments:
+    p = subprocess.Popen(_default_job(dir_, steps), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not cond() and p.poll() is None and time.time() - t0 < 300:
+      time.sleep(0.02)
+    time.sleep(delay)
+    if p.poll() is None:
+      p.send_signal(signal.SIGKILL)
+      killed.append(what)
+    p.wait()
+  assert "SFT" in killed and "rollout/update" in killed, killed
+  out = subprocess.run(_default_job(dir_, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  ref = metrics.read_jsonl(str(ref_dir / "metrics.jsonl"))
+  got = metrics.read_jsonl(str(dir_ / "metrics.jsonl"))
+  assert sorted(got) == sorted(ref) == list(range(steps + 1))
+  for step in range(steps + 1):
+    for k, v in ref[step].items():
+      if k.startswith(("timing_s/", "perf/")):
+        continue
+      assert got[step][k] == pytest.approx(v, rel=1e-6, abs=1e-7), (step, k, killed)
