@@ -2,21 +2,33 @@
 record of everything host-side (rollout step, data-iterator state, carried-over rollouts, seed).
 
 Orbax writes each step to a temporary directory and renames it when complete, so a crash or a
-full disk mid-write never leaves a checkpoint that `latest_step` would pick up.
+full disk mid-write never leaves a checkpoint that `latest_step` would pick up. Bytes damaged
+after that (a partial overwrite, a truncated file) are caught by a digest saved with each step:
+a 64-bit checksum of every array, computed on the devices where the array lives (so only 8 bytes
+per array reach the host, and sharded arrays need no gather), and a SHA-256 of the JSON record.
+`restore` verifies both; `restore_latest` falls back to the newest intact step.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 
 class CheckpointMismatchError(ValueError):
-  pass
+  """A checkpoint written by another config (names, shapes, dtypes or seed differ)."""
+
+
+class CheckpointCorruptError(ValueError):
+  """A checkpoint whose bytes do not match the digest saved with it, or that cannot be read."""
 
 
 class Checkpointer:
@@ -26,15 +38,28 @@ class Checkpointer:
                                            create=True)
     self.manager = ocp.CheckpointManager(
         self.directory, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler(),
+                       "digest": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, state: Any, extra: dict) -> None:
+    """Starts an async save of `state` and `extra` with their digest; `wait()` ends it."""
+    # The checksum kernels are dispatched first so they run while Orbax copies the state to the
+    # host; only their 8-byte results are fetched. The state is final here (the step's metrics
+    # were fetched), so this waits for no training work.
+    digest = {"arrays": state_digest(state), "extra": extra_digest(extra)}
     try:
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     extra=ocp.args.JsonSave(extra)), force=True)
+                                                     extra=ocp.args.JsonSave(extra),
+                                                     digest=ocp.args.JsonSave(digest)), force=True)
     except OSError as e:
       raise OSError(f"checkpoint step {step} could not be written to {self.directory}: {e}; "
                     "earlier checkpoints are untouched") from e
@@ -54,7 +79,13 @@ class Checkpointer:
       raise
 
   def check_compatible(self, step: int, abstract_state: Any) -> None:
-    """Fails with the parameter's name when the checkpoint was written by another model config."""
+    """Fails with the parameter's name when the checkpoint was written by another model config.
+
+    Names, shapes and dtypes must all match: no dtype conversion is allowed on restore, because a
+    resumed run must continue from exactly the saved values (Orbax would cast silently, e.g. a
+    float32 checkpoint into bfloat16 parameters). To change dtypes, export the model and start a
+    new run from it.
+    """
     meta = self.manager.item_metadata(step)["state"]
     meta = getattr(meta, "tree", meta)
     want = [(_names(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
@@ -69,17 +100,150 @@ class Checkpointer:
         raise CheckpointMismatchError(
             f"checkpoint {self.directory}/{step}: {name} has shape {tuple(got.shape)}, but the config "
             f"needs {tuple(leaf.shape)}; it was written by another model config (use a new --workdir)")
+      got_dtype = getattr(got, "dtype", None)
+      if got_dtype is not None and np.dtype(got_dtype) != np.dtype(leaf.dtype):
+        raise CheckpointMismatchError(
+            f"checkpoint {self.directory}/{step}: {name} has dtype {np.dtype(got_dtype).name}, but the config "
+            f"needs {np.dtype(leaf.dtype).name}; restoring converts no dtype (set the config's dtype to "
+            f"{np.dtype(got_dtype).name}, or export the model and start a new --workdir from it)")
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-    self.check_compatible(step, abstract_state)
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()))
-    logging.info("restored checkpoint %s/%d", self.directory, step)
+    """(state, extra) of `step`, verified against its digest; raises CheckpointCorruptError if damaged."""
+    path = self.path(step)
+    try:
+      self.check_compatible(step, abstract_state)
+    except CheckpointMismatchError:
+      raise
+    except Exception as e:  # Unreadable metadata: the checkpoint itself is damaged.
+      raise CheckpointCorruptError(f"checkpoint {path}: metadata cannot be read ({_brief(e)})") from e
+    has_digest = os.path.isdir(os.path.join(path, "digest"))
+    items = dict(state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore())
+    if has_digest:
+      items["digest"] = ocp.args.JsonRestore()
+    try:
+      out = self.manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # Orbax and TensorStore raise many types for unreadable bytes.
+      raise CheckpointCorruptError(f"checkpoint {path} cannot be read ({_brief(e)})") from e
+    if not has_digest:
+      logging.warning("checkpoint %s has no digest (written by an older version); restored unverified", path)
+    else:
+      _verify(path, out["digest"], out["state"], out["extra"])
+    logging.info("restored checkpoint %s", path)
     return out["state"], out["extra"]
+
+  def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
+    """(step, state, extra) of the newest intact checkpoint, or None when there is none at all.
+
+    A damaged step is reported with a warning naming its path, and the next older one is tried;
+    when every step is damaged, one CheckpointCorruptError names them all.
+    """
+    steps = self.all_steps()
+    damaged = []
+    for step in reversed(steps):
+      try:
+        state, extra = self.restore(step, abstract_state)
+      except CheckpointCorruptError as e:
+        logging.warning("%s; falling back to an older checkpoint", e)
+        damaged.append(self.path(step))
+        continue
+      if damaged:
+        self._set_aside(damaged)
+      return step, state, extra
+    if damaged:
+      raise CheckpointCorruptError(f"every checkpoint in {self.directory} is damaged ({', '.join(damaged)}); "
+                                   "delete them to start over, or restore them from a backup")
+    return None
+
+  def _set_aside(self, paths: list[str]) -> None:
+    """Renames damaged steps newer than the one restored (kept for inspection), so the resumed
+    run can write those steps again; Orbax ignores directory names that are not step numbers."""
+    if jax.process_index() == 0:
+      for p in paths:
+        dst, n = f"{p}.damaged", 1
+        while os.path.exists(dst):
+          dst, n = f"{p}.damaged{n}", n + 1
+        os.rename(p, dst)
+        logging.warning("moved the damaged checkpoint %s to %s", p, dst)
+    self.manager.reload()
 
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+# --- digests -------------------------------------------------------------------------------------
+
+def _bits(x_: jax.Array) -> jax.Array:
+  """The raw bits of an array as uint32 (one word per element; 64-bit dtypes fold both halves)."""
+  if jax.dtypes.issubdtype(x_.dtype, jax.dtypes.prng_key):
+    x_ = jax.random.key_data(x_)
+  if x_.dtype == jnp.bool_:
+    x_ = x_.astype(jnp.uint8)
+  size = x_.dtype.itemsize
+  if size == 8:
+    w = jax.lax.bitcast_convert_type(x_, jnp.uint32)  # [..., 2]
+    return w[..., 0] ^ (w[..., 1] * jnp.uint32(0x9E3779B1))
+  return jax.lax.bitcast_convert_type(x_, {4: jnp.uint32, 2: jnp.uint16, 1: jnp.uint8}[size]).astype(jnp.uint32)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+  """murmur3's 32-bit finaliser: every input bit flips about half the output bits."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _checksum(x_: jax.Array) -> jax.Array:
+  """[2] uint32: sum(w_i * (2i+1)) and sum(mix(w_i ^ mix(i))) over the flat index i, mod 2**32.
+
+  Wrapping integer sums are exact in any order, so the value does not depend on the sharding or
+  the device. The first sum changes whenever any single word changes (2i+1 is odd, hence
+  invertible mod 2**32); the second, non-linear one makes moved or swapped blocks show too.
+  """
+  w = _bits(x_)
+  idx = jnp.zeros(w.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(w.ndim)):
+    idx = idx + jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride % 2**32)
+    stride *= w.shape[axis]
+  return jnp.stack([jnp.sum(w * (2 * idx + 1), dtype=jnp.uint32),
+                    jnp.sum(_mix(w ^ _mix(idx + jnp.uint32(0x6A09E667))), dtype=jnp.uint32)])
+
+
+@functools.partial(jax.jit)
+def _checksums(tree: Any) -> Any:
+  return jax.tree.map(_checksum, tree)
+
+
+def state_digest(state: Any) -> dict[str, str]:
+  """{array path: 16 hex digits}: a checksum of every array of `state`, computed where it lives."""
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  sums = jax.device_get(_checksums([leaf for _, leaf in leaves]))
+  return {"/".join(_names(p)): f"{int(s[0]):08x}{int(s[1]):08x}" for (p, _), s in zip(leaves, sums)}
+
+
+def extra_digest(extra: dict) -> str:
+  return hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()
+
+
+def _verify(path: str, digest: dict, state: Any, extra: dict) -> None:
+  if not isinstance(digest, dict) or not isinstance(digest.get("arrays"), dict):
+    raise CheckpointCorruptError(f"checkpoint {path}: its digest file is damaged")
+  if extra_digest(extra) != digest.get("extra"):
+    raise CheckpointCorruptError(f"checkpoint {path}: the run record (extra) does not match its digest")
+  got = state_digest(state)
+  bad = [name for name, d in got.items() if digest["arrays"].get(name) != d]
+  if bad:
+    raise CheckpointCorruptError(f"checkpoint {path}: {len(bad)} array(s) do not match their digest "
+                                 f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+
+
+def _brief(e: Exception) -> str:
+  """The first line of an error, short enough for a one-line message."""
+  text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  return f"{type(e).__name__}: {text[:200]}"
 
 
 def abstract(tree: Any, shardings: Any) -> Any:

@@ -62,6 +62,9 @@ def _read_rows(path: str) -> list[dict]:
 
 def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Example | None:
   """One row -> Example; None when the ground truth is missing (the caller decides)."""
+  if not isinstance(row, dict):
+    raise DataError(f"{path}: row {i}: expected an object with 'prompt' and 'reward_model', "
+                    f"got {type(row).__name__}")
   prompt = row.get("prompt")
   if isinstance(prompt, str):
     prompt = [{"role": "user", "content": prompt}]

@@ -38,7 +38,31 @@ def _reader(path: str):
     raise GGUFError("reading GGUF files needs the `gguf` package: pip install gguf") from None
   if not os.path.exists(path):
     raise GGUFError(f"GGUF file {path!r} does not exist")
-  return gguf.GGUFReader(path)
+  check_file(path)
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # The gguf package raises many types for cut or garbled files.
+    raise GGUFError(f"{path}: cannot be read, truncated or damaged ({type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})") from None
+
+
+_VERSIONS = (2, 3)  # GGUF versions the gguf package reads
+
+
+def check_file(path: str) -> None:
+  """Magic, version and a minimal size, before the reader maps the file."""
+  size = os.path.getsize(path)
+  if size == 0:
+    raise GGUFError(f"{path}: the file is empty")
+  with open(path, "rb") as f:
+    head = f.read(24)
+  if head[:4] != b"GGUF":
+    raise GGUFError(f"{path}: not a GGUF file (magic {head[:4]!r}, expected b'GGUF')")
+  if len(head) < 24:
+    raise GGUFError(f"{path}: {size} bytes, truncated inside the GGUF header")
+  version = int.from_bytes(head[4:8], "little")
+  if version not in _VERSIONS and int.from_bytes(head[4:8], "big") not in _VERSIONS:
+    raise GGUFError(f"{path}: GGUF version {version}; readable versions are {_VERSIONS}")
 
 
 def metadata(reader) -> dict:

@@ -185,11 +185,11 @@ class DAPO:
     self.ckpt.save(next_step, self.state, extra)
 
   def restore(self) -> int:
-    step = self.ckpt.latest_step()
-    if step is None:
-      return 0
     abstract = ckpt_lib.abstract(self.state, self.trainer.state_sharding)
-    self.state, extra = self.ckpt.restore(step, abstract)
+    restored = self.ckpt.restore_latest(abstract)  # The newest intact checkpoint.
+    if restored is None:
+      return 0
+    step, self.state, extra = restored
     if extra["seed"] != self.cfg.seed:
       raise ckpt_lib.CheckpointMismatchError(
           f"checkpoint {self.ckpt.directory}/{step} was written with seed={extra['seed']}, config has "

@@ -14,13 +14,47 @@ class TokenizerError(ValueError):
 
 def load(path: str):
   """`transformers.AutoTokenizer` from a local directory; never touches the network."""
-  if not os.path.isdir(path):
-    raise TokenizerError(f"tokenizer directory {path!r} does not exist")
+  check_dir(path)
   from transformers import AutoTokenizer  # Slow import; keep it off the module import path.
-  tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+  try:
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+  except Exception as e:  # transformers raises many types for malformed files.
+    raise TokenizerError(f"tokenizer directory {path!r} cannot be loaded ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None
+  if len(tok) < 2:
+    raise TokenizerError(f"tokenizer directory {path!r} loads as {len(tok)} token(s); its vocabulary files "
+                         "are empty or damaged")
   if tok.pad_token_id is None:
     tok.pad_token = tok.eos_token  # Padding is always masked; any id will do.
   return tok
+
+
+# A directory holds a usable vocabulary when it has one of these sets of files.
+VOCAB_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
+
+
+def check_dir(path: str) -> None:
+  """Fails naming the directory when it has no vocabulary files or a tokenizer.json that is not JSON."""
+  if not os.path.isdir(path):
+    raise TokenizerError(f"tokenizer directory {path!r} does not exist")
+  if not any(all(os.path.isfile(os.path.join(path, f)) for f in files) for files in VOCAB_FILES):
+    raise TokenizerError(f"tokenizer directory {path!r} has no vocabulary: expected tokenizer.json, "
+                         "tokenizer.model, vocab.json with merges.txt, or vocab.txt")
+  for fn in ("tokenizer.json", "tokenizer_config.json"):
+    p = os.path.join(path, fn)
+    if os.path.isfile(p):
+      try:
+        with open(p, encoding="utf-8") as f:
+          json.load(f)
+      except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{p}: not valid JSON ({e})") from None
+
+
+def check_vocab(tok, vocab_size: int, model_source: str) -> None:
+  """A tokenizer must not produce ids past the model's embedding rows."""
+  if len(tok) > vocab_size:
+    raise TokenizerError(f"tokenizer {tok.name_or_path!r} has {len(tok)} tokens, more than the {vocab_size} "
+                         f"embedding rows of the model ({model_source}); use the model's own tokenizer")
 
 
 def render(tok, messages: Sequence[dict], use_chat_template: bool = True, source: str = "") -> str:

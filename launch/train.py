@@ -15,8 +15,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs, samples (def
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import loop, sharding  # After distributed init.
+  from dapo_jax import from_config, loop, sharding  # After distributed init.
   cfg = _CONFIG.value
+  from_config.validate(cfg)  # Before the mesh is built: a mesh that does not fit is one line too.
   workdir = _WORKDIR.value or common.default_workdir()
   logging.info("workdir %s", workdir)
   loop.run(cfg, workdir, sharding.make_mesh(cfg.mesh))

@@ -1,8 +1,11 @@
 """Bad input is named in one line; nothing half-written or non-finite is trusted."""
+import logging
 import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from configs import dapo_qwen2_5_32b
@@ -53,11 +56,54 @@ def test_checkpoint_from_another_config_is_named(tmp_path):
       dapo.reward_pool.close()
 
 
-def test_half_written_checkpoint_is_ignored(tmp_path):
-  ckpt = checkpoint.Checkpointer(str(tmp_path))
-  os.makedirs(tmp_path / "7.orbax-checkpoint-tmp" / "state")   # what a crash mid-write leaves
-  assert ckpt.latest_step() is None
-  ckpt.close()
+def test_half_written_checkpoint_falls_back_to_the_last_intact_one(tmp_path, caplog):
+  """A run checkpointed at steps 1 and 2 whose step-2 files were cut short resumes from step 1."""
+  workdir = str(tmp_path)
+  loop.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
+  step2 = os.path.join(workdir, "checkpoints", "2")
+  for root, _, files in os.walk(os.path.join(step2, "state")):
+    for f in files:  # What a copy or a write stopped half-way leaves.
+      path = os.path.join(root, f)
+      with open(path, "r+b") as fh:
+        fh.truncate(os.path.getsize(path) // 2)
+  dapo = loop.DAPO(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
+  try:
+    with caplog.at_level(logging.WARNING):
+      assert dapo.restore() == 1
+    assert f"checkpoint {step2}" in caplog.text and "falling back" in caplog.text
+    ref = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"))
+    _, state1, _ = ref.restore_latest(checkpoint.abstract(dapo.state, dapo.trainer.state_sharding))
+    ref.close()
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), dapo.state, state1)
+  finally:
+    dapo.reward_pool.close()
+    dapo.ckpt.close()
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_from_the_command_line(tmp_path):
+  """The CLI resumes past a damaged newest step, and stops in one line when every step is damaged."""
+  workdir = str(tmp_path)
+  args = [f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal", f"--workdir={workdir}",
+          "--config.reward.fn=dapo_jax.testing:length_reward", "--config.train.ckpt_every=1",
+          "--config.train.eval_every=0"]
+  assert run_train(*args, "--config.train.num_steps=1").returncode == 0
+  os.makedirs(os.path.join(workdir, "checkpoints", "2"))  # A step directory with nothing in it.
+  out = run_train(*args, "--config.train.num_steps=2")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert f"checkpoint {workdir}/checkpoints/2" in out.stderr and "at rollout step 1." in out.stdout
+  for root, _, files in os.walk(os.path.join(workdir, "checkpoints")):
+    for f in files:
+      path = os.path.join(root, f)
+      if "/state/" in path and os.path.getsize(path) > 1000:
+        raw = bytearray(open(path, "rb").read())
+        raw[len(raw) // 2: len(raw) // 2 + 64] = b"\x7f" * 64
+        open(path, "wb").write(bytes(raw))
+  out = run_train(*args, "--config.train.num_steps=3")
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: every checkpoint in {workdir}/checkpoints is damaged ({workdir}/checkpoints/2, "
+      f"{workdir}/checkpoints/1); delete them to start over, or restore them from a backup")
 
 
 def test_nonfinite_updates_stop_after_k_in_a_row(tmp_path):
@@ -94,3 +140,68 @@ def test_full_disk_is_a_clear_error_and_keeps_checkpoints(tmp_path):
     assert out.returncode == 0 and "Resumed" in out.stdout
   finally:
     subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def _default_job(workdir, steps):
+  """The default job (configs/default.py: tokenizer, SFT warm start, DAPO), shrunk to seconds a step."""
+  return [sys.executable, "-m", "launch.train", f"--workdir={workdir}", f"--config.train.num_steps={steps}",
+          "--config.model.embed_dim=32", "--config.model.mlp_dim=64", "--config.model.num_layers=2",
+          "--config.model.head_dim=8", "--config.tokenizer.vocab_size=300", "--config.sft.steps=30",
+          "--config.sft.target_acc=0.0", "--config.sft.batch_size=8", "--config.sft.seq_len=64",
+          "--config.dapo.prompts_per_step=4", "--config.dapo.gen_prompts=8", "--config.rollout.group_size=4",
+          "--config.rollout.max_new_tokens=16", "--config.dapo.overlong_buffer=4", "--config.data.num_eval=8",
+          "--config.train.ckpt_every=1", "--config.train.eval_every=0", "--config.train.log_samples_every=0",
+          "--config.reward.fn=dapo_jax.testing:length_reward"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_path):
+  """SIGKILL during SFT, mid rollout step and while a checkpoint is written; each resume ends with the
+  metrics of an uninterrupted run. (The kill -9 test in loop_test covers a kill between steps.)"""
+  import random
+  import signal
+  import time
+
+  from dapo_jax import metrics
+  steps, rng = 5, random.Random(0)
+  ref_dir, dir_ = tmp_path / "ref", tmp_path / "killed"
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  out = subprocess.run(_default_job(ref_dir, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+
+  def logged():
+    path = dir_ / "metrics.jsonl"
+    return len(open(path).read().splitlines()) if path.exists() else 0
+
+  def saving():
+    return any(".orbax-checkpoint-tmp" in p for p in os.listdir(dir_ / "checkpoints")) \
+        if (dir_ / "checkpoints").exists() else False
+
+  moments = [  # (what, the condition to wait for, extra random delay in seconds)
+      ("SFT", lambda: (dir_ / "tokenizer" / "tokenizer.json").exists(), rng.uniform(0.5, 3.0)),
+      ("rollout/update", lambda: logged() >= 2, rng.uniform(0.0, 2.0)),  # steps 0 and 1 logged: step 2 runs
+      ("checkpoint write", saving, 0.0),
+  ]
+  killed = []
+  for what, cond, delay in moments:
+    p = subprocess.Popen(_default_job(dir_, steps), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not cond() and p.poll() is None and time.time() - t0 < 300:
+      time.sleep(0.02)
+    time.sleep(delay)
+    if p.poll() is None:
+      p.send_signal(signal.SIGKILL)
+      killed.append(what)
+    p.wait()
+  assert "SFT" in killed and "rollout/update" in killed, killed
+  out = subprocess.run(_default_job(dir_, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  ref = metrics.read_jsonl(str(ref_dir / "metrics.jsonl"))
+  got = metrics.read_jsonl(str(dir_ / "metrics.jsonl"))
+  assert sorted(got) == sorted(ref) == list(range(steps + 1))
+  for step in range(steps + 1):
+    for k, v in ref[step].items():
+      if k.startswith(("timing_s/", "perf/")):
+        continue
+      assert got[step][k] == pytest.approx(v, rel=1e-6, abs=1e-7), (step, k, killed)

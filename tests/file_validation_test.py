@@ -1,0 +1,165 @@
+"""Every file we read is checked first: safetensors, sharded indexes, GGUF, tokenizer directories."""
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from configs import common
+from dapo_jax import from_config, gguf, hf, model, testing, tokenizer
+
+
+def small_model_dir(path, tok_dir=None):
+  cfg = testing.tiny_model_config(vocab_size=128)
+  import jax
+  params = jax.device_get(model.init_params(cfg, jax.random.key(0)))
+  hf.save(str(path), cfg, params)
+  if tok_dir:
+    for f in os.listdir(tok_dir):
+      shutil.copy(os.path.join(tok_dir, f), path)
+  return cfg, params
+
+
+def write_raw(path, header, data=b"", header_len=None):
+  raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
+
+
+@pytest.mark.parametrize("header,data,header_len,message", [
+    (b"", b"", None, r"0 bytes, too short for a safetensors file"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"", 10**9,
+     r"header length 1000000000 does not fit in the file's"),
+    (b"{not json", b"", None, r"header is not valid JSON"),
+    (b"[1, 2]", b"", None, r"header is a JSON list, expected an object"),
+    ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, None, r"tensor 'w': header entry needs dtype"),
+    ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None,
+     r"shape \[-2\] is not a list of non-negative integers"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None,
+     r"data_offsets \[8, 0\] is not \[begin, end\]"),
+    ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, None,
+     r"tensor 'w': data ends at byte 16, past the 8 data bytes of the file \(truncated\?\)"),
+    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None,
+     r"shape \[3\] of F32 needs 12 bytes, but data_offsets \[0, 8\] span 8"),
+])
+def test_malformed_safetensors_named_in_one_line(tmp_path, header, data, header_len, message):
+  path = str(tmp_path / "x.safetensors")
+  if header == b"":
+    open(path, "wb").close()
+  else:
+    write_raw(path, header, data, header_len)
+  with pytest.raises(hf.CheckpointError, match=message) as e:
+    hf.read_safetensors(path)
+  assert str(e.value).startswith(path) and "\n" not in str(e.value)
+
+
+def test_valid_safetensors_round_trip(tmp_path):
+  path = str(tmp_path / "ok.safetensors")
+  ts = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros((0, 4), np.int32)}
+  hf.write_safetensors(path, ts)
+  got = hf.read_safetensors(path)
+  np.testing.assert_array_equal(got["a"], ts["a"])
+  assert got["b"].shape == (0, 4)
+
+
+def test_truncated_model_file_names_the_file(tmp_path):
+  small_model_dir(tmp_path)
+  path = tmp_path / "model.safetensors"
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) * 2 // 3)
+  with pytest.raises(hf.CheckpointError, match=rf"{path}: tensor '.*': data ends at byte \d+, past the"):
+    hf.load(str(tmp_path))
+
+
+def test_sharded_index_is_checked(tmp_path):
+  cfg, params = small_model_dir(tmp_path)
+  tensors = hf.read_safetensors(str(tmp_path / "model.safetensors"))
+  names = sorted(tensors)
+  half = len(names) // 2
+  os.remove(tmp_path / "model.safetensors")
+  hf.write_safetensors(str(tmp_path / "a.safetensors"), {n: np.array(tensors[n]) for n in names[:half]})
+  hf.write_safetensors(str(tmp_path / "b.safetensors"), {n: np.array(tensors[n]) for n in names[half:]})
+  index = tmp_path / "model.safetensors.index.json"
+  good = {n: ("a.safetensors" if i < half else "b.safetensors") for i, n in enumerate(names)}
+  index.write_text(json.dumps({"weight_map": good}))
+  _, loaded = hf.load(str(tmp_path))
+  np.testing.assert_array_equal(np.asarray(loaded["embed_VD"]), np.asarray(params["embed_VD"]))
+  for wm, message in [
+      (dict(good, **{names[0]: "c.safetensors"}), r"lists 'c.safetensors', which is not in"),
+      (dict(good, **{names[0]: "b.safetensors"}), rf"tensor '{names[0]}' is mapped to 'b.safetensors', which "
+                                                  "does not hold it"),
+      (dict(good, **{names[0]: "../x.safetensors"}), r"weight_map names '../x.safetensors'"),
+      ({}, r"field 'weight_map' must map tensor names to file names")]:
+    index.write_text(json.dumps({"weight_map": wm}))
+    with pytest.raises(hf.CheckpointError, match=message):
+      hf.load(str(tmp_path))
+  index.write_text("{broken")
+  with pytest.raises(hf.CheckpointError, match=rf"{index}: not a JSON object"):
+    hf.load(str(tmp_path))
+
+
+def test_config_json_of_the_wrong_kind(tmp_path):
+  small_model_dir(tmp_path)
+  cfg = json.load(open(tmp_path / "config.json"))
+  (tmp_path / "config.json").write_text(json.dumps([cfg]))
+  with pytest.raises(hf.CheckpointError, match=r"config.json: a JSON list, expected an object"):
+    hf.load(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps(dict(cfg, num_key_value_heads=3)))
+  with pytest.raises(hf.CheckpointError, match=r"config.json: num_heads=4 must be a multiple of num_kv_heads=3"):
+    hf.load(str(tmp_path))
+
+
+def test_gguf_files_are_checked(tmp_path):
+  pytest.importorskip("gguf")
+  for content, message in [(b"", r"empty"), (b"GGUF\x03\0\0\0", r"truncated"), (b"NOTGGUF" + b"\0" * 40,
+                                                                                  r"not a GGUF file")]:
+    path = tmp_path / "x.gguf"
+    path.write_bytes(content)
+    with pytest.raises(gguf.GGUFError, match=message) as e:
+      gguf.load(str(path))
+    assert str(path) in str(e.value)
+  path.write_bytes(b"GGUF" + struct.pack("<I", 99) + b"\0" * 16)
+  with pytest.raises(gguf.GGUFError, match=r"GGUF version 99"):
+    gguf.load(str(path))
+
+
+def test_tokenizer_directory_without_vocabulary(tmp_path, tiny_tokenizer_dir):
+  small_model_dir(tmp_path)  # A model directory with no tokenizer files.
+  with pytest.raises(tokenizer.TokenizerError, match=r"has no vocabulary: expected tokenizer.json"):
+    tokenizer.load(str(tmp_path))
+  shutil.copytree(tiny_tokenizer_dir, tmp_path / "tok")
+  (tmp_path / "tok" / "tokenizer.json").write_text("{\"truncated")
+  with pytest.raises(tokenizer.TokenizerError, match=r"tokenizer.json: not valid JSON"):
+    tokenizer.load(str(tmp_path / "tok"))
+
+
+def test_tokenizer_larger_than_embedding_is_named(tmp_path, tiny_tokenizer_dir):
+  tok = tokenizer.load(tiny_tokenizer_dir)
+  small_model_dir(tmp_path / "m", tiny_tokenizer_dir)
+  c = common.base()
+  c.model.update(init="hf", hf_dir=str(tmp_path / "m"))
+  with pytest.raises(tokenizer.TokenizerError, match=rf"has {len(tok)} tokens, more than the 128 embedding rows "
+                                                     rf"of the model \({tmp_path}/m/config.json\)"):
+    from_config.initial_model(c, str(tmp_path), tok, None, [])
+  c.model.update(init="random", vocab_size=64)
+  with pytest.raises(tokenizer.TokenizerError, match=r"more than the 64 embedding rows of the model "
+                                                     r"\(model.vocab_size=64\)"):
+    from_config.initial_model(c, str(tmp_path), tok, None, [])
+
+
+def test_file_task_trains_its_tokenizer_on_the_file(tmp_path):
+  rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"Find x if x - {i} = 7."}],
+           "reward_model": {"ground_truth": str(i + 7), "style": "rule"}} for i in range(60)]
+  path = tmp_path / "train.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  c = common.base()
+  c.data.update(task="file", train_files=(str(path),))
+  c.tokenizer.vocab_size = 300
+  train, _ = from_config.datasets(c)
+  tok = from_config.tokenizer(c, str(tmp_path / "work"), train)
+  text = "Find x if x - 12 = 7."
+  ids = tok(text, add_special_tokens=False)["input_ids"]
+  assert 1 < len(ids) < len(text) and tok.decode(ids) == text  # Merges learnt from the file's text.
+  assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
