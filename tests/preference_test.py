@@ -87,7 +87,7 @@ def test_pair_batch_layout(tiny_tokenizer_dir):
   tok = tokenizer_lib.load(tiny_tokenizer_dir)
   pairs = [preference.PreferencePair(tuple(USER), "Answer: 5", "Answer: 6 because 2+3 is 6"),
            preference.PreferencePair(({"role": "user", "content": "Hi there, what is 10+10?"},), "20", "21")]
-  P, C = 40, 12
+  P, C = 40, 24
   b = preference.pair_batch(tok, pairs, P, C)
   assert b.tokens_BT.shape == (4, P + C) and b.num_pairs == 2
   for row, pair, text in [(0, 0, "Answer: 5"), (2, 0, "Answer: 6 because 2+3 is 6"), (1, 1, "20"), (3, 1, "21")]:
