@@ -78,6 +78,17 @@ def load_conversations(path: str) -> list[Conversation]:
   return [parse_row(row, path, i) for i, row in enumerate(rows)]
 
 
+def split_heldout(convs: Sequence[Conversation], fraction: float) -> tuple[list[Conversation], list[Conversation]]:
+  """(train, held-out) by a hash of each conversation's turns before the first assistant reply, so a
+  prompt never lands on both sides (`data.in_heldout`, the rule of the arithmetic task)."""
+  train, held = [], []
+  for c in convs:
+    k = next((j for j, m in enumerate(c.messages) if m["role"] == "assistant"), len(c.messages))
+    key = "\n".join(m["content"] for m in c.messages[:k])
+    (held if data_lib.in_heldout(key, fraction) else train).append(c)
+  return train, held
+
+
 # --- tokens -------------------------------------------------------------------------------------
 
 def _chat_prefix(tok, messages, generation_prompt: bool) -> str:

@@ -55,6 +55,14 @@ def test_bad_rows_name_file_and_row(tmp_path, row, needle):
     conv_lib.load_conversations(path)
 
 
+def test_heldout_split_keeps_prompts_on_one_side():
+  convs = [conv_lib.Conversation(({"role": "user", "content": f"q{i % 50}"}, {"role": "assistant", "content": str(i)}))
+           for i in range(400)]
+  train, held = conv_lib.split_heldout(convs, 0.2)
+  assert len(train) + len(held) == 400 and 0.05 < len(held) / 400 < 0.4
+  assert not {c.messages[0]["content"] for c in train} & {c.messages[0]["content"] for c in held}
+
+
 def test_loss_mask_covers_assistant_turns_and_their_end_token(tok):
   doc = conv_lib.encode(tok, conv_lib.Conversation(tuple(CHAT)), chat_template=True)
   # The ids are the template's rendering of the whole chat.
