@@ -1,11 +1,17 @@
-"""Group-relative advantages (paper Eq. 9), the dynamic-sampling keep mask (Eq. 11) and the pure
-host functions that turn scored groups into a train batch (`fill_batch`, `to_train_batch`). NumPy.
+"""Advantages and the train batch of a rollout step.
+
+Group-relative advantages (paper Eq. 9), the dynamic-sampling keep mask (Eq. 11) and the pure host
+functions that turn scored groups into a train batch (`fill_batch`, `to_train_batch`) are NumPy.
+The RLHF estimators at the end (GAE, RLOO, REINFORCE++, the KL-shaped reward) are jnp, so they also
+run jitted.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dapo_jax.datatypes import Groups, RLBatch
@@ -143,3 +149,119 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
                   adv_B=adv_QG.reshape(-1).astype(np.float32),
                   ref_logp_BC=np.zeros(cmask_BC.shape, np.float32))
   return batch, adv_QG[real_Q]
+
+
+# --- RLHF estimators (verl's semantics: verl/trainer/ppo/core_algos.py) ---------------------------
+
+def masked_whiten(x_BC, mask_BC, shift_mean: bool = True) -> jax.Array:
+  """(x - mean) / sqrt(var + 1e-8) over the masked entries; var unbiased (n-1), as verl and TRL.
+
+  Entries outside the mask are transformed too (callers multiply by the mask when it matters).
+  """
+  x = jnp.asarray(x_BC, jnp.float32)
+  m = jnp.asarray(mask_BC, jnp.float32)
+  n = jnp.sum(m)
+  mean = jnp.sum(x * m) / jnp.maximum(n, 1.0)
+  # verl raises on n <= 1; under jit a single token gets the biased variance instead of a crash.
+  var = jnp.sum(jnp.square(x - mean) * m) / jnp.maximum(n - 1.0, 1.0)
+  out = (x - mean) * jax.lax.rsqrt(var + 1e-8)
+  return out if shift_mean else out + mean
+
+
+def gae(token_rewards_BC, values_BC, mask_BC, gamma: float, lam: float) -> tuple[jax.Array, jax.Array]:
+  """Generalised Advantage Estimation (Schulman et al. 2016), as verl's compute_gae_advantage_return.
+
+  δ_t = r_t + γ·V_{t+1} - V_t,  A_t = δ_t + γλ·A_{t+1},  returns = A + V (before whitening);
+  masked positions carry V_{t+1} and A_{t+1} through unchanged, so a row's last real token
+  bootstraps from 0. Advantages are whitened over the mask and zero outside it.
+  """
+  r_CB = jnp.asarray(token_rewards_BC, jnp.float32).T
+  v_CB = jnp.asarray(values_BC, jnp.float32).T
+  m_CB = jnp.asarray(mask_BC, jnp.float32).T
+
+  def step(carry, xs):
+    next_v_B, next_a_B = carry
+    r_B, v_B, m_B = xs
+    a_B = r_B + gamma * next_v_B - v_B + gamma * lam * next_a_B
+    next_v_B = v_B * m_B + (1.0 - m_B) * next_v_B
+    next_a_B = a_B * m_B + (1.0 - m_B) * next_a_B
+    return (next_v_B, next_a_B), next_a_B
+
+  zeros_B = jnp.zeros(r_CB.shape[1], jnp.float32)
+  _, adv_CB = jax.lax.scan(step, (zeros_B, zeros_B), (r_CB, v_CB, m_CB), reverse=True)
+  adv_BC = adv_CB.T
+  returns_BC = adv_BC + v_CB.T
+  mask = jnp.asarray(mask_BC, jnp.float32)
+  return masked_whiten(adv_BC, mask) * mask, returns_BC
+
+
+def rloo(rewards_QG) -> np.ndarray:
+  """RLOO (Ahmadian et al. 2024): R_i minus the mean of the other G-1 responses to the same prompt.
+
+  Equals (R_i - mean_group)·G/(G-1); a group of one keeps its reward, as in verl.
+  """
+  r = np.asarray(rewards_QG, np.float64)
+  G = r.shape[1]
+  if G == 1:
+    return r.astype(np.float32)
+  return ((r - r.mean(axis=1, keepdims=True)) * G / (G - 1)).astype(np.float32)
+
+
+def reinforce_pp(token_rewards_BC, mask_BC, gamma: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """REINFORCE++ (Hu 2025), verl's outcome variant: discounted return-to-go per token, whitened
+  over the whole batch's masked tokens (no critic, no group baseline). Returns (advantages, returns).
+  """
+  r_CB = jnp.asarray(token_rewards_BC, jnp.float32).T
+  m_CB = jnp.asarray(mask_BC, jnp.float32).T
+
+  def step(running_B, xs):
+    r_B, m_B = xs
+    ret_B = r_B + gamma * running_B
+    return ret_B * m_B, ret_B  # The running return restarts after the end of a row.
+
+  _, ret_CB = jax.lax.scan(step, jnp.zeros(r_CB.shape[1], jnp.float32), (r_CB, m_CB), reverse=True)
+  returns_BC = ret_CB.T
+  mask = jnp.asarray(mask_BC, jnp.float32)
+  return masked_whiten(returns_BC, mask) * mask, returns_BC
+
+
+def kl_shaped_rewards(score_B, logp_BC, ref_logp_BC, mask_BC, beta: float) -> jax.Array:
+  """Per-token reward of PPO-RLHF (Ziegler et al. 2019; StackLLaMA / TRL): R(x, y) = r(x, y) - β·KL.
+
+  r_t = -β·(log π(y_t) - log π_ref(y_t)) on every real token, plus the task score on the row's
+  last real token; zero outside the mask. A row without tokens gets no score.
+  """
+  mask = jnp.asarray(mask_BC, jnp.float32)
+  kl_BC = jnp.asarray(logp_BC, jnp.float32) - jnp.asarray(ref_logp_BC, jnp.float32)
+  C = mask.shape[1]
+  # Index of the last real token: the largest masked position (masks need not be contiguous).
+  last_B = jnp.max(jnp.where(mask > 0, jnp.arange(C)[None, :], -1), axis=1)
+  at_last_BC = (jnp.arange(C)[None, :] == last_B[:, None]).astype(jnp.float32)
+  score_B1 = jnp.asarray(score_B, jnp.float32)[:, None]
+  return (-beta * kl_BC) * mask + score_B1 * at_last_BC
+
+
+class FixedKLController:
+  """A constant KL coefficient β (the same interface as the adaptive one)."""
+
+  def __init__(self, kl_coef: float):
+    self.value = float(kl_coef)
+
+  def update(self, current_kl: float, n_steps: int) -> None:
+    del current_kl, n_steps
+
+
+class AdaptiveKLController:
+  """Adaptive KL coefficient (Ziegler et al. 2019, §2.2; TRL and verl):
+
+  e = clip(KL / target - 1, -0.2, 0.2);  β ← β·(1 + e·n_steps / horizon).
+  """
+
+  def __init__(self, init_kl_coef: float, target: float, horizon: float):
+    if target <= 0 or horizon <= 0:
+      raise ValueError(f"adaptive KL controller: target={target} and horizon={horizon} must be > 0")
+    self.value, self.target, self.horizon = float(init_kl_coef), float(target), float(horizon)
+
+  def update(self, current_kl: float, n_steps: int) -> None:
+    error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
+    self.value *= 1.0 + error * n_steps / self.horizon

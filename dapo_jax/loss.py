@@ -140,3 +140,79 @@ def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_hig
     metrics["kl_loss"] = kl
     loss = loss + kl_coef * kl
   return loss, metrics
+
+
+# --- RLHF losses: value (PPO critic), DPO, pairwise reward model -------------------------------
+
+def value_loss(values_BC, old_values_BC, returns_BC, mask_BC, clip_range: float, *, num_tokens=None):
+  """Clipped value loss of PPO (verl's compute_value_loss, TRL's PPO):
+
+  V_clip = clip(V, V_old - c, V_old + c);  L = 0.5 · token_mean(max((V - R)², (V_clip - R)²)).
+  Metrics: vf_loss, vf_clipfrac (tokens where the clipped error is the larger), vpred_mean, vf_explained_var.
+  """
+  values_BC = values_BC.astype(jnp.float32)
+  old_BC = jax.lax.stop_gradient(old_values_BC).astype(jnp.float32)
+  ret_BC = jax.lax.stop_gradient(returns_BC).astype(jnp.float32)
+  clipped_BC = jnp.clip(values_BC, old_BC - clip_range, old_BC + clip_range)
+  l1_BC = jnp.square(values_BC - ret_BC)
+  l2_BC = jnp.square(clipped_BC - ret_BC)
+  loss = 0.5 * masked_mean(jnp.maximum(l1_BC, l2_BC), mask_BC, num_tokens)
+  tok_mean = lambda x: masked_mean(jax.lax.stop_gradient(x).astype(jnp.float32), mask_BC, num_tokens)
+  err_var = tok_mean(jnp.square(ret_BC - values_BC)) - jnp.square(tok_mean(ret_BC - values_BC))
+  ret_var = tok_mean(jnp.square(ret_BC)) - jnp.square(tok_mean(ret_BC))
+  metrics = {
+      "vf_loss": loss,
+      "vf_clipfrac": tok_mean(l2_BC > l1_BC),
+      "vpred_mean": tok_mean(values_BC),
+      "vf_explained_var": 1.0 - err_var / (ret_var + 1e-8),
+  }
+  return loss, metrics
+
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+def dpo_loss(chosen_logp_B, rejected_logp_B, ref_chosen_logp_B, ref_rejected_logp_B, beta: float,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+  """Direct Preference Optimisation (Rafailov et al. 2023; TRL's DPOTrainer formulas).
+
+  h = (log π(y_c) - log π(y_r)) - (log π_ref(y_c) - log π_ref(y_r))
+  sigmoid: -(1-ε)·log σ(β·h) - ε·log σ(-β·h)   (ε = label_smoothing, the conservative DPO)
+  ipo:     (h - 1/(2β))²   (Azar et al. 2023; pass length-averaged log-probs, as TRL does)
+  The log-probs are sums over response tokens. Metrics: the implicit rewards β·(log π - log π_ref).
+  """
+  if loss_type not in DPO_LOSS_TYPES:
+    raise ValueError(f"dpo loss_type {loss_type!r}; expected one of {DPO_LOSS_TYPES}")
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  chosen, rejected = f32(chosen_logp_B), f32(rejected_logp_B)
+  ref_chosen, ref_rejected = jax.lax.stop_gradient(f32(ref_chosen_logp_B)), jax.lax.stop_gradient(
+      f32(ref_rejected_logp_B))
+  h_B = (chosen - rejected) - (ref_chosen - ref_rejected)
+  if loss_type == "sigmoid":
+    loss_B = (-(1.0 - label_smoothing) * jax.nn.log_sigmoid(beta * h_B)
+              - label_smoothing * jax.nn.log_sigmoid(-beta * h_B))
+  else:
+    loss_B = jnp.square(h_B - 1.0 / (2.0 * beta))
+  chosen_r_B = jax.lax.stop_gradient(beta * (chosen - ref_chosen))
+  rejected_r_B = jax.lax.stop_gradient(beta * (rejected - ref_rejected))
+  metrics = {
+      "rewards/chosen": jnp.mean(chosen_r_B),
+      "rewards/rejected": jnp.mean(rejected_r_B),
+      "rewards/accuracies": jnp.mean((chosen_r_B > rejected_r_B).astype(jnp.float32)),
+      "rewards/margins": jnp.mean(chosen_r_B - rejected_r_B),
+  }
+  return jnp.mean(loss_B), metrics
+
+
+def pairwise_rm_loss(chosen_r_B, rejected_r_B, margin_B=None):
+  """Reward-model loss on preference pairs (Ouyang et al. 2022; TRL's RewardTrainer):
+
+  L = mean(-log σ(r(x, y_c) - r(x, y_r) - m)), with an optional per-pair margin m (Llama 2).
+  Metrics: accuracy (r_c > r_r) and the mean reward margin r_c - r_r.
+  """
+  diff_B = jnp.asarray(chosen_r_B, jnp.float32) - jnp.asarray(rejected_r_B, jnp.float32)
+  if margin_B is not None:
+    diff_B = diff_B - jnp.asarray(margin_B, jnp.float32)
+  raw_B = jax.lax.stop_gradient(jnp.asarray(chosen_r_B, jnp.float32) - jnp.asarray(rejected_r_B, jnp.float32))
+  loss = jnp.mean(-jax.nn.log_sigmoid(diff_B))
+  return loss, {"rm_loss": loss, "accuracy": jnp.mean((raw_B > 0).astype(jnp.float32)), "margin": jnp.mean(raw_B)}

@@ -187,3 +187,157 @@ class RewardPool:
           break
       todo = [i for i, r in enumerate(results) if r is None]
     return results  # type: ignore[return-value]
+
+
+# --- a reward model over HTTP, and weighted combinations ----------------------------------------
+
+class HTTPReward:
+  """Scores responses with a reward-model server (`launch.serve_rm`): `reward.fn=http://HOST:PORT`.
+
+  The same interface as `RewardPool`: call it with responses and ground truths (and the prompts, which
+  a reward model needs), get {"score", "acc", "pred"} dicts; acc is score > acc_threshold. A server
+  that is down, slow or answers garbage is retried `retries` times with backoff, then that chunk's
+  samples get `FAILURE`, counted in `errors` or `timeouts`: training never stops on it. 4xx replies
+  (bad token, bad request) are not retried.
+  """
+
+  def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2, token: str | None = None,
+               batch_size: int = 256, acc_threshold: float = 0.0, backoff_s: float = 0.5):
+    import os
+    if not url.startswith(("http://", "https://")):
+      raise RewardConfigError(f"reward server {url!r} must be an http:// or https:// URL")
+    self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/score") else "/score")
+    self.timeout_s, self.retries, self.batch_size = timeout_s, retries, batch_size
+    self.acc_threshold, self.backoff_s = acc_threshold, backoff_s
+    self.token = token or os.environ.get("DAPO_RM_TOKEN") or None
+    self.errors = self.timeouts = 0
+
+  def close(self) -> None:
+    pass
+
+  def _post(self, prompts: list[str], responses: list[str]) -> list[float]:
+    import json
+    import math
+    import urllib.request
+    body = json.dumps({"prompts": prompts, "responses": responses}).encode()
+    headers = {"Content-Type": "application/json"}
+    if self.token:
+      headers["Authorization"] = f"Bearer {self.token}"
+    req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+      reply = json.loads(resp.read())
+    scores = reply.get("scores") if isinstance(reply, dict) else None
+    if not isinstance(scores, list) or len(scores) != len(responses):
+      raise ValueError(f"malformed reply: expected {len(responses)} scores, got {str(reply)[:200]!r}")
+    out = []
+    for s in scores:
+      if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+        raise ValueError(f"malformed reply: score {s!r} is not a finite number")
+      out.append(float(s))
+    return out
+
+  def _chunk(self, prompts: list[str], responses: list[str], first: int) -> list[dict]:
+    import socket
+    import urllib.error
+    for attempt in range(self.retries + 1):
+      try:
+        scores = self._post(prompts, responses)
+        return [{"score": s, "acc": s > self.acc_threshold, "pred": f"{s:.4g}"} for s in scores]
+      except Exception as e:  # Down, slow, garbage: retried, then counted.
+        timed_out = isinstance(e, (TimeoutError, socket.timeout)) or (
+            isinstance(e, urllib.error.URLError) and isinstance(e.reason, (TimeoutError, socket.timeout)))
+        client_error = isinstance(e, urllib.error.HTTPError) and 400 <= e.code < 500
+        if attempt == self.retries or client_error:
+          if timed_out:
+            self.timeouts += len(responses)
+          else:
+            self.errors += len(responses)
+          logging.warning("reward server %s failed on samples %d..%d after %d attempts: %s: %s", self.url, first,
+                          first + len(responses) - 1, attempt + 1, type(e).__name__, e)
+          return [dict(FAILURE) for _ in responses]
+        time.sleep(self.backoff_s * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+  def __call__(self, responses: Sequence[str], ground_truths: Sequence[str],
+               prompts: Sequence[str] | None = None) -> list[dict]:
+    del ground_truths  # A reward model judges the response against the prompt alone.
+    prompts = list(prompts) if prompts is not None else [""] * len(responses)
+    if len(prompts) != len(responses):
+      raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+    out: list[dict] = []
+    for i in range(0, len(responses), self.batch_size):
+      out += self._chunk(prompts[i:i + self.batch_size], list(responses[i:i + self.batch_size]), i)
+    return out
+
+
+def combine(parts: Sequence[Sequence[dict]], weights: Sequence[float], acc_from: int = 0) -> list[dict]:
+  """Weighted sum of several rewards' results for the same samples: score = Σ_k w_k·score_k.
+
+  acc and pred come from part `acc_from` (e.g. the rule check, when an RM score is mixed in).
+  """
+  if len(parts) != len(weights) or not parts:
+    raise ValueError(f"{len(parts)} reward results for {len(weights)} weights")
+  if len({len(p) for p in parts}) != 1:
+    raise ValueError(f"reward results of different lengths: {[len(p) for p in parts]}")
+  out = []
+  for i in range(len(parts[0])):
+    ref = parts[acc_from][i]
+    out.append({"score": float(sum(w * p[i]["score"] for w, p in zip(weights, parts))),
+                "acc": bool(ref["acc"]), "pred": str(ref.get("pred", ""))})
+  return out
+
+
+def parse_weighted(items: Sequence[str]) -> list[tuple[str, float]]:
+  """`reward.fns` entries, "SPEC" or "WEIGHT*SPEC" (e.g. "0.5*http://127.0.0.1:8000") -> (spec, weight)."""
+  out = []
+  for item in items:
+    head, sep, tail = item.partition("*")
+    if sep:
+      try:
+        out.append((tail.strip(), float(head)))
+      except ValueError:
+        raise RewardConfigError(f"reward.fns entry {item!r}: expected WEIGHT*SPEC with a number WEIGHT") from None
+    else:
+      out.append((item.strip(), 1.0))
+  if not out:
+    raise RewardConfigError("reward.fns is empty")
+  return out
+
+
+def make_reward(spec: str, timeout_s: float = 10.0, workers: int = 2, **http_kw):
+  """One reward from its spec: an http(s):// URL is a reward server, anything else a function path."""
+  if spec.startswith(("http://", "https://")):
+    return HTTPReward(spec, timeout_s=timeout_s, **http_kw)
+  return RewardPool(spec, timeout_s, workers)
+
+
+class CombinedReward:
+  """Several rewards scored on the same samples and combined by `combine` (`reward.fns` with weights).
+
+  acc comes from the first rule reward (a function path) when there is one, else from the first part;
+  errors and timeouts are the sums of the parts'.
+  """
+
+  def __init__(self, fns: Sequence[tuple[str, float]], timeout_s: float = 10.0, workers: int = 2, **http_kw):
+    self.parts = [make_reward(spec, timeout_s, workers, **http_kw) for spec, _ in fns]
+    self.weights = [w for _, w in fns]
+    rules = [k for k, p in enumerate(self.parts) if not isinstance(p, HTTPReward)]
+    self.acc_from = rules[0] if rules else 0
+
+  @property
+  def errors(self) -> int:
+    return sum(p.errors for p in self.parts)
+
+  @property
+  def timeouts(self) -> int:
+    return sum(p.timeouts for p in self.parts)
+
+  def close(self) -> None:
+    for p in self.parts:
+      p.close()
+
+  def __call__(self, responses: Sequence[str], ground_truths: Sequence[str],
+               prompts: Sequence[str] | None = None) -> list[dict]:
+    results = [p(responses, ground_truths, prompts) if isinstance(p, HTTPReward) else p(responses, ground_truths)
+               for p in self.parts]
+    return combine(results, self.weights, self.acc_from)

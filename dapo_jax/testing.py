@@ -65,3 +65,18 @@ def nan_reward(response: str, ground_truth: str) -> dict:
   """Mixed correctness but a NaN score: every update it feeds is non-finite."""
   ok = len(response) % 2 == 0
   return {"score": float("nan"), "acc": ok, "pred": ""}
+
+
+def arith_rm(model_dir=None):
+  """A stand-in reward model for server tests: +1 when the response's answer is the sum in the prompt."""
+  import re
+
+  from dapo_jax import rewards
+
+  def score_fn(prompts, responses):
+    out = []
+    for p, r in zip(prompts, responses):
+      m = re.search(r"What is (\d+)\+(\d+)\?", p)
+      out.append(rewards.math_dapo(r, str(int(m[1]) + int(m[2])))["score"] if m else 0.0)
+    return out
+  return score_fn

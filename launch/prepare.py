@@ -5,6 +5,9 @@
   python -m launch.prepare gguf --gguf=/path/model.gguf --out=DIR
 The directory is a standard HF one (config.json, model.safetensors, tokenizer): use it with
 --config.model.init=hf --config.model.hf_dir=DIR, or load it in transformers.
+
+  python -m launch.prepare arith_pairs --out=runs/pairs/train.jsonl --num=2000 [--split=heldout]
+writes preference pairs of the built-in arithmetic task in TRL's schema (prompt / chosen / rejected).
 """
 from absl import flags
 
@@ -12,12 +15,23 @@ from launch import common
 
 _OUT = flags.DEFINE_string("out", None, "Output model directory.", required=True)
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (for `gguf`).")
+_NUM = flags.DEFINE_integer("num", 2000, "Number of pairs (for `arith_pairs`).")
+_SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"], "Problem split (for `arith_pairs`).")
+_DIGITS = flags.DEFINE_integer("digits", 2, "Digits per operand (for `arith_pairs`).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed (for `arith_pairs`).")
 
 
 def main(argv):
+  if len(argv) != 2 or argv[1] not in ("smollm2", "gguf", "arith_pairs"):
+    raise SystemExit("usage: python -m launch.prepare smollm2|gguf|arith_pairs --out=DIR|FILE [--gguf=FILE] "
+                     "[--num=N --split=train|heldout --digits=D --seed=S]")
+  if argv[1] == "arith_pairs":
+    from dapo_jax import preference
+    rows = preference.arith_pair_rows(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value)
+    preference.write_jsonl(rows, _OUT.value)
+    print(f"wrote {len(rows)} {_SPLIT.value} preference pairs to {_OUT.value}")
+    return
   from dapo_jax import gguf
-  if len(argv) != 2 or argv[1] not in ("smollm2", "gguf"):
-    raise SystemExit("usage: python -m launch.prepare smollm2|gguf --out=DIR [--gguf=FILE]")
   path = gguf.smollm2_path() if argv[1] == "smollm2" else _GGUF.value
   if not path:
     raise SystemExit("--gguf=FILE is required for `gguf`")

@@ -1,0 +1,188 @@
+"""Preference pairs: TRL's schema, pairs made from the arithmetic task, tokenised pair batches.
+
+Row schema (jsonl or parquet; TRL's preference format, standard or conversational):
+  {"prompt": str | messages, "chosen": str | messages, "rejected": str | messages}
+  {"chosen": messages, "rejected": messages}   # implicit prompt: the turns both share
+A response given as messages is one assistant turn. Extra fields are kept only as `ground_truth`
+(when present) for rule-checked evaluation. Host-side NumPy; no jax.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from dapo_jax import data as data_lib
+from dapo_jax import tokenizer as tokenizer_lib
+from dapo_jax.data import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferencePair:
+  prompt: tuple[dict, ...]       # the chat, ending with the user turn
+  chosen: str                    # the preferred response
+  rejected: str                  # the other one
+  index: int = 0                 # row number in its file
+  ground_truth: str | None = None
+
+
+# --- rows ---------------------------------------------------------------------------------------
+
+def _is_messages(v) -> bool:
+  return (isinstance(v, (list, tuple)) and bool(v)
+          and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in v))
+
+
+def _turns(v) -> tuple[dict, ...]:
+  return tuple({"role": m.get("role") or "user", "content": m["content"]} for m in v)
+
+
+def _response(turns: tuple[dict, ...], field: str, path: str, i: int) -> str:
+  if len(turns) != 1:
+    raise DataError(f"{path}: row {i}: field {field!r} has {len(turns)} turns after the prompt; "
+                    "a response must be one assistant turn")
+  return turns[0]["content"]
+
+
+def parse_row(row: dict, path: str, i: int) -> PreferencePair:
+  """One row in TRL's preference schema -> PreferencePair; a missing or malformed field names the row."""
+  if not isinstance(row, dict):
+    raise DataError(f"{path}: row {i}: expected an object, got {type(row).__name__}")
+  for field in ("chosen", "rejected"):
+    v = row.get(field)
+    if v is None or (isinstance(v, str) and not v.strip()):
+      raise DataError(f"{path}: row {i}: no field {field!r} (preference rows need 'chosen' and 'rejected')")
+    if not isinstance(v, str) and not _is_messages(v):
+      raise DataError(f"{path}: row {i}: field {field!r} must be a string or a list of {{'role', 'content'}} "
+                      f"messages, got {type(v).__name__}")
+  chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+  if prompt is None:
+    # Implicit prompt: both conversations start with the same turns; the prompt is what they share.
+    if isinstance(chosen, str) or isinstance(rejected, str):
+      raise DataError(f"{path}: row {i}: no field 'prompt' (needed when 'chosen' and 'rejected' are strings)")
+    c, r = _turns(chosen), _turns(rejected)
+    n = 0
+    while n < min(len(c), len(r)) - 1 and c[n] == r[n]:
+      n += 1
+    if n == 0:
+      raise DataError(f"{path}: row {i}: no field 'prompt', and 'chosen' and 'rejected' share no prompt turns")
+    prompt_turns, c, r = c[:n], c[n:], r[n:]
+  else:
+    if isinstance(prompt, str):
+      prompt_turns = ({"role": "user", "content": prompt},)
+    elif _is_messages(prompt):
+      prompt_turns = _turns(prompt)
+    else:
+      raise DataError(f"{path}: row {i}: field 'prompt' must be a string or a non-empty list of "
+                      f"{{'role', 'content'}} messages, got {type(prompt).__name__}")
+    c = ({"content": chosen},) if isinstance(chosen, str) else _turns(chosen)
+    r = ({"content": rejected},) if isinstance(rejected, str) else _turns(rejected)
+  gt = row.get("ground_truth")
+  return PreferencePair(prompt_turns, _response(c, "chosen", path, i), _response(r, "rejected", path, i), i,
+                        None if gt is None else str(gt))
+
+
+def load_pairs(path: str) -> list[PreferencePair]:
+  """Every preference pair of a jsonl/parquet file; a bad row fails naming the file and row."""
+  rows = data_lib._read_rows(path)
+  if not rows:
+    raise DataError(f"dataset file {path!r} has no rows")
+  return [parse_row(row, path, i) for i, row in enumerate(rows)]
+
+
+# --- pairs from the arithmetic task -------------------------------------------------------------
+
+ERROR_KINDS = ("carry", "digit")
+
+
+def _operands(ex: data_lib.Example) -> tuple[str, str] | None:
+  expr = ex.messages[-1]["content"].split("What is ")[1].split("?")[0]
+  return tuple(expr.split("+")) if "+" in expr else None  # type: ignore[return-value]
+
+
+def wrong_solution(ex: data_lib.Example, kind: str, rng: np.random.Generator,
+                   style: str = "steps") -> tuple[str, str]:
+  """A plausible wrong worked answer and its error kind.
+
+  "carry": every carry is forgotten (each column writes its last digit, the leftmost its whole sum),
+  so steps and answer agree and are both wrong; "digit": the steps are right but one digit of the
+  final answer is changed (usually the last). A sum with no carry to forget gets a digit error.
+  """
+  if kind not in ERROR_KINDS:
+    raise ValueError(f"error kind {kind!r}; expected one of {ERROR_KINDS}")
+  operands = _operands(ex)
+  right = data_lib.arith_solution(ex, style)
+  if kind == "carry" and operands and style == "steps":
+    da, db = operands[0][::-1], operands[1][::-1]
+    cols = [(int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0)
+            for i in range(max(len(da), len(db)))]
+    if any(x + y >= 10 for x, y in cols[:-1]):
+      steps = ", ".join(f"{x}+{y}={x + y}" for x, y in cols)
+      answer = str(sum(cols[-1])) + "".join(str((x + y) % 10) for x, y in reversed(cols[:-1]))
+      return steps + f". Answer: {int(answer)}", "carry"
+  gt = ex.ground_truth
+  pos = len(gt) - 1 if rng.random() < 0.75 else int(rng.integers(len(gt)))
+  choices = [d for d in "0123456789" if d != gt[pos] and not (pos == 0 and d == "0" and len(gt) > 1)]
+  wrong = gt[:pos] + choices[int(rng.integers(len(choices)))] + gt[pos + 1:]
+  return right[: right.rindex("Answer: ")] + f"Answer: {wrong}", "digit"
+
+
+def arith_pair_rows(n: int, *, split: str = "train", seed: int = 0, digits: int = 2, ops: str = "+",
+                    style: str = "steps", kinds: Sequence[str] = ERROR_KINDS) -> list[dict]:
+  """`n` preference rows in TRL's conversational schema from `data.arith_examples` (same split rule):
+  chosen = the correct worked answer, rejected = a wrong one (error kinds in turn)."""
+  rng = np.random.default_rng([seed, 7])
+  rows = []
+  for j, ex in enumerate(data_lib.arith_examples(n, split=split, seed=seed, digits=digits, ops=ops)):
+    rejected, kind = wrong_solution(ex, kinds[j % len(kinds)], rng, style)
+    rows.append({"prompt": [dict(m) for m in ex.messages],
+                 "chosen": [{"role": "assistant", "content": data_lib.arith_solution(ex, style)}],
+                 "rejected": [{"role": "assistant", "content": rejected}],
+                 "ground_truth": ex.ground_truth, "error": kind})
+  return rows
+
+
+def write_jsonl(rows: Sequence[dict], path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+
+
+# --- tokenised pair batches ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PairBatch:
+  """2N rows laid out like the RL batch, [left-padded prompt | right-padded response]: rows 0..N-1
+  are the chosen responses, N..2N-1 the rejected ones, to the same prompts."""
+  tokens_BT: np.ndarray        # int32 [2N, P+C]
+  mask_BT: np.ndarray          # bool: real prompt tokens and response tokens up to and including EOS
+  response_mask_BC: np.ndarray  # bool [2N, C]: response tokens (the log-prob / score positions)
+
+  @property
+  def num_pairs(self) -> int:
+    return self.tokens_BT.shape[0] // 2
+
+
+def pair_batch(tok, pairs: Sequence[PreferencePair], prompt_len: int, response_len: int,
+               chat_template: bool = True) -> PairBatch:
+  """Tokenises pairs as generation sees them: the rendered prompt, then the response and EOS.
+
+  Over-long prompts keep their last `prompt_len` tokens; over-long responses their first
+  `response_len` (the EOS is then lost, as for a completion that hit the budget).
+  """
+  texts = [tokenizer_lib.render(tok, p.prompt, chat_template) for p in pairs]
+  prompt_NP, prompt_mask_NP = tokenizer_lib.encode_left_padded(tok, texts, prompt_len)
+  responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+  ids = tok(responses, add_special_tokens=False)["input_ids"]
+  resp_BC = np.full((len(ids), response_len), tok.pad_token_id, np.int32)
+  resp_mask_BC = np.zeros((len(ids), response_len), bool)
+  for b, row in enumerate(ids):
+    row = (list(row) + [tok.eos_token_id])[:response_len]
+    resp_BC[b, :len(row)], resp_mask_BC[b, :len(row)] = row, True
+  tokens_BT = np.concatenate([np.concatenate([prompt_NP, prompt_NP]), resp_BC], axis=1)
+  mask_BT = np.concatenate([np.concatenate([prompt_mask_NP, prompt_mask_NP]), resp_mask_BC], axis=1)
+  return PairBatch(tokens_BT, mask_BT, resp_mask_BC)

@@ -1,0 +1,38 @@
+"""Serve a reward model over HTTP, for `reward.fn=http://HOST:PORT` in training runs on other hosts.
+
+  python -m launch.serve_rm --model_dir=runs/rm/rm_model --port=8000
+  DAPO_RM_TOKEN=secret python -m launch.serve_rm --model_dir=DIR --host=0.0.0.0 --port=8000
+POST /score {"prompts": [...], "responses": [...]} -> {"scores": [...]}; GET /health. Only 127.0.0.1
+is served without a token; requests then carry `Authorization: Bearer <token>`.
+"""
+from absl import flags
+
+from launch import common
+
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "Reward-model directory (passed to the scorer factory).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind; anything but localhost needs a token.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port (0: any free one; the URL is printed).")
+_TOKEN = flags.DEFINE_string("token", None, "Shared token (default: env DAPO_RM_TOKEN).")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Most responses scored in one model call.")
+_MAX_WAIT_MS = flags.DEFINE_float("max_wait_ms", 10.0, "How long a batch waits for more requests.")
+_SCORER = flags.DEFINE_string("scorer", "dapo_jax.rm:scorer",
+                              "'module:factory'; factory(model_dir) returns score_fn(prompts, responses).")
+
+
+def main(argv):
+  del argv
+  from dapo_jax import rm_server
+  score_fn = rm_server.load_scorer(_SCORER.value, _MODEL_DIR.value)
+  server = rm_server.RMServer(score_fn, _HOST.value, _PORT.value, _TOKEN.value, _MAX_BATCH.value,
+                              _MAX_WAIT_MS.value)
+  print(f"serving {_MODEL_DIR.value or _SCORER.value} on {server.url} (POST /score)", flush=True)
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.close()
+
+
+if __name__ == "__main__":
+  common.run(main)

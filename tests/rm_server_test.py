@@ -1,0 +1,226 @@
+"""The reward-model HTTP server and its client reward, with real servers on 127.0.0.1."""
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from dapo_jax import rewards, rm_server, testing
+
+PROMPTS = ["What is 12+30?", "What is 5+5?", "What is 1+1?"]
+RESPONSES = ["2+0=2, 1+3=4. Answer: 42", "Answer: 11", "Answer: 2"]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_scores_through_the_server():
+  with rm_server.RMServer(testing.arith_rm(), port=0) as server:
+    client = rewards.HTTPReward(server.url, timeout_s=10)
+    out = client(RESPONSES, ["", "", ""], prompts=PROMPTS)
+    assert [r["score"] for r in out] == [1.0, -1.0, 1.0]
+    assert [r["acc"] for r in out] == [True, False, True]
+    assert client.errors == client.timeouts == 0
+    with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+      assert json.loads(r.read()) == {"status": "ok"}
+    # Chunks of batch_size responses give the same scores.
+    assert rewards.HTTPReward(server.url, batch_size=2)(RESPONSES, [""] * 3, PROMPTS) == out
+
+
+def test_concurrent_requests_are_batched_into_one_model_call():
+  seen = []
+
+  def score_fn(prompts, responses):
+    seen.append(list(responses))
+    return [float(len(r)) for r in responses]
+
+  # The batch closes when max_batch responses are in (or after max_wait_ms, long here).
+  with rm_server.RMServer(score_fn, port=0, max_batch=10, max_wait_ms=10_000) as server:
+    results = {}
+
+    def call(k):
+      results[k] = rewards.HTTPReward(server.url, timeout_s=30)([f"r{k}", f"rr{k}"], ["", ""], ["p", "p"])
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(5)]
+    t0 = time.time()
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert time.time() - t0 < 9   # It did not wait for max_wait_ms.
+    assert server.batcher.calls == 1 and server.batcher.batch_sizes == [10]
+    assert sorted(seen[0]) == sorted([f"r{k}" for k in range(5)] + [f"rr{k}" for k in range(5)])
+    for k in range(5):  # Each request got its own scores back.
+      assert [r["score"] for r in results[k]] == [len(f"r{k}"), len(f"rr{k}")]
+
+
+def test_server_down_is_retried_counted_and_returns_failures():
+  client = rewards.HTTPReward(f"http://127.0.0.1:{free_port()}", timeout_s=2, retries=1, backoff_s=0.01)
+  out = client(RESPONSES, [""] * 3, PROMPTS)
+  assert out == [rewards.FAILURE] * 3
+  assert client.errors == 3 and client.timeouts == 0
+
+
+def test_slow_server_times_out_and_is_counted():
+  def slow(prompts, responses):
+    time.sleep(1.5)
+    return [1.0] * len(responses)
+
+  with rm_server.RMServer(slow, port=0, max_wait_ms=0) as server:
+    client = rewards.HTTPReward(server.url, timeout_s=0.3, retries=0)
+    t0 = time.time()
+    assert client(RESPONSES[:2], ["", ""], PROMPTS[:2]) == [rewards.FAILURE] * 2
+    assert time.time() - t0 < 1.4
+    assert client.timeouts == 2 and client.errors == 0
+
+
+class Garbage(http.server.BaseHTTPRequestHandler):
+  replies: list = []
+  hits = 0
+
+  def log_message(self, *a):
+    pass
+
+  def do_POST(self):
+    type(self).hits += 1
+    self.rfile.read(int(self.headers["Content-Length"]))
+    code, body = self.replies[0]
+    self.send_response(code)
+    self.send_header("Content-Length", str(len(body)))
+    self.end_headers()
+    self.wfile.write(body)
+
+
+@pytest.mark.parametrize("code, body", [
+    (200, b"not json"), (200, b'{"scores": [1.0]}'), (200, b'{"scores": [1.0, null]}'),
+    (200, b'{"scores": [1.0, "high"]}'), (200, b'[1, 2]'), (500, b'{"error": "boom"}'),
+])
+def test_malformed_replies_are_retried_and_counted(code, body):
+  Garbage.replies, Garbage.hits = [(code, body)], 0
+  httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+  threading.Thread(target=httpd.serve_forever, daemon=True).start()
+  try:
+    client = rewards.HTTPReward(f"http://127.0.0.1:{httpd.server_address[1]}", timeout_s=5, retries=2,
+                                backoff_s=0.01)
+    assert client(["a", "b"], ["", ""], ["p", "q"]) == [rewards.FAILURE] * 2
+    assert client.errors == 2 and client.timeouts == 0 and Garbage.hits == 3
+  finally:
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_scorer_failure_answers_500_and_the_server_lives_on():
+  calls = []
+
+  def flaky(prompts, responses):
+    calls.append(1)
+    if len(calls) == 1:
+      raise RuntimeError("model fell over")
+    return [0.5] * len(responses)
+
+  with rm_server.RMServer(flaky, port=0, max_wait_ms=0) as server:
+    client = rewards.HTTPReward(server.url, retries=0)
+    assert client(["a"], [""], ["p"]) == [rewards.FAILURE] and client.errors == 1
+    assert client(["a"], [""], ["p"])[0]["score"] == 0.5
+
+
+def post(url, body, headers=None):
+  req = urllib.request.Request(url + "/score", data=json.dumps(body).encode(),
+                               headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
+  try:
+    with urllib.request.urlopen(req, timeout=10) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_token_is_required_when_set(monkeypatch):
+  monkeypatch.delenv(rm_server.TOKEN_ENV, raising=False)
+  with rm_server.RMServer(testing.arith_rm(), port=0, token="s3cret") as server:
+    body = {"prompts": PROMPTS[:1], "responses": RESPONSES[:1]}
+    assert post(server.url, body)[0] == 401
+    assert post(server.url, body, {"Authorization": "Bearer wrong"})[0] == 401
+    assert post(server.url, body, {"Authorization": "Bearer s3cret"}) == (200, {"scores": [1.0]})
+    # The client: without the token, counted and not retried; with it (flag or env), scored.
+    client = rewards.HTTPReward(server.url, retries=3, backoff_s=5)
+    t0 = time.time()
+    assert client(RESPONSES[:1], [""], PROMPTS[:1]) == [rewards.FAILURE] and client.errors == 1
+    assert time.time() - t0 < 4
+    assert rewards.HTTPReward(server.url, token="s3cret")(RESPONSES[:1], [""], PROMPTS[:1])[0]["score"] == 1.0
+    monkeypatch.setenv(rm_server.TOKEN_ENV, "s3cret")
+    assert rewards.HTTPReward(server.url)(RESPONSES[:1], [""], PROMPTS[:1])[0]["score"] == 1.0
+
+
+def test_bad_requests_get_400():
+  with rm_server.RMServer(testing.arith_rm(), port=0) as server:
+    assert post(server.url, {"prompts": ["a"]})[0] == 400
+    assert post(server.url, {"prompts": ["a"], "responses": ["b", "c"]})[0] == 400
+    assert post(server.url, {"prompts": [1], "responses": ["b"]})[0] == 400
+    assert post(server.url, {"prompts": [], "responses": []}) == (200, {"scores": []})
+
+
+def test_non_local_bind_needs_a_token(monkeypatch):
+  monkeypatch.delenv(rm_server.TOKEN_ENV, raising=False)
+  with pytest.raises(rm_server.ServerConfigError, match="refusing to serve on '0.0.0.0' without a token"):
+    rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=0)
+  monkeypatch.setenv(rm_server.TOKEN_ENV, "t")
+  server = rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=0)
+  assert server.token == "t"
+  server.close()
+
+
+def test_launch_serve_rm_process_and_training_going_on_after_it_stops():
+  env = {**os.environ, "DAPO_RM_TOKEN": ""}
+  proc = subprocess.Popen([sys.executable, "-m", "launch.serve_rm", "--scorer=dapo_jax.testing:arith_rm",
+                           "--port=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    line = proc.stdout.readline()
+    assert " on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+    url = line.split(" on ")[1].split()[0]
+    client = rewards.HTTPReward(url, timeout_s=10, retries=1, backoff_s=0.01)
+    assert [r["score"] for r in client(RESPONSES, [""] * 3, PROMPTS)] == [1.0, -1.0, 1.0]
+  finally:
+    proc.kill()
+    proc.wait()
+  assert client(RESPONSES, [""] * 3, PROMPTS) == [rewards.FAILURE] * 3 and client.errors == 3
+  # A public address without a token is refused in one line.
+  res = subprocess.run([sys.executable, "-m", "launch.serve_rm", "--scorer=dapo_jax.testing:arith_rm",
+                        "--host=0.0.0.0", "--port=0"], capture_output=True, text=True, timeout=60, env=env)
+  assert res.returncode == 1 and res.stderr.strip().startswith("error: refusing to serve on '0.0.0.0'")
+
+
+def test_combine_and_weights():
+  rm = [{"score": 0.8, "acc": True, "pred": "0.8"}, {"score": -0.2, "acc": False, "pred": "-0.2"}]
+  rule = [{"score": -1.0, "acc": False, "pred": "7"}, {"score": 1.0, "acc": True, "pred": "9"}]
+  out = rewards.combine([rm, rule], [0.5, 2.0], acc_from=1)
+  assert out == [{"score": 0.4 - 2.0, "acc": False, "pred": "7"}, {"score": -0.1 + 2.0, "acc": True, "pred": "9"}]
+  with pytest.raises(ValueError, match="2 reward results for 1 weights"):
+    rewards.combine([rm, rule], [1.0])
+  assert rewards.parse_weighted(["0.5*http://127.0.0.1:8000", "dapo_jax.rewards:math_dapo"]) == [
+      ("http://127.0.0.1:8000", 0.5), ("dapo_jax.rewards:math_dapo", 1.0)]
+  with pytest.raises(rewards.RewardConfigError, match="WEIGHT"):
+    rewards.parse_weighted(["x*http://a"])
+
+
+def test_combined_reward_rm_plus_rule_check():
+  with rm_server.RMServer(testing.arith_rm(), port=0) as server:
+    combined = rewards.CombinedReward([(server.url, 0.5), ("dapo_jax.rewards:math_dapo", 1.0)], timeout_s=30,
+                                      workers=1)
+    try:
+      # The rule check's ground truths are wrong on purpose for sample 0, so the parts disagree.
+      out = combined(RESPONSES, ["41", "11", "2"], PROMPTS)
+    finally:
+      combined.close()
+    assert [r["score"] for r in out] == [0.5 - 1.0, -0.5 + 1.0, 0.5 + 1.0]
+    assert [r["acc"] for r in out] == [False, True, True]   # acc from the rule check
+    assert combined.errors == combined.timeouts == 0
