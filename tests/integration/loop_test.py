@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import loop, metrics
+from dapo_jax import from_config, loop, metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A toy reward with mixed correctness inside groups, so dynamic sampling keeps groups and the
@@ -50,7 +50,7 @@ def test_bad_reward_path_fails_at_start(tmp_path):
   cfg = tiny_cfg()
   cfg.reward.fn = "no_such_pkg.rewards:score"
   with pytest.raises(Exception, match="no_such_pkg"):
-    loop.DAPO(cfg, str(tmp_path))
+    from_config.dapo(cfg, str(tmp_path)).close()
 
 
 @pytest.mark.parametrize("field,value", [("num_microbatches", -1), ("num_microbatches", 3),
@@ -59,7 +59,7 @@ def test_bad_microbatching_is_named_at_start(tmp_path, field, value):
   cfg = tiny_cfg()
   cfg.train[field] = value
   with pytest.raises(ValueError, match=f"train.{field}={value}"):
-    loop.DAPO(cfg, str(tmp_path))
+    from_config.dapo(cfg, str(tmp_path)).close()
 
 
 def train_cmd(workdir, steps):

@@ -15,18 +15,16 @@ def main():
   import numpy as np
 
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import loop, metrics, sharding
+  from dapo_jax import from_config, metrics, sharding
 
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
   cfg.reward.fn = "dapo_jax.testing:length_reward"
   cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1)
   assert jax.device_count() == 2, jax.devices()
-  dapo = loop.DAPO(cfg, workdir)
-  dapo.run()
-  params = sharding.fetch(dapo.state.params)
-  dapo.reward_pool.close()
-  dapo.ckpt.close()
+  with from_config.dapo(cfg, workdir) as dapo:
+    dapo.run()
+    params = sharding.fetch(dapo.state.params)
   if jax.process_index() == 0:
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import from_config, optim, sampling, sharding, train_step
+from dapo_jax import from_config, objectives, optim, sampling, sharding, train_step
 from dapo_jax.datatypes import RLBatch
 
 mesh_name = sys.argv[1]
@@ -19,8 +19,8 @@ assert mesh.devices.size == 128, mesh
 
 def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
   G = cfg.rollout.group_size  # As the loop runs it: one prompt forward per group, one prefill per prompt.
-  pg = train_step.PGConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, group_size=G)
-  trainer = train_step.Trainer(mc, optim.OptimConfig(**cfg.optim), mesh, pg_cfg=pg,
+  pg = objectives.PGConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, group_size=G)
+  trainer = train_step.Trainer(mc, optim.OptimConfig(**cfg.optim), mesh, objectives.policy_gradient(mc, pg),
                                num_microbatches=cfg.train.num_microbatches)
   state = jax.eval_shape(lambda: train_step.TrainState.create(
       jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), trainer_param_shapes(mc)), trainer.tx))
@@ -32,7 +32,7 @@ def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
   batch = RLBatch(tokens_BT=sds((rows, T), jnp.int32), mask_BT=sds((rows, T), bool),
                   loss_mask_BC=sds((rows, C), bool), old_logp_BC=sds((rows, C), jnp.float32),
                   adv_B=sds((rows,), jnp.float32), ref_logp_BC=sds((rows, C), jnp.float32))
-  lowered = trainer.step.lower(state, batch)
+  lowered = trainer.lower_step(state, batch)
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(151643, 151645))
   prompt = jax.ShapeDtypeStruct((gen_rows // G, T_prompt), jnp.int32, sharding=bs)
   pmask = jax.ShapeDtypeStruct((gen_rows // G, T_prompt), bool, sharding=bs)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import checkpoint, loop
+from dapo_jax import checkpoint, from_config, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,11 +49,8 @@ def test_checkpoint_from_another_config_is_named(tmp_path):
   cfg = tiny_cfg(num_steps=2, eval_every=0)
   cfg.model.mlp_dim = 96
   with pytest.raises(checkpoint.CheckpointMismatchError, match=r"w_down_FD has shape \(2, 64, 32\).*\(2, 96, 32\)"):
-    dapo = loop.DAPO(cfg, workdir)
-    try:
+    with from_config.dapo(cfg, workdir) as dapo:
       dapo.restore()
-    finally:
-      dapo.reward_pool.close()
 
 
 def test_half_written_checkpoint_falls_back_to_the_last_intact_one(tmp_path, caplog):
@@ -66,8 +63,7 @@ def test_half_written_checkpoint_falls_back_to_the_last_intact_one(tmp_path, cap
       path = os.path.join(root, f)
       with open(path, "r+b") as fh:
         fh.truncate(os.path.getsize(path) // 2)
-  dapo = loop.DAPO(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
-  try:
+  with from_config.dapo(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir) as dapo:
     with caplog.at_level(logging.WARNING):
       assert dapo.restore() == 1
     assert f"checkpoint {step2}" in caplog.text and "falling back" in caplog.text
@@ -75,9 +71,6 @@ def test_half_written_checkpoint_falls_back_to_the_last_intact_one(tmp_path, cap
     _, state1, _ = ref.restore_latest(checkpoint.abstract(dapo.state, dapo.trainer.state_sharding))
     ref.close()
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), dapo.state, state1)
-  finally:
-    dapo.reward_pool.close()
-    dapo.ckpt.close()
 
 
 @pytest.mark.slow
