@@ -11,8 +11,7 @@ the paper's recipe (configs/dapo_qwen2_5_32b.py) on a 4B model. The HF directory
 Variants (`:arg`): mesh=gpu8 (one 8-GPU node) | mesh=gpu2x8 (2 nodes) | mesh=v5p32 (TPU v5p-32);
 runlocal shrinks everything to run on a laptop. Gemma 3 has 4 KV heads: tensor <= 4.
 """
-from configs import common
-from configs import dapo_qwen2_5_32b
+from configs import common, dapo_qwen2_5_32b
 
 MESHES = {
     "gpu8": dict(data=2, fsdp=1, tensor=4),

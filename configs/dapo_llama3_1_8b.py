@@ -10,8 +10,7 @@ r"""DAPO on DAPO-Math-17k with Llama-3.1-8B (rope scaling "llama3"): the paper's
 Variants (`:arg`): mesh=gpu8 (one 8-GPU node) | mesh=gpu4x8 (4 nodes) | mesh=v5p64 (TPU v5p-64);
 runlocal shrinks everything to run on a laptop.
 """
-from configs import common
-from configs import dapo_qwen2_5_32b
+from configs import common, dapo_qwen2_5_32b
 
 MESHES = {
     "gpu8": dict(data=1, fsdp=2, tensor=4),

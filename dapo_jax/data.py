@@ -36,7 +36,7 @@ class Example:
 
 # --- files -------------------------------------------------------------------------------------
 
-def _read_rows(path: str) -> list[dict]:
+def read_rows(path: str) -> list[dict]:
   if not os.path.exists(path):
     raise DataError(f"dataset file {path!r} does not exist")
   try:
@@ -89,7 +89,7 @@ def load_file(path: str, missing_answer: str = "error", prompt_template: str | N
 
   missing_answer: "error" fails naming the row; "skip" drops such rows and logs how many.
   """
-  rows = _read_rows(path)
+  rows = read_rows(path)
   if not rows:
     raise DataError(f"dataset file {path!r} has no rows")
   out, skipped = [], 0
@@ -226,7 +226,3 @@ class PromptIterator:
 
   def restore(self, state: dict) -> None:
     self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-  def __iter__(self) -> Iterator[Example]:
-    while True:
-      yield from self.next_batch(1)

@@ -20,8 +20,8 @@ import os
 
 import jax
 
-from dapo_jax import checkpoint, evaluate, hf, loop, objectives, optim, sampling, sharding, train_step
 from dapo_jax import advantages as adv_lib
+from dapo_jax import checkpoint, evaluate, hf, loop, objectives, optim, sampling, sharding, train_step
 from dapo_jax import data as data_lib
 from dapo_jax import loss as loss_lib
 from dapo_jax import model as model_lib
@@ -80,7 +80,7 @@ def validate(cfg, num_devices: int | None = None) -> None:
   allowed range. `num_devices` (default: this process's view, `jax.device_count()`) checks the mesh;
   pass the target's count to check a config for another machine."""
   c = cfg
-  m, d, r, t, o, e, s = c.model, c.dapo, c.rollout, c.train, c.optim, c.eval, c.sft
+  m, d, r, t = c.model, c.dapo, c.rollout, c.train
   n = functools.partial(_number, c)
 
   # Model.
@@ -405,8 +405,9 @@ def loop_config(cfg) -> loop.LoopConfig:
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps)
 
 
-def sft_config(cfg) -> "sft.SFTConfig":
-  from dapo_jax import sft
+def sft_config(cfg):
+  """The SFT warm start's `sft.SFTConfig`."""
+  from dapo_jax import sft  # noqa: PLC0415 (sft imports train_step; only SFT runs need it)
   s = cfg.sft
   if cfg.data.task != "arith":
     raise ConfigError("the SFT warm start needs reference solutions, which only data.task='arith' has; "

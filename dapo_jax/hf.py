@@ -492,14 +492,3 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
     with open(os.path.join(path, "generation_config.json"), "w") as f:
       json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
   write_safetensors(os.path.join(path, "model.safetensors"), params_to_tensors(model_cfg, params, dtype))
-
-
-def eos_ids(path: str) -> tuple[int, ...]:
-  """Every EOS id a model directory declares (generation_config.json and config.json)."""
-  ids: list[int] = []
-  for fn in ("generation_config.json", "config.json"):
-    p = os.path.join(path, fn)
-    if os.path.exists(p):
-      e = json.load(open(p)).get("eos_token_id")
-      ids += e if isinstance(e, list) else [e] if e is not None else []
-  return tuple(dict.fromkeys(ids))

@@ -87,7 +87,7 @@ def parse_row(row: dict, path: str, i: int) -> PreferencePair:
 
 def load_pairs(path: str) -> list[PreferencePair]:
   """Every preference pair of a jsonl/parquet file; a bad row fails naming the file and row."""
-  rows = data_lib._read_rows(path)
+  rows = data_lib.read_rows(path)
   if not rows:
     raise DataError(f"dataset file {path!r} has no rows")
   return [parse_row(row, path, i) for i, row in enumerate(rows)]

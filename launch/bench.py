@@ -64,7 +64,7 @@ def matmul_peak(dtype="float32", n=2048, runs=5) -> float:
 def load_model(cfg):
   import jax
 
-  from dapo_jax import hf, from_config, model
+  from dapo_jax import from_config, hf, model
   if _MODEL_DIR.value:
     return hf.load(_MODEL_DIR.value, **{**from_config.runtime_overrides(cfg), **numerics(cfg)})
   mc = dataclasses.replace(from_config.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))

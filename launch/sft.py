@@ -17,7 +17,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import hf, from_config, sft, sharding
+  from dapo_jax import from_config, hf, sft, sharding
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or common.default_workdir()
   train, _ = from_config.datasets(cfg)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import hf, kv_cache, model, sampling
+from dapo_jax import hf, kv_cache, layers, model, sampling
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -163,8 +163,8 @@ def test_attention_softcap_and_window_against_a_loop():
   rng = np.random.default_rng(0)
   T, H, W, c, scale = 6, 4, 3, 0.7, 5.0 ** -0.5
   q, k, v = (rng.standard_normal((1, 1, 1, T, H)).astype(np.float32) for _ in range(3))
-  mask = model.windowed(jnp.tril(jnp.ones((T, T), bool))[None], W)
-  out = model.attention(jnp.asarray(q), jnp.asarray(k[:, 0]), jnp.asarray(v[:, 0]), mask, scale=scale, softcap=c)
+  mask = layers.windowed(jnp.tril(jnp.ones((T, T), bool))[None], W)
+  out = layers.attention(jnp.asarray(q), jnp.asarray(k[:, 0]), jnp.asarray(v[:, 0]), mask, scale=scale, softcap=c)
   for t in range(T):
     keys = [s for s in range(T) if t - W < s <= t]
     z = np.array([c * np.tanh(q[0, 0, 0, t] @ k[0, 0, 0, s] * scale / c) for s in keys])

@@ -3,10 +3,8 @@
 Budget: each property runs `max_examples=100` random cases with no per-case deadline (about 30 s
 for the file on 2 CPU cores); the seed is derandomised so a failure reproduces in CI.
 """
-import ast
 import json
 import math
-import os
 import struct
 import sys
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import kv_cache, model, sampling, testing
+from dapo_jax import kv_cache, layers, model, sampling, testing
 
 CFG = testing.tiny_model_config(vocab_size=40)
 PARAMS = model.init_params(CFG, jax.random.key(0))
@@ -81,12 +81,12 @@ def _bf16(a):
 
 @pytest.mark.parametrize("operand", ["float32", "bfloat16"])
 def test_matmul_and_its_gradients_against_float64(operand):
-  """`model.matmul` multiplies operands rounded to `matmul_dtype` with fp32 accumulation, forward
+  """`layers.matmul` multiplies operands rounded to `matmul_dtype` with fp32 accumulation, forward
   and backward: input gradient from the rounded cotangent and weight, weight gradient in fp32."""
   cfg = testing.tiny_model_config(vocab_size=40, matmul_dtype=operand)
   rng = np.random.default_rng(7)
   x, w, g = (rng.standard_normal(s).astype(np.float32) for s in [(6, 3, 4), (3, 4, 5), (6, 5)])
-  y, vjp = jax.vjp(lambda x, w: model.matmul("XNH,NHD->XD", x, w, cfg), jnp.asarray(x), jnp.asarray(w))
+  y, vjp = jax.vjp(lambda x, w: layers.matmul("XNH,NHD->XD", x, w, cfg), jnp.asarray(x), jnp.asarray(w))
   dx, dw = vjp(jnp.asarray(g))
   r = _bf16 if operand == "bfloat16" else (lambda a: np.asarray(a, np.float64))
   np.testing.assert_allclose(y, np.einsum("xnh,nhd->xd", r(x), r(w)), rtol=1e-5, atol=1e-5)

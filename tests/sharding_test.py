@@ -67,9 +67,10 @@ def test_train_step_applies_activation_constraints_on_the_mesh():
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   trainer = train_step.Trainer(cfg, optim.OptimConfig(), mesh, objectives.policy_gradient(cfg, objectives.PGConfig()))
   B, P_, C = 8, 4, 4
+  zeros = np.zeros((B, C), np.float32)
   batch = trainer.put_batch(RLBatch(
       tokens_BT=np.ones((B, P_ + C), np.int32), mask_BT=np.ones((B, P_ + C), bool), loss_mask_BC=np.ones((B, C), bool),
-      old_logp_BC=np.zeros((B, C), np.float32), adv_B=np.ones((B,), np.float32), ref_logp_BC=np.zeros((B, C), np.float32)))
+      old_logp_BC=zeros, adv_B=np.ones((B,), np.float32), ref_logp_BC=zeros))
   state = trainer.init(jax.random.key(0))
 
   def constraints(text):

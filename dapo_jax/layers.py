@@ -1,0 +1,277 @@
+"""The layer math of the model families, as pure functions on arrays and dicts of weights.
+
+Weight matmuls in a narrower operand dtype with fp32 accumulation (`matmul`, its own VJP), RMSNorm,
+rotary embeddings and their frequency scalings, the attention core (masked fp32 softmax, sliding
+windows, soft-capping), and one transformer `layer` that teacher forcing, prefill and decode share:
+`model` supplies the weights (stacked training ones or fused decode ones) and the attention layout.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from dapo_jax.model_config import ModelConfig
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, out_dtype=None) -> jax.Array:
+  """A weight matmul `einsum(spec, x, w)`: operands in `matmul_dtype`, fp32 accumulation, result in
+  `out_dtype` (default `dtype`). Its gradients accumulate in fp32 too (see `_matmul_bwd`)."""
+  return _matmul(spec, jnp.dtype(cfg.operand_dtype), jnp.dtype(out_dtype or cfg.dtype), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _matmul(spec, operand, out_dtype, x, w):
+  return _matmul_fwd(spec, operand, out_dtype, x, w)[0]
+
+
+def _matmul_fwd(spec, operand, out_dtype, x, w):
+  x_op, w_op = x.astype(operand), w.astype(operand)
+  y = jnp.einsum(spec, x_op, w_op, preferred_element_type=jnp.float32).astype(out_dtype)
+  # Empty arrays carry the primal dtypes, which the gradients are returned in.
+  return y, (x_op, w_op, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _matmul_bwd(spec, operand, out_dtype, res, g):
+  """Input gradient from operands in the operand dtype. The weight gradient contracts the token
+  axis of both operands, a layout XLA:CPU runs only in fp32 (a bf16 dot there is upcast anyway,
+  or fails): on CPU it multiplies in fp32, on GPU/TPU in the operand dtype."""
+  x_op, w_op, x_like, w_like = res
+  xs, rest = spec.split(",")
+  ws, ys = rest.split("->")
+  g_op = g.astype(operand)
+  dx = jnp.einsum(f"{ys},{ws}->{xs}", g_op, w_op, preferred_element_type=jnp.float32)
+  if jax.default_backend() == "cpu":
+    x_op, g_op = x_op.astype(jnp.float32), g.astype(jnp.float32)
+  dw = jnp.einsum(f"{xs},{ys}->{ws}", x_op, g_op, preferred_element_type=jnp.float32)
+  return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def rms_norm(x: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+  """RMS normalisation over the last axis, in fp32, with the HF reference's order of casts.
+
+  `plus_one` (Gemma): the weight is stored as an offset from 1, and the product is taken in fp32
+  before the cast (Llama casts first).
+  """
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  scale = scale_D.reshape((1,) * (x.ndim - 1) + (-1,))
+  if plus_one:
+    return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+  return x32.astype(x.dtype) * scale
+
+
+def norm(cfg: ModelConfig, x: jax.Array, scale: jax.Array) -> jax.Array:
+  """The family's RMSNorm."""
+  return rms_norm(x, scale, cfg.norm_eps, plus_one=cfg.gemma)
+
+
+def norm_init(cfg: ModelConfig):
+  return nn.initializers.zeros if cfg.gemma else nn.initializers.ones
+
+
+def inv_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, float]:
+  """Rotary inverse frequencies [H/2] and the cos/sin scale, as HF's `rope_type` computes them.
+
+  Local (sliding-window) layers use `rope_local_theta` and no scaling.
+  """
+  H = cfg.head_dim
+  theta = cfg.rope_local_theta if local else cfg.rope_theta
+  inv_h = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+  kind, factor = ("default" if local else cfg.rope_type), cfg.rope_factor
+  if kind == "linear":
+    return inv_h / factor, 1.0
+  if kind == "llama3":
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old = cfg.rope_original_max_pos
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen_h = 2 * math.pi / inv_h
+    scaled_h = jnp.where(wavelen_h > old / low, inv_h / factor, inv_h)
+    smooth_h = (old / wavelen_h - low) / (high - low)
+    smoothed_h = (1 - smooth_h) * scaled_h / factor + smooth_h * scaled_h
+    medium_h = (wavelen_h >= old / high) & (wavelen_h <= old / low)
+    return jnp.where(medium_h, smoothed_h, scaled_h), 1.0
+  if kind == "yarn":
+    old = cfg.rope_original_max_pos
+    corr = lambda rot: H * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(theta))
+    lo, hi = corr(cfg.rope_beta_fast), corr(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+      lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, H - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp_h = jnp.clip((jnp.arange(H // 2, dtype=jnp.float32) - lo) / (hi - lo), 0, 1)
+    keep_h = 1 - ramp_h  # 1: extrapolate (high frequencies), 0: interpolate
+    inv = inv_h / factor * (1 - keep_h) + inv_h * keep_h
+    attn = cfg.rope_attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv, attn
+  return inv_h, 1.0
+
+
+def rope_table(pos_BT: jax.Array, cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) [B, T, H/2] of the rotary angles, computed once per call and shared by every layer."""
+  inv_h, scale = inv_frequencies(cfg, local)
+  angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_h[None, None, :]
+  return jnp.cos(angle_BTh) * scale, jnp.sin(angle_BTh) * scale
+
+
+def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
+  """Rotary embedding, HF "rotate half" convention (first and second halves pair up).
+
+  Any [B, T, ..., H] array works: the angles broadcast over the axes between T and H.
+  """
+  H = x_BTNH.shape[-1]
+  middle = (slice(None), slice(None)) + (None,) * (x_BTNH.ndim - 3)
+  cos, sin = table[0][middle], table[1][middle]
+  x = x_BTNH.astype(jnp.float32)
+  x1, x2 = x[..., : H // 2], x[..., H // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTNH.dtype)
+
+
+def attention(q_BKRTH: jax.Array, k_BKxx: jax.Array, v_BKSH: jax.Array, mask_BTS: jax.Array,
+              k_layout: str = "BKSH", scale: float | None = None, softcap: float = 0.0) -> jax.Array:
+  """The attention core: T queries per head against S keys, masked fp32 softmax, [B, K, R, T, H].
+
+  Grouped-query and heads-major: the R query heads of KV head k read its keys and values. Teacher
+  forcing passes keys as [B, K, S, H]; the decode cache keeps them as [B, K, H, S] (`k_layout`), so
+  each decoded token contracts a non-minor axis of the cache without a transposed copy. XLA:CPU's
+  batched matmuls are about 30% faster on heads-major operands than on token-major ones.
+  Scores scale by `scale` (default H**-0.5) and are soft-capped at `softcap` (0 = off).
+  """
+  H = q_BKRTH.shape[-1]
+  scores_BKRTS = jnp.einsum(f"BKRTH,{k_layout}->BKRTS", q_BKRTH, k_BKxx,
+                            preferred_element_type=jnp.float32)
+  scores_BKRTS = soft_cap(scores_BKRTS * (H ** -0.5 if scale is None else scale), softcap)
+  probs_BKRTS = masked_softmax(scores_BKRTS, mask_BTS[:, None, None]).astype(q_BKRTH.dtype)
+  return jnp.einsum("BKRTS,BKSH->BKRTH", probs_BKRTS, v_BKSH)
+
+
+def soft_cap(x: jax.Array, c: float) -> jax.Array:
+  """Soft-capping c * tanh(x / c) (Gemma); identity for c = 0."""
+  return c * jnp.tanh(x / c) if c else x
+
+
+def attn_kw(cfg: ModelConfig) -> dict:
+  """The score scale and soft-cap of the family, for `attention`."""
+  return dict(scale=cfg.query_scale ** -0.5 if cfg.query_scale else None, softcap=cfg.attn_softcap)
+
+
+def windowed(mask_BTS: jax.Array, window, offset: int = 0) -> jax.Array:
+  """`mask` restricted to keys fewer than `window` positions behind their query (query t sits at
+  key index t + offset; left-padded rows are contiguous, so index distance = position distance)."""
+  T, S = mask_BTS.shape[-2:]
+  dist_TS = jnp.arange(T)[:, None] + offset - jnp.arange(S)[None, :]
+  return mask_BTS & (dist_TS < window).reshape((1,) * (mask_BTS.ndim - 2) + (T, S))
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis (fp32) of the scores whose mask is True."""
+  return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+
+
+def attend_rows(q_BTKRH, k_BSKH, v_BSKH, mask_BTS, **kw):
+  """`attention` for token-major projections: [B, T, K, R, H] queries -> [B, T, K, R, H]."""
+  q_BKRTH = q_BTKRH.transpose(0, 2, 3, 1, 4)
+  k_BKSH, v_BKSH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+  return attention(q_BKRTH, k_BKSH, v_BKSH, mask_BTS, **kw).transpose(0, 3, 1, 2, 4)
+
+
+def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask_QP, window=None,
+                         scale=None, softcap=0.0):
+  """Attention of B = Q*G completion rows, row qG+g seeing prompt q's keys and then its own.
+
+  The prompt's keys and values are read once per prompt, never repeated G times: against them,
+  all G*R*C queries of a (prompt, KV head) pair form one matmul. One softmax over both key blocks,
+  as `attention` over the concatenated row would compute. With `window`, completion token c (row
+  index P + c) sees only keys fewer than `window` indices behind it.
+  """
+  Q, P = mask_QP.shape
+  B, C, K, R, H = q_BCKRH.shape
+  G = B // Q
+  q_QKGRCH = q_BCKRH.reshape(Q, G, C, K, R, H).transpose(0, 3, 1, 4, 2, 5)
+  k_QKGCH = k_BCKH.reshape(Q, G, C, K, H).transpose(0, 3, 1, 2, 4)
+  v_QKGCH = v_BCKH.reshape(Q, G, C, K, H).transpose(0, 3, 1, 2, 4)
+  k_QKPH, v_QKPH = k_QPKH.transpose(0, 2, 1, 3), v_QPKH.transpose(0, 2, 1, 3)
+  f32 = dict(preferred_element_type=jnp.float32)
+  scores_QKGRCS = jnp.concatenate([jnp.einsum("QKGRCH,QKPH->QKGRCP", q_QKGRCH, k_QKPH, **f32),
+                                   jnp.einsum("QKGRCH,QKGSH->QKGRCS", q_QKGRCH, k_QKGCH, **f32)], -1)
+  mask_QKGRCS = jnp.concatenate(
+      [jnp.broadcast_to(mask_QP[:, None, None, None, None, :], (Q, 1, G, 1, C, P)),
+       mask_BCC.reshape(Q, 1, G, 1, C, C)], -1)
+  if window is not None:
+    mask_QKGRCS = windowed(mask_QKGRCS, window, offset=P)
+  scores_QKGRCS = soft_cap(scores_QKGRCS * (H ** -0.5 if scale is None else scale), softcap)
+  probs_QKGRCS = masked_softmax(scores_QKGRCS, mask_QKGRCS).astype(q_BCKRH.dtype)
+  o_QKGRCH = (jnp.einsum("QKGRCP,QKPH->QKGRCH", probs_QKGRCS[..., :P], v_QKPH)
+              + jnp.einsum("QKGRCS,QKGSH->QKGRCH", probs_QKGRCS[..., P:], v_QKGCH))
+  return o_QKGRCH.transpose(0, 2, 4, 1, 3, 5).reshape(B, C, K, R, H)
+
+
+# --- One layer, shared by teacher forcing, prefill and decode ---------------------------------------
+# `layer` runs on flattened tokens X (every row and position of a call) with a dict of one layer's
+# weights: the stacked training weights (`Block`) or the fused decode weights (`decode_params`).
+# How queries meet keys (rows, a shared prompt, a KV cache) is the caller's `attend` function.
+
+def project_qkv(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Queries [X, K, R, H], keys and values [X, K, H] (before rotary embedding)."""
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  R = N // K
+  if "wqkv_DKEH" in p:  # Decode weights: one matmul (E = R + 2: the R queries of KV head k, its key, its value).
+    qkv_XKEH = matmul("XD,DKEH->XKEH", h_XD, p["wqkv_DKEH"], cfg)
+    if p["bqkv_KEH"] is not None:
+      qkv_XKEH += p["bqkv_KEH"][None]
+    return _qk_norm(cfg, p, qkv_XKEH[:, :, :R], qkv_XKEH[:, :, R]) + (qkv_XKEH[:, :, R + 1],)
+  q_XNH = matmul("XD,DNH->XNH", h_XD, p["wq_DNH"], cfg)
+  k_XKH = matmul("XD,DKH->XKH", h_XD, p["wk_DKH"], cfg)
+  v_XKH = matmul("XD,DKH->XKH", h_XD, p["wv_DKH"], cfg)
+  if cfg.qkv_bias:
+    q_XNH += p["bq_NH"][None]
+    k_XKH += p["bk_KH"][None]
+    v_XKH += p["bv_KH"][None]
+  return _qk_norm(cfg, p, q_XNH.reshape(-1, K, R, H), k_XKH) + (v_XKH,)
+
+
+def _qk_norm(cfg: ModelConfig, p: dict, q_XKRH: jax.Array, k_XKH: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Qwen3 / Gemma 3: RMSNorm over each head's query and key (before RoPE)."""
+  if not cfg.qk_norm:
+    return q_XKRH, k_XKH
+  return norm(cfg, q_XKRH, p["q_norm_H"]), norm(cfg, k_XKH, p["k_norm_H"])
+
+
+def mlp(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> jax.Array:
+  """SwiGLU: down(silu(gate(h)) * up(h)) (GeGLU with tanh GELU for Gemma); gate and up fused into
+  one matmul in decode weights."""
+  if "w_gate_up_D2F" in p:
+    gate_up_X2F = matmul("XD,DGF->XGF", h_XD, p["w_gate_up_D2F"], cfg)
+    gate_XF, up_XF = gate_up_X2F[:, 0], gate_up_X2F[:, 1]
+  else:
+    gate_XF = matmul("XD,DF->XF", h_XD, p["w_gate_DF"], cfg)
+    up_XF = matmul("XD,DF->XF", h_XD, p["w_up_DF"], cfg)
+  act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else nn.silu
+  return matmul("XF,FD->XD", act(gate_XF) * up_XF, p["w_down_FD"], cfg)
+
+
+def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple[jax.Array, Any]:
+  """Pre-norm block on flattened tokens: x + attn(norm(x)), then x + mlp(norm(x)); Gemma also
+  normalises each branch's output (post-norms) before adding it.
+
+  `attend(q_XKRH, k_XKH, v_XKH) -> (o_XNH, aux)` applies rotary embeddings and attention as the
+  caller lays its tokens out; `aux` (e.g. the keys and values written to a cache) is returned.
+  """
+  h_XD = norm(cfg, x_XD, p["attn_norm"]["scale_D"])
+  o_XNH, aux = attend(*project_qkv(cfg, p, h_XD))
+  a_XD = matmul("XNH,NHD->XD", o_XNH, p["wo_NHD"], cfg)
+  if cfg.gemma:
+    a_XD = norm(cfg, a_XD, p["post_attn_norm"]["scale_D"])
+  x_XD = x_XD + a_XD
+  m_XD = mlp(cfg, p, norm(cfg, x_XD, p["mlp_norm"]["scale_D"]))
+  if cfg.gemma:
+    m_XD = norm(cfg, m_XD, p["post_mlp_norm"]["scale_D"])
+  return x_XD + m_XD, aux
