@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 from typing import Any
 
 import jax
@@ -259,3 +260,27 @@ def _names(path) -> tuple[str, ...]:
         out.append(str(getattr(k, attr)))
         break
   return tuple(out)
+
+
+class StopRequest:
+  """SIGTERM / SIGINT ask a run to checkpoint and stop at its next safe point (after a step);
+  `signal` names the one received (None until then)."""
+
+  def __init__(self):
+    self.signal = None
+    self._old = {}
+
+  def __enter__(self):
+    for s in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._old[s] = signal.signal(s, self._handle)
+      except ValueError:  # Not the main thread (e.g. a notebook worker): no handler.
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    self.signal = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for s, h in self._old.items():
+      signal.signal(s, h)

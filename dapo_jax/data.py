@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import zlib
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import time
 
 import jax
@@ -56,29 +55,6 @@ class LoopConfig:
   @property
   def updates_per_step(self) -> int:
     return self.minibatches * self.ppo_epochs
-
-
-class _StopFlag:
-  """SIGTERM / SIGINT ask the loop to stop at the next safe point (after a step)."""
-
-  def __init__(self):
-    self.signal = None
-    self._old = {}
-
-  def __enter__(self):
-    for s in (signal.SIGTERM, signal.SIGINT):
-      try:
-        self._old[s] = signal.signal(s, self._handle)
-      except ValueError:  # Not the main thread (e.g. a notebook worker): no handler.
-        pass
-    return self
-
-  def _handle(self, signum, frame):
-    self.signal = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for s, h in self._old.items():
-      signal.signal(s, h)
 
 
 class DAPO:
@@ -213,7 +189,7 @@ class DAPO:
       self.writer.scalars(0, ev)
       print("Held-out before RL: " + metrics_lib.format_eval(ev), flush=True)
     last = {}
-    with _StopFlag() as stop:
+    with ckpt_lib.StopRequest() as stop:
       for step in range(start, c.num_steps):
         m, info = self.step(step)
         if int(self.state.bad_streak) >= c.max_bad_steps:
