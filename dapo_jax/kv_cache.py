@@ -46,6 +46,28 @@ def write_mask(cache: KVCache, new_mask_BT: jax.Array, index: jax.Array) -> KVCa
 
 def update(k_BKHS: jax.Array, v_BKSH: jax.Array, new_k_BKTH: jax.Array, new_v_BKTH: jax.Array,
            index: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Writes one layer's T new keys/values at slots [index, index + T)."""
-  return (jax.lax.dynamic_update_slice(k_BKHS, new_k_BKTH.swapaxes(2, 3).astype(k_BKHS.dtype), (0, 0, 0, index)),
-          jax.lax.dynamic_update_slice(v_BKSH, new_v_BKTH.astype(v_BKSH.dtype), (0, 0, index, 0)))
+  """Writes one layer's T new keys/values at slots [index, index + T); `index` is one slot for every
+  row, or one per row ([B], T = 1: rows of a continuous batch sit at their own positions)."""
+  if jnp.ndim(index) == 0:
+    return (jax.lax.dynamic_update_slice(k_BKHS, new_k_BKTH.swapaxes(2, 3).astype(k_BKHS.dtype), (0, 0, 0, index)),
+            jax.lax.dynamic_update_slice(v_BKSH, new_v_BKTH.astype(v_BKSH.dtype), (0, 0, index, 0)))
+  rows_B = jnp.arange(k_BKHS.shape[0])
+  return (k_BKHS.at[rows_B, :, :, index].set(new_k_BKTH[:, :, 0].astype(k_BKHS.dtype)),
+          v_BKSH.at[rows_B, :, index, :].set(new_v_BKTH[:, :, 0].astype(v_BKSH.dtype)))
+
+
+def write_rows(cache: KVCache, rows_A: jax.Array, start: int, k_LAKPH: jax.Array, v_LAKPH: jax.Array,
+               mask_AS: jax.Array) -> KVCache:
+  """Fills whole cache rows (a continuous batch's freed slots): keys and values of P positions at
+  slots [start, start + P) and the row's mask; rows_A out of range (padding) are dropped."""
+  P = k_LAKPH.shape[3]
+  k = [x.at[rows_A, :, :, start:start + P].set(new.swapaxes(2, 3).astype(x.dtype), mode="drop")
+       for x, new in zip(cache.k, k_LAKPH)]
+  v = [x.at[rows_A, :, start:start + P, :].set(new.astype(x.dtype), mode="drop") for x, new in zip(cache.v, v_LAKPH)]
+  return KVCache(k, v, cache.mask_BS.at[rows_A].set(mask_AS, mode="drop"))
+
+
+def write_mask_rows(cache: KVCache, write_B: jax.Array, index_B: jax.Array) -> KVCache:
+  """Marks slot index_B[b] of each row b where write_B[b] (one new token per row)."""
+  rows_B = jnp.arange(cache.mask_BS.shape[0])
+  return cache.replace(mask_BS=cache.mask_BS.at[rows_B, index_B].set(cache.mask_BS[rows_B, index_B] | write_B))

@@ -167,6 +167,8 @@ def windowed(mask_BTS: jax.Array, window, offset: int = 0) -> jax.Array:
   """`mask` restricted to keys fewer than `window` positions behind their query (query t sits at
   key index t + offset; left-padded rows are contiguous, so index distance = position distance)."""
   T, S = mask_BTS.shape[-2:]
+  if jnp.ndim(offset):  # One offset per row ([B, 1, 1]): rows of a continuous batch.
+    return mask_BTS & (jnp.arange(T)[None, :, None] + offset - jnp.arange(S)[None, None, :] < window)
   dist_TS = jnp.arange(T)[:, None] + offset - jnp.arange(S)[None, :]
   return mask_BTS & (dist_TS < window).reshape((1,) * (mask_BTS.ndim - 2) + (T, S))
 

@@ -306,6 +306,7 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
 def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Array, cache: kvc.KVCache,
                 index: jax.Array) -> tuple[jax.Array, kvc.KVCache]:
   """One token per row through the cache: writes slot `index` of every layer, returns (logits_BV fp32, cache).
+  `index` is one slot for all rows, or one per row ([B]: a continuous batch).
 
   `cache.mask_BS` must already mark slot `index` (see `kv_cache.write_mask`); a row attends to
   every marked slot, which are exactly its real tokens up to and including this one (local layers:
@@ -317,7 +318,8 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
   masks = {False: mask_B1S}
   if cfg.local_layers:
     tables[True] = layers_lib.rope_table(pos_B[:, None], cfg, local=True)
-    masks[True] = layers_lib.windowed(mask_B1S, cfg.sliding_window, offset=index)
+    offset = index if jnp.ndim(index) == 0 else index[:, None, None]
+    masks[True] = layers_lib.windowed(mask_B1S, cfg.sliding_window, offset=offset)
   x_BD = embed(cfg, dparams["embed_VD"], tok_B)
   ks, vs = [], []
   for l, (p, k_BKHS, v_BKSH) in enumerate(zip(dparams["layers"], cache.k, cache.v)):

@@ -103,8 +103,9 @@ def sample_inverse_cdf(logp_BV: jax.Array, u_B: jax.Array, block: int = 128) -> 
   return blk_B * block + jnp.minimum(i_B, last_B)
 
 
-def choose(logits_BV: jax.Array, rng: jax.Array, cfg: SamplerConfig) -> tuple[jax.Array, jax.Array]:
-  """Picks one token per row; returns (tokens_B, logp_B)."""
+def choose(logits_BV: jax.Array, u_B: jax.Array, cfg: SamplerConfig) -> tuple[jax.Array, jax.Array]:
+  """Picks one token per row from a uniform draw u_B in [0, 1) each (unused when greedy); returns
+  (tokens_B, logp_B), logp from the temperature-scaled logits before any truncation."""
   z_BV = scaled_logits(logits_BV.astype(jnp.float32), cfg)
   logp_BV = jax.nn.log_softmax(z_BV, axis=-1)
   if cfg.greedy:
@@ -113,7 +114,7 @@ def choose(logits_BV: jax.Array, rng: jax.Array, cfg: SamplerConfig) -> tuple[ja
     logq_BV = logp_BV  # The distribution sampled from: renormalised after any truncation.
     if cfg.top_k or cfg.top_p < 1.0:
       logq_BV = jax.nn.log_softmax(truncate(z_BV, cfg.top_k, cfg.top_p), axis=-1)
-    tok_B = sample_inverse_cdf(logq_BV, jax.random.uniform(rng, (z_BV.shape[0],)))
+    tok_B = sample_inverse_cdf(logq_BV, u_B)
   tok_B = tok_B.astype(jnp.int32)
   return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
 
@@ -141,7 +142,7 @@ def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state:
 
   def body(s: SamplingState) -> SamplingState:
     rng, key = jax.random.split(s.rng)
-    tok_B, logp_B = choose(s.logits_BV, key, cfg)
+    tok_B, logp_B = choose(s.logits_BV, jax.random.uniform(key, (s.logits_BV.shape[0],)), cfg)
     running_B = ~s.done_B
     tok_B = jnp.where(running_B, tok_B, cfg.pad_id)
     logp_B = jnp.where(running_B, logp_B, 0.0)

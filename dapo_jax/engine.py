@@ -1,0 +1,310 @@
+"""Continuous batching: a fixed pool of decode slots, refilled from a queue of samples as they end.
+
+    queue of (prompt q, sample g)          slots (static: `slots` rows x one KV-cache length)
+      ──► insert  freed slots take the next samples; their prompts are prefilled into those slots'
+                  cache rows, each distinct prompt once (`kv_cache.write_rows`)
+      ──► decode  every busy slot advances one token per step at its own position, inside one jitted
+                  loop, until enough slots have ended (EOS or budget) or the queue is empty and all end
+      ──► harvest ended slots hand back their completions and are free again ──► insert ...
+
+The cost follows the tokens generated, not the longest row: a slot whose sample ends early takes the
+next one instead of idling to the end of the call. Each sample's randomness comes from
+(key, prompt id, sample index) and the number of tokens it has drawn, never from its slot, so the same
+key gives the same samples whatever the number of slots or the order of admission. Every host runs
+the same host loop on the same (gathered) prompts, so all agree on the admission order.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dapo_jax import kv_cache as kvc
+from dapo_jax import model as model_lib
+from dapo_jax import sampling, sharding
+from dapo_jax import tokenizer as tokenizer_lib
+
+
+@struct.dataclass
+class SlotState:
+  """The device side of the pool: S slots, C completion positions, a cache of P + C per slot."""
+  tokens_SC: jax.Array     # completion tokens of each slot's sample (pad after its end)
+  logp_SC: jax.Array       # fp32 log-probs of those tokens (temperature-scaled logits)
+  step_S: jax.Array        # tokens the slot's sample has drawn
+  done_S: jax.Array        # the sample ended (EOS or budget), or the slot is empty
+  logits_SV: jax.Array     # fp32 logits of each slot's next token
+  prompt_len_S: jax.Array  # real prompt tokens (positions continue from there)
+  key_S: jax.Array         # uint32 key data of each slot's sample
+  stop_at_S: jax.Array     # forced EOS as token stop_at (benchmarks' length hook); C + 1 = never
+  cache: kvc.KVCache
+
+
+@dataclasses.dataclass
+class Finished:
+  """One ended sample, on the host."""
+  prompt_id: int
+  sample: int
+  tokens_C: np.ndarray
+  logp_C: np.ndarray
+  length: int
+  truncated: bool          # no EOS within the budget
+
+
+@dataclasses.dataclass
+class _Work:
+  prompt_id: int
+  sample: int
+  prompt_P: np.ndarray
+  mask_P: np.ndarray
+  stop_at: int
+
+
+def _buckets(n: int) -> list[int]:
+  """Powers of two up to n, and n: the row counts an insert compiles for."""
+  out = [1]
+  while out[-1] * 2 < n:
+    out.append(out[-1] * 2)
+  return sorted(set(out + [n]))
+
+
+class Engine:
+  """A pool of `slots` decode rows for one model and sampler config; `session(params, key)` runs it."""
+
+  def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
+               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.125):
+    """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
+    `prompt_buckets` that holds them. A decode round returns to the host once `round_fraction` of
+    the busy slots have ended (at least one), so freed slots are refilled promptly."""
+    if slots < 1:
+      raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
+    self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
+    self.C = sampler_cfg.max_new_tokens
+    self.prompt_buckets = sorted(set(b for b in prompt_buckets if b <= prompt_len) | {prompt_len})
+    self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1},
+                                                                 jax.devices()[:1])
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    if slots % shards:
+      raise ValueError(f"rollout.slots={slots} does not split over the {shards} data shards of the mesh "
+                       f"(data={self.mesh.shape['data']} x fsdp={self.mesh.shape['fsdp']})")
+    self.round_fraction = round_fraction
+    self.row_sharding = sharding.named(self.mesh, "B")
+    self.eos = tuple(sampler_cfg.eos_ids)
+    self._decode_params = jax.jit(functools.partial(model_lib.decode_params, model_cfg))
+    self._insert = jax.jit(self._insert_fn, static_argnums=(0,), donate_argnums=(2,))
+    self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+
+  # --- device programs -----------------------------------------------------------------------
+
+  def empty_state(self) -> SlotState:
+    cfg, S, C = self.model_cfg, self.S, self.C
+    T = self.P + C
+    dt = jnp.dtype(cfg.dtype)
+    cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
+                        v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],
+                        mask_BS=jnp.zeros((S, T), bool))
+    state = SlotState(tokens_SC=jnp.full((S, C), self.sampler_cfg.pad_id, jnp.int32),
+                      logp_SC=jnp.zeros((S, C), jnp.float32), step_S=jnp.zeros((S,), jnp.int32),
+                      done_S=jnp.ones((S,), bool), logits_SV=jnp.zeros((S, cfg.vocab_size), jnp.float32),
+                      prompt_len_S=jnp.zeros((S,), jnp.int32), key_S=jnp.zeros((S, 2), jnp.uint32),
+                      stop_at_S=jnp.full((S,), C + 1, jnp.int32), cache=cache)
+    return jax.device_put(state, self.row_sharding)
+
+  def _insert_fn(self, P: int, params, state: SlotState, prompt_UP, mask_UP, src_A, slot_A, key_A, stop_at_A):
+    """Prefills the U distinct prompts (P positions) and starts sample a in slot slot_A[a] from prompt
+    src_A[a]; slot ids >= S are padding and write nothing."""
+    logits_U1V, (k_LUKPH, v_LUKPH) = model_lib.forward(
+        self.model_cfg, params, prompt_UP, model_lib.positions(mask_UP), model_lib.causal_mask(mask_UP),
+        logits_from=P - 1, emit_kv=True)
+    take = lambda x: jnp.take(x, src_A, axis=1)
+    A, C = src_A.shape[0], self.C
+    mask_AT = jnp.concatenate([jnp.zeros((A, self.P - P), bool), mask_UP[src_A], jnp.zeros((A, C), bool)], axis=1)
+    cache = kvc.write_rows(state.cache, slot_A, self.P - P, take(k_LUKPH), take(v_LUKPH), mask_AT)
+    put = lambda x, v: x.at[slot_A].set(v, mode="drop")
+    return SlotState(
+        tokens_SC=put(state.tokens_SC, self.sampler_cfg.pad_id), logp_SC=put(state.logp_SC, 0.0),
+        step_S=put(state.step_S, 0), done_S=put(state.done_S, False),
+        logits_SV=put(state.logits_SV, logits_U1V[src_A, -1]),
+        prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_A]),
+        key_S=put(state.key_S, key_A), stop_at_S=put(state.stop_at_S, stop_at_A), cache=cache)
+
+  def _decode_fn(self, dparams, state: SlotState, target_ended, max_steps):
+    """Decodes until `target_ended` samples have ended in this round, all have, or `max_steps`."""
+    cfg, sc, C = self.model_cfg, self.sampler_cfg, self.C
+    eos = jnp.asarray(self.eos or (-1,), jnp.int32)
+    S = state.step_S.shape[0]
+    rows_S = jnp.arange(S)
+    done_at_start = state.done_S
+
+    def cond(carry):
+      i, s = carry
+      ended = jnp.sum(s.done_S & ~done_at_start)
+      return (i < max_steps) & (ended < target_ended) & ~jnp.all(s.done_S)
+
+    def body(carry):
+      i, s = carry
+      keys = jax.random.wrap_key_data(s.key_S)
+      u_S = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(keys, s.step_S)
+      tok_S, logp_S = sampling.choose(s.logits_SV, u_S, sc)
+      running_S = ~s.done_S
+      forced_S = s.step_S == s.stop_at_S - 1
+      tok_S = jnp.where(forced_S, eos[0], tok_S)
+      tok_S = jnp.where(running_S, tok_S, sc.pad_id)
+      col_S = jnp.where(running_S, s.step_S, C)  # Out of range: ended rows write nothing.
+      tokens_SC = s.tokens_SC.at[rows_S, col_S].set(tok_S, mode="drop")
+      logp_SC = s.logp_SC.at[rows_S, col_S].set(logp_S, mode="drop")
+      ended_S = running_S & (jnp.isin(tok_S, eos) | (s.step_S + 1 >= C))
+      index_S = jnp.minimum(self.P + s.step_S, self.P + C - 1)
+      cache = kvc.write_mask_rows(s.cache, running_S, index_S)
+      logits_SV, cache = model_lib.decode_step(cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
+      return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, step_S=s.step_S + running_S,
+                              done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)
+
+    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+    return state, steps
+
+  # --- the host loop -------------------------------------------------------------------------
+
+  def session(self, params, key) -> "Session":
+    return Session(self, params, key)
+
+  def generate(self, params, prompt_QP: np.ndarray, prompt_mask_QP: np.ndarray, G: int, key,
+               stop_at_B: np.ndarray | None = None) -> tuple[sampling.Samples, dict]:
+    """G samples of each prompt as host arrays, rows qG..qG+G-1 for prompt q (the layout of
+    `sampling.generate`), and the session's statistics."""
+    s = self.session(params, key)
+    s.add(np.arange(len(prompt_QP)), prompt_QP, prompt_mask_QP, G, stop_at_B)
+    out = {}
+    while s.busy:
+      for f in s.step():
+        out[(f.prompt_id, f.sample)] = f
+    rows = [out[(q, g)] for q in range(len(prompt_QP)) for g in range(G)]
+    return stack(rows, self.C), s.stats()
+
+
+def stack(rows: list[Finished], C: int) -> sampling.Samples:
+  length_B = np.array([r.length for r in rows], np.int32)
+  return sampling.Samples(tokens_BC=np.stack([r.tokens_C for r in rows]), logp_BC=np.stack([r.logp_C for r in rows]),
+                          mask_BC=np.arange(C)[None, :] < length_B[:, None], length_B=length_B,
+                          truncated_B=np.array([r.truncated for r in rows], bool))
+
+
+class Session:
+  """One use of the engine with fixed params and key: `add` queues samples, `step` runs one round
+  (insert, decode, harvest) and returns the samples that ended in it."""
+
+  def __init__(self, engine: Engine, params, key):
+    self.e = engine
+    self.params = params
+    self.dparams = engine._decode_params(params)
+    self.key_data = np.asarray(jax.random.key_data(key))
+    self.state = engine.empty_state()
+    self.queue: collections.deque[_Work] = collections.deque()
+    self.slot_work: list[_Work | None] = [None] * engine.S
+    self.decode_steps = 0
+    self.generated = 0
+    self.rounds = 0
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.queue) or any(w is not None for w in self.slot_work)
+
+  @property
+  def in_flight(self) -> int:
+    return sum(w is not None for w in self.slot_work)
+
+  def add(self, prompt_ids, prompt_QP, prompt_mask_QP, G: int, stop_at_B=None) -> None:
+    """Queues G samples of each prompt (prompt_QP left-padded to the engine's prompt length)."""
+    P = self.e.P
+    if prompt_QP.shape[1] > P:
+      raise ValueError(f"prompts of {prompt_QP.shape[1]} tokens do not fit the engine's {P}-token prompt cache")
+    pad = P - prompt_QP.shape[1]
+    prompt_QP = np.pad(np.asarray(prompt_QP, np.int32), ((0, 0), (pad, 0)))
+    prompt_mask_QP = np.pad(np.asarray(prompt_mask_QP, bool), ((0, 0), (pad, 0)))
+    for q, pid in enumerate(prompt_ids):
+      for g in range(G):
+        stop = self.e.C + 1 if stop_at_B is None else int(stop_at_B[q * G + g])
+        self.queue.append(_Work(int(pid), g, prompt_QP[q], prompt_mask_QP[q], stop))
+
+  def step(self) -> list[Finished]:
+    e = self.e
+    self._insert()
+    busy = self.in_flight
+    if not busy:
+      return []
+    target = max(1, int(busy * e.round_fraction)) if self.queue else busy
+    self.state, steps = e._decode(self.dparams, self.state, jnp.asarray(target, jnp.int32),
+                                  jnp.asarray(e.C, jnp.int32))
+    self.rounds += 1
+    done_S, step_S, steps = sharding.fetch((self.state.done_S, self.state.step_S, steps))
+    self.decode_steps += int(steps)
+    ended = [s for s, w in enumerate(self.slot_work) if w is not None and done_S[s]]
+    if not ended:
+      return []
+    idx = jnp.asarray(ended)
+    tokens, logp = sharding.fetch((jnp.take(self.state.tokens_SC, idx, axis=0),
+                                   jnp.take(self.state.logp_SC, idx, axis=0)))
+    out = []
+    eos = set(e.eos)
+    for i, s in enumerate(ended):
+      w, n = self.slot_work[s], int(step_S[s])
+      self.generated += n
+      out.append(Finished(w.prompt_id, w.sample, tokens[i], logp[i], n, truncated=int(tokens[i][n - 1]) not in eos))
+      self.slot_work[s] = None
+    return out
+
+  def _insert(self) -> None:
+    """Freed slots take the next queued samples; their distinct prompts are prefilled together."""
+    e = self.e
+    free = [s for s, w in enumerate(self.slot_work) if w is None]
+    n = min(len(free), len(self.queue))
+    if not n:
+      return
+    work = [self.queue.popleft() for _ in range(n)]
+    prompts, src = {}, []
+    for w in work:  # A group's samples that start together share one prefill.
+      src.append(prompts.setdefault(w.prompt_id, len(prompts)))
+    firsts = {}
+    for w in work:
+      firsts.setdefault(w.prompt_id, w)
+    uniq = list(firsts.values())
+    A = next(b for b in _buckets(e.S) if b >= n)
+    P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in uniq)), e.prompt_buckets)
+    prompt_UP = np.zeros((A, P), np.int32)
+    mask_UP = np.zeros((A, P), bool)
+    for u, w in enumerate(uniq):
+      prompt_UP[u], mask_UP[u] = w.prompt_P[-P:], w.mask_P[-P:]
+    mask_UP[len(uniq):, -1] = True  # Padding rows: one real token, so their softmax is defined.
+    slot_A = np.full((A,), e.S, np.int32)
+    slot_A[:n] = free[:n]
+    src_A = np.zeros((A,), np.int32)
+    src_A[:n] = src
+    key_A = np.zeros((A, 2), np.uint32)
+    key_A[:n] = [sample_key_data(self.key_data, w.prompt_id, w.sample) for w in work]
+    stop_A = np.full((A,), e.C + 1, np.int32)
+    stop_A[:n] = [w.stop_at for w in work]
+    rep = sharding.replicated(e.mesh)
+    args = sharding.put((prompt_UP, mask_UP, src_A, slot_A, key_A, stop_A), rep)
+    self.state = e._insert(P, self.params, self.state, *args)
+    for s, w in zip(free[:n], work):
+      self.slot_work[s] = w
+
+  def stats(self) -> dict:
+    slot_steps = self.decode_steps * self.e.S
+    return {"generated_tokens": self.generated, "decode_steps": self.decode_steps, "rounds": self.rounds,
+            "slot_utilisation": self.generated / max(slot_steps, 1)}
+
+
+@functools.lru_cache(maxsize=None)
+def _fold():
+  return jax.jit(lambda k, q, g: jax.random.key_data(
+      jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), q), g)))
+
+
+def sample_key_data(key_data: np.ndarray, prompt_id: int, sample: int) -> np.ndarray:
+  """The key of sample g of prompt q: fold_in(fold_in(key, q), g), as raw key data."""
+  return np.asarray(_fold()(key_data, prompt_id, sample))
