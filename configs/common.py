@@ -63,7 +63,11 @@ def base() -> mlc.ConfigDict:
   c.rollout = dict(group_size=16,            # G, responses per prompt
                    max_new_tokens=20_480,    # L_max, completion tokens
                    temperature=1.0, top_p=1.0, top_k=0,
-                   rows_per_call=0,          # rows per sampler call (0 = the whole generation batch)
+                   engine="continuous",      # "continuous": a pool of decode slots refilled as samples
+                                             # end (cost follows the tokens generated); "static": each
+                                             # sampler call decodes until its longest row ends
+                   slots=0,                  # continuous: decode slots (0 = the rows of a train batch, Q*G)
+                   rows_per_call=0,          # static: rows per sampler call (0 = the whole generation batch)
                    # What ends a completion: "generation_config" = the model's EOS ids as verl reads
                    # them (generation_config.json, else config.json, else the tokenizer's EOS; for a
                    # base model often <|endoftext|> alone), "chat" = those plus the chat template's
@@ -75,7 +79,12 @@ def base() -> mlc.ConfigDict:
   c.dapo = dict(prompts_per_step=512,        # Q, prompts in a train batch
                 gen_prompts=1536,            # prompts per generation batch (3x for dynamic sampling)
                 dynamic_sampling=True,       # drop groups whose correctness is all equal (Eq. 11)
-                max_gen_batches=10,          # cap per step; 0 = unlimited
+                max_gen_batches=10,          # cap per step: at most max_gen_batches x gen_prompts prompts
+                                             # are sampled in a rollout step; 0 = unlimited
+                streaming=True,              # admit prompts into the engine while kept + in-flight groups
+                                             # < Q; each step trains exactly Q groups sampled by the
+                                             # current policy. False: whole generation batches, then the
+                                             # filter (the reference; carry_over then applies)
                 filter_metric="acc",         # what must vary in a group: acc | score (the scorer's) |
                                              # seq_reward | seq_final_reward (score + overlong penalty)
                 # Ours below; the reference (verl's recipe, configs/dapo_qwen2_5_32b.py) raises at the
@@ -105,6 +114,9 @@ def base() -> mlc.ConfigDict:
                  microbatch_tokens=2048,     # the fewest micro-batches of at most this many tokens
                                              # per data shard (the SFT warm start always uses auto)
                  share_prompt=True,          # a group's prompt runs through the model once (exact)
+                 length_buckets=8,           # micro-batches of groups sorted by length, each cut to the
+                                             # smallest of this many lengths (eighths of max_new_tokens)
+                                             # that holds it; 0 = pad every row to max_new_tokens
                  ckpt_every=5, keep_ckpts=3,
                  eval_every=5, log_samples_every=5,
                  max_bad_steps=5)            # stop after this many non-finite updates in a row

@@ -31,8 +31,10 @@ def get_config(arg=None):
   c.dapo.update(prompts_per_step=512, gen_prompts=1536, dynamic_sampling=True, max_gen_batches=10,
                 eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, loss_agg="token_mean",
                 overlong_buffer=4096, overlong_penalty=1.0, overlong_filter=False, filter_metric="acc",
-                # As verl's recipe: raise when max_gen_batches generation batches did not fill Q
-                # groups, and drop the kept groups beyond Q (verl: batch[:Q*G]).
+                # As verl's recipe: whole generation batches, then the filter (streaming=False); raise
+                # when max_gen_batches generation batches did not fill Q groups, and drop the kept
+                # groups beyond Q (verl: batch[:Q*G]).
+                streaming=False,
                 on_cap="raise", carry_over=False)
   c.optim.update(lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0)
   c.train.update(num_steps=500, minibatches=16, ppo_epochs=1, num_microbatches=32, ckpt_every=5,

@@ -8,7 +8,7 @@ run jitted.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -265,3 +265,37 @@ class AdaptiveKLController:
   def update(self, current_kl: float, n_steps: int) -> None:
     error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
     self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def length_buckets(max_new_tokens: int, count: int = 8) -> tuple[int, ...]:
+  """Completion lengths a length-bucketed update compiles for: `count` steps up to C (rounded up
+  to multiples of 8), e.g. C=512 -> 64, 128, ..., 512."""
+  step = -(-max_new_tokens // count)
+  step = -(-step // 8) * 8
+  return tuple(sorted({min(step * i, max_new_tokens) for i in range(1, count + 1)}))
+
+
+def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int,
+                          buckets: Sequence[int]) -> list[RLBatch]:
+  """A mini-batch's micro-batches with their completion axis cut to a length bucket (host, pure).
+
+  Groups (`group_size` consecutive rows, never split) are sorted by their longest response and dealt
+  into `num_microbatches` micro-batches of consecutive groups; each is cut to the smallest bucket
+  that holds its longest row, so no row is padded beyond its bucket. Rows keep all their tokens.
+  """
+  B, C = batch.loss_mask_BC.shape
+  P = batch.tokens_BT.shape[1] - C
+  G = max(group_size, 1)
+  length_B = batch.mask_BT[:, P:].sum(1)
+  order_n = np.argsort(length_B.reshape(-1, G).max(1), kind="stable")
+  rows = (order_n[:, None] * G + np.arange(G)[None]).reshape(-1)
+  per_mb = B // num_microbatches
+  out = []
+  for m in range(num_microbatches):
+    idx = rows[m * per_mb:(m + 1) * per_mb]
+    longest = int(length_B[idx].max())
+    Cb = next((b for b in sorted(buckets) if b >= longest), C)
+    out.append(RLBatch(tokens_BT=batch.tokens_BT[idx, :P + Cb], mask_BT=batch.mask_BT[idx, :P + Cb],
+                       loss_mask_BC=batch.loss_mask_BC[idx, :Cb], old_logp_BC=batch.old_logp_BC[idx, :Cb],
+                       adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb]))
+  return out

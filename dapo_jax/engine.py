@@ -172,17 +172,21 @@ class Engine:
   def session(self, params, key) -> "Session":
     return Session(self, params, key)
 
-  def generate(self, params, prompt_QP: np.ndarray, prompt_mask_QP: np.ndarray, G: int, key,
+  def generate(self, params, prompt_QP: np.ndarray, prompt_mask_QP: np.ndarray, G, key,
                stop_at_B: np.ndarray | None = None) -> tuple[sampling.Samples, dict]:
-    """G samples of each prompt as host arrays, rows qG..qG+G-1 for prompt q (the layout of
-    `sampling.generate`), and the session's statistics."""
+    """G samples of each prompt as host arrays, prompt-major (rows qG..qG+G-1 for prompt q: the
+    layout of `sampling.generate`), and the session's statistics. G may differ per prompt (a list)."""
+    counts = [G] * len(prompt_QP) if np.isscalar(G) else list(G)
     s = self.session(params, key)
-    s.add(np.arange(len(prompt_QP)), prompt_QP, prompt_mask_QP, G, stop_at_B)
+    first = np.cumsum([0] + counts)
+    for q, n in enumerate(counts):
+      s.add([q], prompt_QP[q:q + 1], prompt_mask_QP[q:q + 1], n,
+            None if stop_at_B is None else stop_at_B[first[q]:first[q + 1]])
     out = {}
     while s.busy:
       for f in s.step():
         out[(f.prompt_id, f.sample)] = f
-    rows = [out[(q, g)] for q in range(len(prompt_QP)) for g in range(G)]
+    rows = [out[(q, g)] for q, n in enumerate(counts) for g in range(n)]
     return stack(rows, self.C), s.stats()
 
 
@@ -207,6 +211,7 @@ class Session:
     self.slot_work: list[_Work | None] = [None] * engine.S
     self.decode_steps = 0
     self.generated = 0
+    self.samples = 0
     self.rounds = 0
 
   @property
@@ -253,6 +258,7 @@ class Session:
     for i, s in enumerate(ended):
       w, n = self.slot_work[s], int(step_S[s])
       self.generated += n
+      self.samples += 1
       out.append(Finished(w.prompt_id, w.sample, tokens[i], logp[i], n, truncated=int(tokens[i][n - 1]) not in eos))
       self.slot_work[s] = None
     return out
@@ -295,7 +301,8 @@ class Session:
 
   def stats(self) -> dict:
     slot_steps = self.decode_steps * self.e.S
-    return {"generated_tokens": self.generated, "decode_steps": self.decode_steps, "rounds": self.rounds,
+    return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
+            "rounds": self.rounds,
             "slot_utilisation": self.generated / max(slot_steps, 1)}
 
 

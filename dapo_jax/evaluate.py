@@ -26,38 +26,73 @@ def majority_correct(acc_k: Sequence[bool], preds_k: Sequence[str]) -> bool:
 
 
 class Evaluator:
-  """Samples k answers per held-out prompt (in chunks of `rows` prompts, padded to that static
-  shape so few sampler shapes compile) and scores them with the rollout's reward."""
+  """Samples k answers per held-out row and scores them with the rollout's reward.
+
+  Identical rows (the same prompt and ground truth, e.g. AIME's 30 problems repeated 32 times) are
+  one problem with k x (its copies) samples: avg@n, best@n and maj@n per problem come from one pass
+  over the file's rows, n = k x copies. With the continuous engine no row is padded; the static
+  sampler runs chunks of `rows` prompts padded to that static shape.
+  """
 
   def __init__(self, rollout: Rollout, examples: Sequence[data_lib.Example], *, k: int,
                sampler_cfg: sampling.SamplerConfig, greedy: bool = False, seed: int = 0, rows: int = 1):
     self.rollout, self.examples, self.k = rollout, list(examples), k
     self.sampler_cfg, self.greedy, self.seed, self.rows = sampler_cfg, greedy, seed, max(rows, 1)
+    problems: dict = {}
+    for ex in self.examples:
+      problems.setdefault((repr(ex.messages), ex.ground_truth), []).append(ex)
+    self.problems = [exs[0] for exs in problems.values()]
+    self.copies = [len(exs) for exs in problems.values()]
+    self.sampled_rows = 0  # rows the sampler decoded (the last run)
 
   def run(self, params, key=None) -> dict:
     if not self.examples:
       return {}
-    k = self.k
     key = jax.random.key(self.seed + 1) if key is None else key
-    acc, preds = self.samples(params, k, key, self.sampler_cfg)
-    out = {f"val/acc/mean@{k}": float(acc.mean()), f"val/acc/best@{k}": float(acc.any(1).mean()),
-           f"val/acc/maj@{k}": float(np.mean([majority_correct(a, p) for a, p in zip(acc, preds)]))}
+    self.sampled_rows = 0
+    acc, preds = self.samples(params, self.k, key, self.sampler_cfg)
+    n = self.k * max(set(self.copies), key=self.copies.count)  # samples per problem (the most common)
+    all_acc = np.concatenate(acc)
+    out = {f"val/acc/mean@{n}": float(all_acc.mean()), f"val/acc/best@{n}": float(np.mean([a.any() for a in acc])),
+           f"val/acc/maj@{n}": float(np.mean([majority_correct(a, p) for a, p in zip(acc, preds)]))}
     if self.greedy:
       greedy_cfg = dataclasses.replace(self.sampler_cfg, temperature=0.0, top_p=1.0)
-      acc_g, _ = self.samples(params, 1, key, greedy_cfg)
-      out["val/acc/greedy"] = float(acc_g.mean())
+      acc_g, _ = self.samples(params, 1, key, greedy_cfg, per_copy=False)
+      out["val/acc/greedy"] = float(np.mean([a[0] for a in acc_g]))
     return out
 
-  def samples(self, params, k: int, key, sampler_cfg) -> tuple[np.ndarray, list[list[str]]]:
-    """(acc [num_examples, k], predictions [num_examples][k])."""
+  def samples(self, params, k: int, key, sampler_cfg, per_copy: bool = True):
+    """(acc, predictions) per problem: k x copies samples each (k each without `per_copy`)."""
     r = self.rollout
-    accs, preds = [], []
-    for i in range(0, len(self.examples), self.rows):
-      chunk = self.examples[i:i + self.rows]
-      n = len(chunk)
-      chunk += [chunk[-1]] * (self.rows - n)  # Pad the last chunk to the static shape.
-      samples = r.generate(params, chunk, k, jax.random.fold_in(key, i), sampler_cfg)
-      res = r.reward(r.decode(samples), [ex.ground_truth for ex in chunk for _ in range(k)])
-      accs.append(np.array([x["acc"] for x in res]).reshape(self.rows, k)[:n])
-      preds += [[res[q * k + j]["pred"] for j in range(k)] for q in range(n)]
-    return np.concatenate(accs), preds
+    counts = [k * c if per_copy else k for c in self.copies]
+    if r.cfg.engine == "continuous":
+      texts, samples = self._continuous(params, counts, key, sampler_cfg)
+    else:
+      texts, samples = self._static(params, counts, key, sampler_cfg)
+    gts = [ex.ground_truth for ex, n in zip(self.problems, counts) for _ in range(n)]
+    res = r.reward(texts, gts)
+    first = np.cumsum([0] + counts)
+    acc = [np.array([x["acc"] for x in res[first[q]:first[q + 1]]], bool) for q in range(len(counts))]
+    preds = [[x["pred"] for x in res[first[q]:first[q + 1]]] for q in range(len(counts))]
+    return acc, preds
+
+  def _continuous(self, params, counts, key, sampler_cfg):
+    r = self.rollout
+    prompt_QP, mask_QP = r.encode(self.problems)
+    eng = r.engine(sampler_cfg, max(self.rows * self.k, 1))
+    samples, stats = eng.generate(params, prompt_QP, mask_QP, counts, key)
+    self.sampled_rows += stats["samples"]
+    return r.decode(samples), samples
+
+  def _static(self, params, counts, key, sampler_cfg):
+    """Chunks of `rows` problems, the last padded to the static shape (a count per chunk: the largest)."""
+    r, texts = self.rollout, []
+    for i in range(0, len(self.problems), self.rows):
+      chunk, n = self.problems[i:i + self.rows], counts[i:i + self.rows]
+      G = max(n)
+      padded = chunk + [chunk[-1]] * (self.rows - len(chunk))
+      samples = r.generate(params, padded, G, jax.random.fold_in(key, i), sampler_cfg)
+      self.sampled_rows += len(padded) * G
+      all_texts = r.decode(samples)
+      texts += [all_texts[q * G + j] for q in range(len(chunk)) for j in range(n[q])]
+    return texts, None

@@ -146,6 +146,9 @@ def validate(cfg, num_devices: int | None = None) -> None:
   _check(d.filter_metric in adv_lib.FILTER_METRICS, "dapo.filter_metric", d.filter_metric,
          f"one of {adv_lib.FILTER_METRICS}")
   _check(r.stop in tokenizer_lib.STOP_MODES, "rollout.stop", r.stop, f"one of {tokenizer_lib.STOP_MODES}")
+  _check(r.engine in ("continuous", "static"), "rollout.engine", r.engine, "'continuous' or 'static'")
+  n("rollout.slots", 0, integer=True, allowed=">= 0 (0 = the rows of one generation batch)")
+  n("train.length_buckets", 0, integer=True, allowed=">= 0 (0 = every row padded to rollout.max_new_tokens)")
   _check(d.kl_estimator in ("k1", "k3"), "dapo.kl_estimator", d.kl_estimator, "'k1' or 'k3'")
   n("dapo.kl_coef", 0)
   n("dapo.overlong_buffer", 0, C, integer=True, allowed=f"from 0 to rollout.max_new_tokens={C}")
@@ -231,6 +234,9 @@ def validate(cfg, num_devices: int | None = None) -> None:
   if per_mb % shards:
     raise ConfigError(f"train.minibatches={mb}: {per_mb} rows per mini-batch do not split over the "
                       f"mesh's data*fsdp = {shards} batch shards")
+  if r.engine == "continuous" and r.slots % shards:
+    raise ConfigError(f"rollout.slots={r.slots}: the decode slots do not split over the mesh's "
+                      f"data*fsdp = {shards} batch shards")
 
 
 def _max_positions(hf_dir: str) -> int:
@@ -381,6 +387,7 @@ def rollout_config(cfg) -> rollout_lib.RolloutConfig:
   return rollout_lib.RolloutConfig(
       max_prompt_len=cfg.data.max_prompt_len, prompt_buckets=tuple(cfg.data.prompt_buckets),
       chat_template=cfg.data.chat_template, rows_per_call=cfg.rollout.rows_per_call,
+      engine=cfg.rollout.engine, slots=cfg.rollout.slots,
       overlong_buffer=d.overlong_buffer, overlong_penalty=d.overlong_penalty, filter_metric=d.filter_metric)
 
 
@@ -402,7 +409,8 @@ def loop_config(cfg) -> loop.LoopConfig:
       on_cap=d.on_cap, carry_over=d.carry_over, norm_adv_by_std=d.norm_adv_by_std,
       overlong_filter=d.overlong_filter, minibatches=t.minibatches, ppo_epochs=t.ppo_epochs,
       reference=d.kl_coef > 0, seed=cfg.seed, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
-      log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps)
+      log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
+      length_buckets=adv_lib.length_buckets(cfg.rollout.max_new_tokens, t.length_buckets) if t.length_buckets else ())
 
 
 def sft_config(cfg):

@@ -22,7 +22,7 @@ import numpy as np
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
 from dapo_jax import metrics as metrics_lib
-from dapo_jax import sharding
+from dapo_jax import sharding, streaming
 from dapo_jax.datatypes import Groups, RLBatch
 
 
@@ -46,6 +46,9 @@ class LoopConfig:
   minibatches: int              # updates per rollout step and epoch
   ppo_epochs: int
   reference: bool               # a frozen reference model's log-probs feed a KL term
+  streaming: bool = True        # admit prompts while they can be needed (`streaming`); False: whole
+                                # generation batches, then the filter (the reference)
+  length_buckets: tuple[int, ...] = ()  # completion lengths micro-batches are cut to; () = pad to C
   seed: int = 0
   ckpt_every: int = 0
   eval_every: int = 0
@@ -87,8 +90,11 @@ class DAPO:
   # --- one rollout step ----------------------------------------------------------------------
 
   def collect(self, step: int) -> tuple[Groups | None, adv_lib.FillStats, dict]:
-    """Generation batches until dynamic sampling has Q groups (or its cap)."""
+    """Q groups for this step: streamed through the engine, or generation batches until dynamic
+    sampling has Q groups (or its cap)."""
     c = self.cfg
+    if c.streaming and jax.process_count() == 1:
+      return self.stream(step)
     info = {"gen_s": 0.0, "reward_s": 0.0, "gen_tokens": 0, "texts": None, "first_groups": None}
     params = []  # Placed for the sampler on first use: carried groups may fill the step alone.
 
@@ -109,6 +115,19 @@ class DAPO:
         max_gen_batches=c.max_gen_batches, on_cap=c.on_cap, carry_over=c.carry_over)
     return batch, stats, info
 
+  def stream(self, step: int):
+    c = self.cfg
+    groups, stats, info = streaming.stream_groups(
+        self.rollout, self.rollout.sampling_params(self.state.params), self.data_iter.next_batch, c.group_size,
+        c.prompts_per_step, jax.random.fold_in(jax.random.fold_in(self.key, step), 0),
+        max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling else 0,
+        filter_groups=c.dynamic_sampling)
+    if stats.cap_reached and c.on_cap == "raise":
+      raise adv_lib.DynamicSamplingCapError(
+          f"dynamic sampling: {stats.admitted} prompts (dapo.max_gen_batches x dapo.gen_prompts) kept only "
+          f"{stats.kept} of {c.prompts_per_step} groups; the data is too easy or too hard")
+    return groups, stats, info
+
   def update(self, batch: RLBatch) -> tuple[dict, dict]:
     """π_old (and reference) log-probs, then epochs x mini-batches of updates; mean metrics."""
     c = self.cfg
@@ -116,24 +135,34 @@ class DAPO:
     # (and overwrites). It has had the whole rollout phase to finish.
     self.ckpt.wait()
     t0 = time.perf_counter()
-    if c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
-      old = self.logprobs(self.state.params, self.trainer.put_batch(batch))
-      batch = batch.replace(old_logp_BC=sharding.fetch(old))
-    if self.ref_params is not None:
-      batch = batch.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, self.trainer.put_batch(batch))))
+    rows = batch.adv_B.shape[0] // c.minibatches
+    minibatches = [jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch) for i in range(c.minibatches)]
+    if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets.
+      M = self.trainer.microbatches_for(minibatches[0])
+      minibatches = [adv_lib.bucketed_microbatches(mb, M, self.trainer.group_size, c.length_buckets)
+                     for mb in minibatches]
+    else:
+      minibatches = [[mb] for mb in minibatches]
+    for parts in minibatches:
+      for i, mb in enumerate(parts):
+        if c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
+          mb = mb.replace(old_logp_BC=sharding.fetch(self.logprobs(self.state.params, self.trainer.put_batch(mb))))
+        if self.ref_params is not None:
+          mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, self.trainer.put_batch(mb))))
+        parts[i] = mb
     t1 = time.perf_counter()
-    mb = batch.adv_B.shape[0] // c.minibatches
     all_metrics = []
     for _ in range(c.ppo_epochs):
-      for i in range(c.minibatches):
-        part = jax.tree.map(lambda x: x[i * mb:(i + 1) * mb], batch)
-        self.state, m = self.trainer.step(self.state, self.trainer.put_batch(part))
+      for parts in minibatches:
+        placed = [self.trainer.put_batch(mb) for mb in parts]
+        if c.length_buckets:
+          self.state, m = self.trainer.accumulate_step(self.state, placed)
+        else:
+          self.state, m = self.trainer.step(self.state, placed[0])
         all_metrics.append(m)
     all_metrics = sharding.fetch(all_metrics)  # One host sync for the whole step.
     timing = {"old_log_prob_s": t1 - t0, "update_actor_s": time.perf_counter() - t1}
-    mean = {k: float(np.mean([m[k] for m in all_metrics])) for k in all_metrics[0]}
-    mean["update_skipped"] = float(np.sum([m["update_skipped"] for m in all_metrics]))
-    return mean, timing
+    return metrics_lib.mean_updates(all_metrics), timing
 
   def step(self, step: int) -> tuple[dict, dict]:
     """One rollout step: collect a filtered batch, update on it. Returns (metrics, rollout info)."""

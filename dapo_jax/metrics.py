@@ -110,6 +110,11 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
   gen = max(stats.generated, 1)
   if stats.generated:  # A step filled from carried-over groups generated nothing.
     m["rollout/acc_all"] = stats.acc_sum / gen
+  if hasattr(stats, "admitted"):  # Streaming dynamic sampling (`streaming.StreamStats`).
+    m.update({"rollout/prompts_admitted": stats.admitted, "rollout/groups_kept": stats.kept,
+              "rollout/max_in_flight": stats.max_in_flight, "rollout/slot_utilisation": stats.slot_utilisation,
+              "timing_s/reward_wait": stats.reward_wait_s,
+              "timing_s/reward_hidden": max(stats.reward_s - stats.reward_wait_s, 0.0)})
   m.update({
       "train/num_gen_batches": stats.gen_batches, "train/kept_fraction": stats.kept / gen,
       "train/all_correct_fraction": stats.all_correct / gen, "train/all_wrong_fraction": stats.all_wrong / gen,
@@ -121,3 +126,15 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
       "timing_s/update_actor": timing.get("update_actor_s", 0.0), "timing_s/step": step_s,
       "perf/throughput": info["gen_tokens"] / max(step_s, 1e-9)})
   return m
+
+
+def mean_updates(updates: list[dict]) -> dict:
+  """A rollout step's update metrics: the mean over the updates that were applied, weighted by their
+  loss tokens (as verl logs them); an update of padding only (no loss tokens) does not count.
+  `update_skipped` is the number of non-finite updates skipped."""
+  w = np.array([u.get("update_applied", 1.0) * u.get("num_tokens", 1.0) for u in updates], np.float64)
+  if w.sum() == 0:
+    w = np.ones(len(updates))
+  out = {k: float(np.average([u[k] for u in updates], weights=w)) for k in updates[0]}
+  out["update_skipped"] = float(np.sum([u["update_skipped"] for u in updates]))
+  return out

@@ -20,6 +20,7 @@ from flax import linen as nn
 
 from dapo_jax import advantages as adv_lib
 from dapo_jax import data as data_lib
+from dapo_jax import engine as engine_lib
 from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
 from dapo_jax import sampling, sharding
@@ -33,7 +34,10 @@ class RolloutConfig:
   max_prompt_len: int                  # tokens; longer prompts keep their end
   prompt_buckets: tuple[int, ...] = ()  # prompt lengths compiled for; () = just max_prompt_len
   chat_template: bool = True           # render prompts with the tokenizer's chat template
-  rows_per_call: int = 0               # rows per sampler call (0 = all rows at once)
+  engine: str = "continuous"           # "continuous" (engine.Engine: slots refilled as samples end) or
+                                       # "static" (one batch decodes until its longest row ends)
+  slots: int = 0                       # continuous: decode slots (0 = the rows of one generation batch)
+  rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
   filter_metric: str = "acc"           # what dynamic sampling compares (advantages.filter_values)
@@ -48,6 +52,9 @@ class Rollout:
     self.sampler_cfg, self.reward = sampler_cfg, reward
     self.buckets = sorted(cfg.prompt_buckets or [cfg.max_prompt_len])
     self.truncated_prompts = 0  # training prompts (`groups`) that lost their beginning to max_prompt_len
+    self.engines: dict = {}     # one continuous-batching engine per (sampler config, slots)
+    self.last_stats: dict = {}  # the last generate's engine statistics (slot utilisation, ...)
+    self.length_hook = None     # benchmarks only: rows -> the token number each row is forced to end at
     self.batch_sharding = sharding.named(mesh, "B")
     self.replicated = sharding.replicated(mesh)
     logical = nn.get_partition_spec(jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0))))
@@ -58,10 +65,10 @@ class Rollout:
 
   def encode(self, prompts: Sequence[data_lib.Example | str]) -> tuple[np.ndarray, np.ndarray]:
     """Left-padded prompt tokens and mask [Q, max_prompt_len]; strings are single user turns."""
-    tokens, mask, _ = self._encode_counting(prompts)
+    tokens, mask, _ = self.encode_counting(prompts)
     return tokens, mask
 
-  def _encode_counting(self, prompts) -> tuple[np.ndarray, np.ndarray, int]:
+  def encode_counting(self, prompts) -> tuple[np.ndarray, np.ndarray, int]:
     texts = [self.render(p) for p in prompts]
     P = self.cfg.max_prompt_len
     tokens, mask = tokenizer_lib.encode_left_padded(self.tok, texts, P)
@@ -88,11 +95,27 @@ class Rollout:
       return jax.device_put(params, self.params_sharding)
     return params
 
+  def engine(self, sampler_cfg: sampling.SamplerConfig, rows: int) -> engine_lib.Engine:
+    """The continuous-batching engine for `sampler_cfg` (`rollout.slots`, or `rows` when 0)."""
+    slots = self.cfg.slots or rows
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    slots = -(-slots // shards) * shards  # Whole slots per data shard.
+    k = (sampler_cfg, slots)
+    if k not in self.engines:
+      self.engines[k] = engine_lib.Engine(self.model_cfg, sampler_cfg, slots=slots, prompt_len=self.cfg.max_prompt_len,
+                                          prompt_buckets=self.buckets, mesh=self.mesh)
+    return self.engines[k]
+
   def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None):
     """G samples per prompt as host arrays (`sampling.Samples`); prompt q's samples are rows
     qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair."""
     sampler_cfg = sampler_cfg or self.sampler_cfg
     prompt_QP, prompt_mask_QP = prompts if isinstance(prompts, tuple) else self.encode(prompts)
+    stop_at_B = self.length_hook(len(prompt_QP) * G) if self.length_hook else None
+    if self.cfg.engine == "continuous":
+      samples, self.last_stats = self.engine(sampler_cfg, len(prompt_QP) * G).generate(
+          params, prompt_QP, prompt_mask_QP, G, key, stop_at_B)
+      return samples
     P = self.prompt_len(prompt_mask_QP)
     prompt_QP, prompt_mask_QP = prompt_QP[:, -P:], prompt_mask_QP[:, -P:]
     Q = len(prompt_QP)
@@ -108,8 +131,15 @@ class Rollout:
     for i in range(0, Q, per_call):
       part = sharding.put((prompt_QP[i:i + per_call], prompt_mask_QP[i:i + per_call]), placement)
       k = key if per_call == Q else jax.random.fold_in(key, i)
-      outs.append(sharding.fetch(sampling.generate(self.model_cfg, sampler_cfg, params, *part, k, num_samples=G)))
-    return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+      stop = None if stop_at_B is None else stop_at_B[i * G:(i + per_call) * G]
+      outs.append(sharding.fetch(sampling.generate(self.model_cfg, sampler_cfg, params, *part, k, num_samples=G,
+                                                   stop_at_B=stop)))
+    samples = outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+    # Every row of a call runs until the call's longest row ends.
+    steps = sum(int(o.length_B.max()) * len(o.length_B) for o in outs)
+    self.last_stats = {"generated_tokens": int(samples.length_B.sum()), "decode_steps": steps // max(chunk, 1),
+                       "slot_utilisation": float(samples.length_B.sum()) / max(steps, 1)}
+    return samples
 
   def decode(self, samples) -> list[str]:
     return tokenizer_lib.decode(self.tok, samples.tokens_BC, samples.mask_BC)
@@ -135,7 +165,7 @@ class Rollout:
   def groups(self, params, examples: Sequence[data_lib.Example], G: int, key) -> tuple[Groups, dict]:
     """One generation batch: every host's `examples` generated together; each host scores its own
     rows, and every host returns all the scored groups (dynamic sampling and advantages need them)."""
-    local_QP, local_mask_QP, truncated = self._encode_counting(examples)
+    local_QP, local_mask_QP, truncated = self.encode_counting(examples)
     self.truncated_prompts += truncated
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
@@ -150,5 +180,6 @@ class Rollout:
                     length_QG=samples.length_B.reshape(Q, G), truncated_QG=samples.truncated_B.reshape(Q, G),
                     score_QG=sharding.gather_hosts(local["score"]), acc_QG=sharding.gather_hosts(local["acc"]),
                     filter_QG=sharding.gather_hosts(local["filter"]))
-    info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum())}
+    info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
+            "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info

@@ -130,8 +130,9 @@ def prefill(model_cfg: model_lib.ModelConfig, params, prompt_BP, prompt_mask_BP,
 
 
 def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state: SamplingState,
-           prompt_len_B: jax.Array, budget: jax.Array) -> SamplingState:
-  """The decode loop: choose a token, feed it back through the cache, until every row stops."""
+           prompt_len_B: jax.Array, budget: jax.Array, stop_at_B: jax.Array) -> SamplingState:
+  """The decode loop: choose a token, feed it back through the cache, until every row stops.
+  Row b's token number stop_at_B[b] is forced to EOS (a benchmark's length hook; C + 1 = never)."""
   P = state.cache.size - cfg.max_new_tokens
   eos = jnp.asarray(cfg.eos_ids or (-1,), jnp.int32)
 
@@ -144,6 +145,7 @@ def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state:
     rng, key = jax.random.split(s.rng)
     tok_B, logp_B = choose(s.logits_BV, jax.random.uniform(key, (s.logits_BV.shape[0],)), cfg)
     running_B = ~s.done_B
+    tok_B = jnp.where(s.step == stop_at_B - 1, eos[0], tok_B)
     tok_B = jnp.where(running_B, tok_B, cfg.pad_id)
     logp_B = jnp.where(running_B, logp_B, 0.0)
     tokens_BC = jax.lax.dynamic_update_slice(s.tokens_BC, tok_B[:, None], (0, s.step))
@@ -161,7 +163,8 @@ def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 7))
-def _generate(model_cfg, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP, rng, budget, G: int) -> Samples:
+def generate_jit(model_cfg, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP, rng, budget, G: int,
+              stop_at_B) -> Samples:
   Q, P = prompt_QP.shape
   B, C = Q * G, cfg.max_new_tokens
   # Each prompt is prefilled once; its G samples share the result (rows qG..qG+G-1).
@@ -173,16 +176,21 @@ def _generate(model_cfg, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP, 
       length_B=jnp.zeros((B,), jnp.int32), logits_BV=logits_BV, cache=cache, rng=rng)
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   dparams = model_lib.decode_params(model_cfg, params)
-  state = decode(model_cfg, cfg, dparams, state, prompt_len_B, jnp.minimum(budget, C))
+  state = decode(model_cfg, cfg, dparams, state, prompt_len_B, jnp.minimum(budget, C), stop_at_B)
   mask_BC = jnp.arange(C)[None, :] < state.length_B[:, None]
   return Samples(tokens_BC=state.tokens_BC, logp_BC=state.logp_BC, mask_BC=mask_BC,
                  length_B=state.length_B, truncated_B=~state.done_B)
 
 
 def generate(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP,
-             rng: jax.Array, max_new_tokens: int | None = None, num_samples: int = 1) -> Samples:
+             rng: jax.Array, max_new_tokens: int | None = None, num_samples: int = 1, stop_at_B=None) -> Samples:
   """Samples `num_samples` (G) completions per left-padded prompt row: Q prompts -> B = Q*G rows,
-  prompt q's samples at rows qG..qG+G-1. `max_new_tokens` <= C needs no recompile."""
+  prompt q's samples at rows qG..qG+G-1; the whole batch decodes until its longest row ends.
+  `max_new_tokens` <= C needs no recompile. `stop_at_B` forces row b's token number stop_at_B[b]
+  to be its first EOS (benchmarks' response-length hook)."""
   budget = jnp.asarray(cfg.max_new_tokens if max_new_tokens is None else max_new_tokens, jnp.int32)
-  return _generate(model_cfg, cfg, params, jnp.asarray(prompt_QP, jnp.int32),
-                   jnp.asarray(prompt_mask_QP, bool), rng, budget, num_samples)
+  B = len(prompt_QP) * num_samples
+  if stop_at_B is None:
+    stop_at_B = jnp.full((B,), cfg.max_new_tokens + 1, jnp.int32)
+  return generate_jit(model_cfg, cfg, params, jnp.asarray(prompt_QP, jnp.int32),
+                   jnp.asarray(prompt_mask_QP, bool), rng, budget, num_samples, jnp.asarray(stop_at_B, jnp.int32))

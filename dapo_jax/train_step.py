@@ -102,18 +102,29 @@ def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Call
     (loss0, metrics0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     (loss, metrics, grads), _ = jax.lax.scan(accumulate, (loss0, metrics0, grads0), micro)
 
+  return apply_update(state, loss, metrics, grads, counts, tx=tx, optim_cfg=optim_cfg)
+
+
+def apply_update(state: TrainState, loss, metrics: dict, grads, counts: dict, *, tx: optax.GradientTransformation,
+                 optim_cfg: optim.OptimConfig) -> tuple[TrainState, dict]:
+  """AdamW on accumulated gradients; pure. A non-finite loss or gradient skips the update (counted);
+  so does a mini-batch with no loss tokens (only padding), which must not move the weights, the
+  optimizer moments or the step count (AdamW would still apply momentum and weight decay)."""
   grad_norm = optax.global_norm(grads)
   ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+  has_tokens = counts["num_tokens"] > 0 if "num_tokens" in counts else jnp.asarray(True)
+  apply = ok & has_tokens
   lr = optim.lr_at(optim_cfg, state.rollout_step)
   updates, new_opt_state = tx.update(grads, optim.with_lr(state.opt_state, lr), state.params)
   new_params = optax.apply_updates(state.params, updates)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
   state = state.replace(
-      step=state.step + ok.astype(jnp.int32), params=keep(new_params, state.params),
+      step=state.step + apply.astype(jnp.int32), params=keep(new_params, state.params),
       opt_state=keep(new_opt_state, state.opt_state),
       skipped=state.skipped + (~ok).astype(jnp.int32),
       bad_streak=jnp.where(ok, 0, state.bad_streak + 1))
   metrics = dict(metrics, loss=loss, grad_norm=grad_norm, lr=lr, update_skipped=(~ok).astype(jnp.float32),
+                 update_applied=apply.astype(jnp.float32),
                  **{k: v for k, v in counts.items() if k == "num_tokens"})
   return state, metrics
 
@@ -166,6 +177,14 @@ class Trainer:
                         group_size=self.group_size)
     self._step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
                          out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
+    grad_fn = jax.value_and_grad(objective.loss, has_aux=True)
+    self._grads = jax.jit(grad_fn, in_shardings=(self.params_sharding, self.batch_sharding, self.replicated),
+                          out_shardings=((self.replicated, self.replicated), self.params_sharding))
+    self._counts = jax.jit(objective.counts, in_shardings=(self.batch_sharding,), out_shardings=self.replicated)
+    self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+    self._apply = jax.jit(lambda state, loss, metrics, grads, counts: apply_update(
+        state, loss, metrics, grads, counts, tx=self.tx, optim_cfg=optim_cfg), donate_argnums=(0,),
+        out_shardings=(self.state_sharding, self.replicated))
     self._create = jax.jit(lambda p: TrainState.create(p, self.tx), in_shardings=(self.params_sharding,),
                            out_shardings=self.state_sharding)
     self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng),
@@ -177,6 +196,21 @@ class Trainer:
     """One optimizer update on a placed mini-batch (see `put_batch`)."""
     with jax.set_mesh(self.mesh):
       return self._step(state, batch)
+
+  def accumulate_step(self, state: TrainState, micro_batches: list) -> tuple[TrainState, dict]:
+    """One optimizer update from placed micro-batches of different shapes (e.g. completion axes cut
+    to length buckets): gradients accumulate on device, the counts of the whole mini-batch are the
+    sum of the micro-batches' (every count is additive), so the token mean stays global."""
+    with jax.set_mesh(self.mesh):
+      counts = self._counts(micro_batches[0])
+      for mb in micro_batches[1:]:
+        counts = self._add(counts, self._counts(mb))
+      acc = None
+      for mb in micro_batches:
+        out = self._grads(state.params, mb, counts)
+        acc = out if acc is None else self._add(acc, out)
+      (loss, metrics), grads = acc
+      return self._apply(state, loss, metrics, grads, counts)
 
   def lower_step(self, state, batch):
     """The step lowered for `state` and `batch` (arrays or `jax.ShapeDtypeStruct`s), as it runs."""

@@ -107,10 +107,10 @@ def test_budget_and_prompts_do_not_recompile():
   cfg = sampling.SamplerConfig(max_new_tokens=6, temperature=1.0)
   prompt, pmask = prompts([8, 3])
   sampling.generate(CFG, cfg, PARAMS, prompt, pmask, jax.random.key(0))
-  n = sampling._generate._cache_size()
+  n = sampling.generate_jit._cache_size()
   prompt2, pmask2 = prompts([2, 5], seed=9)
   out = sampling.generate(CFG, cfg, PARAMS, prompt2, pmask2, jax.random.key(4), max_new_tokens=3)
-  assert sampling._generate._cache_size() == n
+  assert sampling.generate_jit._cache_size() == n
   assert (np.asarray(out.length_B) == 3).all()
 
 

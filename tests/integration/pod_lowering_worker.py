@@ -36,8 +36,8 @@ def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(151643, 151645))
   prompt = jax.ShapeDtypeStruct((gen_rows // G, T_prompt), jnp.int32, sharding=bs)
   pmask = jax.ShapeDtypeStruct((gen_rows // G, T_prompt), bool, sharding=bs)
-  lowered_s = sampling._generate.lower(mc, sc, state.params, prompt, pmask, jax.random.key(0),
-                                       jnp.asarray(C, jnp.int32), G)
+  lowered_s = sampling.generate_jit.lower(mc, sc, state.params, prompt, pmask, jax.random.key(0),
+                                          jnp.asarray(C, jnp.int32), G, jnp.zeros((gen_rows,), jnp.int32))
   if compile_it:
     lowered.compile()
     lowered_s.compile()
