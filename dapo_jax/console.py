@@ -68,6 +68,7 @@ class Progress:
     self._first: tuple[float, int] | None = None  # (time, count) just after the first update
     self._last_print = -float("inf")
     self._printed_n = -1
+    self._closed = False
     self.values: dict[str, float] = {}
 
   def __enter__(self) -> "Progress":
@@ -86,12 +87,17 @@ class Progress:
     rate = self.rate()
     parts = [f"{self.label} {bar(self.n, self.total)} {self.n:>{len(str(self.total))}}/{self.total} {self.unit}",
              f"{rate:.3g} {self.unit}/s" if rate >= 1 else f"{1 / max(rate, 1e-9):.3g} s/{self.unit}"]
-    if self.n < self.total:
+    if self.n < self.total and not self._closed:
       parts.append(f"ETA {duration((self.total - self.n) / max(rate, 1e-9))}")
     else:
-      parts.append(f"in {duration(self.clock() - self.start)}")
+      parts.append(f"{'in' if self.n >= self.total else 'stopped after'} {duration(self.clock() - self.start)}")
     parts += [f"{k.replace('_', ' ')} {v:.3g}" for k, v in self.values.items()]
     return "  ".join(parts)
+
+  def due(self, n: int = 1) -> bool:
+    """Whether `update(n)` will print: fetch the values to show (a host sync) only then."""
+    return (self.n + n >= self.total or self._printed_n < 0
+            or self.clock() - self._last_print >= self.every_s)
 
   def update(self, n: int = 1, **values: float) -> None:
     self.n += n
@@ -104,6 +110,7 @@ class Progress:
 
   def close(self) -> None:
     """Prints the final line unless it already was printed."""
+    self._closed = True
     if self._printed_n != self.n:
       self._print(self.clock())
 
