@@ -86,7 +86,8 @@ class Progress:
   def line(self) -> str:
     rate = self.rate()
     parts = [f"{self.label} {bar(self.n, self.total)} {self.n:>{len(str(self.total))}}/{self.total} {self.unit}",
-             f"{rate:.3g} {self.unit}/s" if rate >= 1 else f"{1 / max(rate, 1e-9):.3g} s/{self.unit}"]
+             f"{rate:.0f} {self.unit}/s" if rate >= 100 else f"{rate:.3g} {self.unit}/s" if rate >= 1
+             else f"{1 / max(rate, 1e-9):.3g} s/{self.unit}"]
     if self.n < self.total and not self._closed:
       parts.append(f"ETA {duration((self.total - self.n) / max(rate, 1e-9))}")
     else:

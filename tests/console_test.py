@@ -58,6 +58,11 @@ def test_disabled_progress_prints_nothing_and_formats():
   assert out.getvalue() == ""
   assert [console.duration(s) for s in (4.4, 64, 3 * 3600 + 125)] == ["4s", "1m04s", "3h02m"]
   assert [console.size(b) for b in (512, 3 << 20, 5 << 30)] == ["512 B", "3.0 MB", "5.0 GB"]
+  clock = Clock()
+  p = console.Progress(5000, "GGUF tensors", unit="tensor", stream=out, clock=clock)
+  clock.t = 0.5
+  p.update(1000)
+  assert p.line() == "GGUF tensors [####................] 1000/5000 tensor  2000 tensor/s  ETA 2s"
   assert console.bar(5, 20) == "[#####...............]" and console.bar(0, 0) == "[" + "#" * 20 + "]"
 
 
