@@ -126,6 +126,12 @@ def base() -> mlc.ConfigDict:
                probe_size=256,       # training problems in that probe
                probe_every=25)       # steps between probes
   c.mesh = dict(data=1, fsdp=-1, tensor=1)   # -1: the rest of the devices
+  # Where metrics go: any of "tensorboard" (WORKDIR/tb), "jsonl" (WORKDIR/metrics.jsonl) and "wandb"
+  # (pip install -e ".[wandb]"; WANDB_MODE=offline writes WORKDIR/wandb for a later `wandb sync`).
+  c.metrics = dict(writers=("tensorboard", "jsonl"),
+                   wandb_project="dapo_jax",
+                   wandb_entity="",          # "" = the W&B account's default entity
+                   wandb_name="")            # "" = the workdir's name
   return c
 
 

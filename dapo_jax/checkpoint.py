@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from dapo_jax import console
+
 
 class CheckpointMismatchError(ValueError):
   """A checkpoint written by another config (names, shapes, dtypes or seed differ)."""
@@ -33,6 +35,9 @@ class CheckpointCorruptError(ValueError):
 
 
 class Checkpointer:
+  # Restoring a checkpoint at least this large prints a line before and after (size, seconds).
+  announce_bytes = 256 << 20
+
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
@@ -121,10 +126,13 @@ class Checkpointer:
     items = dict(state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore())
     if has_digest:
       items["digest"] = ocp.args.JsonRestore()
-    try:
-      out = self.manager.restore(step, args=ocp.args.Composite(**items))
-    except Exception as e:  # Orbax and TensorStore raise many types for unreadable bytes.
-      raise CheckpointCorruptError(f"checkpoint {path} cannot be read ({_brief(e)})") from e
+    num_bytes = _dir_bytes(path)
+    announce = num_bytes >= self.announce_bytes and jax.process_index() == 0
+    with console.timed(f"restoring checkpoint {path} ({console.size(num_bytes)})", enabled=announce):
+      try:
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+      except Exception as e:  # Orbax and TensorStore raise many types for unreadable bytes.
+        raise CheckpointCorruptError(f"checkpoint {path} cannot be read ({_brief(e)})") from e
     if not has_digest:
       logging.warning("checkpoint %s has no digest (written by an older version); restored unverified", path)
     else:
@@ -239,6 +247,10 @@ def _verify(path: str, digest: dict, state: Any, extra: dict) -> None:
   if bad:
     raise CheckpointCorruptError(f"checkpoint {path}: {len(bad)} array(s) do not match their digest "
                                  f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
 def _brief(e: Exception) -> str:

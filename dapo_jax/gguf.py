@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from dapo_jax import hf
+from dapo_jax import console, hf
 from dapo_jax import model as model_lib
 
 _LAYER_NAMES = {  # GGUF name -> HF name (inside model.layers.{i}.)
@@ -103,7 +103,9 @@ def hf_tensors(reader, cfg: model_lib.ModelConfig) -> dict[str, np.ndarray]:
   """Every tensor, dequantized to fp32 and renamed and un-permuted to the HF layout."""
   from gguf import quants
   out = {}
+  progress = console.Progress(len(reader.tensors), "GGUF tensors", unit="tensor")
   for t in reader.tensors:
+    progress.update(1)
     arr = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
     arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGML lists dims innermost first.
     if t.name in _GLOBAL_NAMES:
@@ -117,6 +119,7 @@ def hf_tensors(reader, cfg: model_lib.ModelConfig) -> dict[str, np.ndarray]:
     elif rest == "attn_k.weight":
       arr = _unpermute(arr, cfg.num_kv_heads)
     out[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = arr
+  progress.close()
   return out
 
 
@@ -134,6 +137,9 @@ def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
 def tokenizer(path: str):
   """A `transformers` fast tokenizer rebuilt from the GGUF metadata (byte-level BPE)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  from dapo_jax import tokenizer as tokenizer_lib
+  tokenizer_lib.quiet_transformers()
   from transformers import PreTrainedTokenizerFast
   reader = _reader(path)
   meta = metadata(reader)

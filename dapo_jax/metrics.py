@@ -1,71 +1,145 @@
-"""Metric writers: TensorBoard event files, metrics.jsonl, and a one-line console summary.
+"""Metric writers: TensorBoard event files, metrics.jsonl, Weights & Biases; the RL console line.
 
 Only process 0 writes. TensorBoard files are written with tensorboard's own event writer and
-protos (no TensorFlow needed).
+protos (no TensorFlow needed). The W&B run keeps its id in WORKDIR/wandb_run_id, so a resumed
+run continues the same W&B run; with WANDB_MODE=offline it is written under WORKDIR/wandb and
+uploaded later with `wandb sync`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import sys
 import time
+import uuid
 from typing import Mapping
 
 import numpy as np
 
+from dapo_jax import console as console_lib
+
+WRITERS = ("tensorboard", "jsonl", "wandb")
+
+
+class MetricsConfigError(ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterConfig:
+  """Where metrics go (the config's `metrics` section, field for field)."""
+  writers: tuple[str, ...] = ("tensorboard", "jsonl")   # any of WRITERS
+  wandb_project: str = "dapo_jax"
+  wandb_entity: str = ""        # "" = the account's default entity
+  wandb_name: str = ""          # "" = the workdir's name
+
+  def __post_init__(self):
+    object.__setattr__(self, "writers", tuple(self.writers))
+    unknown = [w for w in self.writers if w not in WRITERS]
+    if unknown:
+      raise MetricsConfigError(f"metrics.writers: {unknown[0]!r} is not a writer; choose from {WRITERS}")
+
 
 class MetricWriter:
-  def __init__(self, workdir: str, enabled: bool = True):
+  """Writes the same scalars (and sample texts) to every writer of `cfg.writers`.
+
+  `run_config` (a plain dict, e.g. `cfg.to_dict()`) becomes the W&B run's config.
+  """
+
+  def __init__(self, workdir: str, enabled: bool = True, cfg: WriterConfig = WriterConfig(),
+               run_config: Mapping | None = None):
     self.enabled = enabled
     self.path = workdir
+    self.cfg = cfg
+    self._tb = self._jsonl = self._wandb = None
+    self._tables: dict[str, list] = {}  # W&B sample rows so far, per tag: each log shows them all
     if not enabled:
       return
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
     os.makedirs(workdir, exist_ok=True)
-    self._tb = EventFileWriter(os.path.join(workdir, "tb"))
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    if "tensorboard" in cfg.writers:
+      from tensorboard.summary.writer.event_file_writer import EventFileWriter
+      self._tb = EventFileWriter(os.path.join(workdir, "tb"))
+    if "jsonl" in cfg.writers:
+      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    if "wandb" in cfg.writers:
+      self._wandb = _wandb_run(workdir, cfg, run_config)
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     if not self.enabled:
       return
-    from tensorboard.compat.proto import event_pb2, summary_pb2
     clean = {k: float(v) for k, v in values.items() if v is not None and np.ndim(v) == 0}
-    summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v)
-                                         for k, v in sorted(clean.items())])
-    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
-    record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
-    self._jsonl.write(json.dumps(record) + "\n")
+    if self._tb is not None:
+      from tensorboard.compat.proto import event_pb2, summary_pb2
+      summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=k, simple_value=v)
+                                           for k, v in sorted(clean.items())])
+      self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    if self._jsonl is not None:
+      record = {"step": int(step), **{k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()}}
+      self._jsonl.write(json.dumps(record) + "\n")
+    if self._wandb is not None:
+      self._wandb.log(clean, step=int(step))
 
   def text(self, step: int, tag: str, text: str) -> None:
+    """A text (e.g. sample generations: blocks separated by blank lines) at `step`: a TensorBoard
+    text summary, and in W&B a table with one row per block."""
     if not self.enabled:
       return
-    from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
-    tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()],
-                                    tensor_shape=tensor_shape_pb2.TensorShapeProto())
-    meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
-    value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=meta)
-    self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                       summary=summary_pb2.Summary(value=[value])))
+    if self._tb is not None:
+      from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+      tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()],
+                                      tensor_shape=tensor_shape_pb2.TensorShapeProto())
+      meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+      value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=meta)
+      self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                         summary=summary_pb2.Summary(value=[value])))
+    if self._wandb is not None:
+      import wandb
+      rows = self._tables.setdefault(tag, [])
+      rows += [[int(step), block] for block in text.split("\n\n") if block.strip()]
+      self._wandb.log({tag: wandb.Table(columns=["step", "text"], data=list(rows))}, step=int(step))
 
   def flush(self) -> None:
-    if self.enabled:
+    if self._tb is not None:
       self._tb.flush()
+    if self._jsonl is not None:
       self._jsonl.flush()
 
   def close(self) -> None:
-    if self.enabled:
+    if self._tb is not None:
       self._tb.close()
+    if self._jsonl is not None:
       self._jsonl.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+    self._tb = self._jsonl = self._wandb = None
+
+
+def _wandb_run(workdir: str, cfg: WriterConfig, run_config: Mapping | None):
+  """A W&B run logging into `workdir`; its id is kept in WORKDIR/wandb_run_id so that a resumed
+  training run continues it (resume="allow" creates it the first time)."""
+  try:
+    import wandb
+  except ImportError:
+    raise MetricsConfigError("metrics.writers includes 'wandb' but the wandb package is not installed: "
+                             'pip install -e ".[wandb]"') from None
+  id_path = os.path.join(workdir, "wandb_run_id")
+  if os.path.exists(id_path):
+    with open(id_path) as f:
+      run_id = f.read().strip()
+  else:
+    run_id = uuid.uuid4().hex[:12]  # W&B ids: lowercase letters and digits
+    with open(id_path, "w") as f:
+      f.write(run_id + "\n")
+  name = cfg.wandb_name or os.path.basename(os.path.normpath(os.path.abspath(workdir)))
+  return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, name=name, id=run_id,
+                    resume="allow", dir=workdir, config=dict(run_config or {}), reinit="create_new")
 
 
 def console(step: int, total: int, values: Mapping[str, float], keys: Mapping[str, str]) -> None:
   """One line per step: a progress bar and the headline numbers."""
-  width = 20
-  done = int(width * step / max(total, 1))
   parts = [f"{label} {values[k]:.3g}" for k, label in keys.items() if k in values]
-  print(f"[{'#' * done}{'.' * (width - done)}] step {step}/{total}  " + "  ".join(parts), flush=True)
-  sys.stdout.flush()
+  console_lib.say(f"{console_lib.bar(step, total)} step {step}/{total}  " + "  ".join(parts))
 
 
 def read_jsonl(path: str) -> dict[int, dict]:

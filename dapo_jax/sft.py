@@ -4,15 +4,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dapo_jax import console, objectives, optim, train_step
 from dapo_jax import data as data_lib
 from dapo_jax import model as model_lib
-from dapo_jax import objectives, optim, train_step
 from dapo_jax import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import LMBatch
 
@@ -88,21 +87,23 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, par
     # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
     probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style)
     probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
-  t0 = time.time()
   logging.info("SFT: %d steps of %d x %d tokens from %d chunks", s.steps, s.batch_size, s.seq_len, len(chunks))
-  for step in range(s.steps):
-    rows = chunks[rng.integers(0, len(chunks), size=s.batch_size)]
-    ones = np.ones_like(rows, bool)
-    batch = trainer.put_batch(LMBatch(tokens_BT=rows, mask_BT=ones, loss_mask_BT=ones))
-    state, metrics = trainer.step(state.replace(rollout_step=step), batch)
-    if step % 25 == 0 or step == s.steps - 1:
-      m = jax.device_get(metrics)
-      print(f"SFT step {step + 1}/{s.steps}  loss {m['lm_loss']:.3f}  token acc {m['token_acc']:.3f}  "
-            f"({time.time() - t0:.0f}s)", flush=True)
-    if s.target_acc and (step + 1) % s.probe_every == 0:
-      acc = float(probe_acc(state.params, *probe))
-      if acc >= s.target_acc:
-        print(f"SFT step {step + 1}: greedy reproduces {acc:.1%} of {len(probe[0])} training problems "
-              f"(sft.target_acc={s.target_acc}); warm start done", flush=True)
-        break
+  with console.Progress(s.steps, "SFT", unit="step") as progress:
+    for step in range(s.steps):
+      rows = chunks[rng.integers(0, len(chunks), size=s.batch_size)]
+      ones = np.ones_like(rows, bool)
+      batch = trainer.put_batch(LMBatch(tokens_BT=rows, mask_BT=ones, loss_mask_BT=ones))
+      state, metrics = trainer.step(state.replace(rollout_step=step), batch)
+      if progress.due():  # Fetching the metrics waits for the step: only for a printed line.
+        m = jax.device_get(metrics)
+        progress.update(1, loss=m["lm_loss"], token_acc=m["token_acc"])
+      else:
+        progress.update(1)
+      if s.target_acc and (step + 1) % s.probe_every == 0:
+        acc = float(probe_acc(state.params, *probe))
+        if acc >= s.target_acc:
+          progress.close()
+          console.say(f"SFT step {step + 1}: greedy reproduces {acc:.1%} of {len(probe[0])} training problems "
+                      f"(sft.target_acc={s.target_acc}); warm start done")
+          break
   return state.params

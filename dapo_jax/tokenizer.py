@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Sequence
 
@@ -10,6 +11,26 @@ import numpy as np
 
 class TokenizerError(ValueError):
   pass
+
+
+class _NoTorchNotice(logging.Filter):
+  """Drops the notice transformers logs on import when PyTorch is absent ("PyTorch was not found.
+  Models won't be available..."; older versions: "None of PyTorch, TensorFlow ... have been
+  found"): only its tokenizers and config utilities are used here, which need no torch. Every
+  other transformers message passes."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "Models won't be available and only tokenizers" not in str(record.msg)
+
+
+def quiet_transformers() -> None:
+  """Installs the filter on the logger that notice is logged to; call before importing transformers."""
+  logger = logging.getLogger("transformers")
+  if not any(isinstance(f, _NoTorchNotice) for f in logger.filters):
+    logger.addFilter(_NoTorchNotice())
+
+
+quiet_transformers()  # Every transformers import of the library follows an import of this module.
 
 
 def load(path: str):

@@ -15,11 +15,13 @@ def main(argv):
   del argv
   import jax
 
-  from dapo_jax import from_config, hf
+  from dapo_jax import console, from_config, hf
   cfg = _CONFIG.value
   model_cfg, params, tok, step = from_config.restore_policy(cfg, _WORKDIR.value)
-  hf.save(_OUT.value, model_cfg, jax.device_get(params), tokenizer=tok)
-  print(f"wrote rollout step {step} of {_WORKDIR.value} to {_OUT.value}")
+  num_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  with console.timed(f"writing {console.size(num_bytes)} of parameters to {_OUT.value}"):
+    hf.save(_OUT.value, model_cfg, jax.device_get(params), tokenizer=tok)
+  console.say(f"wrote rollout step {step} of {_WORKDIR.value} to {_OUT.value}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""Sample completions from a checkpoint (or a Hugging Face model directory) and score them.
+
+  python -m launch.sample --workdir=runs/default --prompt="What is 38+46?"
+  python -m launch.sample --workdir=runs/default --prompt="What is 38+46?" --ground_truth=84 --k=4
+  python -m launch.sample --model_dir=/ckpt/model --prompts=aime-2024.parquet --k=4 --temperature=0.7
+
+A `--prompts` file is a .jsonl or .parquet dataset in the DAPO-Math row schema, or rows with a
+"prompt" string; rows with a ground truth (`reward_model.ground_truth` or `ground_truth`) get
+scored by the config's reward (`reward.fn`). `--json` prints one JSON object per completion.
+"""
+import dataclasses
+import json
+
+from absl import flags
+
+from launch import common
+
+_CONFIG = common.define_config()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is sampled.")
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "Sample this HF model directory instead.")
+_PROMPT = flags.DEFINE_string("prompt", None, "One prompt (a user turn).")
+_GROUND_TRUTH = flags.DEFINE_string("ground_truth", None, "The answer to --prompt, to score the completions.")
+_PROMPTS = flags.DEFINE_string("prompts", None, "A .jsonl/.parquet file of prompts (a batch).")
+_K = flags.DEFINE_integer("k", 1, "Completions per prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy (default: config).")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Completion tokens at most (default: config).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_JSON = flags.DEFINE_bool("json", False, "One JSON object per completion instead of text.")
+
+
+def read_prompts(path: str, prompt_template: str):
+  """(prompts, ground truths) of a file: examples with their answer, or plain prompts with None."""
+  from dapo_jax import data
+  rows = data.read_rows(path)
+  truth = lambda row: (row["reward_model"] if isinstance(row.get("reward_model"), dict) else row).get("ground_truth")
+  has_truth = [isinstance(row, dict) and str(truth(row) or "").strip() != "" for row in rows]
+  examples = {ex.index: ex for ex in data.load_file(path, "skip", prompt_template)} if any(has_truth) else {}
+  prompts, truths = [], []
+  for i, row in enumerate(rows):
+    if has_truth[i]:
+      prompts.append(examples[i])
+      truths.append(examples[i].ground_truth)
+    elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
+      prompts.append(prompt_template.format(problem=row["prompt"]) if prompt_template else row["prompt"])
+      truths.append(None)
+    else:
+      raise data.DataError(f"{path}: row {i}: field 'prompt' must be a non-empty string, or a list of "
+                           "messages with a ground truth")
+  if not prompts:
+    raise data.DataError(f"dataset file {path!r} has no rows")
+  return prompts, truths
+
+
+def main(argv):
+  del argv
+  common.init_distributed()
+  import jax
+
+  from dapo_jax import console, data, from_config, hf, rewards, rollout, sharding, tokenizer
+  cfg = _CONFIG.value
+  from_config.validate(cfg)
+  if bool(_PROMPT.value) == bool(_PROMPTS.value):
+    raise data.DataError("give one of --prompt=TEXT or --prompts=FILE")
+  if _PROMPTS.value:  # Before the model loads: a bad file fails at once.
+    prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template)
+  else:
+    prompts, truths = [_PROMPT.value], [_GROUND_TRUTH.value]
+  mesh = sharding.make_mesh(cfg.mesh)
+  if _MODEL_DIR.value:
+    model_cfg, params = hf.load(_MODEL_DIR.value, **from_config.runtime_overrides(cfg))
+    tok = tokenizer.load(cfg.tokenizer.path or _MODEL_DIR.value)
+    source = _MODEL_DIR.value
+  else:
+    workdir = _WORKDIR.value or common.default_workdir()
+    model_cfg, params, tok, _ = from_config.restore_policy(cfg, workdir, mesh)
+    source = from_config.model_dir(cfg, workdir)
+  sampler_cfg = from_config.sampler_config(cfg, tok, source)
+  sampler_cfg = dataclasses.replace(
+      sampler_cfg, temperature=sampler_cfg.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value,
+      max_new_tokens=_MAX_NEW_TOKENS.value or sampler_cfg.max_new_tokens)
+  k = _K.value
+  r = rollout.Rollout(tok, model_cfg, mesh, dataclasses.replace(from_config.rollout_config(cfg), rows_per_call=0),
+                      sampler_cfg)
+  texts = r.decode(r.generate(r.sampling_params(params), prompts, k, jax.random.key(_SEED.value)))
+  scored = [i for i, gt in enumerate(truths) for _ in range(k) if gt is not None]
+  results = {}
+  if scored:
+    reward = rewards.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
+    try:
+      rows = [q * k + j for q in sorted(set(scored)) for j in range(k)]
+      results = dict(zip(rows, reward([texts[b] for b in rows], [truths[b // k] for b in rows])))
+    finally:
+      reward.close()
+  for q, prompt in enumerate(prompts):
+    shown = prompt if isinstance(prompt, str) else prompt.messages[-1]["content"]
+    if not _JSON.value:
+      console.say(f"prompt {q + 1}/{len(prompts)}: {shown!r}"
+                  + (f"  (ground truth {truths[q]!r})" if truths[q] is not None else ""))
+    for j in range(k):
+      b = q * k + j
+      res = results.get(b)
+      if _JSON.value:
+        out = {"prompt": shown, "sample": j, "completion": texts[b]}
+        if res is not None:
+          out.update(ground_truth=truths[q], score=res["score"], acc=bool(res["acc"]), pred=res["pred"])
+        console.say(json.dumps(out))
+        continue
+      score = f"  [score {res['score']:+.2f}, acc {int(bool(res['acc']))}, pred {res['pred']!r}]" if res else ""
+      console.say(f"  {j + 1}: {texts[b]!r}{score}")
+  if results:
+    acc = sum(bool(r_["acc"]) for r_ in results.values()) / len(results)
+    if not _JSON.value:
+      console.say(f"accuracy {acc:.3f} over {len(results)} scored completions")
+
+
+if __name__ == "__main__":
+  common.run(main)
