@@ -14,6 +14,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from dapo_jax import console
 from dapo_jax import data as data_lib
 from dapo_jax import sampling
 from dapo_jax.rollout import Rollout
@@ -35,8 +36,9 @@ class Evaluator:
   """
 
   def __init__(self, rollout: Rollout, examples: Sequence[data_lib.Example], *, k: int,
-               sampler_cfg: sampling.SamplerConfig, greedy: bool = False, seed: int = 0, rows: int = 1):
-    self.rollout, self.examples, self.k = rollout, list(examples), k
+               sampler_cfg: sampling.SamplerConfig, greedy: bool = False, seed: int = 0, rows: int = 1,
+               progress: bool = False):
+    self.rollout, self.examples, self.k, self.progress = rollout, list(examples), k, progress
     self.sampler_cfg, self.greedy, self.seed, self.rows = sampler_cfg, greedy, seed, max(rows, 1)
     problems: dict = {}
     for ex in self.examples:
@@ -80,13 +82,16 @@ class Evaluator:
     r = self.rollout
     prompt_QP, mask_QP = r.encode(self.problems)
     eng = r.engine(sampler_cfg, max(self.rows * self.k, 1))
-    samples, stats = eng.generate(params, prompt_QP, mask_QP, counts, key)
+    bar = console.Progress(sum(counts), "eval", unit="sample", enabled=self.progress)
+    samples, stats = eng.generate(params, prompt_QP, mask_QP, counts, key, on_samples=bar.update)
+    bar.close()
     self.sampled_rows += stats["samples"]
     return r.decode(samples), samples
 
   def _static(self, params, counts, key, sampler_cfg):
     """Chunks of `rows` problems, the last padded to the static shape (a count per chunk: the largest)."""
     r, texts = self.rollout, []
+    bar = console.Progress(len(self.problems), "eval", unit="problem", enabled=self.progress)
     for i in range(0, len(self.problems), self.rows):
       chunk, n = self.problems[i:i + self.rows], counts[i:i + self.rows]
       G = max(n)
@@ -95,4 +100,6 @@ class Evaluator:
       self.sampled_rows += len(padded) * G
       all_texts = r.decode(samples)
       texts += [all_texts[q * G + j] for q in range(len(chunk)) for j in range(n[q])]
+      bar.update(len(chunk))
+    bar.close()
     return texts, None

@@ -24,6 +24,7 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint, evaluate, hf, loop, objectives, optim, sampling, sharding, train_step
 from dapo_jax import data as data_lib
 from dapo_jax import loss as loss_lib
+from dapo_jax import metrics as metrics_lib
 from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
 from dapo_jax import rollout as rollout_lib
@@ -207,9 +208,9 @@ def validate(cfg, num_devices: int | None = None) -> None:
   # Lengths: prompt + completion within the model's positions, where the model states them.
   if m.init == "hf" and m.hf_dir:
     limit = _max_positions(m.hf_dir)
-    if limit and P + C > limit:
-      raise ConfigError(f"data.max_prompt_len={P} + rollout.max_new_tokens={C} = {P + C} tokens exceeds the "
-                        f"model's max_position_embeddings={limit} ({m.hf_dir}/config.json)")
+    if limit and P + C > limit:  # Rotary positions extend past it, but the model never trained there.
+      logging.warning("data.max_prompt_len=%d + rollout.max_new_tokens=%d = %d tokens exceeds the model's "
+                      "max_position_embeddings=%d (%s/config.json)", P, C, P + C, limit, m.hf_dir)
 
   # Mesh against the devices, and the batch over its data shards.
   sizes = {}
@@ -433,11 +434,11 @@ def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_ste
                             microbatch_tokens=cfg.train.microbatch_tokens)
 
 
-def evaluator(cfg, rollout: rollout_lib.Rollout, examples) -> evaluate.Evaluator:
-  # Chunks of the rollout's row count, so the compiled sampler shapes are few.
+def evaluator(cfg, rollout: rollout_lib.Rollout, examples, progress: bool = False) -> evaluate.Evaluator:
+  # Static sampler: chunks of the rollout's row count, so the compiled sampler shapes are few.
   rows = max(cfg.dapo.gen_prompts * cfg.rollout.group_size // cfg.eval.k, 1)
   return evaluate.Evaluator(rollout, examples, k=cfg.eval.k, sampler_cfg=eval_sampler_config(cfg, rollout.sampler_cfg),
-                            greedy=cfg.eval.greedy, seed=cfg.seed, rows=rows)
+                            greedy=cfg.eval.greedy, seed=cfg.seed, rows=rows, progress=progress)
 
 
 def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
@@ -461,7 +462,8 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
                                         process_count=jax.process_count())
     return loop.DAPO(loop_config(cfg), trainer=trainer_, logprobs=logprobs, rollout=rollout,
                      evaluator=evaluator(cfg, rollout, evals), data_iter=data_iter, params=params,
-                     workdir=workdir, keep_ckpts=cfg.train.keep_ckpts)
+                     workdir=workdir, keep_ckpts=cfg.train.keep_ckpts,
+                     writer_cfg=metrics_lib.WriterConfig(**cfg.metrics), run_config=cfg.to_dict())
   except BaseException:
     reward.close()
     raise

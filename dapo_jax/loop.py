@@ -65,7 +65,8 @@ class DAPO:
   metric writer and the checkpointer (`from_config.dapo(cfg, workdir, mesh)` builds one)."""
 
   def __init__(self, cfg: LoopConfig, *, trainer, logprobs, rollout, evaluator, data_iter, params,
-               workdir: str, keep_ckpts: int = 3):
+               workdir: str, keep_ckpts: int = 3, writer_cfg: metrics_lib.WriterConfig = metrics_lib.WriterConfig(),
+               run_config: dict | None = None):
     self.cfg, self.trainer, self.logprobs, self.rollout, self.evaluator = cfg, trainer, logprobs, rollout, evaluator
     self.data_iter = data_iter
     self.state = trainer.init(params=params)
@@ -73,7 +74,8 @@ class DAPO:
     self.ref_params = trainer.copy_params(self.state.params) if cfg.reference else None
     self.carry: Groups | None = None
     self.key = jax.random.key(cfg.seed)
-    self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0, cfg=writer_cfg,
+                                           run_config=run_config)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep_ckpts)
 
   def __enter__(self) -> "DAPO":

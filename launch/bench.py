@@ -30,6 +30,13 @@ _PROMPTS = flags.DEFINE_string("prompts", None, "jsonl of prompts with input_ids
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "Prompts per step (e2e).")
 _GROUP = flags.DEFINE_integer("group", 8, "Samples per prompt (e2e).")
 _DTYPE = flags.DEFINE_string("dtype", "", "Compute dtype ('' = the config's model.dtype).")
+_MEAN_LENGTH = flags.DEFINE_integer("mean_length", 0, "e2e: each response's length is drawn from a long-tailed "
+                                    "(log-normal, sigma 1) distribution with this mean, capped at --new_tokens, "
+                                    "and forced to end there with EOS (fixed seed); 0 = the sampler decides.")
+_ENGINE = flags.DEFINE_enum("engine", None, ["continuous", "static"], "e2e: 'continuous' (the engine and "
+                            "length-bucketed updates) or 'static' (one sampler call per generation batch, every "
+                            "row padded to --new_tokens); default: the config's.")
+_SLOTS = flags.DEFINE_integer("slots", None, "e2e: decode slots of the continuous engine (default: the config's).")
 _MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = the config's "
                                     "model.matmul_dtype, or else the compute dtype).")
 
@@ -169,9 +176,21 @@ def bench_e2e(cfg, peak):
     cfg.reward.fn = "dapo_jax.testing:has_seven"
     cfg.optim.update(lr=1e-6, warmup_steps=0)
     cfg.train.update(minibatches=1, ppo_epochs=1, ckpt_every=0, eval_every=0)
+    if _ENGINE.value == "static":  # Today's path: static sampler calls, every row padded to C.
+      cfg.rollout.engine, cfg.train.length_buckets = "static", 0
+    elif _ENGINE.value == "continuous":
+      cfg.rollout.engine = "continuous"
+    if _SLOTS.value is not None:
+      cfg.rollout.slots = _SLOTS.value
+    cfg.dapo.streaming = False  # Whole generation batches: both paths run the very same samples.
   with from_config.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
+    if _MEAN_LENGTH.value:
+      dapo.rollout.length_hook = LengthHook(_MEAN_LENGTH.value, C)
     dapo.step(0)  # Warm-up: compiles, starts the reward pool.
-    steps = [dapo.step(i + 1)[0] for i in range(_RUNS.value)]
+    steps, utilisation = [], []
+    for i in range(_RUNS.value):
+      steps.append(dapo.step(i + 1)[0])
+      utilisation.append(dapo.rollout.last_stats["slot_utilisation"])
   med = lambda k: statistics.median(m[k] for m in steps)
   mc = dapo.rollout.model_cfg
   B, P = Q * G, 32
@@ -182,7 +201,26 @@ def bench_e2e(cfg, peak):
           "reward_s": med("timing_s/reward"), "old_log_prob_s": med("timing_s/old_log_prob"),
           "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(
-              [m["perf/throughput"] * m["timing_s/step"] for m in steps]))}
+              [m["perf/throughput"] * m["timing_s/step"] for m in steps])),
+          "slot_utilisation": statistics.median(utilisation), "engine": cfg.rollout.engine,
+          "slots": dapo.rollout.engines and next(iter(dapo.rollout.engines.values())).S or None,
+          "length_buckets": list(dapo.cfg.length_buckets), "mean_length": _MEAN_LENGTH.value}
+
+
+class LengthHook:
+  """The long-tail workload: response lengths drawn per generation call from a log-normal
+  distribution (sigma 1) with mean `mean`, capped at `cap`; the n-th call draws the same lengths
+  whichever engine runs it, so both paths generate the very same samples."""
+
+  def __init__(self, mean: int, cap: int, seed: int = 0):
+    import numpy as np
+    self.mu, self.cap, self.seed, self.calls = np.log(mean) - 0.5, cap, seed, 0
+
+  def __call__(self, rows: int):
+    import numpy as np
+    rng = np.random.default_rng((self.seed, self.calls))
+    self.calls += 1
+    return np.clip(np.round(rng.lognormal(self.mu, 1.0, size=rows)), 1, self.cap).astype(np.int32)
 
 
 def main(argv):

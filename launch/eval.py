@@ -39,7 +39,7 @@ def main(argv):
   try:
     r = rollout.Rollout(tok, model_cfg, mesh, from_config.rollout_config(cfg),
                         from_config.sampler_config(cfg, tok, source), reward)
-    result = from_config.evaluator(cfg, r, examples).run(params)
+    result = from_config.evaluator(cfg, r, examples, progress=True).run(params)
   finally:
     reward.close()
   print(json.dumps({"rollout_step": step, "num_prompts": len(examples), **result}))
