@@ -111,35 +111,38 @@ def _surrogate_np(logp, old, adv, eps_low=0.2, eps_high=0.28, c=10.0):
 def test_verl_weighting_differs_only_with_unequal_microbatches():
   """verl: each micro-batch's own token mean, weighted by its share of rows; with M=2 micro-batch m
   holds rows m, m+2, ... (`split_microbatches`). Equal token counts make it the global token mean."""
+  trainers = {verl: train_step.Trainer(CFG, LINEAR_OPT, one_device_mesh(), num_microbatches=2,
+                                       pg_cfg=train_step.PGConfig(verl_microbatch_weighting=verl))
+              for verl in (False, True)}
+  params0 = jax.device_get(trainers[False].init(jax.random.key(0)).params)
+
+  def step(verl, batch):  # One update at rollout step 1 (lr > 0) from the same parameters.
+    t = trainers[verl]
+    state = t.init(params=params0).replace(rollout_step=jax.device_put(jnp.int32(1), t.state_sharding.rollout_step))
+    return jax.device_get(t.step(state, t.put_batch(batch)))
+
   batch = make_batch()
-  trainer, _, m_global = run(one_device_mesh(), 2, batch)
-  _, s_verl, m_verl = run(one_device_mesh(), 2, batch, pg=train_step.PGConfig(verl_microbatch_weighting=True))
-  params0 = jax.device_get(trainer.init(jax.random.key(0)).params)
-  logp = np.asarray(trainer.logprobs(params0, trainer.put_batch(batch)), np.float64)
+  logp = np.asarray(trainers[False].logprobs(params0, trainers[False].put_batch(batch)), np.float64)
   per_tok = _surrogate_np(logp, batch.old_logp_BC, batch.adv_B)
   mask = batch.loss_mask_BC
   rows = [np.arange(m, 8, 2) for m in range(2)]
   verl = sum(len(r) / 8 * (per_tok[r] * mask[r]).sum() / mask[r].sum() for r in rows)
   glob = (per_tok * mask).sum() / mask.sum()
-  assert abs(verl - glob) > 1e-3  # The test batch has unequal micro-batches (19 and 22 tokens).
-  np.testing.assert_allclose(m_verl[0]["pg_loss"], verl, rtol=1e-5)
-  np.testing.assert_allclose(m_global[0]["pg_loss"], glob, rtol=1e-5)
+  assert abs(verl - glob) > 1e-3  # The test batch's two micro-batches have unequal token counts.
+  (s_v, m_v), (s_g, m_g) = step(True, batch), step(False, batch)
+  np.testing.assert_allclose(m_v["pg_loss"], verl, rtol=1e-5)
+  np.testing.assert_allclose(m_g["pg_loss"], glob, rtol=1e-5)
+  assert not np.allclose(s_v.params["layers"]["wq_DNH"], s_g.params["layers"]["wq_DNH"], atol=1e-6)
 
   # Equal token counts per micro-batch: rows 2k and 2k+1 get the same length, so both weightings
   # are one objective and give the same update.
   lengths = np.repeat([10, 3, 0, 6], 2)
   equal = batch.replace(loss_mask_BC=np.arange(10)[None] < lengths[:, None])
-  kw = dict(opt=LINEAR_OPT, rollout_step=1)
-  _, s_g, m_g = run(one_device_mesh(), 2, equal, **kw)
-  _, s_v, m_v = run(one_device_mesh(), 2, equal, pg=train_step.PGConfig(verl_microbatch_weighting=True), **kw)
+  (s_v, m_v), (s_g, m_g) = step(True, equal), step(False, equal)
   for k in ("loss", "pg_loss", "grad_norm", "entropy"):
-    np.testing.assert_allclose(m_v[0][k], m_g[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
-  assert m_g[0]["lr"] == 1e-3
+    np.testing.assert_allclose(m_v[k], m_g[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert m_g["lr"] == 1e-3
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_v.params, s_g.params)
-  # Unequal micro-batches: a different gradient, so a different update.
-  assert not np.allclose(run(one_device_mesh(), 2, batch, **kw)[1].params["layers"]["wq_DNH"],
-                         run(one_device_mesh(), 2, batch, pg=train_step.PGConfig(verl_microbatch_weighting=True),
-                             **kw)[1].params["layers"]["wq_DNH"], atol=1e-6)
 
 
 def test_pg_loss_matches_direct_policy_loss():
