@@ -29,9 +29,10 @@ def test_plan_by_hand():
 # --- the plan against XLA's own accounting of the compiled train step ---------------------------
 # memory_analysis() gives per-device bytes of the step's arguments (train state + batch) and of its
 # temporaries (gradients, activations and scratch). Measured ratios compiled/plan (XLA:CPU, 4-layer
-# D=64 model, 16 rows of 64 tokens; the test uses 2 layers, inside the same bands): arguments 1.00; temporaries 1.59-1.70 (remat none), 1.15-1.32
-# (full), 0.98-1.07 (dots); 2.4-2.5 on a 2x2 (fsdp x tensor) mesh, where XLA keeps gathered copies
-# the plan does not count. The bands below hold those with margin; the scaling checks are tighter.
+# D=64 model, 16 rows of 64 tokens; the test's 2-layer model passes the same bands): arguments
+# 1.00; temporaries 1.59-1.70 (remat none), 1.15-1.32 (full), 0.98-1.07 (dots); 2.4-2.5 on a 2x2
+# (fsdp x tensor) mesh, where XLA keeps gathered copies the plan does not count. The bands below
+# hold those with margin; the scaling checks are tighter.
 
 MEM_CFG = dict(vocab_size=256, embed_dim=64, mlp_dim=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 ROWS, PROMPT, COMPLETION = 16, 16, 48
