@@ -9,7 +9,6 @@ import concurrent.futures as cf
 import importlib
 import logging
 import multiprocessing as mp
-import queue
 import re
 import time
 from typing import Callable, Sequence
@@ -127,7 +126,7 @@ def _warm_up(path: str) -> None:
 
 def _call(call_id: int, path: str, response: str, ground_truth: str) -> dict:
   if _started_queue is not None:  # CLOCK_MONOTONIC is system-wide, so the parent can compare.
-    _started_queue.put((call_id, time.monotonic()))
+    _started_queue.put((call_id, time.monotonic()))  # A SimpleQueue: written before the call runs.
   out = resolve(path)(response, ground_truth)
   if isinstance(out, (int, float)):
     out = {"score": float(out), "acc": float(out) > 0, "pred": ""}
@@ -156,7 +155,7 @@ class RewardPool:
   def _executor(self) -> cf.ProcessPoolExecutor:
     if self._pool is None:  # spawn: forking a process that runs XLA threads is unsafe.
       ctx = mp.get_context("spawn")
-      self._started = ctx.Queue()
+      self._started = ctx.SimpleQueue()
       self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
                                           initargs=(self._started,))
       # Start every worker and import the reward module before any call is timed: a slow
@@ -174,18 +173,14 @@ class RewardPool:
       self._pool.shutdown(wait=True, cancel_futures=True)
       self._pool = None
       self._started.close()
-      self._started.join_thread()
       self._started = None
 
   def close(self) -> None:
     self._kill()
 
   def _drain_starts(self, started: dict) -> None:
-    while True:
-      try:
-        call_id, t = self._started.get_nowait()
-      except queue.Empty:
-        return
+    while not self._started.empty():
+      call_id, t = self._started.get()
       started[call_id] = t
 
   def __call__(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[dict]:
@@ -193,7 +188,15 @@ class RewardPool:
     todo = list(range(len(responses)))
     while todo:
       pool = self._executor()
-      futures = {pool.submit(_call, i, self.fn_path, responses[i], ground_truths[i]): i for i in todo}
+      futures = {}
+      for i in todo:
+        try:
+          futures[pool.submit(_call, i, self.fn_path, responses[i], ground_truths[i])] = i
+        except cf.process.BrokenProcessPool:  # A worker died meanwhile: the submitted calls say which.
+          break
+      if not futures:
+        self._kill()
+        continue
       pending = set(futures)
       started: dict[int, float] = {}  # Sample index -> when its worker started it (monotonic).
       while pending:
@@ -202,14 +205,23 @@ class RewardPool:
         wait_s = min([t + self.timeout_s for t in running], default=float("inf")) - time.monotonic()
         finished, pending = cf.wait(pending, timeout=min(max(wait_s, 0.0), _POLL_S),
                                     return_when=cf.FIRST_COMPLETED)
+        self._drain_starts(started)
+        broken = False
         for fut in finished:
           i = futures[fut]
           try:
             results[i] = fut.result()
-          except Exception as e:  # The function raised, or its process died.
+          except Exception as e:  # The function raised, or a worker process died.
+            if isinstance(e, cf.process.BrokenProcessPool):
+              broken = True  # Every unfinished call fails with it; those that had not started run again.
+              if i not in started:
+                continue
             self.errors += 1
             logging.warning("reward %s failed on sample %d: %s: %s", self.fn_path, i, type(e).__name__, e)
             results[i] = dict(FAILURE)
+        if broken:
+          self._kill()
+          break
         now = time.monotonic()
         expired = [futures[f] for f in pending if futures[f] in started and now - started[futures[f]] >= self.timeout_s]
         if expired:

@@ -59,6 +59,14 @@ def hang_on_request(response: str, ground_truth: str) -> dict:
   return {"score": 1.0, "acc": True, "pred": response}
 
 
+def exit_on_request(response: str, ground_truth: str) -> dict:
+  """Kills its worker process when the response is "exit", else scores +1."""
+  if response == "exit":
+    import os
+    os._exit(1)
+  return {"score": 1.0, "acc": True, "pred": response}
+
+
 def sharp_params(cfg, seed: int = 0, scale: float = 8.0):
   """Random params with peaked next-token distributions, so greedy choices have clear margins."""
   import jax

@@ -122,3 +122,16 @@ def test_pool_slow_calls_behind_a_hang_are_not_timed_out():
   finally:
     pool.close()
   assert [o["score"] for o in out] == [-1.0, 1.0, -1.0, 1.0] and pool.timeouts == 2
+
+
+def test_pool_survives_a_function_that_kills_its_worker():
+  """A dead worker breaks the executor: the call that ran fails, the queued ones run in a new pool."""
+  pool = rewards.RewardPool("dapo_jax.testing:exit_on_request", timeout_s=30, workers=1)
+  try:
+    out = pool(["ok", "exit", "ok", "ok"], ["1"] * 4)
+    again = pool(["ok"], ["1"])
+  finally:
+    pool.close()
+  ok = {"score": 1.0, "acc": True, "pred": "ok"}
+  assert out == [ok, rewards.FAILURE, ok, ok] and again == [ok]
+  assert pool.errors == 1 and pool.timeouts == 0
