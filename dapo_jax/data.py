@@ -80,7 +80,7 @@ def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Exa
   if prompt_template:
     last = messages[-1]
     messages = messages[:-1] + ({"role": last["role"], "content": prompt_template.format(problem=last["content"])},)
-  return Example(messages=messages, ground_truth=str(gt), data_source=str(row.get("data_source", "math_dapo")),
+  return Example(messages=messages, ground_truth=str(gt), data_source=str(row.get("data_source") or "math_dapo"),
                  index=i)
 
 

@@ -108,6 +108,15 @@ def resolve(path: str) -> RewardFn:
 
 FAILURE = {"score": -1.0, "acc": False, "pred": "[REWARD_ERROR]"}
 _STARTUP_TIMEOUT_S = 300.0
+_POLL_S = 0.05  # How often the pool looks for calls that started or ran out of time.
+
+# In a worker: where it reports the moment each call starts (set by `_init_worker`).
+_started_queue = None
+
+
+def _init_worker(started_queue) -> None:
+  global _started_queue
+  _started_queue = started_queue
 
 
 def _warm_up(path: str) -> None:
@@ -115,7 +124,9 @@ def _warm_up(path: str) -> None:
   time.sleep(0.05)  # Keep this worker busy so the next warm-up task starts another one.
 
 
-def _call(path: str, response: str, ground_truth: str) -> dict:
+def _call(call_id: int, path: str, response: str, ground_truth: str) -> dict:
+  if _started_queue is not None:  # CLOCK_MONOTONIC is system-wide, so the parent can compare.
+    _started_queue.put((call_id, time.monotonic()))  # A SimpleQueue: written before the call runs.
   out = resolve(path)(response, ground_truth)
   if isinstance(out, (int, float)):
     out = {"score": float(out), "acc": float(out) > 0, "pred": ""}
@@ -126,9 +137,12 @@ def _call(path: str, response: str, ground_truth: str) -> dict:
 class RewardPool:
   """Scores responses in worker processes with a per-call timeout.
 
-  A function that raises or exceeds the timeout yields `FAILURE` for that sample, which is
-  counted (`errors`, `timeouts`) and logged with the sample's index; training never stops. A hung
-  worker cannot be interrupted, so after a timeout the pool's processes are killed and replaced.
+  A function that raises or runs for longer than the timeout yields `FAILURE` for that sample,
+  which is counted (`errors`, `timeouts`) and logged with the sample's index; training never
+  stops. The timeout counts from the moment a worker starts the call (workers report it), not from
+  submission: the executor lists queued calls as running, so they cannot be told apart otherwise.
+  A hung worker cannot be interrupted, so after a timeout the pool's processes are killed and
+  replaced, and the calls that had not finished are run again.
   """
 
   def __init__(self, fn_path: str, timeout_s: float = 10.0, workers: int = 2):
@@ -136,10 +150,14 @@ class RewardPool:
     self.fn_path, self.timeout_s, self.workers = fn_path, timeout_s, workers
     self.errors = self.timeouts = 0
     self._pool: cf.ProcessPoolExecutor | None = None
+    self._started = None  # The current pool's start-report queue.
 
   def _executor(self) -> cf.ProcessPoolExecutor:
     if self._pool is None:  # spawn: forking a process that runs XLA threads is unsafe.
-      self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+      ctx = mp.get_context("spawn")
+      self._started = ctx.SimpleQueue()
+      self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
+                                          initargs=(self._started,))
       # Start every worker and import the reward module before any call is timed: a slow
       # start-up on a loaded machine must not count against the per-call timeout.
       warm = [self._pool.submit(_warm_up, self.fn_path) for _ in range(self.workers)]
@@ -154,36 +172,65 @@ class RewardPool:
       # over the pool's wake-up pipe ("Exception ignored ... Bad file descriptor" at exit).
       self._pool.shutdown(wait=True, cancel_futures=True)
       self._pool = None
+      self._started.close()
+      self._started = None
 
   def close(self) -> None:
     self._kill()
+
+  def _drain_starts(self, started: dict) -> None:
+    while not self._started.empty():
+      call_id, t = self._started.get()
+      started[call_id] = t
 
   def __call__(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[dict]:
     results: list[dict | None] = [None] * len(responses)
     todo = list(range(len(responses)))
     while todo:
       pool = self._executor()
-      futures = {pool.submit(_call, self.fn_path, responses[i], ground_truths[i]): i for i in todo}
+      futures = {}
+      for i in todo:
+        try:
+          futures[pool.submit(_call, i, self.fn_path, responses[i], ground_truths[i])] = i
+        except cf.process.BrokenProcessPool:  # A worker died meanwhile: the submitted calls say which.
+          break
+      if not futures:
+        self._kill()
+        continue
       pending = set(futures)
+      started: dict[int, float] = {}  # Sample index -> when its worker started it (monotonic).
       while pending:
-        finished, pending = cf.wait(pending, timeout=self.timeout_s, return_when=cf.FIRST_COMPLETED)
+        self._drain_starts(started)
+        running = [started[futures[f]] for f in pending if futures[f] in started]
+        wait_s = min([t + self.timeout_s for t in running], default=float("inf")) - time.monotonic()
+        finished, pending = cf.wait(pending, timeout=min(max(wait_s, 0.0), _POLL_S),
+                                    return_when=cf.FIRST_COMPLETED)
+        self._drain_starts(started)
+        broken = False
         for fut in finished:
           i = futures[fut]
           try:
             results[i] = fut.result()
-          except Exception as e:  # The function raised, or its process died.
+          except Exception as e:  # The function raised, or a worker process died.
+            if isinstance(e, cf.process.BrokenProcessPool):
+              broken = True  # Every unfinished call fails with it; those that had not started run again.
+              if i not in started:
+                continue
             self.errors += 1
             logging.warning("reward %s failed on sample %d: %s: %s", self.fn_path, i, type(e).__name__, e)
             results[i] = dict(FAILURE)
-        if not finished:
-          # Nothing finished for timeout_s: every call now running has exceeded the timeout.
-          for fut in pending:
-            if fut.running():
-              i = futures[fut]
-              self.timeouts += 1
-              logging.warning("reward %s timed out after %.1fs on sample %d", self.fn_path, self.timeout_s, i)
-              results[i] = dict(FAILURE)
-          self._kill()  # A hung worker cannot be interrupted; replace the pool.
+        if broken:
+          self._kill()
+          break
+        now = time.monotonic()
+        expired = [futures[f] for f in pending if futures[f] in started and now - started[futures[f]] >= self.timeout_s]
+        if expired:
+          for i in expired:
+            self.timeouts += 1
+            logging.warning("reward %s timed out after %.1fs on sample %d", self.fn_path, self.timeout_s, i)
+            results[i] = dict(FAILURE)
+          # A hung worker cannot be interrupted: replace the pool; unfinished calls run again.
+          self._kill()
           break
       todo = [i for i, r in enumerate(results) if r is None]
     return results  # type: ignore[return-value]

@@ -51,6 +51,22 @@ def hanging_reward(response: str, ground_truth: str) -> dict:
   return {"score": 1.0, "acc": True, "pred": ""}
 
 
+def hang_on_request(response: str, ground_truth: str) -> dict:
+  """Hangs when the response is "hang", else scores +1: some calls of a batch stall, others don't."""
+  if response == "hang":
+    import time
+    time.sleep(3600)
+  return {"score": 1.0, "acc": True, "pred": response}
+
+
+def exit_on_request(response: str, ground_truth: str) -> dict:
+  """Kills its worker process when the response is "exit", else scores +1."""
+  if response == "exit":
+    import os
+    os._exit(1)
+  return {"score": 1.0, "acc": True, "pred": response}
+
+
 def sharp_params(cfg, seed: int = 0, scale: float = 8.0):
   """Random params with peaked next-token distributions, so greedy choices have clear margins."""
   import jax

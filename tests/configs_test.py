@@ -23,11 +23,27 @@ def load(name, arg):
 
 
 @pytest.mark.parametrize("name,arg", ARGS)
-def test_config_builds(name, arg):
+def test_config_builds_and_passes_startup_validation(name, arg):
   cfg = load(name, arg)
+  from_config.validate(cfg)  # The same check `loop.run` makes before building anything.
   mc = from_config.model_config(cfg, 1024)
   assert isinstance(mc, model.ModelConfig)
-  assert cfg.dapo.prompts_per_step * cfg.rollout.group_size % cfg.train.minibatches == 0
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("train.minibatches", 7, r"does not split into train.minibatches=7"),
+    ("train.num_microbatches", -1, r"train.num_microbatches=-1"),
+    ("train.microbatch_tokens", 0, r"train.microbatch_tokens=0"),
+    ("dapo.loss_agg", "sum", r"dapo.loss_agg='sum'"),
+    ("dapo.on_cap", "skip", r"dapo.on_cap='skip'"),
+    ("dapo.overlong_buffer", 10**6, r"dapo.overlong_buffer=1000000 exceeds rollout.max_new_tokens"),
+])
+def test_startup_validation_names_the_field(field, value, message):
+  cfg = load("default", None)
+  group, name = field.split(".")
+  cfg[group][name] = value
+  with pytest.raises(ValueError, match=message):
+    from_config.validate(cfg)
 
 
 def test_paper_recipe_values():

@@ -18,3 +18,41 @@ def tiny_tokenizer_dir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("tokenizer"))
   testing.build_tokenizer(path)
   return path
+
+
+# --- CI: a skipped test is a failure unless it is allowed to skip there ---------------------------
+# With CI=true (set by .ci/run and by CI services) every test must run: a skip means a missing
+# dependency or file. Tests marked gpu/tpu, and those listed here with the reason, may skip.
+CI_ALLOWED_SKIPS = {
+    # Mounting a 16 MB tmpfs needs root with CAP_SYS_ADMIN, which CI containers usually lack.
+    "tests/integration/reliability_test.py::test_full_disk_is_a_clear_error_and_keeps_checkpoints",
+}
+_ALLOWED_MARKERS = ("gpu", "tpu")
+
+
+def _in_ci() -> bool:
+  return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _fail_skip(report, what: str) -> None:
+  reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+  report.outcome = "failed"
+  report.longrepr = f"{what} was skipped in CI, where it must run ({reason}); see CI_ALLOWED_SKIPS in tests/conftest.py"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  if (_in_ci() and report.skipped and not hasattr(report, "wasxfail")
+      and item.nodeid not in CI_ALLOWED_SKIPS
+      and not any(item.get_closest_marker(m) for m in _ALLOWED_MARKERS)):
+    _fail_skip(report, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+  outcome = yield
+  report = outcome.get_result()
+  if _in_ci() and report.skipped:  # A module-level importorskip: a whole file would not run.
+    _fail_skip(report, collector.nodeid)

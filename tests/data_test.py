@@ -6,10 +6,9 @@ import pytest
 
 from dapo_jax import data, rewards
 
-AIME = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "aime-2024.parquet")
+AIME = os.path.join(os.path.dirname(__file__), "data", "aime-2024.parquet")  # 30 problems x 32, 30 KB
 
 
-@pytest.mark.skipif(not os.path.exists(AIME), reason="shared/data/aime-2024.parquet not present")
 def test_aime_parquet_loads_with_prompts_and_answers():
   examples = data.load_file(AIME)
   assert len(examples) == 960
@@ -100,3 +99,94 @@ def test_iterator_resumes_and_shards():
   assert first[0] != first[1]
   epoch0 = [ex.index for ex in first[0] + first[1] + rest[0][:2]]
   assert sorted(epoch0) == list(range(10))   # every example once per epoch
+
+
+# --- every file format and option, and the iterator against a naive reference -----------------
+
+def write_parquet(path, rows):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+ROWS = [row(gt="3", content="1+2?"),
+        dict(row(gt="7", content="3+4?"), data_source="other"),
+        row(gt=None, content="no answer"),
+        row(gt="  ", content="blank answer"),
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "5+5?"}],
+         "reward_model": {"ground_truth": "10"}}]
+
+
+@pytest.mark.parametrize("ext", ["parquet", "jsonl", "json"])
+def test_every_format_reads_the_same_examples(tmp_path, ext):
+  path = str(tmp_path / f"d.{ext}")
+  (write_parquet if ext == "parquet" else write_jsonl)(path, ROWS)
+  with pytest.raises(data.DataError, match=rf"d\.{ext}: row 2: no ground truth"):
+    data.load_file(path)
+  got = data.load_file(path, missing_answer="skip")
+  assert [(ex.index, ex.ground_truth, ex.data_source) for ex in got] == [
+      (0, "3", "math_dapo"), (1, "7", "other"), (4, "10", "math_dapo")]  # Index: the row in the file.
+  assert got[0].messages == ({"role": "user", "content": "1+2?"},)
+  assert got[2].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "5+5?"})
+  # The template wraps the last (user) message only.
+  t = data.load_file(path, missing_answer="skip", prompt_template="Q: {problem} A:")
+  assert t[2].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 5+5? A:"})
+  assert [ex.messages[-1]["content"] for ex in t[:2]] == ["Q: 1+2? A:", "Q: 3+4? A:"]
+
+
+def test_plain_prompt_and_top_level_answer(tmp_path):
+  path = str(tmp_path / "plain.jsonl")
+  (tmp_path / "plain.jsonl").write_text('{"prompt": "2+2?", "ground_truth": "4"}\n\n{"prompt": "1+1?", '
+                                        '"ground_truth": 2}\n')
+  got = data.load_file(path)
+  assert [(ex.messages, ex.ground_truth, ex.index) for ex in got] == [
+      (({"role": "user", "content": "2+2?"},), "4", 0), (({"role": "user", "content": "1+1?"},), "2", 1)]
+
+
+def test_unknown_format_and_empty_file(tmp_path):
+  (tmp_path / "d.csv").write_text("prompt,answer\n")
+  with pytest.raises(data.DataError, match=r"d\.csv.*unknown format"):
+    data.load_file(str(tmp_path / "d.csv"))
+  (tmp_path / "e.jsonl").write_text("\n")
+  with pytest.raises(data.DataError, match=r"e\.jsonl.*has no rows"):
+    data.load_file(str(tmp_path / "e.jsonl"))
+  with pytest.raises(data.DataError, match="no examples"):
+    data.PromptIterator([])
+
+
+def naive_stream(examples, seed, shuffle=True):
+  """The global prompt order, epoch after epoch: a fresh permutation per epoch from (seed, epoch)."""
+  import numpy as np
+  epoch = 0
+  while True:
+    order = np.random.default_rng([seed, epoch]).permutation(len(examples)) if shuffle else range(len(examples))
+    yield from (examples[i] for i in order)
+    epoch += 1
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3])
+def test_iterator_against_naive_order_with_restore_and_shards(hosts):
+  examples = data.arith_examples(7, seed=0)  # 7 prompts, batches of 6: every epoch boundary differs.
+  stream = naive_stream(examples, seed=4)
+  want = [[next(stream) for _ in range(6)] for _ in range(6)]
+  its = [data.PromptIterator(examples, seed=4, process_index=i, process_count=hosts) for i in range(hosts)]
+  got = []
+  for step in range(6):
+    if step == 3:  # Restore every host from its saved state into a fresh iterator (a resumed run).
+      states = [it.state() for it in its]
+      its = [data.PromptIterator(examples, seed=4, process_index=i, process_count=hosts) for i in range(hosts)]
+      for it, st in zip(its, states):
+        it.restore(st)
+    shards = [it.next_batch(6) for it in its]
+    assert all(len(s) == 6 // hosts for s in shards)
+    got.append(sum(shards, []))
+  assert got == want
+  assert its[0].state() == {"epoch": 36 // 7, "position": 36 % 7}
+
+
+def test_iterator_without_shuffle_and_bad_batch():
+  examples = data.arith_examples(5, seed=0)
+  it = data.PromptIterator(examples, shuffle=False)
+  assert [ex.index for ex in it.next_batch(4) + it.next_batch(4)] == [e.index for e in examples + examples][:8]
+  with pytest.raises(ValueError, match="does not split over 2 hosts"):
+    data.PromptIterator(examples, process_count=2).next_batch(3)

@@ -93,3 +93,45 @@ def test_pool_survives_raising_and_hanging_functions():
     pool.close()
   assert out == [rewards.FAILURE] * 3 and pool.timeouts == 3
   assert time.monotonic() - t0 < 20  # Bounded by timeouts, not by the hang.
+
+
+def test_pool_times_out_only_calls_that_ran_for_the_timeout():
+  """Calls queued behind hung ones are not timeouts: each call gets timeout_s of its own run time.
+
+  With 2 workers both hung, the pool's executor already lists the third call as running (it sits in
+  the workers' call queue); it must be re-queued after the hung workers are replaced, and score +1.
+  """
+  pool = rewards.RewardPool("dapo_jax.testing:hang_on_request", timeout_s=1.0, workers=2)
+  responses = ["hang", "hang", "ok", "ok", "ok"]
+  t0 = time.monotonic()
+  try:
+    out = pool(responses, ["1"] * 5)
+  finally:
+    pool.close()
+  assert out[:2] == [rewards.FAILURE] * 2
+  assert out[2:] == [{"score": 1.0, "acc": True, "pred": "ok"}] * 3
+  assert pool.timeouts == 2 and pool.errors == 0
+  assert time.monotonic() - t0 < 30
+
+
+def test_pool_slow_calls_behind_a_hang_are_not_timed_out():
+  """A call that runs for less than timeout_s is never cut, even when it waited longer than that."""
+  pool = rewards.RewardPool("dapo_jax.testing:hang_on_request", timeout_s=1.0, workers=1)
+  try:
+    out = pool(["hang", "ok", "hang", "ok"], ["1"] * 4)
+  finally:
+    pool.close()
+  assert [o["score"] for o in out] == [-1.0, 1.0, -1.0, 1.0] and pool.timeouts == 2
+
+
+def test_pool_survives_a_function_that_kills_its_worker():
+  """A dead worker breaks the executor: the call that ran fails, the queued ones run in a new pool."""
+  pool = rewards.RewardPool("dapo_jax.testing:exit_on_request", timeout_s=30, workers=1)
+  try:
+    out = pool(["ok", "exit", "ok", "ok"], ["1"] * 4)
+    again = pool(["ok"], ["1"])
+  finally:
+    pool.close()
+  ok = {"score": 1.0, "acc": True, "pred": "ok"}
+  assert out == [ok, rewards.FAILURE, ok, ok] and again == [ok]
+  assert pool.errors == 1 and pool.timeouts == 0

@@ -46,3 +46,34 @@ def test_probe_rows_are_prompt_then_solution_then_eos(tmp_path):
     assert tok.decode(answer[:-1]) == data.arith_solution(ex)
     assert (completion[b] <= mask[b]).all()
   assert mask[:, -1].all()  # Every row ends at the last column (left padding).
+
+
+@pytest.mark.parametrize("question,solution", [
+    ("What is 47+38?", "7+8=15, 4+3+1=8. Answer: 85"),
+    ("What is 95+7?", "5+7=12, 9+0+1=10. Answer: 102"),
+    ("What is 10+20?", "0+0=0, 1+2=3. Answer: 30"),
+])
+def test_arith_solution_by_hand(question, solution):
+  gt = str(sum(int(x) for x in question[8:-1].split("+")))
+  ex = data.Example(messages=({"role": "user", "content": question},), ground_truth=gt)
+  assert data.arith_solution(ex) == solution
+
+
+def test_arith_solution_carries_add_up_to_the_integer_sum():
+  """Each step adds one digit of each operand (right to left) and the previous step's carry; the
+  digits the steps write, with the last carry, are the integer sum."""
+  for ex in data.arith_examples(300, seed=5) + data.arith_examples(100, seed=6, digits=3):
+    a, b = ex.messages[-1]["content"].split("What is ")[1].split("?")[0].split("+")
+    steps, answer = data.arith_solution(ex).split(". Answer: ")
+    assert int(answer) == int(a) + int(b) == int(ex.ground_truth)
+    carry, written = 0, []
+    for i, step in enumerate(steps.split(", ")):
+      lhs, s = step.split("=")
+      terms = [int(t) for t in lhs.split("+")]
+      x = int(a[::-1][i]) if i < len(a) else 0
+      y = int(b[::-1][i]) if i < len(b) else 0
+      assert terms == ([x, y, carry] if carry else [x, y]), (ex, step)
+      assert int(s) == x + y + carry
+      carry, written = int(s) // 10, [int(s) % 10] + written
+    assert len(steps.split(", ")) == max(len(a), len(b))
+    assert int("".join(map(str, ([carry] if carry else []) + written))) == int(a) + int(b)

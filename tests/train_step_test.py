@@ -33,6 +33,12 @@ def one_device_mesh():
   return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
 
 
+# The first rollout step trains at lr 0 (warm-up): tests that compare updated parameters start at
+# rollout step 1. A large Adam epsilon keeps the first update linear in the gradient, so gradients
+# that are zero up to float noise (the key bias: softmax is shift invariant) do not move by ~lr.
+LINEAR_OPT = optim.OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0, eps=1e-3)
+
+
 def make_trainer(cfg=CFG, opt=OPT, mesh=None, pg=objectives.PGConfig(), **kw):
   return train_step.Trainer(cfg, opt, mesh or one_device_mesh(), objectives.policy_gradient(cfg, pg), **kw)
 
@@ -42,9 +48,11 @@ def logprobs(trainer, params, batch, pg=objectives.PGConfig()):
   return fn(params, trainer.put_batch(batch))
 
 
-def run(mesh, num_microbatches, batch, steps=1, pg=objectives.PGConfig(), cfg=CFG, **kw):
-  trainer = make_trainer(cfg, OPT, mesh, pg, num_microbatches=num_microbatches, **kw)
+def run(mesh, num_microbatches, batch, steps=1, pg=objectives.PGConfig(), cfg=CFG, opt=OPT, rollout_step=0, **kw):
+  trainer = make_trainer(cfg, opt, mesh, pg, num_microbatches=num_microbatches, **kw)
   state = trainer.init(jax.random.key(0))
+  if rollout_step:
+    state = state.replace(rollout_step=jax.device_put(jnp.int32(rollout_step), trainer.state_sharding.rollout_step))
   metrics = []
   for _ in range(steps):
     state, m = trainer.step(state, trainer.put_batch(batch))
@@ -101,11 +109,49 @@ def test_auto_microbatches_runs_the_step_in_that_many():
     make_trainer(num_microbatches=0, microbatch_tokens=0)
 
 
+def _surrogate_np(logp, old, adv, eps_low=0.2, eps_high=0.28, c=10.0):
+  """Per-token decoupled clip with dual clip, by hand (paper Eq. 10)."""
+  ratio = np.exp(logp - old)
+  a = adv[:, None]
+  loss = np.maximum(-a * ratio, -a * np.clip(ratio, 1 - eps_low, 1 + eps_high))
+  return np.where(a < 0, np.minimum(loss, -a * c), loss)
+
+
 def test_verl_weighting_differs_only_with_unequal_microbatches():
+  """verl: each micro-batch's own token mean, weighted by its share of rows; with M=2 micro-batch m
+  holds rows m, m+2, ... (`split_microbatches`). Equal token counts make it the global token mean."""
+  trainers = {verl: make_trainer(opt=LINEAR_OPT, num_microbatches=2,
+                                 pg=objectives.PGConfig(verl_microbatch_weighting=verl))
+              for verl in (False, True)}
+  params0 = jax.device_get(trainers[False].init(jax.random.key(0)).params)
+
+  def step(verl, batch):  # One update at rollout step 1 (lr > 0) from the same parameters.
+    t = trainers[verl]
+    state = t.init(params=params0).replace(rollout_step=jax.device_put(jnp.int32(1), t.state_sharding.rollout_step))
+    return jax.device_get(t.step(state, t.put_batch(batch)))
+
   batch = make_batch()
-  _, _, m_global = run(one_device_mesh(), 2, batch)
-  _, _, m_verl = run(one_device_mesh(), 2, batch, pg=objectives.PGConfig(verl_microbatch_weighting=True))
-  assert abs(m_global[0]["pg_loss"] - m_verl[0]["pg_loss"]) > 1e-4
+  logp = np.asarray(logprobs(trainers[False], params0, batch), np.float64)
+  per_tok = _surrogate_np(logp, batch.old_logp_BC, batch.adv_B)
+  mask = batch.loss_mask_BC
+  rows = [np.arange(m, 8, 2) for m in range(2)]
+  verl = sum(len(r) / 8 * (per_tok[r] * mask[r]).sum() / mask[r].sum() for r in rows)
+  glob = (per_tok * mask).sum() / mask.sum()
+  assert abs(verl - glob) > 1e-3  # The test batch's two micro-batches have unequal token counts.
+  (s_v, m_v), (s_g, m_g) = step(True, batch), step(False, batch)
+  np.testing.assert_allclose(m_v["pg_loss"], verl, rtol=1e-5)
+  np.testing.assert_allclose(m_g["pg_loss"], glob, rtol=1e-5)
+  assert not np.allclose(s_v.params["layers"]["wq_DNH"], s_g.params["layers"]["wq_DNH"], atol=1e-6)
+
+  # Equal token counts per micro-batch: rows 2k and 2k+1 get the same length, so both weightings
+  # are one objective and give the same update.
+  lengths = np.repeat([10, 3, 0, 6], 2)
+  equal = batch.replace(loss_mask_BC=np.arange(10)[None] < lengths[:, None])
+  (s_v, m_v), (s_g, m_g) = step(True, equal), step(False, equal)
+  for k in ("loss", "pg_loss", "grad_norm", "entropy"):
+    np.testing.assert_allclose(m_v[k], m_g[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert m_g["lr"] == 1e-3
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_v.params, s_g.params)
 
 
 def test_pg_loss_matches_direct_policy_loss():
@@ -155,11 +201,18 @@ def test_sharded_step_matches_one_device():
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   batch = make_batch(B=8)
   mesh8 = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  trainer, s8, m8 = run(mesh8, 2, batch, steps=2)
-  _, s1, m1 = run(one_device_mesh(), 2, batch, steps=2)
-  for a, b in zip(m8, m1):
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-6)
+  kw = dict(steps=2, opt=LINEAR_OPT, rollout_step=1)  # lr > 0: the parameters move.
+  trainer, s8, m8 = run(mesh8, 2, batch, **kw)
+  _, s1, m1 = run(one_device_mesh(), 2, batch, **kw)
+  init = jax.device_get(trainer.init(jax.random.key(0)).params)
+  for a, b in zip(m8, m1):  # Every metric of both steps, the gradient norm among them.
+    assert a.keys() == b.keys() and "grad_norm" in a
+    for k in a:
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert m8[0]["lr"] == 1e-3 and m8[1]["grad_norm"] != m8[0]["grad_norm"]  # The step saw the first update.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s8.params, s1.params)
+  for k in ("wq_DNH", "w_down_FD"):
+    assert np.abs(s8.params["layers"][k] - init["layers"][k]).max() > 1e-4, k
   specs = jax.tree.map(lambda s: s.spec, trainer.state_sharding.params)
   assert specs["layers"]["wq_DNH"] == P(None, "fsdp", "tensor", None)
   assert specs["layers"]["w_down_FD"] == P(None, "tensor", "fsdp")

@@ -1,0 +1,209 @@
+"""The entry points, run as a user runs them (subprocesses) on tiny models, checked by value:
+`plan` against memory.plan, `prepare gguf` and `sft` and `export` against transformers loading
+what they wrote, `bench train`'s JSON, and a restore with another seed refused in one line."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNLOCAL = f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal"
+
+
+def launch(verb, *args, timeout=600):
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  out = subprocess.run([sys.executable, "-m", f"launch.{verb}", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+  return out
+
+
+def ok(out):
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return out.stdout
+
+
+def transformers_logits(model_dir, ids_BT):
+  torch = pytest.importorskip("torch")
+  from transformers import AutoModelForCausalLM
+  m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+  with torch.no_grad():
+    return m(torch.as_tensor(ids_BT)).logits.numpy()
+
+
+def our_logits(model_dir, ids_BT):
+  import jax.numpy as jnp
+
+  from dapo_jax import hf, model
+  cfg, params = hf.load(model_dir)
+  return np.asarray(model.logits(cfg, params, jnp.asarray(ids_BT), jnp.ones(ids_BT.shape, bool)))
+
+
+def test_plan_prints_the_numbers_of_memory_plan():
+  from configs import dapo_qwen2_5_32b
+  from dapo_jax import from_config, memory, train_step
+  stdout = ok(launch("plan", f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:mesh=gpu16x8"))
+  cfg = dapo_qwen2_5_32b.get_config("mesh=gpu16x8")
+  mc = from_config.model_config(cfg, cfg.model.vocab_size or 1024)
+  shape = dict(cfg.mesh)
+  assert -1 not in shape.values()
+  rows = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
+  T = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  m = cfg.train.num_microbatches or train_step.auto_microbatches(
+      rows, T, group_size=cfg.rollout.group_size if cfg.train.share_prompt else 1,
+      shards=shape["data"] * shape["fsdp"], max_tokens=cfg.train.microbatch_tokens)
+  p = memory.plan(mc, shape, rows_per_update=rows, num_microbatches=m, prompt_len=cfg.data.max_prompt_len,
+                  completion_len=cfg.rollout.max_new_tokens,
+                  gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size)
+  printed = {k.strip(): float(v) for k, v in re.findall(r"^  ([a-zA-Z ,=()]+?)\s+([\d.]+) GB$", stdout, re.M)}
+  want = {"parameters": p.params, "optimizer state (AdamW)": p.optimizer, "gradients": p.gradients,
+          "activations, no remat": p.activations_no_remat, "activations, remat=full": p.activations_remat,
+          "activations, remat=dots": p.activations_dots, "KV cache (sampling)": p.kv_cache,
+          "peak (train or sample)": p.peak}
+  assert printed.keys() == want.keys(), stdout
+  for k, v in want.items():
+    assert printed[k] == pytest.approx(v / 1e9, abs=0.006), k
+  assert f"{mc.num_params / 1e9:.2f}B parameters" in stdout and f"{rows} rows x {T} tokens" in stdout
+  # 32B parameters over 128 devices (fsdp x tensor shard them): 4 bytes x 32.8e9 / 128 = ~1 GB.
+  assert printed["parameters"] == pytest.approx(4 * mc.num_params / 128 / 1e9, abs=0.006)
+
+
+# --- prepare gguf: a GGUF written here from a transformers Llama ---------------------------------
+
+def _llama_cpp_permute(w, n_head):
+  """llama.cpp's convert_hf_to_gguf row order for q/k (its rotary layout)."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _byte_to_unicode():
+  """GPT-2's byte -> printable character table (byte-level BPE vocabularies are written in it)."""
+  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+  cs, n = bs[:], 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+@pytest.mark.slow
+def test_prepare_gguf_gives_the_model_transformers_had(tmp_path):
+  torch = pytest.importorskip("torch")
+  gg = pytest.importorskip("gguf")
+  from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+  byte_tokens = [_byte_to_unicode()[b] for b in range(256)]
+  tokens = byte_tokens + ["ab", "Ġ2", "<|endoftext|>"]
+  V, D, F, N, K, H, L = len(tokens), 32, 64, 4, 2, 8, 2
+  torch.manual_seed(0)
+  ref = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+                                     num_attention_heads=N, num_key_value_heads=K, head_dim=H, rms_norm_eps=1e-5,
+                                     rope_theta=10000.0, tie_word_embeddings=False,
+                                     max_position_embeddings=64)).eval()
+  sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+  path = str(tmp_path / "tiny.gguf")
+  w = gg.GGUFWriter(path, "llama")
+  w.add_block_count(L), w.add_context_length(64), w.add_embedding_length(D), w.add_feed_forward_length(F)
+  w.add_head_count(N), w.add_head_count_kv(K), w.add_rope_dimension_count(H), w.add_layer_norm_rms_eps(1e-5)
+  w.add_rope_freq_base(10000.0), w.add_vocab_size(V)
+  w.add_tokenizer_model("gpt2"), w.add_token_list(tokens), w.add_token_types([1] * (V - 1) + [3])
+  w.add_token_merges(["a b", "Ġ 2"]), w.add_bos_token_id(V - 1), w.add_eos_token_id(V - 1)
+  w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+  w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+  w.add_tensor("output.weight", sd["lm_head.weight"])
+  names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+  for i in range(L):
+    for hf_name, gg_name in names.items():
+      arr = sd[f"model.layers.{i}.{hf_name}.weight"]
+      if gg_name in ("attn_q", "attn_k"):
+        arr = _llama_cpp_permute(arr, N if gg_name == "attn_q" else K)
+      w.add_tensor(f"blk.{i}.{gg_name}.weight", np.ascontiguousarray(arr))
+  w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+  out = str(tmp_path / "hf")
+  assert f"wrote {out}" in ok(launch("prepare", "gguf", f"--gguf={path}", f"--out={out}"))
+  ids = np.random.default_rng(0).integers(0, V, size=(2, 9))
+  with torch.no_grad():
+    want = ref(torch.as_tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(transformers_logits(out, ids), want, atol=1e-4)
+  np.testing.assert_allclose(our_logits(out, ids), want, atol=1e-4)
+  tok = AutoTokenizer.from_pretrained(out)
+  assert tok.encode("ab 2x", add_special_tokens=False) == [256, 257, byte_tokens.index("x")]  # Merged.
+  assert tok.eos_token == "<|endoftext|>"
+
+
+# --- sft, bench ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_sft_writes_a_model_transformers_loads(tmp_path):
+  workdir = str(tmp_path / "run")
+  stdout = ok(launch("sft", RUNLOCAL, f"--workdir={workdir}", "--config.sft.steps=3", "--config.sft.batch_size=4",
+                     "--config.sft.seq_len=32", "--config.sft.num_examples=64", "--config.sft.probe_size=8",
+                     "--config.sft.lr=1e-2", "--config.sft.warmup_steps=0"))
+  out = os.path.join(workdir, "sft_model")
+  assert f"SFT model written to {out}" in stdout
+  from transformers import AutoTokenizer
+  tok = AutoTokenizer.from_pretrained(out)
+  ids = np.asarray([tok.encode("What is 12+34?")] * 2)
+  np.testing.assert_allclose(transformers_logits(out, ids), our_logits(out, ids), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_bench_train_prints_positive_numbers():
+  stdout = ok(launch("bench", "train", RUNLOCAL, "--batch=4", "--seq_len=16", "--runs=2"))
+  result = json.loads(stdout.strip().splitlines()[-1])
+  assert result["bench"] == "train" and result["microbatches"] >= 1
+  for k in ("forward_tokens_per_s", "update_tokens_per_s", "update_median_s", "forward_mfu", "update_mfu"):
+    assert result[k] > 0, k
+  assert len(result["runs_s"]) == 2 and all(t > 0 for t in result["runs_s"])
+  assert result["update_median_s"] == pytest.approx(float(np.median(result["runs_s"])))
+  assert result["update_tokens_per_s"] == pytest.approx(4 * 16 / result["update_median_s"], rel=1e-6)
+  assert result["update_mfu"] < 1.0
+
+
+# --- a short run: export, and restore with another seed -------------------------------------------
+
+TRAIN = [RUNLOCAL, "--config.reward.fn=dapo_jax.testing:length_reward", "--config.train.ckpt_every=1",
+         "--config.optim.lr=1e-2", "--config.optim.warmup_steps=0", "--config.train.num_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("run"))
+  ok(launch("train", f"--workdir={workdir}", *TRAIN))
+  return workdir
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
+  out = str(tmp_path / "exported")
+  assert f"wrote rollout step 2 of {trained} to {out}" in ok(launch("export", RUNLOCAL, f"--workdir={trained}",
+                                                                      f"--out={out}"))
+  from transformers import AutoTokenizer
+  tok = AutoTokenizer.from_pretrained(out)
+  ids = np.asarray([tok.encode("What is 12+34?"), tok.encode("What is 99+1?!")[:len(tok.encode("What is 12+34?"))]])
+  theirs, ours = transformers_logits(out, ids), our_logits(out, ids)
+  np.testing.assert_allclose(theirs, ours, atol=1e-4)
+  # What was exported is the latest checkpoint: without it, the one before (rollout step 0 trains
+  # at lr 0, so its parameters are the initial ones) gives other logits.
+  import shutil
+  older = str(tmp_path / "older")
+  shutil.copytree(trained, older)
+  shutil.rmtree(os.path.join(older, "checkpoints", "2"))
+  out1 = str(tmp_path / "exported1")
+  assert "wrote rollout step 1 of" in ok(launch("export", RUNLOCAL, f"--workdir={older}", f"--out={out1}"))
+  assert np.abs(our_logits(out1, ids) - ours).max() > 1e-3
+
+
+@pytest.mark.slow
+def test_restore_with_another_seed_is_one_line(trained):
+  out = launch("train", f"--workdir={trained}", *TRAIN[:-1], "--config.train.num_steps=3", "--config.seed=1")
+  assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: checkpoint {os.path.join(trained, 'checkpoints')}/2 was written with seed=0, config has seed=1")
