@@ -173,15 +173,17 @@ class Engine:
     return Session(self, params, key)
 
   def generate(self, params, prompt_QP: np.ndarray, prompt_mask_QP: np.ndarray, G, key,
-               stop_at_B: np.ndarray | None = None, on_samples=None) -> tuple[sampling.Samples, dict]:
+               stop_at_B: np.ndarray | None = None, on_samples=None, first_prompt_id: int = 0
+               ) -> tuple[sampling.Samples, dict]:
     """G samples of each prompt as host arrays, prompt-major (rows qG..qG+G-1 for prompt q: the
     layout of `sampling.generate`), and the session's statistics. G may differ per prompt (a list);
-    `on_samples(n)` hears of every n samples that end (progress)."""
+    `on_samples(n)` hears of every n samples that end (progress). Prompt q is prompt number
+    first_prompt_id + q of `key`'s samples (`sample_key_data`)."""
     counts = [G] * len(prompt_QP) if np.isscalar(G) else list(G)
     s = self.session(params, key)
     first = np.cumsum([0] + counts)
     for q, n in enumerate(counts):
-      s.add([q], prompt_QP[q:q + 1], prompt_mask_QP[q:q + 1], n,
+      s.add([first_prompt_id + q], prompt_QP[q:q + 1], prompt_mask_QP[q:q + 1], n,
             None if stop_at_B is None else stop_at_B[first[q]:first[q + 1]])
     out = {}
     while s.busy:
@@ -190,7 +192,7 @@ class Engine:
         out[(f.prompt_id, f.sample)] = f
       if on_samples and ended:
         on_samples(len(ended))
-    rows = [out[(q, g)] for q, n in enumerate(counts) for g in range(n)]
+    rows = [out[(first_prompt_id + q, g)] for q, n in enumerate(counts) for g in range(n)]
     return stack(rows, self.C), s.stats()
 
 

@@ -103,9 +103,14 @@ class DAPO:
     def generate(i: int) -> Groups:
       if not params:
         params.append(self.rollout.sampling_params(self.state.params))
-      key = jax.random.fold_in(jax.random.fold_in(self.key, step), i)
-      examples = self.data_iter.next_batch(c.gen_prompts if c.dynamic_sampling else c.prompts_per_step)
-      groups, gen_info = self.rollout.groups(params[0], examples, c.group_size, key)
+      n = c.gen_prompts if c.dynamic_sampling else c.prompts_per_step
+      examples = self.data_iter.next_batch(n)
+      if self.rollout.cfg.engine == "continuous":  # Prompt number i*n+q of the step: as streaming samples it.
+        groups, gen_info = self.rollout.groups(params[0], examples, c.group_size, self.step_key(step),
+                                               first_prompt_id=i * n)
+      else:
+        key = jax.random.fold_in(jax.random.fold_in(self.key, step), i)
+        groups, gen_info = self.rollout.groups(params[0], examples, c.group_size, key)
       for k in ("gen_s", "reward_s", "gen_tokens"):
         info[k] += gen_info[k]
       if info["texts"] is None:
@@ -117,11 +122,15 @@ class DAPO:
         max_gen_batches=c.max_gen_batches, on_cap=c.on_cap, carry_over=c.carry_over)
     return batch, stats, info
 
+  def step_key(self, step: int):
+    """The key of a rollout step's samples (the engine derives each sample's from it)."""
+    return jax.random.fold_in(jax.random.fold_in(self.key, step), 0)
+
   def stream(self, step: int):
     c = self.cfg
     groups, stats, info = streaming.stream_groups(
         self.rollout, self.rollout.sampling_params(self.state.params), self.data_iter.next_batch, c.group_size,
-        c.prompts_per_step, jax.random.fold_in(jax.random.fold_in(self.key, step), 0),
+        c.prompts_per_step, self.step_key(step),
         max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling else 0,
         filter_groups=c.dynamic_sampling)
     if stats.cap_reached and c.on_cap == "raise":

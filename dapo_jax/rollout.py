@@ -106,15 +106,17 @@ class Rollout:
                                           prompt_buckets=self.buckets, mesh=self.mesh)
     return self.engines[k]
 
-  def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None):
+  def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None,
+               first_prompt_id: int = 0):
     """G samples per prompt as host arrays (`sampling.Samples`); prompt q's samples are rows
-    qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair."""
+    qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair.
+    Continuous engine: prompt q's samples come from (key, first_prompt_id + q, sample index)."""
     sampler_cfg = sampler_cfg or self.sampler_cfg
     prompt_QP, prompt_mask_QP = prompts if isinstance(prompts, tuple) else self.encode(prompts)
     stop_at_B = self.length_hook(len(prompt_QP) * G) if self.length_hook else None
     if self.cfg.engine == "continuous":
       samples, self.last_stats = self.engine(sampler_cfg, len(prompt_QP) * G).generate(
-          params, prompt_QP, prompt_mask_QP, G, key, stop_at_B)
+          params, prompt_QP, prompt_mask_QP, G, key, stop_at_B, first_prompt_id=first_prompt_id)
       return samples
     P = self.prompt_len(prompt_mask_QP)
     prompt_QP, prompt_mask_QP = prompt_QP[:, -P:], prompt_mask_QP[:, -P:]
@@ -162,14 +164,15 @@ class Rollout:
     return {"score": score_QG, "acc": acc_QG, "filter": np.asarray(filter_QG, np.float64),
             "pred": [r["pred"] for r in results], "texts": texts}
 
-  def groups(self, params, examples: Sequence[data_lib.Example], G: int, key) -> tuple[Groups, dict]:
+  def groups(self, params, examples: Sequence[data_lib.Example], G: int, key,
+             first_prompt_id: int = 0) -> tuple[Groups, dict]:
     """One generation batch: every host's `examples` generated together; each host scores its own
     rows, and every host returns all the scored groups (dynamic sampling and advantages need them)."""
     local_QP, local_mask_QP, truncated = self.encode_counting(examples)
     self.truncated_prompts += truncated
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
-    samples = self.generate(params, (prompt_QP, pmask_QP), G, key)
+    samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id)
     t1 = time.perf_counter()
     rows = slice(jax.process_index() * len(examples) * G, (jax.process_index() + 1) * len(examples) * G)
     local = self.score(examples, jax.tree.map(lambda x: x[rows], samples), G)

@@ -57,7 +57,7 @@ def compiled(mc, mesh_shape, rows, num_microbatches):
                   adv_B=S((rows,), jnp.float32), ref_logp_BC=S((rows, COMPLETION), jnp.float32))
   shards = mesh_shape["data"] * mesh_shape["fsdp"]
   batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(batch)) / shards
-  ma = trainer.step.lower(state, batch).compile().memory_analysis()
+  ma = trainer.lower_step(state, batch).compile().memory_analysis()
   return ma.argument_size_in_bytes - batch_bytes, ma.temp_size_in_bytes
 
 

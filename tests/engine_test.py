@@ -1,0 +1,161 @@
+"""The continuous-batching engine against the static sampler and the training forward; streaming
+dynamic sampling against the reference (whole generation batches, then the filter)."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from dapo_jax import advantages, data, engine, model, objectives, rewards, rollout, sampling, sharding, streaming, testing
+from dapo_jax.datatypes import RLBatch
+
+CFG = testing.tiny_model_config(vocab_size=64)
+PARAMS = testing.sharp_params(CFG, seed=2)
+
+
+def prompts(Q=5, P=7, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(4, 64, size=(Q, P)).astype(np.int32)
+  mask = np.ones((Q, P), bool)
+  mask[1, :3] = False  # Prompts of different lengths (left padding).
+  mask[3, :5] = False
+  return tokens, mask
+
+
+def test_greedy_equals_the_static_sampler_for_any_number_of_slots():
+  """Rows end at different steps (EOS forced at random steps, some never: truncated); greedy
+  tokens and log-probs are the static sampler's whatever the number of slots."""
+  tokens, mask = prompts()
+  G, C = 3, 12
+  stop_at_B = np.random.default_rng(1).integers(2, C + 2, size=len(tokens) * G)
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=0.0, eos_ids=(1,))
+  ref = jax.device_get(sampling.generate(CFG, sc, PARAMS, tokens, mask, jax.random.key(0), num_samples=G,
+                                         stop_at_B=stop_at_B))
+  np.testing.assert_array_equal(ref.length_B, np.minimum(stop_at_B, C))
+  assert ref.truncated_B.any() and not ref.truncated_B.all()
+  for slots in (1, 2, 4, 16):  # Refilled one by one, in rounds, or all at once.
+    out, stats = engine.Engine(CFG, sc, slots=slots, prompt_len=7).generate(PARAMS, tokens, mask, G,
+                                                                            jax.random.key(0), stop_at_B)
+    np.testing.assert_array_equal(out.tokens_BC, ref.tokens_BC)
+    np.testing.assert_array_equal(out.length_B, ref.length_B)
+    np.testing.assert_array_equal(out.truncated_B, ref.truncated_B)
+    np.testing.assert_allclose(out.logp_BC, ref.logp_BC, atol=1e-5)
+    assert stats["samples"] == len(tokens) * G and stats["generated_tokens"] == ref.length_B.sum()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_samples_depend_on_key_prompt_and_index_not_on_slots_and_logps_match_training(temperature):
+  tokens, mask = prompts()
+  G, C = 4, 10
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=temperature, eos_ids=(5, 9), pad_id=0)
+  outs = [engine.Engine(CFG, sc, slots=s, prompt_len=7).generate(PARAMS, tokens, mask, G, jax.random.key(3))[0]
+          for s in (1, 3, 8)]  # One group's samples split across rounds (3 slots), or spread.
+  for o in outs[1:]:
+    np.testing.assert_array_equal(o.tokens_BC, outs[0].tokens_BC)
+  out = outs[1]
+  assert out.length_B.min() < out.length_B.max() and out.truncated_B.any()  # EOS at different steps.
+  # The sampler's log-probs are the training forward's (temperature-scaled) on the same rows.
+  batch = RLBatch(tokens_BT=np.concatenate([np.repeat(tokens, G, 0), out.tokens_BC], 1),
+                  mask_BT=np.concatenate([np.repeat(mask, G, 0), out.mask_BC], 1), loss_mask_BC=out.mask_BC,
+                  old_logp_BC=out.logp_BC, adv_B=np.zeros(len(out.length_B), np.float32), ref_logp_BC=out.logp_BC)
+  logp = objectives.completion_logprobs(CFG, temperature)(PARAMS, batch)
+  np.testing.assert_allclose(np.where(out.mask_BC, logp, 0), np.where(out.mask_BC, out.logp_BC, 0), atol=2e-5)
+
+
+def test_sample_distribution_is_the_models():
+  """The first token of 4000 samples of one prompt (200 slots, refilled 20 times) follows softmax."""
+  cfg = testing.tiny_model_config(vocab_size=16)
+  params = model.init_params(cfg, jax.random.key(1))
+  tokens, mask = np.array([[3, 7, 2]], np.int32), np.ones((1, 3), bool)
+  sc = sampling.SamplerConfig(max_new_tokens=1, temperature=1.0)
+  out, _ = engine.Engine(cfg, sc, slots=200, prompt_len=3).generate(params, tokens, mask, 4000, jax.random.key(0))
+  p = np.asarray(jax.nn.softmax(model.logits(cfg, params, tokens, mask)[0, -1]))
+  freq = np.bincount(out.tokens_BC[:, 0], minlength=16) / 4000
+  assert np.all(np.abs(freq - p) <= 4 * np.sqrt(p * (1 - p) / 4000) + 1e-3), (freq, p)
+
+
+def test_sharded_slots_match_one_device():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  tokens, mask = prompts(Q=4)
+  sc = sampling.SamplerConfig(max_new_tokens=8, temperature=1.0, eos_ids=(5,))
+  one, _ = engine.Engine(CFG, sc, slots=4, prompt_len=7).generate(PARAMS, tokens, mask, 2, jax.random.key(0))
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  r = rollout.Rollout(None, CFG, mesh, rollout.RolloutConfig(max_prompt_len=7), sc)
+  params = sharding.put(PARAMS, r.params_sharding)
+  out, _ = engine.Engine(CFG, sc, slots=4, prompt_len=7, mesh=mesh).generate(params, tokens, mask, 2, jax.random.key(0))
+  np.testing.assert_array_equal(out.tokens_BC, one.tokens_BC)
+  with pytest.raises(ValueError, match=r"rollout.slots=6 does not split over the 4 data shards"):
+    engine.Engine(CFG, sc, slots=6, prompt_len=7, mesh=mesh)
+
+
+def test_prompts_longer_than_the_cache_are_refused():
+  tokens, mask = prompts(P=9)
+  e = engine.Engine(CFG, sampling.SamplerConfig(max_new_tokens=4), slots=2, prompt_len=7)
+  with pytest.raises(ValueError, match="prompts of 9 tokens do not fit the engine's 7-token prompt cache"):
+    e.generate(PARAMS, tokens, mask, 1, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def arith_rollout(tiny_tokenizer_dir):
+  from dapo_jax import tokenizer
+  tok = tokenizer.load(tiny_tokenizer_dir)
+  cfg = testing.tiny_model_config(vocab_size=((len(tok) + 63) // 64) * 64)
+  params = testing.sharp_params(cfg, seed=4, scale=2.0)
+  sc = sampling.SamplerConfig(max_new_tokens=6, temperature=1.0, eos_ids=tokenizer.eos_ids(tok), pad_id=tok.pad_token_id)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  pool = rewards.RewardPool("dapo_jax.testing:length_reward", timeout_s=10, workers=1)
+  r = rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=24, slots=8), sc, pool)
+  yield r, params
+  pool.close()
+
+
+def test_streaming_keeps_the_groups_the_reference_keeps_and_stops_at_the_cap_alike(arith_rollout):
+  r, params = arith_rollout
+  examples = data.arith_examples(64, seed=0)
+  key, G = jax.random.key(7), 4
+
+  def reference(Q, gen_prompts, max_gen_batches):
+    it = iter(range(0, 10_000, gen_prompts))
+    gen = lambda i: r.groups(params, examples[next(it):][:gen_prompts], G, key, first_prompt_id=i * gen_prompts)[0]
+    return advantages.fill_batch(None, gen, Q, filter_groups=True, max_gen_batches=max_gen_batches,
+                                 on_cap="train", carry_over=False)
+
+  def streamed(Q, max_prompts):
+    pos = [0]
+
+    def next_examples(n):
+      pos[0] += n
+      return examples[pos[0] - n:pos[0]]
+    return streaming.stream_groups(r, params, next_examples, G, Q, key, max_prompts=max_prompts)
+
+  for Q, cap_batches in ((3, 8), (40, 2)):  # Filled; and cut short by the cap (16 prompts).
+    ref, _, ref_stats = reference(Q, 8, cap_batches)
+    got, stats, _ = streamed(Q, 8 * cap_batches)
+    assert len(got) == len(ref) and stats.cap_reached == ref_stats.cap_reached
+    np.testing.assert_array_equal(got.prompt_QP, ref.prompt_QP)
+    np.testing.assert_array_equal(got.tokens_QGC, ref.tokens_QGC)
+    np.testing.assert_array_equal(got.score_QG, ref.score_QG)
+    assert stats.admitted <= ref_stats.gen_batches * 8  # Streaming admits no more than whole batches.
+  assert stats.cap_reached and stats.admitted == 16
+
+
+def test_eval_of_the_aime_file_samples_its_960_rows_once(tiny_tokenizer_dir):
+  """30 problems x 32 copies at k=1: one pass of 960 sampled rows gives avg/best/maj@32 per problem."""
+  from dapo_jax import evaluate, tokenizer
+  path = os.path.join(os.path.dirname(__file__), "data", "aime-2024.parquet")
+  examples = data.load_file(path)
+  assert len(examples) == 960
+  tok = tokenizer.load(tiny_tokenizer_dir)
+  cfg = testing.tiny_model_config(vocab_size=((len(tok) + 63) // 64) * 64)
+  sc = sampling.SamplerConfig(max_new_tokens=4, temperature=1.0, eos_ids=tokenizer.eos_ids(tok), pad_id=tok.pad_token_id)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  pool = rewards.RewardPool("dapo_jax.rewards:math_dapo", timeout_s=10, workers=1)
+  try:
+    r = rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=512, slots=64), sc, pool)
+    ev = evaluate.Evaluator(r, examples, k=1, sampler_cfg=sc)
+    m = ev.run(model.init_params(cfg, jax.random.key(0)))
+  finally:
+    pool.close()
+  assert ev.copies == [32] * 30 and ev.sampled_rows == 960
+  assert set(m) == {"val/acc/mean@32", "val/acc/best@32", "val/acc/maj@32"}
