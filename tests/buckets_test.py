@@ -1,0 +1,84 @@
+"""Length-bucketed updates: micro-batches of groups sorted by length, each cut to a length bucket,
+give the update of the padded batch (the token mean stays global)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax import advantages, objectives, optim, sharding, testing, train_step
+from dapo_jax.datatypes import RLBatch
+
+CFG = testing.tiny_model_config(vocab_size=64)
+OPT = optim.OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0, eps=1e-3)
+
+
+def long_tail_batch(Q=4, G=2, P=5, C=24, seed=0):
+  """Groups sharing a prompt, responses of very different lengths (right-padded to C)."""
+  rng = np.random.default_rng(seed)
+  prompt = np.repeat(rng.integers(4, 64, size=(Q, P)), G, 0)
+  pmask = np.ones((Q * G, P), bool)
+  pmask[::G][1, :2] = pmask[1::G][1, :2] = False
+  length = np.array([3, 20, 2, 4, 24, 9, 1, 5])[:Q * G]
+  cmask = np.arange(C)[None] < length[:, None]
+  tokens = np.concatenate([prompt, np.where(cmask, rng.integers(4, 64, size=(Q * G, C)), 0)], 1).astype(np.int32)
+  loss_mask = cmask.copy()
+  loss_mask[5] = False  # An overlong-filtered row.
+  return RLBatch(tokens_BT=tokens, mask_BT=np.concatenate([pmask, cmask], 1), loss_mask_BC=loss_mask,
+                 old_logp_BC=rng.normal(-4, 0.3, size=(Q * G, C)).astype(np.float32),
+                 adv_B=rng.normal(size=Q * G).astype(np.float32), ref_logp_BC=np.zeros((Q * G, C), np.float32))
+
+
+def test_buckets_and_microbatches_by_hand():
+  assert advantages.length_buckets(512) == (64, 128, 192, 256, 320, 384, 448, 512)
+  assert advantages.length_buckets(32) == (8, 16, 24, 32)
+  mbs = advantages.bucketed_microbatches(long_tail_batch(), 2, 2, (8, 16, 24))
+  # Groups by longest response: [3, 20] -> 20, [2, 4] -> 4, [24, 9] -> 24, [1, 5] -> 5; sorted: 4, 5 | 20, 24.
+  assert [mb.loss_mask_BC.shape[1] for mb in mbs] == [8, 24]
+  np.testing.assert_array_equal(mbs[0].mask_BT[:, 5:].sum(1), [2, 4, 1, 5])
+  np.testing.assert_array_equal(mbs[1].mask_BT[:, 5:].sum(1), [3, 20, 24, 9])
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_bucketed_update_equals_the_padded_update(share_prompt):
+  batch = long_tail_batch()
+  G = 2 if share_prompt else 0
+  meshes = [sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])]
+  if len(jax.devices()) >= 8:
+    meshes.append(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
+  results = []
+  for mesh in meshes:
+    trainer = train_step.Trainer(CFG, OPT, mesh, objectives.policy_gradient(CFG, objectives.PGConfig(group_size=G)),
+                                 num_microbatches=2)
+    params0 = jax.device_get(trainer.init(jax.random.key(0)).params)
+    start = lambda: trainer.init(params=params0).replace(
+        rollout_step=jax.device_put(jnp.int32(1), trainer.state_sharding.rollout_step))  # lr > 0
+    s_pad, m_pad = jax.device_get(trainer.step(start(), trainer.put_batch(batch)))
+    parts = advantages.bucketed_microbatches(batch, 2, max(G, 1), advantages.length_buckets(24, 3))
+    assert max(p.loss_mask_BC.shape[1] for p in parts) == 24 and min(p.loss_mask_BC.shape[1] for p in parts) < 24
+    s_b, m_b = jax.device_get(trainer.accumulate_step(start(), [trainer.put_batch(p) for p in parts]))
+    for k in ("loss", "pg_loss", "grad_norm", "entropy", "num_tokens"):
+      np.testing.assert_allclose(m_b[k], m_pad[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_b.params, s_pad.params)
+    assert int(s_b.step) == int(s_pad.step) == 1
+    results.append(s_b.params)
+  if len(results) > 1:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), *results)
+
+
+def test_an_update_with_no_loss_tokens_moves_nothing():
+  batch = long_tail_batch()
+  empty = batch.replace(loss_mask_BC=np.zeros_like(batch.loss_mask_BC))
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  trainer = train_step.Trainer(CFG, OPT, mesh, objectives.policy_gradient(CFG, objectives.PGConfig()))
+  state = trainer.init(jax.random.key(0)).replace(rollout_step=jnp.int32(1))
+  before = jax.device_get(state)
+  after, m = jax.device_get(trainer.step(state, trainer.put_batch(empty)))
+  jax.tree.map(np.testing.assert_array_equal, after.params, before.params)
+  jax.tree.map(np.testing.assert_array_equal, after.opt_state, before.opt_state)
+  assert int(after.step) == 0 and int(after.skipped) == 0 and m["update_applied"] == 0
+  # The step's metrics average the applied updates only, weighted by their loss tokens.
+  from dapo_jax import metrics
+  mean = metrics.mean_updates([{"pg_loss": 2.0, "num_tokens": 30.0, "update_applied": 1.0, "update_skipped": 0.0},
+                               {"pg_loss": 5.0, "num_tokens": 10.0, "update_applied": 1.0, "update_skipped": 0.0},
+                               {"pg_loss": 0.0, "num_tokens": 0.0, "update_applied": 0.0, "update_skipped": 0.0}])
+  assert mean["pg_loss"] == pytest.approx((2 * 30 + 5 * 10) / 40)
