@@ -70,3 +70,41 @@ def test_directory_without_score_head_fails_naming_it(tmp_path):
   hf.save_scalar(rm_dir, cfg, _scalar_params(cfg), pad_token_id=PAD)
   with pytest.raises(hf.CheckpointError, match=f"{rm_dir}: a scalar-head model"):
     hf.load(rm_dir)
+
+
+def test_scorer_and_rm_reward_score_responses(tmp_path, tiny_tokenizer_dir):
+  from dapo_jax import rewards, rm
+  from dapo_jax import tokenizer as tokenizer_lib
+  tok = tokenizer_lib.load(tiny_tokenizer_dir)
+  cfg = testing.tiny_model_config(((len(tok) + 63) // 64) * 64)
+  params = _scalar_params(cfg, 5)
+  out = str(tmp_path / "rm")
+  hf.save_scalar(out, cfg, params, tokenizer=tok)
+  prompts = ["What is 12 + 30?", "What is 7 + 8?", "What is 100 + 1?"]
+  responses = ["Answer: 42", "7 + 8 = 15\nAnswer: 15", "Answer: 3"]
+  # Reference: each unpadded row [rendered prompt | response | EOS], the head at its last token.
+  want = []
+  for p, r in zip(prompts, responses):
+    text = tokenizer_lib.render(tok, [{"role": "user", "content": p}])
+    ids = tok(text, add_special_tokens=False)["input_ids"] + tok(r, add_special_tokens=False)["input_ids"]
+    ids = jnp.asarray(ids + [tok.eos_token_id])[None]
+    want.append(float(objectives.last_token_scores(cfg, params, ids, jnp.ones_like(ids, bool))[0]))
+  score_fn = rm.scorer(out)
+  np.testing.assert_allclose(score_fn(prompts, responses), want, rtol=1e-5, atol=1e-6)
+  reward = rewards.make_reward(f"rm:{out}")
+  got = reward(responses, ["42", "15", "101"], prompts)
+  np.testing.assert_allclose([g["score"] for g in got], want, rtol=1e-5, atol=1e-6)
+  assert [g["acc"] for g in got] == [w > 0 for w in want]
+  assert reward.errors == reward.timeouts == 0
+  # Weighted with another reward that judges the prompt: the sum of the parts.
+  both = rewards.CombinedReward([(f"rm:{out}", 1.0), (f"rm:{out}", 0.5)])
+  np.testing.assert_allclose([g["score"] for g in both(responses, ["42", "15", "101"], prompts)],
+                             1.5 * np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_rm_reward_spec_without_directory_fails():
+  from dapo_jax import rewards
+  with pytest.raises(rewards.RewardConfigError, match="rm:DIR"):
+    rewards.make_reward("rm:")
+  with pytest.raises(hf.CheckpointError, match="no config.json"):
+    rewards.make_reward("rm:/nonexistent/rm_model")
