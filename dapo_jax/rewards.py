@@ -336,6 +336,10 @@ class CombinedReward:
     self.acc_from = rules[0] if rules else 0
 
   @property
+  def needs_prompts(self) -> bool:
+    return any(getattr(p, "needs_prompts", False) for p in self.parts)
+
+  @property
   def errors(self) -> int:
     return sum(p.errors for p in self.parts)
 
