@@ -97,3 +97,13 @@ class PreferenceBatch:
     order = np.stack([np.arange(N), np.arange(N) + N], axis=1).reshape(-1)
     return PreferenceBatch(tokens_BT=tokens_BT[order], mask_BT=mask_BT[order],
                            loss_mask_BC=response_mask_BC[order], ref_logp_B=np.zeros(2 * N, np.float32))
+
+
+@struct.dataclass
+class ValueBatch:
+  """PPO critic batch, laid out like `RLBatch`: values predict the return from each completion token's state."""
+  tokens_BT: jax.Array      # int32 [B, P+C]
+  mask_BT: jax.Array        # bool
+  loss_mask_BC: jax.Array   # bool: completion tokens in the loss
+  old_values_BC: jax.Array  # fp32 values of the critic that rolled out (clipping centre)
+  returns_BC: jax.Array     # fp32 GAE returns (advantages.gae)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from dapo_jax import loss as loss_lib
 from dapo_jax import model as model_lib
-from dapo_jax.datatypes import LMBatch, PackedLMBatch, PreferenceBatch, RLBatch
+from dapo_jax.datatypes import LMBatch, PackedLMBatch, PreferenceBatch, RLBatch, ValueBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,3 +225,34 @@ def dpo(model_cfg: model_lib.ModelConfig, cfg: DPOConfig) -> Objective:
     return value * w, jax.tree.map(lambda m: m * w, metrics)
 
   return Objective(loss=loss, counts=_pair_counts, group_size=2)
+
+
+# --- PPO's critic ---------------------------------------------------------------------------------
+
+def completion_values(model_cfg: model_lib.ModelConfig, group_size: int = 0) -> Callable:
+  """(params of a scalar-head model, batch) -> V(s_t) [B, C] fp32: the value at the position that
+  predicts completion token t (verl's critic reads values[:, P-1:T-1] the same way)."""
+  def fn(params, mb) -> jax.Array:
+    C = mb.loss_mask_BC.shape[1]
+    P = mb.tokens_BT.shape[1] - C
+    if group_size:
+      return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
+                                         mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:],
+                                         head="scalar")
+    return model_lib.forward(model_cfg, params, mb.tokens_BT[:, :-1], model_lib.positions(mb.mask_BT[:, :-1]),
+                             model_lib.causal_mask(mb.mask_BT[:, :-1]), logits_from=P - 1, head="scalar")
+  return fn
+
+
+def value_model(model_cfg: model_lib.ModelConfig, clip_range: float, group_size: int = 0) -> Objective:
+  """PPO's clipped value loss (`loss.value_loss`) on `ValueBatch` rows, token mean over the mini-batch."""
+  values = completion_values(model_cfg, group_size)
+
+  def counts(batch: ValueBatch) -> dict:
+    return {"num_tokens": jnp.sum(batch.loss_mask_BC.astype(jnp.float32))}
+
+  def loss(params, mb: ValueBatch, counts: dict):
+    return loss_lib.value_loss(values(params, mb), mb.old_values_BC, mb.returns_BC, mb.loss_mask_BC, clip_range,
+                               num_tokens=counts["num_tokens"])
+
+  return Objective(loss=loss, counts=counts, group_size=group_size)

@@ -163,3 +163,31 @@ def test_from_pairs_interleaves():
   tokens = np.arange(8)[:, None] * np.ones((1, 3), np.int32)
   b = PreferenceBatch.from_pairs(tokens, tokens > 0, tokens[:, 1:] > 0)
   assert b.tokens_BT[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def test_value_model_loss_matches_value_loss_on_naive_values():
+  from dapo_jax.datatypes import ValueBatch
+  cfg = testing.tiny_model_config(V)
+  params = _params(cfg, 5, "scalar")
+  pairs = _pairs(np.random.default_rng(5), 2)  # Rows 2i, 2i+1 share a prompt: groups of G=2.
+  P = pairs.tokens_BT.shape[1] - pairs.loss_mask_BC.shape[1]
+  C = pairs.loss_mask_BC.shape[1]
+  naive = np.zeros((len(pairs.tokens_BT), C))
+  for b in range(len(naive)):  # V(s_t): the head at the position of the token before completion token t.
+    prompt = pairs.tokens_BT[b, :P][pairs.mask_BT[b, :P]]
+    row = jnp.asarray(np.concatenate([prompt, pairs.tokens_BT[b, P:]]))[None]
+    v = np.asarray(model.forward(cfg, params, row, jnp.arange(row.shape[1])[None],
+                                 model.causal_mask(jnp.ones_like(row, bool)), head="scalar"))[0]
+    naive[b] = v[len(prompt) - 1:len(prompt) - 1 + C]
+  rng = np.random.default_rng(6)
+  batch = ValueBatch(pairs.tokens_BT, pairs.mask_BT, pairs.loss_mask_BC,
+                     (naive + 0.3 * rng.standard_normal(naive.shape)).astype(np.float32),
+                     rng.standard_normal(naive.shape).astype(np.float32))
+  m = pairs.loss_mask_BC
+  for G in (0, 2):
+    got_v = np.asarray(objectives.completion_values(cfg, G)(params, batch))
+    np.testing.assert_allclose(np.where(m, got_v, 0), np.where(m, naive, 0), rtol=1e-5, atol=1e-5)
+    obj = objectives.value_model(cfg, clip_range=0.2, group_size=G)
+    got, _ = obj.loss(params, batch, obj.counts(batch))
+    want, _ = loss.value_loss(jnp.asarray(naive), batch.old_values_BC, batch.returns_BC, m, 0.2)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
