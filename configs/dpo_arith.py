@@ -3,6 +3,9 @@ r"""Stage 3 of the RLHF pipeline on the arithmetic task: DPO on the preference p
   python -m launch.dpo --config=configs/dpo_arith.py               # -> runs/dpo_arith/dpo_model
 Starts from (and is regularised towards) the SFT model of configs/sft_chat_arith.py; reads the pairs
 of configs/rm_arith.py. Prints the rule-checked greedy accuracy on held-out prompts before and after.
+Measured (2 shared CPU cores, ~2.5 min): held-out implicit-reward accuracy 0.918, but greedy accuracy
+0.898 -> 0.641 (lr 1e-5: -> 0.531): on pairs that differ in a digit or two, DPO lowers the chosen
+answers' likelihood too (the chosen implicit reward goes negative), as Pal et al. 2024 (DPOP) report.
 """
 from configs import common
 

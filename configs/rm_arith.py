@@ -4,8 +4,8 @@ r"""Stage 2 of the RLHF pipeline on the arithmetic task: a reward model on prefe
   python -m launch.prepare arith_pairs --out=runs/arith/pairs_heldout.jsonl --num=256 --split=heldout
   python -m launch.rm --config=configs/rm_arith.py                 # -> runs/rm_arith/rm_model
 Starts from the SFT model of configs/sft_chat_arith.py with a zero score head. Chosen: the correct
-worked answer; rejected: a forgotten carry or a wrong final digit. Expected: held-out pairwise
-accuracy >= 0.9.
+worked answer; rejected: a forgotten carry or a wrong final digit. Measured (2 shared CPU cores,
+~5 min): held-out pairwise accuracy 0.797 / 0.883 / 0.934 after 100 / 200 / 300 updates, margin 5.9.
 """
 from configs import common
 

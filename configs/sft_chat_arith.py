@@ -5,6 +5,8 @@ r"""Stage 1 of the RLHF pipeline on the arithmetic task: SFT on its conversation
 Any conversation file works the same: --config.data.train_files=data/chats.jsonl (messages or
 prompt/completion rows). Trains a BPE tokenizer on the conversations and a ~1M-parameter model from
 scratch; the loss covers the assistant turns; 5% of the conversations are held out for the loss.
+Measured (2 shared CPU cores, ~10 min): 5.0 conversations per row, held-out loss 0.61 / 0.065 / 0.023
+after 100 / 200 / 300 updates; greedy answers to held-out prompts 89.8% correct.
 """
 from configs import common
 
