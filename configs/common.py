@@ -125,6 +125,24 @@ def base() -> mlc.ConfigDict:
                target_acc=0.0,       # >0: stop early once greedy solves this fraction of a probe
                probe_size=256,       # training problems in that probe
                probe_every=25)       # steps between probes
+  # SFT on conversation files (`launch.sft` with data.task="file"; steps, sizes and lr from `sft`).
+  c.chat_sft = dict(assistant_only=True,     # loss on assistant turns only (False: every token)
+                    packing=True,            # several conversations per sft.seq_len row
+                    heldout_fraction=0.05,   # conversations held out for the loss (by prompt hash)
+                    eval_every=100)          # updates between held-out losses
+  # Preference-pair trainings (`launch.rm`, `launch.dpo`): TRL-schema files, start from an HF dir.
+  pairs = dict(train_files=("",), eval_files=("",),
+               init_dir="",                  # HF directory of the starting (SFT) policy
+               steps=300, batch_pairs=32, lr=1e-4, warmup_steps=10, weight_decay=0.0, grad_clip=1.0,
+               prompt_len=64,                # tokens; longer prompts keep their end
+               response_len=64,              # tokens with EOS; longer responses keep their start
+               eval_every=50, ckpt_every=100, keep_ckpts=2)
+  c.rm = dict(pairs, margin=0.0)             # -log σ(r_c - r_r - margin)
+  c.dpo = dict(pairs, beta=0.1,              # β of the implicit reward β·(log π - log π_ref)
+               loss_type="sigmoid",          # sigmoid (DPO) | ipo
+               label_smoothing=0.0,
+               eval_greedy=64,               # held-out prompts whose greedy answers are rule-checked
+               max_new_tokens=32)            # their generation budget
   c.mesh = dict(data=1, fsdp=-1, tensor=1)   # -1: the rest of the devices
   # Where metrics go: any of "tensorboard" (WORKDIR/tb), "jsonl" (WORKDIR/metrics.jsonl) and "wandb"
   # (pip install -e ".[wandb]"; WANDB_MODE=offline writes WORKDIR/wandb for a later `wandb sync`).

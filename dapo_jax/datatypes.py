@@ -66,3 +66,44 @@ class Groups:
   @staticmethod
   def from_json(d: dict) -> "Groups":
     return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
+
+
+@struct.dataclass
+class PackedLMBatch:
+  """Packed language-modelling batch (SFT on conversations): several documents per row.
+
+  A token attends only to earlier tokens of its own document (`segment_ids_BT`) and positions
+  restart at 0 for each document (`conversations.pack`).
+  """
+  tokens_BT: jax.Array       # int32 [B, T]
+  positions_BT: jax.Array    # int32, 0 at each document's first token
+  segment_ids_BT: jax.Array  # int32, 1.. per document in a row, 0 = padding
+  loss_mask_BT: jax.Array    # bool: tokens that are targets of the loss
+
+
+@struct.dataclass
+class PreferenceBatch:
+  """Preference pairs for the reward model and DPO, laid out like the RL batch
+  [left-padded prompt | right-padded response]: rows 2i (chosen) and 2i+1 (rejected) share a prompt."""
+  tokens_BT: jax.Array      # int32 [2N, P+C]
+  mask_BT: jax.Array        # bool: real prompt tokens and response tokens up to and including EOS
+  loss_mask_BC: jax.Array   # bool [2N, C]: response tokens
+  ref_logp_B: jax.Array     # fp32 Σ log π_ref over the response (DPO; zeros for the reward model)
+
+  @staticmethod
+  def from_pairs(tokens_BT: np.ndarray, mask_BT: np.ndarray, response_mask_BC: np.ndarray) -> "PreferenceBatch":
+    """From `preference.pair_batch`'s layout (rows 0..N-1 chosen, N..2N-1 rejected) to interleaved pairs."""
+    N = tokens_BT.shape[0] // 2
+    order = np.stack([np.arange(N), np.arange(N) + N], axis=1).reshape(-1)
+    return PreferenceBatch(tokens_BT=tokens_BT[order], mask_BT=mask_BT[order],
+                           loss_mask_BC=response_mask_BC[order], ref_logp_B=np.zeros(2 * N, np.float32))
+
+
+@struct.dataclass
+class ValueBatch:
+  """PPO critic batch, laid out like `RLBatch`: values predict the return from each completion token's state."""
+  tokens_BT: jax.Array      # int32 [B, P+C]
+  mask_BT: jax.Array        # bool
+  loss_mask_BC: jax.Array   # bool: completion tokens in the loss
+  old_values_BC: jax.Array  # fp32 values of the critic that rolled out (clipping centre)
+  returns_BC: jax.Array     # fp32 GAE returns (advantages.gae)

@@ -498,3 +498,129 @@ def trained_model(cfg, workdir: str):
   if cfg.model.init == "sft":
     return tok, hf.load_config(os.path.join(workdir, "sft_model"), **runtime_overrides(cfg))
   return tok, model_config(cfg, ((len(tok) + 63) // 64) * 64)
+
+
+# --- RLHF pipelines: the reward, chat SFT, the reward model, DPO ---------------------------------
+
+def reward(cfg):
+  """The rollout's reward from `reward.fn` (or weighted `reward.fns`, when the config has them):
+  a function path (process pool), http(s)://HOST:PORT (an RM server) or rm:DIR (a reward model
+  in this process, on the accelerator)."""
+  r = cfg.reward
+  fns = tuple(f for f in (r.get("fns") or ()) if f)
+  if fns:
+    return rewards_lib.CombinedReward(rewards_lib.parse_weighted(fns), r.timeout_s, r.workers)
+  return rewards_lib.make_reward(r.fn, r.timeout_s, r.workers)
+
+
+def _files(section, field: str, name: str) -> list[str]:
+  files = [f for f in section[field] if f]
+  _check(files or field == "eval_files", f"{name}.{field}", tuple(section[field]), "at least one dataset file")
+  return files
+
+
+def validate_pairs(cfg, name: str) -> None:
+  """Checks the `rm` or `dpo` section (and the mesh) before anything is built."""
+  s = cfg[name]
+  n = functools.partial(_number, cfg)
+  _files(s, "train_files", name)
+  _check(bool(s.init_dir), f"{name}.init_dir", s.init_dir, "the HF directory of the starting model "
+         "(e.g. the SFT model of launch.sft)")
+  for f in ("steps", "batch_pairs", "prompt_len", "response_len", "keep_ckpts"):
+    n(f"{name}.{f}", 1, integer=True)
+  for f in ("warmup_steps", "eval_every", "ckpt_every"):
+    n(f"{name}.{f}", 0, integer=True)
+  for f in ("lr", "weight_decay", "grad_clip"):
+    n(f"{name}.{f}", 0)
+  if name == "dpo":
+    n("dpo.beta", 0, lo_open=True)
+    _check(s.loss_type in loss_lib.DPO_LOSS_TYPES, "dpo.loss_type", s.loss_type, f"one of {loss_lib.DPO_LOSS_TYPES}")
+    n("dpo.label_smoothing", 0, 0.5)
+    n("dpo.eval_greedy", 0, integer=True)
+    n("dpo.max_new_tokens", 1, integer=True)
+  else:
+    n("rm.margin", 0)
+
+
+def _pair_fields(cfg, name: str) -> dict:
+  s = cfg[name]
+  return dict(steps=s.steps, batch_pairs=s.batch_pairs, lr=s.lr, warmup_steps=s.warmup_steps,
+              weight_decay=s.weight_decay, grad_clip=s.grad_clip, prompt_len=s.prompt_len,
+              response_len=s.response_len, chat_template=cfg.data.chat_template, eval_every=s.eval_every,
+              ckpt_every=s.ckpt_every, keep_ckpts=s.keep_ckpts, microbatch_tokens=cfg.train.microbatch_tokens,
+              seed=cfg.seed)
+
+
+def rm_config(cfg):
+  from dapo_jax import rm  # noqa: PLC0415
+  return rm.RMConfig(margin=cfg.rm.margin, **_pair_fields(cfg, "rm"))
+
+
+def dpo_config(cfg):
+  from dapo_jax import dpo  # noqa: PLC0415
+  d = cfg.dpo
+  return dpo.DPOTrainConfig(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
+                            **_pair_fields(cfg, "dpo"))
+
+
+def preference_data(cfg, name: str):
+  """(train pairs, held-out pairs) of the `rm` or `dpo` section's files."""
+  from dapo_jax import preference  # noqa: PLC0415
+  s = cfg[name]
+  load = lambda files: [p for f in files for p in preference.load_pairs(f)]
+  return load(_files(s, "train_files", name)), load(_files(s, "eval_files", name))
+
+
+def chat_sft_config(cfg):
+  from dapo_jax import sft_chat  # noqa: PLC0415
+  s, c = cfg.sft, cfg.chat_sft
+  return sft_chat.ChatSFTConfig(steps=s.steps, batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr,
+                                warmup_steps=s.warmup_steps, assistant_only=c.assistant_only, packing=c.packing,
+                                chat_template=cfg.data.chat_template, eval_every=c.eval_every,
+                                microbatch_tokens=cfg.train.microbatch_tokens, seed=cfg.seed)
+
+
+def conversation_data(cfg):
+  """(train, held-out) conversations of `data.train_files` (held out by prompt hash, or `data.eval_files`)."""
+  from dapo_jax import conversations  # noqa: PLC0415
+  _check(any(cfg.data.train_files), "data.train_files", tuple(cfg.data.train_files), "at least one conversation file")
+  n = functools.partial(_number, cfg)
+  for f in ("steps", "batch_size", "seq_len"):
+    n(f"sft.{f}", 1, integer=True)
+  n("chat_sft.heldout_fraction", 0, 1, hi_open=True)
+  train = [c for f in cfg.data.train_files if f for c in conversations.load_conversations(f)]
+  evals = [c for f in cfg.data.eval_files if f for c in conversations.load_conversations(f)]
+  if evals:
+    return train, evals
+  if cfg.chat_sft.heldout_fraction > 0:
+    return conversations.split_heldout(train, cfg.chat_sft.heldout_fraction)
+  return train, []
+
+
+def chat_tokenizer(cfg, workdir: str, convs):
+  """`tokenizer.path` (or the HF model's), else a BPE trained on the conversations into WORKDIR/tokenizer."""
+  path = cfg.tokenizer.path or (cfg.model.hf_dir if cfg.model.init == "hf" else "")
+  if path:
+    return tokenizer_lib.load(path)
+  path = os.path.join(workdir, "tokenizer")
+  if not os.path.exists(os.path.join(path, "tokenizer.json")):
+    from dapo_jax import sft_chat  # noqa: PLC0415
+    texts = sft_chat.corpus(convs[:5000]) + ["user", "assistant", "system"] * 10
+    tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size)
+  return tokenizer_lib.load(path)
+
+
+def dpo_evaluator(cfg, tok, model_cfg, mesh, held_pairs):
+  """Rule-checked greedy accuracy on the held-out pairs' prompts that carry a `ground_truth`
+  (`dpo.eval_greedy` of them; None when there are none)."""
+  examples = [data_lib.Example(messages=p.prompt, ground_truth=p.ground_truth, index=p.index)
+              for p in held_pairs if p.ground_truth is not None][: cfg.dpo.eval_greedy]
+  if not examples:
+    return None
+  greedy = sampling.SamplerConfig(max_new_tokens=cfg.dpo.max_new_tokens, temperature=0.0,
+                                  eos_ids=tokenizer_lib.stop_ids(tok, cfg.dpo.init_dir, cfg.rollout.stop),
+                                  pad_id=tok.pad_token_id)
+  rcfg = rollout_lib.RolloutConfig(max_prompt_len=cfg.dpo.prompt_len, chat_template=cfg.data.chat_template)
+  rule = lambda responses, gts: [rewards_lib.math_dapo(r, g) for r, g in zip(responses, gts)]
+  rollout = rollout_lib.Rollout(tok, model_cfg, mesh, rcfg, greedy, rule)
+  return evaluate.Evaluator(rollout, examples, k=1, sampler_cfg=greedy, seed=cfg.seed, rows=len(examples))

@@ -7,6 +7,7 @@ The mapping from HF tensor names to our parameter names lives only in this file.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,6 +22,9 @@ from dapo_jax import model as model_lib
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
              "Gemma3ForCausalLM": "gemma3"}
 _CLASSES = {v: k for k, v in SUPPORTED.items()}
+# Scalar-head models (reward / value models): the trunk and `score.weight` [num_labels=1, D].
+SCALAR_CLASSES = {"Qwen2ForSequenceClassification": "qwen2", "LlamaForSequenceClassification": "llama",
+                  "Qwen3ForSequenceClassification": "qwen3"}
 _MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _ACTIVATIONS = {"gemma3": ("hidden_activation", "gelu_pytorch_tanh")}  # Others: hidden_act = silu.
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -164,9 +168,10 @@ def _read_index(index: str) -> dict[str, str]:
 
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> model_lib.ModelConfig:
   archs = hf.get("architectures") or []
-  arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+  arch = next(((SUPPORTED | SCALAR_CLASSES)[a] for a in archs if a in SUPPORTED or a in SCALAR_CLASSES), None)
   if arch is None:
-    raise CheckpointError(f"{source}: field 'architectures' is {archs}; supported: {sorted(SUPPORTED)}")
+    raise CheckpointError(f"{source}: field 'architectures' is {archs}; supported: "
+                          f"{sorted(SUPPORTED) + sorted(SCALAR_CLASSES)}")
 
   def need(key):
     if key not in hf:
@@ -473,6 +478,9 @@ def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
   """Reads a local HF model directory into (ModelConfig, params); `overrides` set e.g. dtype."""
   cfg = load_config(path, **overrides)
   tensors, origin = _read_dir_tensors(path)
+  if "score.weight" in tensors:
+    raise CheckpointError(f"{path}: a scalar-head model (tensor 'score.weight'), not a language model; "
+                          "read it with hf.load_scalar")
   return cfg, params_from_tensors(cfg, tensors, origin, dtype=np.dtype(cfg.param_dtype))
 
 
@@ -492,3 +500,55 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
     with open(os.path.join(path, "generation_config.json"), "w") as f:
       json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
   write_safetensors(os.path.join(path, "model.safetensors"), params_to_tensors(model_cfg, params, dtype))
+
+
+# --- scalar-head models: ...ForSequenceClassification -----------------------------------------
+
+def save_scalar(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer=None,
+                pad_token_id=None, dtype=np.float32) -> None:
+  """Writes a scalar-head model (`model.Transformer(head="scalar")`: a reward model) as the family's
+  ...ForSequenceClassification directory (num_labels=1, `score.weight` [1, D]) that
+  `transformers.AutoModelForSequenceClassification` loads. transformers scores a row at its
+  rightmost token that is not `pad_token_id`, so the pad id must differ from every real token."""
+  cls = {v: k for k, v in SCALAR_CLASSES.items()}.get(model_cfg.arch)
+  if cls is None:
+    raise CheckpointError(f"model.arch={model_cfg.arch!r} has no sequence-classification export; "
+                          f"supported: {sorted(SCALAR_CLASSES.values())}")
+  if "score_D" not in params:
+    raise CheckpointError(f"{path}: the params have no scalar head 'score_D' (an LM is written with hf.save)")
+  trunk = {k: v for k, v in params.items() if k not in ("score_D", "unembed_DV")}
+  save(path, dataclasses.replace(model_cfg, tie_embeddings=True), trunk, tokenizer=tokenizer,
+       pad_token_id=pad_token_id, dtype=dtype)
+  cfg_path = os.path.join(path, "config.json")
+  with open(cfg_path) as f:
+    hf_cfg = json.load(f)
+  if hf_cfg.get("pad_token_id") is None:
+    raise CheckpointError(f"{path}: a reward model needs a pad token id (transformers finds each row's "
+                          "last token by it); pass tokenizer= or pad_token_id=")
+  hf_cfg.update(architectures=[cls], num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0},
+                tie_word_embeddings=model_cfg.tie_embeddings)
+  with open(cfg_path, "w") as f:
+    json.dump(hf_cfg, f, indent=2)
+  tensors = read_safetensors(os.path.join(path, "model.safetensors"))
+  tensors = {k: np.array(v) for k, v in tensors.items()}
+  tensors["score.weight"] = np.asarray(params["score_D"], np.float32).reshape(1, -1).astype(dtype)
+  write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+
+
+def load_scalar(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
+  """Reads a ...ForSequenceClassification directory with one label into (ModelConfig, params with
+  `score_D`); a directory without a score head fails naming it."""
+  cfg = load_config(path, **overrides)
+  tensors, origin = _read_dir_tensors(path)
+  if "score.weight" not in tensors:
+    raise CheckpointError(f"{path}: no score head (tensor 'score.weight'): not a reward model; train one "
+                          "with launch.rm, or pass a ...ForSequenceClassification directory")
+  score = tensors.pop("score.weight")
+  if tuple(score.shape) != (1, cfg.embed_dim):
+    raise CheckpointError(f"{origin['score.weight']}: tensor 'score.weight' has shape {tuple(score.shape)}, "
+                          f"expected (1, {cfg.embed_dim}) (num_labels=1)")
+  tensors.pop("lm_head.weight", None)
+  params = params_from_tensors(dataclasses.replace(cfg, tie_embeddings=True), tensors, origin,
+                               dtype=np.dtype(cfg.param_dtype))
+  params["score_D"] = np.asarray(score, np.float32).reshape(-1).astype(np.dtype(cfg.param_dtype))
+  return cfg, params

@@ -1,7 +1,8 @@
 """Host-side rewards: the DAPO-Math answer check, the soft overlong penalty, and a process pool
 that runs any reward function (named by import path) with a per-call timeout.
 
-Nothing here evaluates model text as code, and nothing imports jax.
+Nothing here evaluates model text as code, and nothing imports jax at module level (`rm:DIR` imports
+the reward model when it is asked for).
 """
 from __future__ import annotations
 
@@ -259,6 +260,8 @@ class HTTPReward:
     self.token = token or os.environ.get("DAPO_RM_TOKEN") or None
     self.errors = self.timeouts = 0
 
+  needs_prompts = True  # A reward model judges the response against its prompt.
+
   def close(self) -> None:
     pass
 
@@ -352,9 +355,16 @@ def parse_weighted(items: Sequence[str]) -> list[tuple[str, float]]:
 
 
 def make_reward(spec: str, timeout_s: float = 10.0, workers: int = 2, **http_kw):
-  """One reward from its spec: an http(s):// URL is a reward server, anything else a function path."""
+  """One reward from its spec: an http(s):// URL is a reward server, rm:DIR a reward model scored in
+  this process on the accelerator (`rm.RMReward`), anything else a function path (a process pool)."""
   if spec.startswith(("http://", "https://")):
     return HTTPReward(spec, timeout_s=timeout_s, **http_kw)
+  if spec.startswith("rm:"):
+    model_dir = spec[len("rm:"):]
+    if not model_dir:
+      raise RewardConfigError(f"reward {spec!r}: expected rm:DIR, a reward-model directory written by launch.rm")
+    from dapo_jax import rm  # noqa: PLC0415 (jax: only a run with a reward model imports it here)
+    return rm.RMReward(model_dir)
   return RewardPool(spec, timeout_s, workers)
 
 
@@ -362,14 +372,19 @@ class CombinedReward:
   """Several rewards scored on the same samples and combined by `combine` (`reward.fns` with weights).
 
   acc comes from the first rule reward (a function path) when there is one, else from the first part;
+  parts that judge against the prompt (`needs_prompts`: a server, a reward model) get the prompts;
   errors and timeouts are the sums of the parts'.
   """
 
   def __init__(self, fns: Sequence[tuple[str, float]], timeout_s: float = 10.0, workers: int = 2, **http_kw):
     self.parts = [make_reward(spec, timeout_s, workers, **http_kw) for spec, _ in fns]
     self.weights = [w for _, w in fns]
-    rules = [k for k, p in enumerate(self.parts) if not isinstance(p, HTTPReward)]
+    rules = [k for k, p in enumerate(self.parts) if isinstance(p, RewardPool)]
     self.acc_from = rules[0] if rules else 0
+
+  @property
+  def needs_prompts(self) -> bool:
+    return any(getattr(p, "needs_prompts", False) for p in self.parts)
 
   @property
   def errors(self) -> int:
@@ -385,6 +400,6 @@ class CombinedReward:
 
   def __call__(self, responses: Sequence[str], ground_truths: Sequence[str],
                prompts: Sequence[str] | None = None) -> list[dict]:
-    results = [p(responses, ground_truths, prompts) if isinstance(p, HTTPReward) else p(responses, ground_truths)
-               for p in self.parts]
+    results = [p(responses, ground_truths, prompts) if getattr(p, "needs_prompts", False)
+               else p(responses, ground_truths) for p in self.parts]
     return combine(results, self.weights, self.acc_from)

@@ -147,10 +147,10 @@ class Trainer:
 
   def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh,
                objective: Objective, *, num_microbatches: int = 1, microbatch_tokens: int = 2048,
-               param_rules=sharding.PARAM_RULES):
+               param_rules=sharding.PARAM_RULES, head: str = "lm"):
     """`num_microbatches` splits each update's mini-batch for gradient accumulation; 0 picks, for
     each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
-    (`auto_microbatches`)."""
+    (`auto_microbatches`). `head` is the model's head ("scalar": a reward or value model)."""
     sharding.check_divisible(model_cfg, mesh)
     if num_microbatches < 0 or (num_microbatches == 0 and microbatch_tokens <= 0):
       raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
@@ -163,7 +163,7 @@ class Trainer:
     # Shardings of the whole state from the parameters' logical axes (boxed abstract params:
     # optax's moments inherit the boxes, so they shard like their parameters).
     def boxed_state():
-      return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0)), self.tx)
+      return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0), head), self.tx)
     logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
@@ -187,7 +187,7 @@ class Trainer:
         out_shardings=(self.state_sharding, self.replicated))
     self._create = jax.jit(lambda p: TrainState.create(p, self.tx), in_shardings=(self.params_sharding,),
                            out_shardings=self.state_sharding)
-    self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng),
+    self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng, head),
                                 out_shardings=self.params_sharding)
     self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(self.params_sharding,),
                          out_shardings=self.params_sharding)

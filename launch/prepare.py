@@ -8,6 +8,9 @@ The directory is a standard HF one (config.json, model.safetensors, tokenizer): 
 
   python -m launch.prepare arith_pairs --out=runs/pairs/train.jsonl --num=2000 [--split=heldout]
 writes preference pairs of the built-in arithmetic task in TRL's schema (prompt / chosen / rejected).
+
+  python -m launch.prepare arith_sft --out=runs/arith/sft_train.jsonl --num=20000 [--split=heldout]
+writes the task's conversations (question, worked answer) in the messages schema, for `launch.sft`.
 """
 from absl import flags
 
@@ -15,21 +18,27 @@ from launch import common
 
 _OUT = flags.DEFINE_string("out", None, "Output model directory.", required=True)
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (for `gguf`).")
-_NUM = flags.DEFINE_integer("num", 2000, "Number of pairs (for `arith_pairs`).")
+_NUM = flags.DEFINE_integer("num", 2000, "Number of pairs / conversations (for `arith_pairs`, `arith_sft`).")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"], "Problem split (for `arith_pairs`).")
 _DIGITS = flags.DEFINE_integer("digits", 2, "Digits per operand (for `arith_pairs`).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed (for `arith_pairs`).")
 
 
 def main(argv):
-  if len(argv) != 2 or argv[1] not in ("smollm2", "gguf", "arith_pairs"):
-    raise SystemExit("usage: python -m launch.prepare smollm2|gguf|arith_pairs --out=DIR|FILE [--gguf=FILE] "
+  if len(argv) != 2 or argv[1] not in ("smollm2", "gguf", "arith_pairs", "arith_sft"):
+    raise SystemExit("usage: python -m launch.prepare smollm2|gguf|arith_pairs|arith_sft --out=DIR|FILE [--gguf=FILE] "
                      "[--num=N --split=train|heldout --digits=D --seed=S]")
   if argv[1] == "arith_pairs":
     from dapo_jax import preference
     rows = preference.arith_pair_rows(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value)
     preference.write_jsonl(rows, _OUT.value)
     print(f"wrote {len(rows)} {_SPLIT.value} preference pairs to {_OUT.value}")
+    return
+  if argv[1] == "arith_sft":
+    from dapo_jax import preference, sft_chat
+    rows = sft_chat.arith_conversation_rows(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value)
+    preference.write_jsonl(rows, _OUT.value)
+    print(f"wrote {len(rows)} {_SPLIT.value} conversations to {_OUT.value}")
     return
   from dapo_jax import gguf
   path = gguf.smollm2_path() if argv[1] == "smollm2" else _GGUF.value

@@ -1,0 +1,39 @@
+"""DPO on preference pairs (TRL's schema) from an SFT model, which is also the frozen reference.
+
+  python -m launch.dpo --config=configs/dpo_arith.py
+Prints the held-out rule-checked greedy accuracy before and after (pairs with a `ground_truth`) and
+writes WORKDIR/dpo_model (an HF directory). Reruns resume.
+"""
+import os
+
+import jax
+from absl import flags
+
+from launch import common
+
+_CONFIG = common.define_config()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<config>).")
+
+
+def main(argv):
+  del argv
+  common.init_distributed()
+  from dapo_jax import dpo, from_config, hf, sharding, tokenizer
+  cfg = _CONFIG.value
+  from_config.validate_pairs(cfg, "dpo")
+  workdir = _WORKDIR.value or common.default_workdir()
+  mesh = sharding.make_mesh(cfg.mesh)
+  train, held = from_config.preference_data(cfg, "dpo")
+  tok = tokenizer.load(cfg.tokenizer.path or cfg.dpo.init_dir)
+  model_cfg, params = hf.load(cfg.dpo.init_dir, **from_config.runtime_overrides(cfg))
+  evaluator = from_config.dpo_evaluator(cfg, tok, model_cfg, mesh, held)
+  params, ev = dpo.train(from_config.dpo_config(cfg), model_cfg, params, tok, train, held, mesh, workdir,
+                         evaluator=evaluator)
+  out = os.path.join(workdir, "dpo_model")
+  if jax.process_index() == 0:
+    hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)
+  print(f"DPO model written to {out}")
+
+
+if __name__ == "__main__":
+  common.run(main)

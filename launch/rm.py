@@ -1,0 +1,39 @@
+"""Train a reward model on preference pairs (TRL's schema), starting from an SFT model.
+
+  python -m launch.rm --config=configs/rm_arith.py
+  python -m launch.rm --config=configs/rm_arith.py --config.rm.train_files=pairs.jsonl --config.rm.init_dir=DIR
+Writes WORKDIR/rm_model, a ...ForSequenceClassification directory (num_labels=1) that transformers
+loads, `launch.serve_rm --model_dir` serves and `reward.fn=rm:DIR` scores with. Reruns resume.
+"""
+import os
+
+import jax
+from absl import flags
+
+from launch import common
+
+_CONFIG = common.define_config()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<config>).")
+
+
+def main(argv):
+  del argv
+  common.init_distributed()
+  from dapo_jax import from_config, hf, rm, sharding, tokenizer
+  cfg = _CONFIG.value
+  from_config.validate_pairs(cfg, "rm")
+  workdir = _WORKDIR.value or common.default_workdir()
+  train, held = from_config.preference_data(cfg, "rm")
+  tok = tokenizer.load(cfg.tokenizer.path or cfg.rm.init_dir)
+  model_cfg, lm_params = hf.load(cfg.rm.init_dir, **from_config.runtime_overrides(cfg))
+  params, ev = rm.train(from_config.rm_config(cfg), model_cfg, rm.from_lm(lm_params), tok, train, held,
+                        sharding.make_mesh(cfg.mesh), workdir)
+  out = os.path.join(workdir, "rm_model")
+  if jax.process_index() == 0:
+    hf.save_scalar(out, model_cfg, jax.device_get(params), tokenizer=tok)
+  print(f"reward model written to {out}; held-out pairwise accuracy "
+        f"{ev.get('val/rm/accuracy', float('nan')):.3f}, margin {ev.get('val/rm/margin', float('nan')):.3f}")
+
+
+if __name__ == "__main__":
+  common.run(main)
