@@ -104,7 +104,10 @@ def base() -> mlc.ConfigDict:
                 overlong_penalty=1.0,        # penalty factor
                 overlong_filter=False,       # mask truncated samples out of the loss
                 kl_coef=0.0, kl_estimator="k3")    # DAPO: no KL, no reference model
-  c.reward = dict(fn="dapo_jax.rewards:math_dapo",   # module:function(response, ground_truth)
+  c.reward = dict(fn="dapo_jax.rewards:math_dapo",   # module:function(response, ground_truth),
+                                                     # http://HOST:PORT (launch.serve_rm) or rm:DIR
+                  fns=(),                            # weighted sum instead of fn, e.g.
+                                                     # ("rm:DIR", "0.5*dapo_jax.rewards:math_dapo")
                   timeout_s=10.0, workers=2)
   c.optim = dict(lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8)
   c.train = dict(num_steps=500,              # rollout steps

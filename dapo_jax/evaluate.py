@@ -71,8 +71,7 @@ class Evaluator:
       texts, samples = self._continuous(params, counts, key, sampler_cfg)
     else:
       texts, samples = self._static(params, counts, key, sampler_cfg)
-    gts = [ex.ground_truth for ex, n in zip(self.problems, counts) for _ in range(n)]
-    res = r.reward(texts, gts)
+    res = r.call_reward(texts, [ex for ex, n in zip(self.problems, counts) for _ in range(n)])
     first = np.cumsum([0] + counts)
     acc = [np.array([x["acc"] for x in res[first[q]:first[q + 1]]], bool) for q in range(len(counts))]
     preds = [[x["pred"] for x in res[first[q]:first[q + 1]]] for q in range(len(counts))]

@@ -148,10 +148,17 @@ class Rollout:
 
   # --- scoring -------------------------------------------------------------------------------
 
+  def call_reward(self, texts: Sequence[str], examples: Sequence[data_lib.Example]) -> list[dict]:
+    """The reward of each response to its example (reward models also see the prompt)."""
+    gts = [ex.ground_truth for ex in examples]
+    if getattr(self.reward, "needs_prompts", False):
+      return self.reward(texts, gts, prompts=[ex.messages[-1]["content"] for ex in examples])
+    return self.reward(texts, gts)
+
   def score(self, examples: Sequence[data_lib.Example], samples, G: int) -> dict:
     """Rewards of the rows of `examples` x G: correctness + overlong penalty, and the filter values."""
     texts = self.decode(samples)
-    results = self.reward(texts, [ex.ground_truth for ex in examples for _ in range(G)])
+    results = self.call_reward(texts, [ex for ex in examples for _ in range(G)])
     c = self.cfg
     penalty = np.array([rewards_lib.overlong_penalty(int(n), self.sampler_cfg.max_new_tokens,
                                                      c.overlong_buffer, c.overlong_penalty)
