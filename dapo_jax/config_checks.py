@@ -14,6 +14,7 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import loss as loss_lib
 from dapo_jax import tokenizer as tokenizer_lib
 
+
 class ConfigError(ValueError):
   """A config value that cannot work; the message names the field and the allowed values."""
 

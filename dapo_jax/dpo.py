@@ -17,8 +17,8 @@ import dataclasses
 import numpy as np
 
 from dapo_jax import evaluate as evaluate_lib
-from dapo_jax import objectives, optim, rm, sharding, train_step
 from dapo_jax import model as model_lib
+from dapo_jax import objectives, optim, rm, sharding, train_step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from dapo_jax import console
+from dapo_jax import console, sampling
 from dapo_jax import data as data_lib
-from dapo_jax import sampling
 from dapo_jax.rollout import Rollout
 
 

@@ -26,8 +26,14 @@ from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
 from dapo_jax import rollout as rollout_lib
 from dapo_jax import tokenizer as tokenizer_lib
-from dapo_jax.config_checks import ConfigError, check, dataset_files, number, validate  # noqa: F401 (public)
-from dapo_jax.config_checks import validate_pairs  # noqa: F401 (public API of the launch boundary)
+from dapo_jax.config_checks import (  # noqa: F401 (public)
+  ConfigError,
+  check,
+  dataset_files,
+  number,
+  validate,
+  validate_pairs,  # noqa: F401 (public API of the launch boundary)
+)
 
 # Fields that are not in an HF config.json: they apply to a loaded model too.
 _RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk")

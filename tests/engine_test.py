@@ -6,7 +6,19 @@ import jax
 import numpy as np
 import pytest
 
-from dapo_jax import advantages, data, engine, model, objectives, rewards, rollout, sampling, sharding, streaming, testing
+from dapo_jax import (
+  advantages,
+  data,
+  engine,
+  model,
+  objectives,
+  rewards,
+  rollout,
+  sampling,
+  sharding,
+  streaming,
+  testing,
+)
 from dapo_jax.datatypes import RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64)
