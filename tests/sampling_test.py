@@ -134,7 +134,7 @@ def test_token_distribution(temperature, top_k, top_p):
   n = 200_000
   cfg = sampling.SamplerConfig(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
   tok, logp = jax.jit(sampling.choose, static_argnums=2)(
-      jnp.broadcast_to(jnp.asarray(logits), (n, 6)), jax.random.key(42), cfg)
+      jnp.broadcast_to(jnp.asarray(logits), (n, 6)), jax.random.uniform(jax.random.key(42), (n,)), cfg)
   freq = np.bincount(np.asarray(tok), minlength=6) / n
   # 5 standard errors of a binomial proportion: a false alarm has probability < 1e-5 per token.
   bound = 5 * np.sqrt(p * (1 - p) / n) + 1e-12
