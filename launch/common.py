@@ -39,10 +39,10 @@ def default_workdir() -> str:
 
 
 def _user_errors():
-  from dapo_jax import advantages, checkpoint, data, from_config, gguf, hf, loop, rewards, tokenizer
+  from dapo_jax import advantages, checkpoint, data, from_config, gguf, hf, lora, loop, rewards, tokenizer
   return (data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
-          gguf.GGUFError, from_config.ConfigError, advantages.DynamicSamplingCapError)
+          gguf.GGUFError, from_config.ConfigError, advantages.DynamicSamplingCapError, lora.LoraError)
 
 
 def run(main) -> None:
