@@ -23,6 +23,7 @@ import jax
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint, evaluate, hf, loop, objectives, optim, sampling, sharding, train_step
 from dapo_jax import data as data_lib
+from dapo_jax import lora as lora_lib
 from dapo_jax import loss as loss_lib
 from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
@@ -89,6 +90,7 @@ def validate(cfg, num_devices: int | None = None) -> None:
   for f in ("param_dtype", "dtype"):
     _check(m[f] in _DTYPES, f"model.{f}", m[f], f"one of {_DTYPES}")
   _check(m.matmul_dtype in ("",) + _DTYPES, "model.matmul_dtype", m.matmul_dtype, f"'' or one of {_DTYPES}")
+  lora_config(c)
   n("model.vocab_size", 0, integer=True)
   n("model.attn_chunk", 0, integer=True)
   if m.init in ("random", "sft"):
@@ -419,10 +421,24 @@ def sft_config(cfg):
                        microbatch_tokens=cfg.train.microbatch_tokens)
 
 
+def lora_config(cfg) -> lora_lib.LoraConfig | None:
+  """LoRA adapters on a frozen base (model.lora.rank > 0), or None: full fine-tuning."""
+  m = cfg.model
+  quant = m.get("base_quant", "")
+  if m.get("lora") is None or m.lora.rank == 0:
+    _check(not quant, "model.base_quant", quant, "'' without LoRA (only a frozen base is quantized: set model.lora.rank)")
+    return None
+  try:
+    return lora_lib.LoraConfig(rank=m.lora.rank, alpha=m.lora.alpha, dropout=m.lora.dropout,
+                               targets=tuple(m.lora.targets), base_quant=quant)
+  except lora_lib.LoraError as e:
+    raise ConfigError(str(e)) from None
+
+
 def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_step.Trainer:
   return train_step.Trainer(model_cfg, optim.OptimConfig(**cfg.optim), mesh, objective,
                             num_microbatches=cfg.train.num_microbatches,
-                            microbatch_tokens=cfg.train.microbatch_tokens)
+                            microbatch_tokens=cfg.train.microbatch_tokens, lora=lora_config(cfg))
 
 
 def evaluator(cfg, rollout: rollout_lib.Rollout, examples) -> evaluate.Evaluator:
