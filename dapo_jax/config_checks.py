@@ -66,6 +66,8 @@ def validate(cfg, num_devices: int | None = None) -> None:
   for f in ("param_dtype", "dtype"):
     check(m[f] in _DTYPES, f"model.{f}", m[f], f"one of {_DTYPES}")
   check(m.matmul_dtype in ("",) + _DTYPES, "model.matmul_dtype", m.matmul_dtype, f"'' or one of {_DTYPES}")
+  from dapo_jax import from_config  # noqa: PLC0415 (the LoRA config's own checks)
+  from_config.lora_config(c)
   n("model.vocab_size", 0, integer=True)
   n("model.attn_chunk", 0, integer=True)
   if m.init in ("random", "sft"):

@@ -21,6 +21,7 @@ import jax
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint, evaluate, hf, loop, objectives, optim, sampling, sharding, train_step
 from dapo_jax import data as data_lib
+from dapo_jax import lora as lora_lib
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
@@ -224,10 +225,24 @@ def sft_config(cfg):
                        microbatch_tokens=cfg.train.microbatch_tokens)
 
 
+def lora_config(cfg) -> lora_lib.LoraConfig | None:
+  """LoRA adapters on a frozen base (model.lora.rank > 0), or None: full fine-tuning."""
+  m = cfg.model
+  quant = m.get("base_quant", "")
+  if m.get("lora") is None or m.lora.rank == 0:
+    check(not quant, "model.base_quant", quant, "'' without LoRA (only a frozen base is quantized: set model.lora.rank)")
+    return None
+  try:
+    return lora_lib.LoraConfig(rank=m.lora.rank, alpha=m.lora.alpha, dropout=m.lora.dropout,
+                               targets=tuple(m.lora.targets), base_quant=quant)
+  except lora_lib.LoraError as e:
+    raise ConfigError(str(e)) from None
+
+
 def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_step.Trainer:
   return train_step.Trainer(model_cfg, optim.OptimConfig(**cfg.optim), mesh, objective,
                             num_microbatches=cfg.train.num_microbatches,
-                            microbatch_tokens=cfg.train.microbatch_tokens)
+                            microbatch_tokens=cfg.train.microbatch_tokens, lora=lora_config(cfg))
 
 
 def evaluator(cfg, rollout: rollout_lib.Rollout, examples, progress: bool = False) -> evaluate.Evaluator:

@@ -54,6 +54,33 @@ def _matmul_bwd(spec, operand, out_dtype, res, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+def dense(spec: str, x: jax.Array, p: dict, name: str, cfg: ModelConfig) -> jax.Array:
+  """The weight matmul `einsum(spec, x, p[name])` of a layer, whatever form the weight takes.
+
+  A float weight is `matmul`. An int8 one ({"int8", "scale"}, see `quant`) is dequantized on the
+  fly: (x @ w_int8) * scale, fp32 accumulation, one scale per output channel. A LoRA adapter
+  p["lora"][name] = {"a": [in.., r], "b": [r, out..]} adds p["lora_scale"] * (x @ a) @ b: with
+  b = 0 or lora_scale = 0 the result is exactly the base's.
+  """
+  w = p[name]
+  if isinstance(w, dict):
+    y = matmul(spec, x, w["int8"].astype(cfg.operand_dtype), cfg, jnp.float32)
+    scale = w["scale"]
+    y = (y * scale.reshape((1,) * (y.ndim - scale.ndim) + scale.shape)).astype(cfg.dtype)
+  else:
+    y = matmul(spec, x, w, cfg)
+  adapter = (p.get("lora") or {}).get(name)
+  if adapter is None:
+    return y
+  xs, rest = spec.split(",")
+  ws, ys = rest.split("->")
+  ins = "".join(c for c in ws if c in xs)        # contracted (input) axes of the weight
+  keep = "".join(c for c in xs if c not in ins)  # the token axes
+  h = matmul(f"{xs},{ins}r->{keep}r", x, adapter["a"], cfg)
+  delta = matmul(f"{keep}r,r{ws[len(ins):]}->{ys}", h, adapter["b"], cfg)
+  return y + p["lora_scale"].astype(y.dtype) * delta
+
+
 def rms_norm(x: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
   """RMS normalisation over the last axis, in fp32, with the HF reference's order of casts.
 
@@ -230,9 +257,9 @@ def project_qkv(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, 
     if p["bqkv_KEH"] is not None:
       qkv_XKEH += p["bqkv_KEH"][None]
     return _qk_norm(cfg, p, qkv_XKEH[:, :, :R], qkv_XKEH[:, :, R]) + (qkv_XKEH[:, :, R + 1],)
-  q_XNH = matmul("XD,DNH->XNH", h_XD, p["wq_DNH"], cfg)
-  k_XKH = matmul("XD,DKH->XKH", h_XD, p["wk_DKH"], cfg)
-  v_XKH = matmul("XD,DKH->XKH", h_XD, p["wv_DKH"], cfg)
+  q_XNH = dense("XD,DNH->XNH", h_XD, p, "wq_DNH", cfg)
+  k_XKH = dense("XD,DKH->XKH", h_XD, p, "wk_DKH", cfg)
+  v_XKH = dense("XD,DKH->XKH", h_XD, p, "wv_DKH", cfg)
   if cfg.qkv_bias:
     q_XNH += p["bq_NH"][None]
     k_XKH += p["bk_KH"][None]
@@ -254,10 +281,10 @@ def mlp(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> jax.Array:
     gate_up_X2F = matmul("XD,DGF->XGF", h_XD, p["w_gate_up_D2F"], cfg)
     gate_XF, up_XF = gate_up_X2F[:, 0], gate_up_X2F[:, 1]
   else:
-    gate_XF = matmul("XD,DF->XF", h_XD, p["w_gate_DF"], cfg)
-    up_XF = matmul("XD,DF->XF", h_XD, p["w_up_DF"], cfg)
+    gate_XF = dense("XD,DF->XF", h_XD, p, "w_gate_DF", cfg)
+    up_XF = dense("XD,DF->XF", h_XD, p, "w_up_DF", cfg)
   act = functools.partial(jax.nn.gelu, approximate=True) if cfg.gemma else nn.silu
-  return matmul("XF,FD->XD", act(gate_XF) * up_XF, p["w_down_FD"], cfg)
+  return dense("XF,FD->XD", act(gate_XF) * up_XF, p, "w_down_FD", cfg)
 
 
 def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple[jax.Array, Any]:
@@ -269,7 +296,7 @@ def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple
   """
   h_XD = norm(cfg, x_XD, p["attn_norm"]["scale_D"])
   o_XNH, aux = attend(*project_qkv(cfg, p, h_XD))
-  a_XD = matmul("XNH,NHD->XD", o_XNH, p["wo_NHD"], cfg)
+  a_XD = dense("XNH,NHD->XD", o_XNH, p, "wo_NHD", cfg)
   if cfg.gemma:
     a_XD = norm(cfg, a_XD, p["post_attn_norm"]["scale_D"])
   x_XD = x_XD + a_XD

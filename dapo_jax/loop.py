@@ -71,7 +71,7 @@ class DAPO:
     self.data_iter = data_iter
     self.state = trainer.init(params=params)
     # Baselines with a KL term: the initial policy, resident on the mesh like the params.
-    self.ref_params = trainer.copy_params(self.state.params) if cfg.reference else None
+    self.ref_params = trainer.reference_params(self.state.params) if cfg.reference else None
     self.carry: Groups | None = None
     self.key = jax.random.key(cfg.seed)
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0, cfg=writer_cfg,

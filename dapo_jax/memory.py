@@ -1,11 +1,16 @@
 """Per-device memory plan of a config: parameters, optimizer state, gradients, activations
-(with and without rematerialisation), and the sampler's KV cache, for the config's mesh."""
+(with and without rematerialisation), and the sampler's KV cache, for the config's mesh.
+
+With LoRA the parameters are the frozen base (its layer matrices in int8 with fp32 scales when
+`base_quant` is "int8") plus the fp32 adapters; gradients and AdamW state exist for the adapters
+alone, and the sampler holds a merged float copy of the layer matrices per call."""
 from __future__ import annotations
 
 import dataclasses
 
 import jax.numpy as jnp
 
+from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
 
 ACCELERATORS_GB = {"H100-80GB": 80, "H200-141GB": 141, "TPU-v5p-95GB": 95, "TPU-v5e-16GB": 16}
@@ -23,6 +28,8 @@ class Plan:
   kv_cache: float
   devices: int
   remat: str
+  adapters: float = 0.0          # LoRA adapter bytes (included in `params`)
+  decode_weights: float = 0.0    # LoRA: the sampler's merged float layer matrices, per call
 
   @property
   def train_total(self) -> float:
@@ -32,7 +39,8 @@ class Plan:
 
   @property
   def sample_total(self) -> float:
-    return self.params + self.optimizer + self.kv_cache  # The optimizer state stays resident.
+    # The optimizer state stays resident.
+    return self.params + self.optimizer + self.kv_cache + self.decode_weights
 
   @property
   def peak(self) -> float:
@@ -43,7 +51,7 @@ class Plan:
 
 
 def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, num_microbatches: int,
-         prompt_len: int, completion_len: int, gen_rows: int) -> Plan:
+         prompt_len: int, completion_len: int, gen_rows: int, lora: lora_lib.LoraConfig | None = None) -> Plan:
   """Bytes per device. Rows are sequences; one update sees rows_per_update rows in micro-batches."""
   devices = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["tensor"]
   model_shards = mesh_shape["fsdp"] * mesh_shape["tensor"]     # Parameters: FSDP x tensor.
@@ -54,6 +62,20 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
   params = n * p_bytes / model_shards
   optimizer = 2 * n * 4 / model_shards                          # AdamW mu and nu, fp32.
   gradients = n * 4 / model_shards
+  adapters = decode_weights = 0.0
+  if lora is not None:
+    D, F, N, K, H, L = mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers
+    matrices = L * (D * H * (2 * N + 2 * K) + 3 * D * F)
+    if lora.base_quant == "int8":  # One byte per weight, an fp32 scale per output channel.
+      base = matrices + 4 * L * (H * (N + 2 * K) + 2 * D + 2 * F) + (n - matrices) * p_bytes
+    else:
+      base = n * p_bytes
+    a = lora_lib.param_count(mc, lora)
+    adapters = a * 4 / model_shards
+    params = base / model_shards + adapters
+    optimizer = 2 * a * 4 / model_shards
+    gradients = a * 4 / model_shards
+    decode_weights = matrices * c_bytes / mesh_shape["tensor"]  # Sampling weights are whole per FSDP shard.
   T = prompt_len + completion_len
   rows = max(rows_per_update / num_microbatches / batch_shards, 1)
   tokens = rows * T
@@ -73,7 +95,8 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
   act_dots = L * tokens * dots_token_layer + tokens * per_token_layer + scores + logits
   kv_rows = gen_rows / batch_shards
   kv = 2 * L * kv_rows * T * (K / min(K, t)) * H * c_bytes if K >= t else 2 * L * kv_rows * T * H * c_bytes
-  return Plan(params, optimizer, gradients, act_full, act_remat, act_dots, kv, devices, mc.remat)
+  return Plan(params, optimizer, gradients, act_full, act_remat, act_dots, kv, devices, mc.remat, adapters,
+              decode_weights)
 
 
 def report(p: Plan, name: str = "") -> str:
@@ -82,6 +105,9 @@ def report(p: Plan, name: str = "") -> str:
           ("activations, no remat", p.activations_no_remat), ("activations, remat=full", p.activations_remat),
           ("activations, remat=dots", p.activations_dots),
           ("KV cache (sampling)", p.kv_cache), ("peak (train or sample)", p.peak)]
+  if p.adapters:
+    rows[1:1] = [("  of which LoRA adapters", p.adapters)]
+    rows.insert(-1, ("merged decode weights (LoRA)", p.decode_weights))
   lines += [f"  {k:28s} {v / GB:10.2f} GB" for k, v in rows]
   lines += [f"  fits {acc:14s} {'yes' if p.fits(gb) else 'NO'}" for acc, gb in ACCELERATORS_GB.items()]
   return "\n".join(lines)

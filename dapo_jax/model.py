@@ -21,7 +21,8 @@ from flax import linen as nn
 
 from dapo_jax import kv_cache as kvc
 from dapo_jax import layers as layers_lib
-from dapo_jax import sharding
+from dapo_jax import lora as lora_lib
+from dapo_jax import quant, sharding
 from dapo_jax.model_config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
 
 Params = Any
@@ -33,6 +34,15 @@ def _param(module: nn.Module, name: str, shape, init, cfg: ModelConfig):
 
 
 _normal = nn.initializers.normal(0.02)
+
+
+def _matrix(module: nn.Module, name: str, shape, cfg: ModelConfig):
+  """A layer matrix: a float parameter, or a frozen base's int8 one ({"int8", "scale"}, as stored)."""
+  if module.has_variable("params", name):
+    w = module.get_variable("params", name)
+    if quant.is_quantized(w):
+      return w
+  return _param(module, name, shape, _normal, cfg)
 
 
 class RMSNorm(nn.Module):
@@ -61,16 +71,16 @@ class Block(nn.Module):
   def __call__(self, segments: tuple, shared: tuple, local: jax.Array):
     cfg = self.cfg
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    tables, local_tables, masks = shared
+    tables, local_tables, masks, lora_scale = shared
     window = None
     if cfg.local_layers:  # Local layers: the window and their own rotary table.
       window = jnp.where(local, cfg.sliding_window, jnp.iinfo(jnp.int32).max)
       tables = jax.tree.map(lambda g, l: jnp.where(local, l, g), tables, local_tables)
       masks = (layers_lib.windowed(masks[0], window),) + tuple(masks[1:])
     p = {"attn_norm": {"scale_D": _scale_param(self, "attn_norm")}}
-    p["wq_DNH"] = _param(self, "wq_DNH", (D, N, H), _normal, cfg)
-    p["wk_DKH"] = _param(self, "wk_DKH", (D, K, H), _normal, cfg)
-    p["wv_DKH"] = _param(self, "wv_DKH", (D, K, H), _normal, cfg)
+    p["wq_DNH"] = _matrix(self, "wq_DNH", (D, N, H), cfg)
+    p["wk_DKH"] = _matrix(self, "wk_DKH", (D, K, H), cfg)
+    p["wv_DKH"] = _matrix(self, "wv_DKH", (D, K, H), cfg)
     if cfg.qk_norm:
       p["q_norm_H"] = _param(self, "q_norm_H", (H,), layers_lib.norm_init(cfg), cfg)
       p["k_norm_H"] = _param(self, "k_norm_H", (H,), layers_lib.norm_init(cfg), cfg)
@@ -79,14 +89,17 @@ class Block(nn.Module):
       p["bq_NH"] = _param(self, "bq_NH", (N, H), zeros, cfg)
       p["bk_KH"] = _param(self, "bk_KH", (K, H), zeros, cfg)
       p["bv_KH"] = _param(self, "bv_KH", (K, H), zeros, cfg)
-    p["wo_NHD"] = _param(self, "wo_NHD", (N, H, D), _normal, cfg)
+    p["wo_NHD"] = _matrix(self, "wo_NHD", (N, H, D), cfg)
     p["mlp_norm"] = {"scale_D": _scale_param(self, "mlp_norm")}
     if cfg.gemma:
       p["post_attn_norm"] = {"scale_D": _scale_param(self, "post_attn_norm")}
       p["post_mlp_norm"] = {"scale_D": _scale_param(self, "post_mlp_norm")}
-    p["w_gate_DF"] = _param(self, "w_gate_DF", (D, F), _normal, cfg)
-    p["w_up_DF"] = _param(self, "w_up_DF", (D, F), _normal, cfg)
-    p["w_down_FD"] = _param(self, "w_down_FD", (F, D), _normal, cfg)
+    p["w_gate_DF"] = _matrix(self, "w_gate_DF", (D, F), cfg)
+    p["w_up_DF"] = _matrix(self, "w_up_DF", (D, F), cfg)
+    p["w_down_FD"] = _matrix(self, "w_down_FD", (F, D), cfg)
+    if lora_scale is not None:  # Adapters of an adapted tree (see `lora`), this layer's slice.
+      p["lora"] = {n: self.get_variable("lora", n) for n in quant.MATRICES if self.has_variable("lora", n)}
+      p["lora_scale"] = lora_scale
 
     shapes = [s.shape[:2] for s in segments]
     sizes = [b * t for b, t in shapes]
@@ -170,13 +183,14 @@ class Transformer(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+    layers = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
                      in_axes=(nn.broadcast, 0), length=cfg.num_layers,
                      metadata_params={nn.PARTITION_NAME: "layers"})
     tables = tuple(layers_lib.rope_table(p, cfg) for p in pos)
     local_tables = tuple(layers_lib.rope_table(p, cfg, local=True) for p in pos) if cfg.local_layers else None
     local_L = jnp.asarray([l in cfg.local_layers for l in range(cfg.num_layers)])
-    x, kv = layers(cfg, self.layout, self.emit_kv, name="layers")(x, (tables, local_tables, masks), local_L)
+    lora_scale = self.get_variable("lora", "scale") if self.has_variable("lora", "scale") else None
+    x, kv = layers(cfg, self.layout, self.emit_kv, name="layers")(x, (tables, local_tables, masks, lora_scale), local_L)
 
     if self.layout == "shared_prompt":
       # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
@@ -230,7 +244,7 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logit
   With `emit_kv`, returns (out, (k_LBKTH, v_LBKTH)): every layer's keys and values, to fill a cache.
   """
   return Transformer(cfg, head, "rows", emit_kv).apply(
-      {"params": params}, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from)
+      lora_lib.flax_variables(params), (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from)
 
 
 def causal_mask(mask_BT: jax.Array) -> jax.Array:
@@ -260,7 +274,7 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
   return Transformer(model_cfg, head, "shared_prompt").apply(
-      {"params": params}, (prompt_QP, completion_BC), (positions(prompt_mask_QP), pos_BC),
+      lora_lib.flax_variables(params), (prompt_QP, completion_BC), (positions(prompt_mask_QP), pos_BC),
       (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)))
 
 
@@ -276,7 +290,11 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   layers[l]: attn_norm, wqkv_DKEH (E = R + 2: the R query heads of KV group k, then its key and
   its value, so tensor parallelism splits K), bqkv_KEH (None without bias), wo_NHD, mlp_norm,
   w_gate_up_D2F, w_down_FD: what `layer` reads. Also embed_VD, final_scale_D and unembed_DV.
+  An adapted tree (`lora`) decodes with its adapters merged in and its int8 matrices dequantized
+  here, once per call: each token then costs what the base model's does.
   """
+  if lora_lib.is_adapted(params):
+    params = dict(params["base"], layers=lora_lib.merge_layers(params))
   D, N, K, H, L = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
   R = N // K
   cast = lambda x: x.astype(cfg.dtype)

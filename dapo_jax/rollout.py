@@ -21,6 +21,7 @@ from flax import linen as nn
 from dapo_jax import advantages as adv_lib
 from dapo_jax import data as data_lib
 from dapo_jax import engine as engine_lib
+from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
 from dapo_jax import sampling, sharding
@@ -91,7 +92,7 @@ class Rollout:
 
   def sampling_params(self, params):
     """The policy placed for the sampler: FSDP shards gathered once per rollout step."""
-    if self.mesh.shape["fsdp"] > 1:
+    if self.mesh.shape["fsdp"] > 1 and not lora_lib.is_adapted(params):  # (LoRA: decode merges per call.)
       return jax.device_put(params, self.params_sharding)
     return params
 

@@ -17,6 +17,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
 from dapo_jax import optim, sharding
 from dapo_jax.objectives import Objective
@@ -32,10 +33,16 @@ class TrainState:
   bad_streak: jax.Array     # consecutive skipped updates
 
   @classmethod
-  def create(cls, params, tx: optax.GradientTransformation) -> "TrainState":
+  def create(cls, params, tx: optax.GradientTransformation, adapters: bool = False) -> "TrainState":
+    """With `adapters`, params is a `lora` tree and the optimizer state covers params["lora"] alone."""
     zero = jnp.zeros((), jnp.int32)
-    return cls(step=zero, rollout_step=zero, params=params, opt_state=tx.init(params), skipped=zero,
-               bad_streak=zero)
+    return cls(step=zero, rollout_step=zero, params=params, opt_state=tx.init(trainable(params, adapters)),
+               skipped=zero, bad_streak=zero)
+
+
+def trainable(params, adapters: bool = False):
+  """What the optimizer updates: all params, or the adapters of a `lora` tree."""
+  return params["lora"] if adapters else params
 
 
 # --- the step ---------------------------------------------------------------------------------
@@ -84,42 +91,54 @@ def merge_microbatches(x_M, group_size: int = 1):
 
 def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Callable,
                tx: optax.GradientTransformation, optim_cfg: optim.OptimConfig, num_microbatches: int = 1,
-               group_size: int = 1):
-  """One optimizer update on one mini-batch; pure. Returns (state, metrics)."""
+               group_size: int = 1, adapters: bool = False):
+  """One optimizer update on one mini-batch; pure. Returns (state, metrics).
+
+  With `adapters` (a `lora` tree), gradients are taken with respect to the adapters alone.
+  """
   counts = counts_fn(batch)  # Global over the mini-batch: the denominators of every micro-batch.
-  grad_fn = jax.value_and_grad(lambda p, mb: objective(p, mb, counts), has_aux=True)
+  if adapters:
+    full = lambda lora: dict(state.params, lora=lora)
+    grad_fn = jax.value_and_grad(lambda p, mb: objective(full(p), mb, counts), has_aux=True)
+  else:
+    grad_fn = jax.value_and_grad(lambda p, mb: objective(p, mb, counts), has_aux=True)
+  params = trainable(state.params, adapters)
 
   def accumulate(carry, mb):
-    (loss, metrics), grads = grad_fn(state.params, mb)
+    (loss, metrics), grads = grad_fn(params, mb)
     return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
 
   if num_microbatches == 1:
-    (loss, metrics), grads = grad_fn(state.params, batch)
+    (loss, metrics), grads = grad_fn(params, batch)
   else:
     micro = split_microbatches(batch, num_microbatches, group_size)
     first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(lambda: grad_fn(state.params, first))
+    shapes = jax.eval_shape(lambda: grad_fn(params, first))
     (loss0, metrics0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     (loss, metrics, grads), _ = jax.lax.scan(accumulate, (loss0, metrics0, grads0), micro)
 
-  return apply_update(state, loss, metrics, grads, counts, tx=tx, optim_cfg=optim_cfg)
+  return apply_update(state, loss, metrics, grads, counts, tx=tx, optim_cfg=optim_cfg, adapters=adapters)
 
 
 def apply_update(state: TrainState, loss, metrics: dict, grads, counts: dict, *, tx: optax.GradientTransformation,
-                 optim_cfg: optim.OptimConfig) -> tuple[TrainState, dict]:
-  """AdamW on accumulated gradients; pure. A non-finite loss or gradient skips the update (counted);
-  so does a mini-batch with no loss tokens (only padding), which must not move the weights, the
-  optimizer moments or the step count (AdamW would still apply momentum and weight decay)."""
+                 optim_cfg: optim.OptimConfig, adapters: bool = False) -> tuple[TrainState, dict]:
+  """AdamW on accumulated gradients (of the adapters alone with `adapters`); pure. A non-finite loss
+  or gradient skips the update (counted); so does a mini-batch with no loss tokens (only padding),
+  which must not move the weights, the optimizer moments or the step count (AdamW would still
+  apply momentum and weight decay)."""
+  params = trainable(state.params, adapters)
   grad_norm = optax.global_norm(grads)
   ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
   has_tokens = counts["num_tokens"] > 0 if "num_tokens" in counts else jnp.asarray(True)
   apply = ok & has_tokens
   lr = optim.lr_at(optim_cfg, state.rollout_step)
-  updates, new_opt_state = tx.update(grads, optim.with_lr(state.opt_state, lr), state.params)
-  new_params = optax.apply_updates(state.params, updates)
+  updates, new_opt_state = tx.update(grads, optim.with_lr(state.opt_state, lr), params)
+  new_params = optax.apply_updates(params, updates)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+  new_params = keep(new_params, params)
   state = state.replace(
-      step=state.step + apply.astype(jnp.int32), params=keep(new_params, state.params),
+      step=state.step + apply.astype(jnp.int32),
+      params=dict(state.params, lora=new_params) if adapters else new_params,
       opt_state=keep(new_opt_state, state.opt_state),
       skipped=state.skipped + (~ok).astype(jnp.int32),
       bad_streak=jnp.where(ok, 0, state.bad_streak + 1))
@@ -143,11 +162,15 @@ class Trainer:
   The step and every forward pass run under the mesh (`jax.set_mesh`), so the model's activation
   sharding constraints apply. Any `objectives.Objective` can be trained; `forward(fn)` jits a
   read-only pass (π_old or reference log-probs, values) in the same micro-batches as the update.
+
+  With `lora` (a `lora.LoraConfig`), params are an adapted tree (`lora.adapt`: a frozen, possibly
+  int8 base and adapters): gradients and AdamW state exist for the adapters alone, the step never
+  donates or rewrites the base, and `reference_params` is the base with its adapters off.
   """
 
   def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh,
                objective: Objective, *, num_microbatches: int = 1, microbatch_tokens: int = 2048,
-               param_rules=sharding.PARAM_RULES, head: str = "lm"):
+               param_rules=sharding.PARAM_RULES, lora: lora_lib.LoraConfig | None = None, head: str = "lm"):
     """`num_microbatches` splits each update's mini-batch for gradient accumulation; 0 picks, for
     each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
     (`auto_microbatches`). `head` is the model's head ("scalar": a reward or value model)."""
@@ -159,12 +182,19 @@ class Trainer:
     self.tx = optim.make(optim_cfg)
     self.num_microbatches, self.microbatch_tokens = num_microbatches, microbatch_tokens
     self.group_size = max(objective.group_size, 1)
+    self.lora = lora
 
     # Shardings of the whole state from the parameters' logical axes (boxed abstract params:
     # optax's moments inherit the boxes, so they shard like their parameters).
-    def boxed_state():
-      return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0), head), self.tx)
-    logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
+    if lora is None:
+      def boxed_state():
+        return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0), head), self.tx)
+      logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
+    else:
+      base_boxed = jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0)))
+      self.base_float_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(base_boxed), mesh, param_rules)
+      logical = nn.get_partition_spec(jax.eval_shape(lambda p: TrainState.create(p, self.tx, adapters=True),
+                                                     lora_lib.boxed(model_cfg, lora, base_boxed)))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
     self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
@@ -175,27 +205,59 @@ class Trainer:
       return train_step(state, batch, objective=objective.loss, counts_fn=objective.counts, tx=self.tx,
                         optim_cfg=optim_cfg, num_microbatches=self.microbatches_for(batch),
                         group_size=self.group_size)
-    self._step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
-                         out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
-    grad_fn = jax.value_and_grad(objective.loss, has_aux=True)
-    self._grads = jax.jit(grad_fn, in_shardings=(self.params_sharding, self.batch_sharding, self.replicated),
-                          out_shardings=((self.replicated, self.replicated), self.params_sharding))
+    if lora is None:
+      self._step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
+                           out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
+    else:
+      self._setup_adapters(model_cfg, optim_cfg, objective, lora)
+    adapters = lora is not None
+
+    def grads(params, mb, counts):  # Of the adapters alone in LoRA mode.
+      if adapters:
+        loss = lambda a: objective.loss(dict(params, lora=a), mb, counts)
+        return jax.value_and_grad(loss, has_aux=True)(params["lora"])
+      return jax.value_and_grad(objective.loss, has_aux=True)(params, mb, counts)
+    grads_sharding = self.params_sharding["lora"] if adapters else self.params_sharding
+    self._grads = jax.jit(grads, in_shardings=(self.params_sharding, self.batch_sharding, self.replicated),
+                          out_shardings=((self.replicated, self.replicated), grads_sharding))
     self._counts = jax.jit(objective.counts, in_shardings=(self.batch_sharding,), out_shardings=self.replicated)
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
     self._apply = jax.jit(lambda state, loss, metrics, grads, counts: apply_update(
-        state, loss, metrics, grads, counts, tx=self.tx, optim_cfg=optim_cfg), donate_argnums=(0,),
-        out_shardings=(self.state_sharding, self.replicated))
-    self._create = jax.jit(lambda p: TrainState.create(p, self.tx), in_shardings=(self.params_sharding,),
-                           out_shardings=self.state_sharding)
+        state, loss, metrics, grads, counts, tx=self.tx, optim_cfg=optim_cfg, adapters=adapters),
+        donate_argnums=() if adapters else (0,))  # A LoRA state's base is read by the reference too.
+    self._create = jax.jit(lambda p: TrainState.create(p, self.tx, adapters=lora is not None),
+                           in_shardings=(self.params_sharding,), out_shardings=self.state_sharding)
     self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng, head),
-                                out_shardings=self.params_sharding)
+                                out_shardings=self.params_sharding if lora is None else self.base_float_sharding)
     self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(self.params_sharding,),
                          out_shardings=self.params_sharding)
+
+  def _setup_adapters(self, model_cfg, optim_cfg, objective, lora) -> None:
+    """The jitted pieces of LoRA mode. The step takes the frozen base as its own argument, which is
+    not donated: the reference (`reference_params`) and the sampler keep reading the same arrays."""
+    def step(rest, base, batch):
+      state = rest.replace(params=dict(rest.params, base=base))
+      state, metrics = train_step(state, batch, objective=objective.loss, counts_fn=objective.counts, tx=self.tx,
+                                  optim_cfg=optim_cfg, num_microbatches=self.microbatches_for(batch),
+                                  group_size=self.group_size, adapters=True)
+      return _without_base(state), metrics
+    rest_sharding = _without_base(self.state_sharding)
+    self._step = jax.jit(step, in_shardings=(rest_sharding, self.params_sharding["base"], self.batch_sharding),
+                         out_shardings=(rest_sharding, self.replicated), donate_argnums=0)
+    self._adapt = jax.jit(lambda p, rng: lora_lib.adapt(model_cfg, lora, p, rng),
+                          in_shardings=(self.base_float_sharding, self.replicated), out_shardings=self.params_sharding,
+                          donate_argnums=0)
+    self._copy_adapters = jax.jit(lambda a: jax.tree.map(jnp.copy, a), in_shardings=(self.params_sharding["lora"],),
+                                  out_shardings=self.params_sharding["lora"])
 
   def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One optimizer update on a placed mini-batch (see `put_batch`)."""
     with jax.set_mesh(self.mesh):
-      return self._step(state, batch)
+      if self.lora is None:
+        return self._step(state, batch)
+      base = state.params["base"]
+      rest, metrics = self._step(_without_base(state), base, batch)
+      return rest.replace(params=dict(rest.params, base=base)), metrics
 
   def accumulate_step(self, state: TrainState, micro_batches: list) -> tuple[TrainState, dict]:
     """One optimizer update from placed micro-batches of different shapes (e.g. completion axes cut
@@ -215,7 +277,9 @@ class Trainer:
   def lower_step(self, state, batch):
     """The step lowered for `state` and `batch` (arrays or `jax.ShapeDtypeStruct`s), as it runs."""
     with jax.set_mesh(self.mesh):
-      return self._step.lower(state, batch)
+      if self.lora is None:
+        return self._step.lower(state, batch)
+      return self._step.lower(_without_base(state), state.params["base"], batch)
 
   def forward(self, fn: Callable) -> Callable:
     """Jits `fn(params, batch) -> [B, ...]` to run sharded like the update, in its micro-batches."""
@@ -232,6 +296,14 @@ class Trainer:
     """A separate on-device copy of `params`, sharded like them (e.g. a frozen reference model)."""
     return self._copy(params)
 
+  def reference_params(self, params):
+    """The frozen reference model of a run starting from `params`: a copy of them; with LoRA, the
+    same base with the adapters switched off (only the small adapter tree is copied, since the
+    step donates it)."""
+    if self.lora is None:
+      return self.copy_params(params)
+    return dict(lora_lib.adapters_off(params), lora=self._copy_adapters(params["lora"]))
+
   def microbatches_for(self, batch) -> int:
     """Micro-batches an update (or forward pass) over `batch`, an array tree of [B, T] rows, runs in."""
     if self.num_microbatches:
@@ -242,13 +314,26 @@ class Trainer:
                              max_tokens=self.microbatch_tokens)
 
   def init(self, rng: jax.Array | None = None, params=None) -> TrainState:
-    """A fresh state from given params (e.g. `hf.load`) or from random ones."""
+    """A fresh state from given params (e.g. `hf.load`) or from random ones. With LoRA, plain params
+    become the frozen base of fresh adapters (drawn from `rng`, default key 0); an adapted tree
+    (`lora.adapt`, e.g. with `hf.load_peft`'s adapters) is kept as it is."""
+    if self.lora is None:
+      params = self._init_params(rng) if params is None else sharding.put(params, self.params_sharding)
+      return self._create(params)
+    rng = jax.random.key(0) if rng is None else rng
     if params is None:
       params = self._init_params(rng)
-    else:
+    if lora_lib.is_adapted(params):
       params = sharding.put(params, self.params_sharding)
+    else:
+      params = self._adapt(sharding.put(params, self.base_float_sharding), jax.random.fold_in(rng, 1))
     return self._create(params)
 
   def put_batch(self, batch):
     """Places a host batch (the same global rows on every process) on the mesh, split by rows."""
     return sharding.put(batch, self.batch_sharding)
+
+
+def _without_base(state: TrainState) -> TrainState:
+  """A LoRA train state without its frozen base (what the step donates and returns)."""
+  return state.replace(params={k: v for k, v in state.params.items() if k != "base"})

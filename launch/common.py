@@ -39,11 +39,11 @@ def default_workdir() -> str:
 
 
 def _user_errors():
-  from dapo_jax import advantages, checkpoint, data, from_config, gguf, hf, loop, metrics, rewards, tokenizer
+  from dapo_jax import advantages, checkpoint, data, from_config, gguf, hf, lora, loop, metrics, rewards, tokenizer
   return (data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
           gguf.GGUFError, from_config.ConfigError, advantages.DynamicSamplingCapError,
-          metrics.MetricsConfigError)
+          metrics.MetricsConfigError, lora.LoraError)
 
 
 def run(main) -> None:

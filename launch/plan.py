@@ -14,7 +14,9 @@ _DEVICES = flags.DEFINE_integer("devices", None, "Device count, for meshes with 
 def main(argv):
   del argv
   from dapo_jax import from_config, memory, train_step
+  from dapo_jax import lora as lora_lib
   cfg = _CONFIG.value
+  lora = from_config.lora_config(cfg)
   mc = from_config.model_config(cfg, cfg.model.vocab_size or 1024)
   shape = dict(cfg.mesh)
   rest = _DEVICES.value or 128
@@ -29,7 +31,11 @@ def main(argv):
       shards=shape["data"] * shape["fsdp"], max_tokens=cfg.train.microbatch_tokens)
   p = memory.plan(mc, shape, rows_per_update=rows_per_update, num_microbatches=num_microbatches,
                   prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
-                  gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size)
+                  gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size,
+                  lora=lora)
+  if lora is not None:
+    print(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {lora_lib.param_count(mc, lora) / 1e6:.2f}M trainable "
+          f"parameters; base {lora.base_quant or mc.param_dtype}, frozen (no gradients or optimizer state)")
   print(f"model: {mc.num_params / 1e9:.2f}B parameters, mesh {shape}, "
         f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} micro-batch{'es' if num_microbatches > 1 else ''}")
   print(memory.report(p, common.default_workdir().split("/")[-1]))

@@ -1,0 +1,260 @@
+"""LoRA adapters on a frozen (optionally int8) base: exactness at step 0, adapter-only training, the
+reference with adapters off, merged export, PEFT round trips checked with `peft` on transformers,
+the sampler, and the (2,2,2) mesh."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax import hf, lora, model, objectives, optim, sampling, sharding, testing, train_step
+from dapo_jax.datatypes import RLBatch
+
+CFG = testing.tiny_model_config(vocab_size=64)
+LCFG = lora.LoraConfig(rank=4, alpha=8.0)
+OPT = optim.OptimConfig(lr=1e-2, warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
+
+
+def base_params(cfg=CFG, seed=0):
+  return jax.device_get(model.init_params(cfg, jax.random.key(seed)))
+
+
+def adapted(cfg=CFG, lcfg=LCFG, seed=0, b_scale=0.3):
+  """An adapted tree whose b are nonzero (as after training)."""
+  p = lora.adapt(cfg, lcfg, base_params(cfg, seed), jax.random.key(1))
+  bs = jax.random.split(jax.random.key(2), len(p["lora"]["layers"]))
+  p["lora"]["layers"] = {n: dict(ab, b=b_scale * jax.random.normal(k, ab["b"].shape))
+                         for (n, ab), k in zip(p["lora"]["layers"].items(), bs)}
+  return p
+
+
+def rows(B=3, T=9, seed=0, vocab=64):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, size=(B, T)).astype(np.int32)
+  mask = np.ones((B, T), bool)
+  mask[1, :3] = False  # Left padding.
+  return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def make_batch(B=8, Pl=6, C=10, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(4, CFG.vocab_size, size=(B, Pl + C)).astype(np.int32)
+  lengths = rng.integers(1, C + 1, size=B)
+  cmask = np.arange(C)[None] < lengths[:, None]
+  return RLBatch(tokens_BT=tokens, mask_BT=np.concatenate([np.ones((B, Pl), bool), cmask], 1),
+                 loss_mask_BC=cmask, old_logp_BC=rng.normal(-4.2, 0.3, size=(B, C)).astype(np.float32),
+                 adv_B=rng.normal(size=B).astype(np.float32), ref_logp_BC=np.zeros((B, C), np.float32))
+
+
+def one_device_mesh():
+  return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+
+
+def make_trainer(mesh=None, lcfg=LCFG, **kw):
+  return train_step.Trainer(CFG, OPT, mesh or one_device_mesh(), objectives.policy_gradient(CFG, objectives.PGConfig()),
+                            lora=lcfg, **kw)
+
+
+# --- the forward ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quant", ["", "int8"])
+def test_step0_logits_equal_the_base_exactly(quant):
+  params = base_params()
+  tokens, mask = rows()
+  p = lora.adapt(CFG, lora.LoraConfig(rank=4, base_quant=quant), params, jax.random.key(1))
+  base = params if not quant else lora.merge(lora.adapters_off(p))  # the int8 base, dequantized
+  got, want = model.logits(CFG, p, tokens, mask), model.logits(CFG, base, tokens, mask)
+  if quant:  # Dequantizing before or after the matmul rounds differently in fp32.
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  else:
+    np.testing.assert_array_equal(got, want)
+  # Shared-prompt completions (the train step's layout) too.
+  prompt, pmask = tokens[:, :5], mask[:, :5]
+  comp, cmask = tokens[:, 5:], mask[:, 5:]
+  if not quant:
+    np.testing.assert_array_equal(model.completion_logits(CFG, p, prompt, pmask, comp, cmask),
+                                  model.completion_logits(CFG, params, prompt, pmask, comp, cmask))
+
+
+def test_adapters_off_is_the_base_and_adapters_change_the_model():
+  p = adapted()
+  tokens, mask = rows()
+  base = model.logits(CFG, p["base"], tokens, mask)
+  np.testing.assert_array_equal(model.logits(CFG, lora.adapters_off(p), tokens, mask), base)
+  assert np.abs(model.logits(CFG, p, tokens, mask) - base).max() > 1e-2
+
+
+def test_adapter_matches_a_float64_reference():
+  # y = x W + (alpha / r) x a b, per layer, from the merged weights in float64.
+  p = adapted()
+  merged64 = jax.tree.map(lambda x: np.asarray(x, np.float64), lora.merge(p))
+  w = np.asarray(p["base"]["layers"]["wq_DNH"][0], np.float64)
+  a = np.asarray(p["lora"]["layers"]["wq_DNH"]["a"][0], np.float64)
+  b = np.asarray(p["lora"]["layers"]["wq_DNH"]["b"][0], np.float64)
+  want = w + (LCFG.alpha / LCFG.rank) * np.einsum("Dr,rNH->DNH", a, b)
+  np.testing.assert_allclose(merged64["layers"]["wq_DNH"][0], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("quant", ["", "int8"])
+def test_merged_export_equals_unmerged_forward(tmp_path, quant):
+  p = adapted(lcfg=lora.LoraConfig(rank=4, alpha=8.0, base_quant=quant))
+  tokens, mask = rows()
+  hf.save(str(tmp_path / "merged"), CFG, jax.device_get(p))
+  cfg2, merged = hf.load(str(tmp_path / "merged"))
+  np.testing.assert_allclose(model.logits(cfg2, merged, tokens, mask), model.logits(CFG, p, tokens, mask),
+                             atol=1e-5)
+
+
+def test_unknown_target_fails_naming_it():
+  with pytest.raises(lora.LoraError, match="qkv_proj"):
+    lora.LoraConfig(targets=("q_proj", "qkv_proj"))
+  with pytest.raises(lora.LoraError, match="base_quant"):
+    lora.LoraConfig(base_quant="int4")
+
+
+# --- training ---------------------------------------------------------------------------------
+
+def test_gradients_and_optimizer_state_exist_for_adapters_only():
+  trainer = make_trainer(lcfg=lora.LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj")))
+  params = base_params()
+  state = trainer.init(params=params)
+  base_before = jax.device_get(state.params["base"])
+  adapters = state.params["lora"]
+  # AdamW moments mirror the adapter tree (3 targets x (a, b)), nothing of the base.
+  mu = state.opt_state.inner_state[1][0].mu
+  assert jax.tree.structure(mu) == jax.tree.structure(adapters)
+  assert set(adapters["layers"]) == {"wq_DNH", "wv_DKH", "w_down_FD"}
+  opt_floats = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
+  assert opt_floats == 2 * lora.param_count(CFG, trainer.lora)
+  batch = trainer.put_batch(make_batch())
+  state = state.replace(rollout_step=1)  # Past the warm-up (rollout step 0 trains at lr 0).
+  state, m = trainer.step(state, batch)
+  state, m = trainer.step(state, batch)
+  assert float(m["grad_norm"]) > 0 and int(state.step) == 2
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params["base"]), base_before)
+  for n, ab in jax.device_get(state.params["lora"])["layers"].items():
+    assert np.abs(ab["b"]).max() > 0, n  # b left zero: the update reached the adapters.
+  # The gradient the step uses is the full model's gradient restricted to the adapters.
+  obj = objectives.policy_gradient(CFG, objectives.PGConfig())
+  p0 = lora.adapt(CFG, trainer.lora, params, jax.random.key(0))
+  mb = make_batch()
+  counts = obj.counts(mb)
+  g_full = jax.grad(lambda p: obj.loss(p, mb, counts)[0])(p0)
+  assert np.abs(g_full["lora"]["layers"]["wq_DNH"]["b"]).max() > 0
+  np.testing.assert_array_equal(g_full["lora"]["layers"]["wq_DNH"]["a"], 0)  # b = 0 at the start
+
+
+def test_reference_is_the_base_with_adapters_off_and_survives_the_steps():
+  trainer = make_trainer()
+  state = trainer.init(params=base_params())
+  ref = trainer.reference_params(state.params)
+  batch = trainer.put_batch(make_batch())
+  state = state.replace(rollout_step=1)
+  for _ in range(2):
+    state, _ = trainer.step(state, batch)  # Donates the adapters, never the base.
+  fn = trainer.forward(objectives.completion_logprobs(CFG, 1.0))
+  ref_logp = np.asarray(fn(ref, batch))
+  base_logp = np.asarray(objectives.completion_logprobs(CFG, 1.0)(base_params(), make_batch()))
+  np.testing.assert_allclose(ref_logp, base_logp, atol=1e-6)
+  assert np.abs(np.asarray(fn(state.params, batch)) - ref_logp).max() > 1e-4
+  assert ref["base"]["embed_VD"] is state.params["base"]["embed_VD"]  # One base, no copy.
+
+
+def test_sharded_lora_step_matches_one_device():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8")
+  batch = make_batch()
+  out = []
+  for mesh in (sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), one_device_mesh()):
+    trainer = make_trainer(mesh, lcfg, num_microbatches=2)
+    state = trainer.init(params=base_params()).replace(rollout_step=1)
+    metrics = []
+    for _ in range(2):
+      state, m = trainer.step(state, trainer.put_batch(batch))
+      metrics.append(jax.device_get(m))
+    out.append((trainer, jax.device_get(state), metrics))
+  (t8, s8, m8), (_, s1, m1) = out
+  for a, b in zip(m8, m1):
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s8.params, s1.params)
+  specs = jax.tree.map(lambda s: s.spec, t8.state_sharding.params)
+  P = jax.sharding.PartitionSpec
+  assert specs["lora"]["layers"]["wq_DNH"]["a"] == P(None, "fsdp", None)
+  assert specs["lora"]["layers"]["wq_DNH"]["b"] == P(None, None, "tensor", None)
+  assert specs["base"]["layers"]["wq_DNH"]["int8"] == P(None, "fsdp", "tensor", None)
+  assert specs["base"]["layers"]["wq_DNH"]["scale"] == P(None, "tensor", None)
+
+
+# --- the sampler ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quant", ["", "int8"])
+def test_sampler_with_adapters_equals_the_full_forward(quant):
+  p = adapted(lcfg=lora.LoraConfig(rank=4, alpha=8.0, base_quant=quant), b_scale=1.0)
+  prompt, pmask = rows(B=3, T=6, seed=1)
+  out = sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=8, temperature=0.0), p, prompt, pmask,
+                          jax.random.key(0))
+  comp = np.asarray(out.tokens_BC)
+  tokens = jnp.concatenate([prompt, comp], 1)
+  mask = jnp.concatenate([pmask, jnp.ones_like(comp, bool)], 1)
+  logits = np.asarray(model.logits(CFG, p, tokens, mask))[:, prompt.shape[1] - 1:-1]
+  np.testing.assert_array_equal(np.argmax(logits, -1), comp)
+  logp = np.take_along_axis(jax.nn.log_softmax(logits, -1), comp[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(out.logp_BC), logp, atol=1e-4)
+  # The adapters matter: the base alone decodes something else.
+  base_out = sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=8, temperature=0.0),
+                               lora.adapters_off(p), prompt, pmask, jax.random.key(0))
+  assert (np.asarray(base_out.tokens_BC) != comp).any()
+
+
+# --- PEFT -------------------------------------------------------------------------------------
+
+def test_peft_export_loads_in_peft_and_gives_our_logits(tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  cfg = testing.tiny_model_config(vocab_size=64, qkv_bias=True)
+  p = adapted(cfg)
+  hf.save(str(tmp_path / "base"), cfg, jax.device_get(p["base"]))
+  hf.save_peft(str(tmp_path / "adapter"), cfg, jax.device_get(p), base_model=str(tmp_path / "base"))
+  names = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+  assert names["r"] == 4 and names["lora_alpha"] == 8
+  tensors = hf.read_safetensors(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+  m = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+  m = peft.PeftModel.from_pretrained(m, str(tmp_path / "adapter")).eval()
+  tokens, mask = rows()
+  with torch.no_grad():
+    # transformers takes left-padded rows with explicit position ids.
+    want = m(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long),
+             attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long),
+             position_ids=torch.tensor(np.asarray(model.positions(mask)), dtype=torch.long)).logits.numpy()
+  got = np.asarray(model.logits(cfg, p, tokens, mask))
+  np.testing.assert_allclose(got[np.asarray(mask)], want[np.asarray(mask)], atol=1e-4)
+
+
+def test_peft_adapter_imports_as_the_starting_point(tmp_path):
+  p = adapted()
+  hf.save_peft(str(tmp_path / "adapter"), CFG, jax.device_get(p))
+  lcfg, adapters = hf.load_peft(str(tmp_path / "adapter"), CFG, base_quant="int8")
+  assert (lcfg.rank, lcfg.alpha, lcfg.base_quant) == (4, 8.0, "int8")
+  assert lcfg.targets == lora.ALL_TARGETS
+  jax.tree.map(np.testing.assert_array_equal, adapters, jax.device_get(p["lora"]))
+  # A LoRA trainer starts from it: same adapters, int8 base.
+  trainer = make_trainer(lcfg=lcfg)
+  state = trainer.init(params=lora.adapt(CFG, lcfg, base_params(), jax.random.key(0), adapters))
+  assert state.params["base"]["layers"]["w_up_DF"]["int8"].dtype == jnp.int8
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params["lora"]), adapters)
+
+
+def test_peft_adapter_for_another_base_fails_naming_the_tensor(tmp_path):
+  p = adapted(testing.tiny_model_config(vocab_size=64, embed_dim=48))
+  hf.save_peft(str(tmp_path / "adapter"), testing.tiny_model_config(vocab_size=64, embed_dim=48), jax.device_get(p))
+  with pytest.raises(hf.CheckpointError, match=r"q_proj\.lora_A\.weight.*\(4, 48\), expected \(4, 32\)"):
+    hf.load_peft(str(tmp_path / "adapter"), CFG)
+  conf = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+  conf["target_modules"] = ["q_proj", "c_attn"]
+  json.dump(conf, open(tmp_path / "adapter" / "adapter_config.json", "w"))
+  with pytest.raises(hf.CheckpointError, match="c_attn"):
+    hf.load_peft(str(tmp_path / "adapter"), CFG)
