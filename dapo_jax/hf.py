@@ -12,14 +12,14 @@ import dataclasses
 import json
 import math
 import os
-import struct
 from typing import Any, Iterator
 
-import ml_dtypes
 import numpy as np
 
 from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
+from dapo_jax.safetensors_io import CheckpointError, read_safetensors, write_safetensors  # noqa: F401 (public)
+from dapo_jax.safetensors_io import read_dir_tensors
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
              "Gemma3ForCausalLM": "gemma3"}
@@ -29,143 +29,6 @@ SCALAR_CLASSES = {"Qwen2ForSequenceClassification": "qwen2", "LlamaForSequenceCl
                   "Qwen3ForSequenceClassification": "qwen3"}
 _MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 _ACTIVATIONS = {"gemma3": ("hidden_activation", "gelu_pytorch_tanh")}  # Others: hidden_act = silu.
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
-_DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-  """A checkpoint directory that cannot be read; the message names the file and field."""
-
-
-# --- safetensors, read and written with NumPy only ---------------------------------------------
-
-_MAX_HEADER = 100_000_000  # The safetensors spec's bound on the JSON header.
-
-
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """Memory-maps every tensor of one .safetensors file, after checking its header against its size."""
-  header, data_len = _read_header(path)
-  offset = os.path.getsize(path) - data_len
-  data = np.memmap(path, dtype=np.uint8, mode="r", offset=offset) if data_len else np.zeros((0,), np.uint8)
-  out = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    begin, end = info["data_offsets"]
-    out[name] = data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-  return out
-
-
-def _read_header(path: str) -> tuple[dict, int]:
-  """(header, data length) of a .safetensors file; CheckpointError naming the file if it is malformed."""
-  try:
-    size = os.path.getsize(path)
-  except OSError as e:
-    raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from None
-  if size < 8:
-    raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file (truncated?)")
-  with open(path, "rb") as f:
-    (header_len,) = struct.unpack("<Q", f.read(8))
-    if header_len > min(size - 8, _MAX_HEADER):
-      raise CheckpointError(f"{path}: header length {header_len} does not fit in the file's {size} bytes "
-                            "(truncated, or not a safetensors file)")
-    raw = f.read(header_len)
-  try:
-    header = json.loads(raw.decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
-  if not isinstance(header, dict):
-    raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, expected an object")
-  data_len = size - 8 - header_len
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    _check_entry(path, name, info, data_len)
-  return header, data_len
-
-
-def _check_entry(path: str, name: str, info, data_len: int) -> None:
-  where = f"{path}: tensor {name!r}"
-  if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-    raise CheckpointError(f"{where}: header entry needs dtype, shape and data_offsets, got {info!r:.100}")
-  dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-  if not isinstance(dtype, str) or dtype not in _DTYPES:
-    raise CheckpointError(f"{where} has dtype {dtype}, which cannot be read (readable: {sorted(_DTYPES)})")
-  ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                 for x in xs)
-  if not ints(shape):
-    raise CheckpointError(f"{where}: shape {shape!r:.100} is not a list of non-negative integers")
-  if not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
-    raise CheckpointError(f"{where}: data_offsets {offsets!r:.100} is not [begin, end] with begin <= end")
-  if offsets[1] > data_len:
-    raise CheckpointError(f"{where}: data ends at byte {offsets[1]}, past the {data_len} data bytes of the file "
-                          "(truncated?)")
-  nbytes = int(np.prod(shape, dtype=object)) * np.dtype(_DTYPES[dtype]).itemsize
-  if offsets[1] - offsets[0] != nbytes:
-    raise CheckpointError(f"{where}: shape {shape} of {dtype} needs {nbytes} bytes, but data_offsets "
-                          f"{offsets} span {offsets[1] - offsets[0]}")
-
-
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-  header, offset, blobs = {}, 0, []
-  for name in sorted(tensors):
-    arr = np.ascontiguousarray(tensors[name])
-    header[name] = {"dtype": _DTYPE_NAMES[arr.dtype], "shape": list(arr.shape),
-                    "data_offsets": [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
-    blobs.append(arr)
-  header["__metadata__"] = {"format": "pt"}
-  raw = json.dumps(header, separators=(",", ":")).encode()
-  raw += b" " * (-len(raw) % 8)  # The spec aligns the data section to 8 bytes.
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    for arr in blobs:
-      f.write(arr.tobytes())
-
-
-def _read_dir_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-  """All tensors of a model directory and, for error messages, the file each came from."""
-  index = os.path.join(path, "model.safetensors.index.json")
-  weight_map = None
-  if os.path.exists(index):
-    weight_map = _read_index(index)
-    files = sorted(set(weight_map.values()))
-  elif os.path.exists(os.path.join(path, "model.safetensors")):
-    files = ["model.safetensors"]
-  else:
-    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json "
-                          "(only safetensors checkpoints are supported)")
-  tensors, origin = {}, {}
-  for fn in files:
-    if not os.path.isfile(os.path.join(path, fn)):
-      raise CheckpointError(f"{index}: lists {fn!r}, which is not in {path}")
-    for name, arr in read_safetensors(os.path.join(path, fn)).items():
-      tensors[name], origin[name] = arr, os.path.join(path, fn)
-  for name, fn in (weight_map or {}).items():
-    if origin.get(name) != os.path.join(path, fn):
-      raise CheckpointError(f"{index}: tensor {name!r} is mapped to {fn!r}, which does not hold it")
-  return tensors, origin
-
-
-def _read_index(index: str) -> dict[str, str]:
-  """The weight map of a sharded checkpoint's index, checked: tensor name -> file name in the dir."""
-  try:
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
-  except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-    raise CheckpointError(f"{index}: not a JSON object ({e})") from None
-  if not isinstance(weight_map, dict) or not weight_map or not all(
-      isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-    raise CheckpointError(f"{index}: field 'weight_map' must map tensor names to file names")
-  for fn in set(weight_map.values()):
-    if os.path.basename(fn) != fn or not fn.endswith(".safetensors"):
-      raise CheckpointError(f"{index}: weight_map names {fn!r}; expected a .safetensors file in the same directory")
-  return weight_map
-
-
 # --- config.json <-> ModelConfig ---------------------------------------------------------------
 
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> model_lib.ModelConfig:
@@ -479,7 +342,7 @@ def load_config(path: str, **overrides) -> model_lib.ModelConfig:
 def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
   """Reads a local HF model directory into (ModelConfig, params); `overrides` set e.g. dtype."""
   cfg = load_config(path, **overrides)
-  tensors, origin = _read_dir_tensors(path)
+  tensors, origin = read_dir_tensors(path)
   if "score.weight" in tensors:
     raise CheckpointError(f"{path}: a scalar-head model (tensor 'score.weight'), not a language model; "
                           "read it with hf.load_scalar")
@@ -543,7 +406,7 @@ def load_scalar(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
   """Reads a ...ForSequenceClassification directory with one label into (ModelConfig, params with
   `score_D`); a directory without a score head fails naming it."""
   cfg = load_config(path, **overrides)
-  tensors, origin = _read_dir_tensors(path)
+  tensors, origin = read_dir_tensors(path)
   if "score.weight" not in tensors:
     raise CheckpointError(f"{path}: no score head (tensor 'score.weight'): not a reward model; train one "
                           "with launch.rm, or pass a ...ForSequenceClassification directory")

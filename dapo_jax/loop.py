@@ -128,16 +128,10 @@ class DAPO:
 
   def stream(self, step: int):
     c = self.cfg
-    groups, stats, info = streaming.stream_groups(
+    return streaming.stream_groups(
         self.rollout, self.rollout.sampling_params(self.state.params), self.data_iter.next_batch, c.group_size,
-        c.prompts_per_step, self.step_key(step),
-        max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling else 0,
-        filter_groups=c.dynamic_sampling)
-    if stats.cap_reached and c.on_cap == "raise":
-      raise adv_lib.DynamicSamplingCapError(
-          f"dynamic sampling: {stats.admitted} prompts (dapo.max_gen_batches x dapo.gen_prompts) kept only "
-          f"{stats.kept} of {c.prompts_per_step} groups; the data is too easy or too hard")
-    return groups, stats, info
+        c.prompts_per_step, self.step_key(step), max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling
+        else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap)
 
   def update(self, batch: RLBatch) -> tuple[dict, dict]:
     """π_old (and reference) log-probs, then epochs x mini-batches of updates; mean metrics."""
@@ -246,7 +240,7 @@ class DAPO:
         self.writer.scalars(done, m)
         self.writer.flush()  # A kill -9 loses nothing that was logged.
         if c.log_samples_every and done % c.log_samples_every == 0:
-          text = self.sample_text(info["texts"], info["first_groups"])
+          text = metrics_lib.sample_text(self.rollout.tok, info["texts"], info["first_groups"], c.group_size)
           if text:
             self.writer.text(done, "samples", text)
         metrics_lib.console(done, c.num_steps, m, metrics_lib.HEADLINE)
@@ -262,17 +256,6 @@ class DAPO:
     self.ckpt.wait()
     self.writer.flush()
     return last
-
-  def sample_text(self, texts, groups: Groups | None) -> str:
-    """Two prompts of the step's first generation batch with two responses each, for TensorBoard."""
-    if texts is None or groups is None:
-      return ""
-    G, lines = self.cfg.group_size, []
-    for q in range(min(2, len(groups))):
-      prompt = self.rollout.tok.decode(groups.prompt_QP[q][groups.prompt_mask_QP[q]], skip_special_tokens=True)
-      for g in range(min(2, G)):
-        lines.append(f"PROMPT: {prompt!r}\nRESPONSE: {texts[q * G + g]!r}  score={groups.score_QG[q, g]:+.2f}")
-    return "\n\n".join(lines)
 
 
 def run(cfg, workdir: str, mesh=None) -> dict:

@@ -212,3 +212,15 @@ def mean_updates(updates: list[dict]) -> dict:
   out = {k: float(np.average([u[k] for u in updates], weights=w)) for k in updates[0]}
   out["update_skipped"] = float(np.sum([u["update_skipped"] for u in updates]))
   return out
+
+
+def sample_text(tok, texts, groups, G: int) -> str:
+  """Two prompts of a step's first groups with two responses each, for TensorBoard ("" if none)."""
+  if texts is None or groups is None:
+    return ""
+  lines = []
+  for q in range(min(2, len(groups))):
+    prompt = tok.decode(groups.prompt_QP[q][groups.prompt_mask_QP[q]], skip_special_tokens=True)
+    for g in range(min(2, G)):
+      lines.append(f"PROMPT: {prompt!r}\nRESPONSE: {texts[q * G + g]!r}  score={groups.score_QG[q, g]:+.2f}")
+  return "\n\n".join(lines)

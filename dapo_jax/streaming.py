@@ -37,17 +37,17 @@ class StreamStats(adv_lib.FillStats):
 
 
 def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Sequence[data_lib.Example]], G: int,
-                  Q: int, key, *, max_prompts: int = 0, filter_groups: bool = True,
+                  Q: int, key, *, max_prompts: int = 0, filter_groups: bool = True, on_cap: str = "train",
                   admit_chunk: int = 1) -> tuple[Groups | None, StreamStats, dict]:
   """Samples and scores prompts until Q groups are kept, or `max_prompts` were admitted (0 = no
-  cap; then it returns what was kept, `stats.cap_reached`). `next_examples(n)` gives the next n
+  cap; then it returns what was kept, `stats.cap_reached`, or raises with `on_cap="raise"`). `next_examples(n)` gives the next n
   prompts in data order. One process: with several, the loop uses whole generation batches."""
   eng = rollout.engine(rollout.sampler_cfg, Q * G)
   session = eng.session(params, key)
   stats = StreamStats()
   pending: dict[int, dict] = {}     # prompt number -> its prompt, examples and ended samples
   kept: dict[int, Groups] = {}
-  scoring: list[tuple[list[int], cf.Future]] = []
+  scoring: list[tuple[list[int], cf.Future, int]] = []   # (prompt numbers, scores, round submitted)
   pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reward")
   texts = None
   t_start = time.perf_counter()
@@ -63,11 +63,13 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
     session.add(ids, prompt_QP, mask_QP, G, stop)
     stats.admitted += len(ids)
 
-  def collect(block: bool) -> None:
-    """Scores of finished groups: kept or dropped; `block` waits for all submitted ones."""
+  def collect(keep_last: bool) -> None:
+    """Scores of finished groups: kept or dropped. Waits for every submitted scoring but, with
+    `keep_last`, the latest round's, which overlaps the next decode round. Collecting at these
+    fixed points keeps the admissions, and so the samples, independent of the scorer's speed."""
     nonlocal texts
-    while scoring and (block or scoring[0][1].done()):
-      pids, fut = scoring.pop(0)
+    while len(scoring) > (1 if keep_last and scoring and scoring[-1][2] == session.rounds else 0):
+      pids, fut, _ = scoring.pop(0)
       t0 = time.perf_counter()
       results = fut.result()
       stats.reward_wait_s += time.perf_counter() - t0
@@ -83,12 +85,12 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
           kept[pid] = groups
           stats.kept += 1
 
-  def in_flight() -> int:
-    return len(pending)
+  def in_flight() -> int:  # Admitted groups not yet scored (decoding or being scored).
+    return len(pending) + sum(len(pids) for pids, _, _ in scoring)
 
   try:
     while True:
-      collect(block=False)
+      collect(keep_last=True)
       capped = max_prompts and stats.admitted >= max_prompts
       while len(kept) + in_flight() < Q and not capped:
         admit()
@@ -96,7 +98,7 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
       stats.max_in_flight = max(stats.max_in_flight, in_flight())
       if not session.busy:
         if scoring:
-          collect(block=True)
+          collect(keep_last=False)
           continue
         break
       ended = session.step()
@@ -108,12 +110,16 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
           done.append(f.prompt_id)
       if done:
         groups = [_group(pending.pop(pid), G, eng.C) for pid in done]
-        scoring.append((done, pool.submit(_score_groups, rollout, groups)))
-    collect(block=True)
+        scoring.append((done, pool.submit(_score_groups, rollout, groups), session.rounds))
+    collect(keep_last=False)
   finally:
     pool.shutdown(wait=True)
   stats.gen_batches = 1
   stats.cap_reached = bool(len(kept) < Q and max_prompts and stats.admitted >= max_prompts)
+  if stats.cap_reached and on_cap == "raise":
+    raise adv_lib.DynamicSamplingCapError(
+        f"dynamic sampling: {stats.admitted} prompts (dapo.max_gen_batches x dapo.gen_prompts) kept only "
+        f"{stats.kept} of {Q} groups; the data is too easy or too hard")
   s = session.stats()
   stats.slot_utilisation = s["slot_utilisation"]
   info = {"gen_s": time.perf_counter() - t_start - stats.reward_wait_s, "reward_s": stats.reward_s,
