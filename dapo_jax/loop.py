@@ -142,10 +142,14 @@ class DAPO:
     t0 = time.perf_counter()
     rows = batch.adv_B.shape[0] // c.minibatches
     minibatches = [jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch) for i in range(c.minibatches)]
-    if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets.
+    C = batch.loss_mask_BC.shape[1]
+    if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
       M = self.trainer.microbatches_for(minibatches[0])
       minibatches = [adv_lib.bucketed_microbatches(mb, M, self.trainer.group_size, c.length_buckets)
                      for mb in minibatches]
+      minibatches = [parts if min(p.loss_mask_BC.shape[1] for p in parts) < C else [mb]
+                     for parts, mb in zip(minibatches, [jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch)
+                                                        for i in range(c.minibatches)])]
     else:
       minibatches = [[mb] for mb in minibatches]
     for parts in minibatches:
@@ -160,7 +164,7 @@ class DAPO:
     for _ in range(c.ppo_epochs):
       for parts in minibatches:
         placed = [self.trainer.put_batch(mb) for mb in parts]
-        if c.length_buckets:
+        if len(placed) > 1:
           self.state, m = self.trainer.accumulate_step(self.state, placed)
         else:
           self.state, m = self.trainer.step(self.state, placed[0])
