@@ -1,10 +1,20 @@
 """Test setup: 8 host CPU devices (set before jax is imported), strict rank promotion."""
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One compilation cache for the whole test run: many tests jit the same tiny programs, which then
+# compile once. The process that starts the run (the xdist controller, or pytest alone) makes a fresh
+# directory; workers and the processes tests start inherit it; it is removed when the run ends.
+_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dapo_jax_tests_jit_")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -56,3 +66,13 @@ def pytest_make_collect_report(collector):
   report = outcome.get_result()
   if _in_ci() and report.skipped:  # A module-level importorskip: a whole file would not run.
     _fail_skip(report, collector.nodeid)
+
+
+# --- Order: the slow tests first, so that on -n 2 the two workers end together ----------------------
+def pytest_collection_modifyitems(items):
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+
+
+def pytest_sessionfinish(session):
+  if _CACHE_DIR is not None:
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
