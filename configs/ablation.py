@@ -57,5 +57,5 @@ def arith() -> mlc.ConfigDict:
   c.dapo.overlong_buffer = 3               # L_cache: penalised beyond 35 tokens, above every worked
                                            # solution, as the paper's 16k threshold sits above its
                                            # typical responses
-  c.train.update(num_steps=40, eval_every=10, log_samples_every=10)
+  c.train.num_steps = 40                   # rollout steps (held-out evaluation every 10, as the default job)
   return c

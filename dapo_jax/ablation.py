@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from dapo_jax import from_config, loop, sharding
 from dapo_jax import metrics as metrics_lib
 
 END_STEPS = 5  # "At the end" is the mean over a run's last rollout steps: one step's batch is small.
@@ -45,7 +46,6 @@ def run_dir(workdir: str, stage: str, seed: int) -> str:
 def shared_start(cfg, workdir: str, mesh) -> str:
   """The HF directory of the SFT warm start of `cfg` (`model.init="sft"`), trained once into
   WORKDIR/start with the config's own seed."""
-  from dapo_jax import from_config  # The launch boundary: configs are read there.
   if cfg.model.init != "sft":
     raise from_config.ConfigError(f"model.init={cfg.model.init!r}: an ablation shares the SFT warm start "
                                   "between its runs; expected 'sft'")
@@ -72,7 +72,6 @@ def finished(workdir: str, num_steps: int) -> bool:
 def run(stage_cfgs: Mapping[str, object], seeds: int, workdir: str, mesh=None) -> dict:
   """Trains every stage x seed not yet finished (stage by stage), then writes the report; returns
   the table (`table`). Raises `Interrupted` when a run stopped before its end."""
-  from dapo_jax import loop, sharding
   first = next(iter(stage_cfgs.values()))
   mesh = mesh if mesh is not None else sharding.make_mesh(first.mesh)
   start = shared_start(first, workdir, mesh)

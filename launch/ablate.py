@@ -61,6 +61,10 @@ def main(argv):
     raise from_config.ConfigError(str(e)) from None
   for cfg in cfgs.values():
     from_config.validate(cfg)  # Every stage, before the first one trains.
+  import jax
+  if not jax.config.jax_compilation_cache_dir:  # The seeds of a stage compile the same programs.
+    jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   try:
     t = ablation.run(cfgs, _SEEDS.value, _WORKDIR.value)
   except ablation.Interrupted as e:

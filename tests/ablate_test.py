@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
-from dapo_jax import ablation, metrics
+from dapo_jax import ablation, metrics, sharding
 from launch import ablate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,8 @@ def test_ablation_table_plot_and_no_rerun(tmp_path):
   workdir = str(tmp_path / "ablation")
   cfgs = ablate.stage_configs(CONFIG, OVERRIDES, STAGES)
   Q, G, N = cfgs["dapo"].dapo.prompts_per_step, cfgs["dapo"].rollout.group_size, cfgs["dapo"].train.num_steps
-  t = ablation.run(cfgs, 1, workdir)
+  # One device, as the command line below runs (the 8 test devices would only slow compiling).
+  t = ablation.run(cfgs, 1, workdir, sharding.make_mesh(cfgs["dapo"].mesh, jax.devices()[:1]))
 
   # Both runs started from the one warm start (trained once, into start/).
   assert os.path.exists(os.path.join(workdir, "start", "sft_model", "model.safetensors"))
