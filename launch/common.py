@@ -66,7 +66,7 @@ def run(main) -> None:
   app.run(wrapped, flags_parser=_parse_flags)
 
 
-def define_config():
+def define_config(default: str = DEFAULT_CONFIG):
   """`--config` (default: configs/default.py), locked so that an override of a missing field fails.
 
   ml_collections applies `--config.a.b=v` overrides as the flag is defined; a misspelt field is
@@ -74,7 +74,7 @@ def define_config():
   """
   from ml_collections import config_flags
   try:
-    return config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file.", lock_config=True)
+    return config_flags.DEFINE_config_file("config", default, "Config file.", lock_config=True)
   except (AttributeError, KeyError) as e:
     _config_error(e, sys.argv)
 

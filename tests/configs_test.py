@@ -12,7 +12,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
                  if not os.path.basename(p).startswith(("_", "common")))
 ARGS = [(n, None) for n in CONFIGS] + [(n, "runlocal") for n in CONFIGS if n != "default"] + [
-    ("ablation", f"stage={s}") for s in ablation.STAGES] + [("dapo_qwen2_5_32b", "mesh=gpu16x8"),
+    ("ablation", f"stage={s}") for s in ablation.STAGES] + [("ablation", f"stage={s},task=arith") for s in
+                                                           ablation.STAGES] + [("dapo_qwen2_5_32b", "mesh=gpu16x8"),
                                                            ("dapo_qwen2_5_32b", "mesh=v5p256")]
 
 
@@ -67,6 +68,23 @@ def test_ablation_stages_are_cumulative():
   assert stages["soft_overlong"].dapo.overlong_buffer == 4096
   assert stages["token_level_loss"].dapo.loss_agg == "token_mean"
   assert stages["dapo"].dapo.dynamic_sampling and not stages["token_level_loss"].dapo.dynamic_sampling
+
+
+def flat(cfg):
+  return {f"{g}.{k}": v for g, sub in cfg.to_dict().items() if isinstance(sub, dict) for k, v in sub.items()}
+
+
+def test_ablation_on_arith_differs_from_the_default_job_only_where_it_says():
+  stages = {s: flat(load("ablation", f"stage={s},task=arith")) for s in ablation.STAGES}
+  algorithm = {"dapo.eps_high", "dapo.overlong_filter", "dapo.overlong_buffer", "dapo.loss_agg",
+               "dapo.dynamic_sampling", "dapo.gen_prompts"}
+  for s, c in stages.items():
+    assert {k for k in c if c[k] != stages["dapo"][k]} <= algorithm, s
+  # The dapo stage is the default job on the ablation's workload.
+  default = flat(load("default", None))
+  assert {k for k in default if default[k] != stages["dapo"][k]} == {
+      "data.digits", "rollout.max_new_tokens", "dapo.overlong_buffer", "train.num_steps"}
+  assert stages["naive_grpo"]["dapo.overlong_buffer"] == 0 and stages["soft_overlong"]["dapo.overlong_buffer"] == 3
 
 
 def test_locked_config_rejects_typos():

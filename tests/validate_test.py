@@ -16,6 +16,7 @@ CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, 
 SHIPPED = ([(n, None, None) for n in CONFIGS] + [(n, "runlocal", None) for n in CONFIGS if n != "default"]
            + [("ablation", f"stage={s}", None) for s in ablation.STAGES]
            + [("ablation", f"stage={s},runlocal", None) for s in ablation.STAGES]
+           + [("ablation", f"stage={s},task=arith{r}", None) for s in ablation.STAGES for r in ("", ",runlocal")]
            + [("dapo_qwen2_5_32b", "mesh=gpu16x8", 128), ("dapo_qwen2_5_32b", "mesh=v5p256", 128)])
 
 
