@@ -77,10 +77,10 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
     z_BCV = completion_logits(model_cfg, cfg.group_size, params, mb) / cfg.temperature
     logp_BC = loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
     old_logp_BC = mb.old_logp_BC
-    if cfg.old_is_current:  # π_old = π_θ, but not for rows sampled by an earlier policy (carried groups).
+    if cfg.old_is_current:  # π_old = π_θ, except on rows an earlier policy sampled (carried groups).
       current_BC = jax.lax.stop_gradient(logp_BC)
-      old_logp_BC = current_BC if mb.behaviour_B is None else jnp.where(mb.behaviour_B[:, None], old_logp_BC,
-                                                                          current_BC)
+      old_logp_BC = (current_BC if mb.behaviour_B is None
+                     else jnp.where(mb.behaviour_B[:, None], mb.old_logp_BC, current_BC))
     if cfg.verl_microbatch_weighting:
       # verl: token mean inside the micro-batch, weighted by its share of the mini-batch's rows.
       denoms = dict(num_tokens=None, num_seqs=None)
