@@ -96,7 +96,8 @@ def base() -> mlc.ConfigDict:
                 # Ours below; the reference (verl's recipe, configs/dapo_qwen2_5_32b.py) raises at the
                 # cap and discards surplus groups: on_cap="raise", carry_over=False.
                 on_cap="train",              # at the cap: "train" on what was kept, or "raise" (reference)
-                carry_over=True,             # keep surplus groups for the next step (reference: discard)
+                carry_over=True,             # keep surplus groups for the next step (reference: discard);
+                                             # their π_old is the sampling policy's log-probs
                 eps_low=0.2, eps_high=0.28,  # decoupled clip (Eq. 10)
                 clip_ratio_c=10.0,           # dual clip for A<0; 0 = off
                 loss_agg="token_mean",       # token_mean | seq_mean_token_{mean,sum,sum_norm} |

@@ -89,8 +89,9 @@ def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, 
   batch after batch (`generate(i)` makes the i-th) until Q are kept or `max_gen_batches` were made.
 
   Returns (batch, carry, stats): the first Q kept groups in arrival order (after any carried ones),
-  None if none was kept; `carry` holds the surplus when `carry_over` (else it is dropped). At the
-  cap, `on_cap="raise"` raises DynamicSamplingCapError and "train" returns what was kept.
+  None if none was kept; `carry` holds the surplus when `carry_over` (else it is dropped), marked
+  `carried_Q` so that its π_old is the log-probs of the policy that sampled it. At the cap,
+  `on_cap="raise"` raises DynamicSamplingCapError and "train" returns what was kept.
   """
   kept = [carry] if carry is not None and len(carry) else []
   n_kept = sum(len(k) for k in kept)
@@ -117,7 +118,9 @@ def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, 
   if not kept:
     return None, None, stats
   batch = Groups.concat(kept)
-  carry = batch.take(slice(Q, None)) if carry_over and len(batch) > Q else None
+  carry = None
+  if carry_over and len(batch) > Q:
+    carry = dataclasses.replace(batch.take(slice(Q, None)), carried_Q=np.ones(len(batch) - Q, bool))
   return batch.take(slice(0, Q)), carry, stats
 
 
@@ -127,8 +130,10 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   positions, left-padded) then each completion; group advantages (Eq. 9).
 
   Static shapes: fewer than Q groups are completed with repeats whose loss mask is all zero. With
-  `overlong_filter`, truncated samples leave the loss and its denominator (§3.3). Returns the batch
-  and the advantages of the real groups [n, G].
+  `overlong_filter`, truncated samples leave the loss and its denominator (§3.3). Rows of carried
+  groups get their sampling policy's log-probs as π_old (`behaviour_B`); the other rows' π_old is
+  left to the update (zeros here), and with no carried group `behaviour_B` is None. Returns the
+  batch and the advantages of the real groups [n, G].
   """
   n, G, C = groups.tokens_QGC.shape
   adv_QG = group_advantages(groups.score_QG, norm_adv_by_std)
@@ -142,12 +147,17 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   loss_mask_BC = cmask_BC & np.repeat(real_Q, G)[:, None]
   if overlong_filter:
     loss_mask_BC &= ~groups.truncated_QG.reshape(-1, 1)
+  old_logp_BC, behaviour_B = np.zeros(cmask_BC.shape, np.float32), None
+  if groups.carried_Q.any():
+    behaviour_B = np.repeat(groups.carried_Q, G)
+    old_logp_BC = np.where(behaviour_B[:, None], groups.logp_QGC.reshape(-1, C), old_logp_BC).astype(np.float32)
   batch = RLBatch(tokens_BT=np.concatenate([prompt_BP, groups.tokens_QGC.reshape(-1, C)], 1).astype(np.int32),
                   mask_BT=np.concatenate([pmask_BP, cmask_BC], 1),
                   loss_mask_BC=loss_mask_BC,
-                  old_logp_BC=np.zeros(cmask_BC.shape, np.float32),
+                  old_logp_BC=old_logp_BC,
                   adv_B=adv_QG.reshape(-1).astype(np.float32),
-                  ref_logp_BC=np.zeros(cmask_BC.shape, np.float32))
+                  ref_logp_BC=np.zeros(cmask_BC.shape, np.float32),
+                  behaviour_B=behaviour_B)
   return batch, adv_QG[real_Q]
 
 
@@ -297,5 +307,6 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
     Cb = next((b for b in sorted(buckets) if b >= longest), C)
     out.append(RLBatch(tokens_BT=batch.tokens_BT[idx, :P + Cb], mask_BT=batch.mask_BT[idx, :P + Cb],
                        loss_mask_BC=batch.loss_mask_BC[idx, :Cb], old_logp_BC=batch.old_logp_BC[idx, :Cb],
-                       adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb]))
+                       adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb],
+                       behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx]))
   return out

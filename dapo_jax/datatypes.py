@@ -26,6 +26,9 @@ class RLBatch:
   old_logp_BC: jax.Array    # fp32 log π_old of the completion tokens
   adv_B: jax.Array          # fp32 advantage per row
   ref_logp_BC: jax.Array    # fp32 log π_ref (zeros when the KL term is off)
+  # bool: rows sampled by an earlier policy (carried-over groups), whose old_logp_BC is their
+  # sampling policy's log-probs; None (the batch has no such row): π_old is this step's policy.
+  behaviour_B: jax.Array | None = None
 
 
 @struct.dataclass
@@ -48,6 +51,8 @@ class Groups:
   score_QG: np.ndarray       # the reward: correctness score + overlong penalty
   acc_QG: np.ndarray         # correctness alone
   filter_QG: np.ndarray      # what dynamic sampling compares within a group (`dapo.filter_metric`)
+  logp_QGC: np.ndarray       # fp32 log-probs of the tokens under the sampling (behaviour) policy
+  carried_Q: np.ndarray      # bool: sampled in an earlier rollout step (carry-over); π_old is logp_QGC
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
@@ -65,6 +70,12 @@ class Groups:
 
   @staticmethod
   def from_json(d: dict) -> "Groups":
+    """Inverse of `to_json`. Groups saved before the behaviour log-probs were kept have none: they
+    come back as not carried (logp zeros), so their π_old is recomputed by the current policy."""
+    if "logp_QGC" not in d:
+      d = dict(d, logp_QGC=np.zeros(np.shape(d["tokens_QGC"]), np.float32),
+               carried_Q=np.zeros(len(d["prompt_QP"]), bool),
+               dtypes=dict(d["dtypes"], logp_QGC="float32", carried_Q="bool"))
     return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
 
 

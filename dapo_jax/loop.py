@@ -7,7 +7,9 @@
 π_old: the rollout policy's log-probs are recomputed by one training forward pass of the
 current params (as the reference does) rather than taken from the sampler, so both sides of the
 ratio come from the same program. When a rollout step makes a single update (one mini-batch, one
-epoch) π_old is exactly the current policy, and that forward pass is skipped.
+epoch) π_old is exactly the current policy, and that forward pass is skipped. Groups carried over
+from an earlier step (`dapo.carry_over`) were sampled by an older policy: their π_old is the
+sampler's log-probs recorded then, so the clip bounds their off-policy ratio.
 """
 from __future__ import annotations
 
@@ -154,10 +156,15 @@ class DAPO:
       minibatches = [[mb] for mb in minibatches]
     for parts in minibatches:
       for i, mb in enumerate(parts):
+        # Forward passes read no flags: one compiled pass whether or not the batch has carried rows.
+        placed = self.trainer.put_batch(mb.replace(behaviour_B=None))
         if c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
-          mb = mb.replace(old_logp_BC=sharding.fetch(self.logprobs(self.state.params, self.trainer.put_batch(mb))))
+          old_BC = sharding.fetch(self.logprobs(self.state.params, placed))
+          if mb.behaviour_B is not None:  # Carried rows keep their sampling policy's log-probs.
+            old_BC = np.where(mb.behaviour_B[:, None], mb.old_logp_BC, old_BC)
+          mb = mb.replace(old_logp_BC=old_BC)
         if self.ref_params is not None:
-          mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, self.trainer.put_batch(mb))))
+          mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, placed)))
         parts[i] = mb
     t1 = time.perf_counter()
     all_metrics = []
@@ -210,6 +217,9 @@ class DAPO:
           f"seed={self.cfg.seed}")
     self.data_iter.restore(extra["data"])
     self.carry = Groups.from_json(extra["carry"]) if extra["carry"] else None
+    if extra["carry"] and "logp_QGC" not in extra["carry"]:
+      logging.warning("checkpoint %s/%d holds carried groups without their sampling log-probs (an older "
+                      "format): their π_old is the current policy's", self.ckpt.directory, step)
     return int(extra["rollout_step"])
 
   # --- the run -------------------------------------------------------------------------------

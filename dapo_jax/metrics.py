@@ -182,7 +182,8 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
         "critic/advantages/min": float(adv.min()),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
-        "response_length/clip_ratio": float((lengths >= max_new_tokens).mean())})
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).mean()),
+        "train/carried_groups": int(groups.carried_Q.sum())})  # trained against their sampling policy
   gen = max(stats.generated, 1)
   if stats.generated:  # A step filled from carried-over groups generated nothing.
     m["rollout/acc_all"] = stats.acc_sum / gen

@@ -40,6 +40,7 @@ class PGConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   old_is_current: bool = False              # π_old = π_θ (one update per rollout step): ratio is 1
+                                            # (rows flagged in `behaviour_B` keep their old_logp_BC)
   group_size: int = 0                       # >0: rows come in groups of G sharing one prompt, which
                                             # then runs through the model once per group
 
@@ -75,7 +76,11 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
     P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
     z_BCV = completion_logits(model_cfg, cfg.group_size, params, mb) / cfg.temperature
     logp_BC = loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
-    old_logp_BC = jax.lax.stop_gradient(logp_BC) if cfg.old_is_current else mb.old_logp_BC
+    old_logp_BC = mb.old_logp_BC
+    if cfg.old_is_current:  # π_old = π_θ, except on rows an earlier policy sampled (carried groups).
+      current_BC = jax.lax.stop_gradient(logp_BC)
+      old_logp_BC = (current_BC if mb.behaviour_B is None
+                     else jnp.where(mb.behaviour_B[:, None], mb.old_logp_BC, current_BC))
     if cfg.verl_microbatch_weighting:
       # verl: token mean inside the micro-batch, weighted by its share of the mini-batch's rows.
       denoms = dict(num_tokens=None, num_seqs=None)

@@ -190,7 +190,8 @@ class Rollout:
                     tokens_QGC=samples.tokens_BC.reshape(Q, G, C), mask_QGC=samples.mask_BC.reshape(Q, G, C),
                     length_QG=samples.length_B.reshape(Q, G), truncated_QG=samples.truncated_B.reshape(Q, G),
                     score_QG=sharding.gather_hosts(local["score"]), acc_QG=sharding.gather_hosts(local["acc"]),
-                    filter_QG=sharding.gather_hosts(local["filter"]))
+                    filter_QG=sharding.gather_hosts(local["filter"]), logp_QGC=samples.logp_BC.reshape(Q, G, C),
+                    carried_Q=np.zeros(Q, bool))
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info

@@ -19,6 +19,8 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from dapo_jax import advantages as adv_lib
 from dapo_jax import data as data_lib
 from dapo_jax import engine as engine_lib
@@ -148,5 +150,6 @@ def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, li
     out.append((Groups(prompt_QP=g["prompt"][None], prompt_mask_QP=g["mask"][None],
                        tokens_QGC=s.tokens_BC[None], mask_QGC=s.mask_BC[None], length_QG=s.length_B[None],
                        truncated_QG=s.truncated_B[None], score_QG=scored["score"], acc_QG=scored["acc"],
-                       filter_QG=scored["filter"]), scored["texts"], time.perf_counter() - t0))
+                       filter_QG=scored["filter"], logp_QGC=s.logp_BC[None], carried_Q=np.zeros(1, bool)),
+                scored["texts"], time.perf_counter() - t0))
   return out

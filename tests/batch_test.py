@@ -1,5 +1,9 @@
 """The train batch of a rollout step on hand-made groups: dynamic sampling's refill, cap and
-carry-over (`advantages.fill_batch`), and the padded, masked batch (`advantages.to_train_batch`)."""
+carry-over (`advantages.fill_batch`), and the padded, masked batch (`advantages.to_train_batch`),
+whose carried rows keep their sampling policy's log-probs as π_old."""
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -17,7 +21,9 @@ def make_groups(acc_rows, *, first_id=0, C=4, P=3, lengths=None, truncated=None)
   return Groups(prompt_QP=np.repeat(ids[:, None], P, 1).astype(np.int32), prompt_mask_QP=np.ones((Q, P), bool),
                 tokens_QGC=np.where(mask, 100 + ids[:, None, None], 0).astype(np.int32), mask_QGC=mask,
                 length_QG=lengths, truncated_QG=np.zeros((Q, G), bool) if truncated is None else np.asarray(truncated),
-                score_QG=np.where(acc, 1.0, -1.0), acc_QG=acc, filter_QG=acc.astype(np.float64))
+                score_QG=np.where(acc, 1.0, -1.0), acc_QG=acc, filter_QG=acc.astype(np.float64),
+                logp_QGC=np.where(mask, -0.5 - ids[:, None, None], 0.0).astype(np.float32),
+                carried_Q=np.zeros(Q, bool))
 
 
 def generator(batches):
@@ -127,3 +133,53 @@ def test_overlong_filter_masks_truncated_samples_out_of_the_loss():
   np.testing.assert_array_equal(filtered.loss_mask_BC[[1, 2]], kept.loss_mask_BC[[1, 2]])
   # The attention mask still covers the truncated rows: only the loss ignores them.
   np.testing.assert_array_equal(filtered.mask_BT, kept.mask_BT)
+
+
+def test_carried_groups_keep_their_sampling_log_probs_as_pi_old():
+  """The surplus is marked carried; next step its rows' π_old is the sampler's log-probs (flagged in
+  `behaviour_B`), while fresh rows' π_old is left to the update (zeros, as without carry-over)."""
+  b0 = make_groups([MIXED, MIXED, MIXED], first_id=0)
+  gen, _ = generator([b0])
+  batch, carry, _ = advantages.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
+                                          carry_over=True)
+  assert not batch.carried_Q.any() and carry.carried_Q.tolist() == [True, True]
+  gen, _ = generator([make_groups([MIXED, MIXED], first_id=10)])
+  batch, _, _ = advantages.fill_batch(carry.take(slice(0, 1)), gen, 2, filter_groups=True, max_gen_batches=1,
+                                      on_cap="raise", carry_over=True)
+  assert batch.prompt_QP[:, 0].tolist() == [1, 10] and batch.carried_Q.tolist() == [True, False]
+  train, _ = advantages.to_train_batch(batch, 3, 3, norm_adv_by_std=True, overlong_filter=False)
+  # Rows 0-1: prompt 1, carried (sampled log-probs -1.5 on its 2 tokens); 2-3: fresh; 4-5: padding
+  # repeating the carried group (no loss tokens).
+  assert train.behaviour_B.tolist() == [True, True, False, False, True, True]
+  np.testing.assert_array_equal(train.old_logp_BC[:2], [[-1.5, -1.5, 0, 0]] * 2)
+  assert not train.old_logp_BC[2:4].any()
+  parts = advantages.bucketed_microbatches(train, 3, 2, (2, 4))
+  assert sorted(p.behaviour_B.tolist() for p in parts) == [[False, False], [True, True], [True, True]]
+
+
+def test_without_carried_groups_the_batch_has_no_behaviour_rows():
+  g = make_groups([MIXED, MIXED])
+  g.logp_QGC = np.full_like(g.logp_QGC, -30.0)  # The sampler's log-probs are not read for fresh rows.
+  gen, _ = generator([g])
+  batch, carry, _ = advantages.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
+                                          carry_over=False)
+  train, _ = advantages.to_train_batch(batch, 1, 3, norm_adv_by_std=True, overlong_filter=False)
+  assert carry is None and train.behaviour_B is None and not train.old_logp_BC.any()
+
+
+def test_groups_json_round_trip_and_older_checkpoints():
+  g = make_groups([MIXED, RIGHT])
+  g.carried_Q = np.array([True, False])
+  g.logp_QGC = g.logp_QGC - np.float32(1 / 3)  # Not a short decimal: float32 must survive exactly.
+  back = Groups.from_json(json.loads(json.dumps(g.to_json())))
+  for f in dataclasses.fields(Groups):
+    a, b = getattr(g, f.name), getattr(back, f.name)
+    assert a.dtype == b.dtype, f.name
+    np.testing.assert_array_equal(a, b, err_msg=f.name)
+  # Saved before the behaviour log-probs were kept: not carried, so π_old is recomputed as then.
+  old = g.to_json()
+  for k in ("logp_QGC", "carried_Q"):
+    del old[k], old["dtypes"][k]
+  back = Groups.from_json(old)
+  assert not back.carried_Q.any() and back.logp_QGC.shape == g.logp_QGC.shape and not back.logp_QGC.any()
+  np.testing.assert_array_equal(back.tokens_QGC, g.tokens_QGC)

@@ -148,6 +148,10 @@ def test_streaming_keeps_the_groups_the_reference_keeps_and_stops_at_the_cap_ali
     np.testing.assert_array_equal(got.prompt_QP, ref.prompt_QP)
     np.testing.assert_array_equal(got.tokens_QGC, ref.tokens_QGC)
     np.testing.assert_array_equal(got.score_QG, ref.score_QG)
+    # Both keep the sampler's log-probs (π_old should a group be carried over); none is carried yet.
+    np.testing.assert_allclose(got.logp_QGC, ref.logp_QGC, rtol=1e-6, atol=1e-6)
+    assert got.logp_QGC.dtype == np.float32 and (got.logp_QGC[got.mask_QGC] <= 0).all()
+    assert not got.logp_QGC[~got.mask_QGC].any() and not got.carried_Q.any() and not ref.carried_Q.any()
     assert stats.admitted <= ref_stats.gen_batches * 8  # Streaming admits no more than whole batches.
   assert stats.cap_reached and stats.admitted == 16
 

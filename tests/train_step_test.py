@@ -169,6 +169,44 @@ def test_pg_loss_matches_direct_policy_loss():
   np.testing.assert_allclose(logprobs(trainer, trainer.init(jax.random.key(0)).params, batch), logp, atol=1e-5)
 
 
+def log_softmax_np(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_step_at_temperature_against_numpy():
+  """At T != 1, π_old's forward (log-probs), the logged entropy and the ratio inside the loss all
+  come from logits / T: one step against float64 NumPy on the model's logits."""
+  T = 0.6
+  pg = objectives.PGConfig(temperature=T)
+  batch = make_batch()
+  trainer = make_trainer(pg=pg)
+  params = jax.device_get(trainer.init(jax.random.key(0)).params)
+  # Logits far enough from uniform that 1/T changes the distribution.
+  params = dict(params, embed_VD=params["embed_VD"] * 3)
+  state = trainer.init(params=params)
+  C = batch.loss_mask_BC.shape[1]
+  logits = np.asarray(model.logits(CFG, params, batch.tokens_BT[:, :-1], batch.mask_BT[:, :-1]), np.float64)[:, -C:]
+  logp_BV = log_softmax_np(logits / T)
+  logp = np.take_along_axis(logp_BV, batch.tokens_BT[:, -C:, None], -1)[..., 0]
+  np.testing.assert_allclose(logprobs(trainer, params, batch, pg), logp, rtol=1e-5)
+  # π_old a little off the current policy, so that the ratio differs from 1 and clips on some tokens.
+  old = (logp + np.random.default_rng(1).normal(0.0, 0.3, logp.shape)).astype(np.float32)
+  _, m = jax.device_get(trainer.step(state, trainer.put_batch(batch.replace(old_logp_BC=old))))
+  r, a, mask = np.exp(logp - old), batch.adv_B.astype(np.float64)[:, None], batch.loss_mask_BC
+  tok = np.maximum(-a * r, -a * np.clip(r, 0.8, 1.28))
+  tok = np.where((a < 0) & (tok > -a * 10.0), -a * 10.0, tok)
+  clipped = ((a > 0) & (r > 1.28)) | ((a < 0) & (r < 0.8))
+  mean = lambda x: (x * mask).sum() / mask.sum()
+  entropy = lambda lp_BV: mean(-(np.exp(lp_BV) * lp_BV).sum(-1))
+  assert 0 < mean(clipped) < 1
+  expected = {"pg_loss": mean(tok), "pg_clipfrac": mean(clipped), "ppo_kl": mean(old - logp),
+              "entropy": entropy(logp_BV)}
+  for k, v in expected.items():
+    np.testing.assert_allclose(m[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+  assert entropy(log_softmax_np(logits)) - m["entropy"] > 0.3  # T = 1 would be clearly off.
+
+
 def test_nonfinite_update_is_skipped_and_counted():
   batch = make_batch()
   bad = batch.replace(adv_B=np.full_like(batch.adv_B, np.nan))
