@@ -26,6 +26,7 @@ class RLBatch:
   old_logp_BC: jax.Array    # fp32 log π_old of the completion tokens
   adv_B: jax.Array          # fp32 advantage per row
   ref_logp_BC: jax.Array    # fp32 log π_ref (zeros when the KL term is off)
+  adv_BC: jax.Array | None = None  # fp32 advantage per token (GAE, REINFORCE++); None: adv_B on every token
 
 
 @struct.dataclass
