@@ -193,6 +193,9 @@ class DAPO:
           (("values", values_BC[m]),) if values_BC is not None else ()):
         metrics.update({f"critic/{name}/mean": float(x.mean()), f"critic/{name}/max": float(x.max()),
                         f"critic/{name}/min": float(x.min())})
+    if values_BC is not None and m.any():  # As verl: the rollout's values against the returns.
+      err = returns_BC[m] - values_BC[m]
+      metrics["critic/vf_explained_var"] = float(1.0 - np.var(err) / (np.var(returns_BC[m]) + 1e-5))
     if self.kl_ctrl is not None:
       self.kl_ctrl.update(kl, n_steps=int(real_B.sum()))
     # The ratio's π_old is the sampling policy's log-probs computed here (the update need not repeat them).
@@ -275,7 +278,7 @@ class DAPO:
         if value_batch is not None:
           t1 = time.perf_counter()
           token_metrics.update({f"critic/{k}": v for k, v in self.update_critic(value_batch).items()
-                                if k in ("vf_loss", "vf_clipfrac", "vpred_mean", "vf_explained_var", "grad_norm", "lr")})
+                                if k in ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")})
           timing["update_critic_s"] = time.perf_counter() - t1
         timing["adv_s"] = time.perf_counter() - t0 - timing.get("update_critic_s", 0.0)
       train_metrics, update_timing = self.update(batch, have_logprobs=token_level)
