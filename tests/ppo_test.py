@@ -10,8 +10,19 @@ import numpy as np
 import pytest
 
 from configs import ppo_arith
-from dapo_jax import advantages, checkpoint, from_config, loss, metrics, model, objectives, optim, sharding, testing
-from dapo_jax import train_step
+from dapo_jax import (
+  advantages,
+  checkpoint,
+  from_config,
+  loss,
+  metrics,
+  model,
+  objectives,
+  optim,
+  sharding,
+  testing,
+  train_step,
+)
 from dapo_jax.datatypes import RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64)
@@ -141,8 +152,8 @@ def test_token_advantages_match_a_naive_loop():
   np.testing.assert_allclose(r, r_want, atol=1e-6)
   np.testing.assert_allclose(ret * mask, ret_want, atol=1e-5)
   np.testing.assert_allclose(adv, whiten(adv_raw), atol=1e-5)
-  _, adv, ret = jax.device_get(advantages.token_advantages("reinforce_pp", score, logp, ref, mask, beta=np.float32(beta),
-                                                            gamma=gamma))
+  _, adv, ret = jax.device_get(advantages.token_advantages("reinforce_pp", score, logp, ref, mask,
+                                                            beta=np.float32(beta), gamma=gamma))
   np.testing.assert_allclose(ret * mask, pp_ret, atol=1e-5)
   np.testing.assert_allclose(adv, whiten(pp_ret), atol=1e-5)
   # The KL the controller reads: per-row token means of log π - log π_ref, then their mean.
@@ -162,7 +173,8 @@ def ppo_cfg(**train):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("dapo.adv_estimator", "ppo", r"dapo.adv_estimator='ppo': expected one of \('grpo', 'rloo', 'reinforce_pp', 'gae'\)"),
+    ("dapo.adv_estimator", "ppo",
+     r"dapo.adv_estimator='ppo': expected one of \('grpo', 'rloo', 'reinforce_pp', 'gae'\)"),
     ("critic.init", "value", r"critic.init='value': expected 'policy'"),
     ("critic.lr", 0.0, r"critic.lr=0.0: expected > 0"),
     ("critic.clip_range", -1.0, r"critic.clip_range=-1.0"),
