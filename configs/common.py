@@ -110,7 +110,27 @@ def base() -> mlc.ConfigDict:
                 overlong_buffer=4096,        # L_cache (Eq. 13); 0 = off
                 overlong_penalty=1.0,        # penalty factor
                 overlong_filter=False,       # mask truncated samples out of the loss
-                kl_coef=0.0, kl_estimator="k3")    # DAPO: no KL, no reference model
+                kl_coef=0.0, kl_estimator="k3",    # DAPO: no KL, no reference model
+                # Advantages: grpo (group-relative, Eq. 9) | rloo (leave-one-out) | reinforce_pp
+                # (REINFORCE++: per-token return-to-go) | gae (PPO: a value model, `critic` below)
+                adv_estimator="grpo")
+  # The token-level estimators (dapo.adv_estimator="gae" or "reinforce_pp"): the reward of each token
+  # is -β·(log π - log π_ref), plus the score on the last one (Ziegler et al. 2019; verl's
+  # use_kl_in_reward), against the frozen initial policy. Defaults are verl's.
+  c.ppo = dict(gamma=1.0,                    # γ, discount per token
+               lam=1.0,                      # λ of GAE
+               kl_coef=0.001,                # β (the first one, with the adaptive controller); 0 = no KL
+               kl_ctrl="fixed",              # fixed | adaptive: β·(1 + clip(KL/target_kl - 1, ±0.2)·n/horizon)
+               target_kl=0.1,                # adaptive: the KL per token that β steers to (k1, nats)
+               horizon=10_000)               # adaptive: responses over which β changes by at most 20%
+  # PPO's value model (dapo.adv_estimator="gae"): its own params, optimizer state and learning rate,
+  # on the policy's mesh, checkpointed with the policy.
+  c.critic = dict(init="policy",             # "policy": the policy's trunk with a zero scalar head;
+                                             # "rm": a reward model (HF ...ForSequenceClassification dir)
+                  model_dir="",              # init="rm": that directory ("" = the rm:DIR of reward.fn)
+                  lr=1e-5, warmup_steps=0, weight_decay=0.0, grad_clip=1.0,
+                  clip_range=0.5)            # values move at most this far from the rollout's (verl's
+                                             # cliprange_value)
   c.reward = dict(fn="dapo_jax.rewards:math_dapo",   # module:function(response, ground_truth),
                                                      # http://HOST:PORT (launch.serve_rm) or rm:DIR
                   fns=(),                            # weighted sum instead of fn, e.g.
@@ -130,7 +150,8 @@ def base() -> mlc.ConfigDict:
                  ckpt_every=5, keep_ckpts=3,
                  eval_every=5, log_samples_every=5,
                  max_bad_steps=5)            # stop after this many non-finite updates in a row
-  c.eval = dict(k=32, temperature=1.0, top_p=0.7, greedy=False, max_new_tokens=0)  # 0: rollout's
+  c.eval = dict(k=32, temperature=1.0, top_p=0.7, greedy=False, max_new_tokens=0,  # 0: rollout's
+                reward_fn="")                # "" = reward.fn; e.g. a rule check for a run trained on an RM
   c.sft = dict(steps=0, batch_size=32, seq_len=128, lr=1e-3, warmup_steps=20, num_examples=20_000,
                target_acc=0.0,       # >0: stop early once greedy solves this fraction of a probe
                probe_size=256,       # training problems in that probe

@@ -6,12 +6,16 @@ r"""Stage 2 of the RLHF pipeline on the arithmetic task: a reward model on prefe
 Starts from the SFT model of configs/sft_chat_arith.py with a zero score head. Chosen: the correct
 worked answer; rejected: a forgotten carry or a wrong final digit. Measured (2 shared CPU cores,
 ~5 min): held-out pairwise accuracy 0.797 / 0.883 / 0.934 after 100 / 200 / 300 updates, margin 5.9.
+
+  python -m launch.rm --config=configs/rm_arith.py:weak            # -> runs/rm_arith_weak/rm_model
+starts from the SFT model of configs/sft_chat_arith.py:weak instead: the reward and value model of
+configs/ppo_arith.py.
 """
 from configs import common
 
 
 def get_config(arg=None):
-  arg = common.parse_arg(arg, runlocal=False)
+  arg = common.parse_arg(arg, runlocal=False, weak=False)
   c = common.base()
   c.data.update(task="arith")    # the prompts' chat template and stop tokens only
   c.rm.update(train_files=("runs/arith/pairs_train.jsonl",), eval_files=("runs/arith/pairs_heldout.jsonl",),
@@ -19,6 +23,8 @@ def get_config(arg=None):
               steps=300, batch_pairs=32, lr=3e-4, warmup_steps=20,
               prompt_len=32, response_len=40,   # tokens; the task's prompts and answers fit
               eval_every=100, ckpt_every=100)
+  if arg.weak:
+    c.rm.init_dir = "runs/sft_chat_arith_weak/sft_model"
   if arg.runlocal:
     common.runlocal(c)
     c.rm.update(steps=2, batch_pairs=4, eval_every=0, ckpt_every=0)

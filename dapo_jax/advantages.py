@@ -8,6 +8,7 @@ run jitted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -38,6 +39,22 @@ def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.nda
 
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+# `dapo.adv_estimator`: group-relative (Eq. 9) and RLOO give one advantage per response; REINFORCE++
+# and GAE (PPO, with a value model) one per token, from the KL-shaped token rewards.
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "gae")
+TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
+
+
+def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.ndarray:
+  """One advantage per response [Q, G]; zeros for the token-level estimators (the loop computes those)."""
+  if estimator == "grpo":
+    return group_advantages(rewards_QG, norm_by_std)
+  if estimator == "rloo":
+    return rloo(rewards_QG)
+  if estimator in TOKEN_ESTIMATORS:
+    return np.zeros(np.shape(rewards_QG), np.float32)
+  raise ValueError(f"dapo.adv_estimator={estimator!r}; expected one of {ESTIMATORS}")
 
 
 def filter_values(metric: str, *, acc_QG: np.ndarray, score_QG: np.ndarray, reward_QG: np.ndarray) -> np.ndarray:
@@ -125,9 +142,10 @@ def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, 
 
 
 def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: bool,
-                   overlong_filter: bool) -> tuple[RLBatch, np.ndarray]:
+                   overlong_filter: bool, estimator: str = "grpo") -> tuple[RLBatch, np.ndarray]:
   """Host arrays of the train batch, [Q*G rows, P+C]: each group's prompt (its last `prompt_len`
-  positions, left-padded) then each completion; group advantages (Eq. 9).
+  positions, left-padded) then each completion; advantages per response (`sequence_advantages`:
+  Eq. 9 for GRPO).
 
   Static shapes: fewer than Q groups are completed with repeats whose loss mask is all zero. With
   `overlong_filter`, truncated samples leave the loss and its denominator (§3.3). Rows of carried
@@ -136,7 +154,7 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   batch and the advantages of the real groups [n, G].
   """
   n, G, C = groups.tokens_QGC.shape
-  adv_QG = group_advantages(groups.score_QG, norm_adv_by_std)
+  adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std)
   real_Q = np.arange(Q) < n
   if n < Q:
     groups, adv_QG = groups.take(np.arange(Q) % n), adv_QG[np.arange(Q) % n]
@@ -251,6 +269,36 @@ def kl_shaped_rewards(score_B, logp_BC, ref_logp_BC, mask_BC, beta: float) -> ja
   return (-beta * kl_BC) * mask + score_B1 * at_last_BC
 
 
+@functools.partial(jax.jit, static_argnames=("estimator", "gamma", "lam"))
+def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, values_BC=None, *, beta,
+                     gamma: float, lam: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-token advantages of the token-level estimators from the rollout's score, log-probs of the
+  policy that sampled and of the reference, and (GAE) the value model's values:
+  (token_rewards_BC, advantages_BC, returns_BC).
+
+  token rewards = `kl_shaped_rewards` (β may be 0: no KL); "gae": `gae(rewards, values, γ, λ)`;
+  "reinforce_pp": `reinforce_pp(rewards, γ)`. Both whiten the advantages over the mask.
+  """
+  token_rewards_BC = kl_shaped_rewards(score_B, logp_BC, ref_logp_BC, mask_BC, beta)
+  if estimator == "gae":
+    adv_BC, returns_BC = gae(token_rewards_BC, values_BC, mask_BC, gamma, lam)
+  elif estimator == "reinforce_pp":
+    adv_BC, returns_BC = reinforce_pp(token_rewards_BC, mask_BC, gamma)
+  else:
+    raise ValueError(f"token_advantages: estimator {estimator!r}; expected one of {TOKEN_ESTIMATORS}")
+  return token_rewards_BC, adv_BC, returns_BC
+
+
+def sequence_kl(logp_BC, ref_logp_BC, mask_BC) -> float:
+  """The batch's KL to the reference as verl's KL controller reads it: the k1 estimate log π - log π_ref
+  averaged over each row's tokens, then over the rows that have tokens."""
+  m = np.asarray(mask_BC, np.float64)
+  kl_B = (np.asarray(logp_BC, np.float64) - np.asarray(ref_logp_BC, np.float64)) * m
+  n_B = m.sum(1)
+  rows = n_B > 0
+  return float(np.mean(kl_B.sum(1)[rows] / n_B[rows])) if rows.any() else 0.0
+
+
 class FixedKLController:
   """A constant KL coefficient β (the same interface as the adaptive one)."""
 
@@ -308,5 +356,6 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
     out.append(RLBatch(tokens_BT=batch.tokens_BT[idx, :P + Cb], mask_BT=batch.mask_BT[idx, :P + Cb],
                        loss_mask_BC=batch.loss_mask_BC[idx, :Cb], old_logp_BC=batch.old_logp_BC[idx, :Cb],
                        adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb],
-                       behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx]))
+                       behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx],
+                       adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb]))
   return out

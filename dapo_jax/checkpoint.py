@@ -45,7 +45,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(), "extra": ocp.JsonCheckpointHandler(),
-                       "digest": ocp.JsonCheckpointHandler()})
+                       "digest": ocp.JsonCheckpointHandler(), "critic": ocp.StandardCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -56,16 +56,20 @@ class Checkpointer:
   def path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def save(self, step: int, state: Any, extra: dict) -> None:
-    """Starts an async save of `state` and `extra` with their digest; `wait()` ends it."""
+  def save(self, step: int, state: Any, extra: dict, critic: Any = None) -> None:
+    """Starts an async save of `state` and `extra` (and PPO's value-model state `critic`) with their
+    digest; `wait()` ends it. The policy's state stays the `state` item whether or not a critic is
+    saved beside it, so evaluation and export read every run's checkpoints alike."""
     # The checksum kernels are dispatched first so they run while Orbax copies the state to the
     # host; only their 8-byte results are fetched. The state is final here (the step's metrics
     # were fetched), so this waits for no training work.
     digest = {"arrays": state_digest(state), "extra": extra_digest(extra)}
+    items = dict(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
+    if critic is not None:
+      digest["critic"] = state_digest(critic)
+      items["critic"] = ocp.args.StandardSave(critic)
     try:
-      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     extra=ocp.args.JsonSave(extra),
-                                                     digest=ocp.args.JsonSave(digest)), force=True)
+      self.manager.save(step, args=ocp.args.Composite(digest=ocp.args.JsonSave(digest), **items), force=True)
     except OSError as e:
       raise OSError(f"checkpoint step {step} could not be written to {self.directory}: {e}; "
                     "earlier checkpoints are untouched") from e
@@ -84,7 +88,7 @@ class Checkpointer:
         raise OSError(28, f"checkpoint write to {self.directory} failed: {e}") from e
       raise
 
-  def check_compatible(self, step: int, abstract_state: Any) -> None:
+  def check_compatible(self, step: int, abstract_state: Any, item: str = "state") -> None:
     """Fails with the parameter's name when the checkpoint was written by another model config.
 
     Names, shapes and dtypes must all match: no dtype conversion is allowed on restore, because a
@@ -92,7 +96,7 @@ class Checkpointer:
     float32 checkpoint into bfloat16 parameters). To change dtypes, export the model and start a
     new run from it.
     """
-    meta = self.manager.item_metadata(step)["state"]
+    meta = self.manager.item_metadata(step)[item]
     meta = getattr(meta, "tree", meta)
     want = [(_names(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
     have = {_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(meta)[0]}
@@ -113,17 +117,25 @@ class Checkpointer:
             f"needs {np.dtype(leaf.dtype).name}; restoring converts no dtype (set the config's dtype to "
             f"{np.dtype(got_dtype).name}, or export the model and start a new --workdir from it)")
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-    """(state, extra) of `step`, verified against its digest; raises CheckpointCorruptError if damaged."""
+  def restore(self, step: int, abstract_state: Any, abstract_critic: Any = None) -> tuple:
+    """(state, extra) of `step`, verified against its digest, or (state, extra, critic) when
+    `abstract_critic` asks for the value model too; raises CheckpointCorruptError if damaged."""
     path = self.path(step)
+    if abstract_critic is not None and not os.path.isdir(os.path.join(path, "critic")):
+      raise CheckpointMismatchError(f"checkpoint {path} has no value model (critic); it was written by a run "
+                                    "without dapo.adv_estimator='gae' (use a new --workdir)")
     try:
       self.check_compatible(step, abstract_state)
+      if abstract_critic is not None:
+        self.check_compatible(step, abstract_critic, "critic")
     except CheckpointMismatchError:
       raise
     except Exception as e:  # Unreadable metadata: the checkpoint itself is damaged.
       raise CheckpointCorruptError(f"checkpoint {path}: metadata cannot be read ({_brief(e)})") from e
     has_digest = os.path.isdir(os.path.join(path, "digest"))
     items = dict(state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore())
+    if abstract_critic is not None:
+      items["critic"] = ocp.args.StandardRestore(abstract_critic)
     if has_digest:
       items["digest"] = ocp.args.JsonRestore()
     num_bytes = _dir_bytes(path)
@@ -137,11 +149,15 @@ class Checkpointer:
       logging.warning("checkpoint %s has no digest (written by an older version); restored unverified", path)
     else:
       _verify(path, out["digest"], out["state"], out["extra"])
+      if abstract_critic is not None:
+        _verify_arrays(path, out["digest"].get("critic"), out["critic"])
     logging.info("restored checkpoint %s", path)
+    if abstract_critic is not None:
+      return out["state"], out["extra"], out["critic"]
     return out["state"], out["extra"]
 
-  def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-    """(step, state, extra) of the newest intact checkpoint, or None when there is none at all.
+  def restore_latest(self, abstract_state: Any, abstract_critic: Any = None) -> tuple | None:
+    """(step, state, extra[, critic]) of the newest intact checkpoint, or None when there is none at all.
 
     A damaged step is reported with a warning naming its path, and the next older one is tried;
     when every step is damaged, one CheckpointCorruptError names them all.
@@ -150,14 +166,14 @@ class Checkpointer:
     damaged = []
     for step in reversed(steps):
       try:
-        state, extra = self.restore(step, abstract_state)
+        restored = self.restore(step, abstract_state, abstract_critic)
       except CheckpointCorruptError as e:
         logging.warning("%s; falling back to an older checkpoint", e)
         damaged.append(self.path(step))
         continue
       if damaged:
         self._set_aside(damaged)
-      return step, state, extra
+      return (step, *restored)
     if damaged:
       raise CheckpointCorruptError(f"every checkpoint in {self.directory} is damaged ({', '.join(damaged)}); "
                                    "delete them to start over, or restore them from a backup")
@@ -242,8 +258,14 @@ def _verify(path: str, digest: dict, state: Any, extra: dict) -> None:
     raise CheckpointCorruptError(f"checkpoint {path}: its digest file is damaged")
   if extra_digest(extra) != digest.get("extra"):
     raise CheckpointCorruptError(f"checkpoint {path}: the run record (extra) does not match its digest")
+  _verify_arrays(path, digest["arrays"], state)
+
+
+def _verify_arrays(path: str, digest: dict | None, state: Any) -> None:
+  if not isinstance(digest, dict):
+    raise CheckpointCorruptError(f"checkpoint {path}: its digest file is damaged")
   got = state_digest(state)
-  bad = [name for name, d in got.items() if digest["arrays"].get(name) != d]
+  bad = [name for name, d in got.items() if digest.get(name) != d]
   if bad:
     raise CheckpointCorruptError(f"checkpoint {path}: {len(bad)} array(s) do not match their digest "
                                  f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")

@@ -105,8 +105,10 @@ def validate(cfg, num_devices: int | None = None) -> None:
            "reference solutions)")
 
   # Sampling, for rollouts and for evaluation.
-  G = n("rollout.group_size", 2, integer=True,
-        allowed=">= 2 (group-normalised advantages are 0 for a group of one)")
+  check(d.adv_estimator in adv_lib.ESTIMATORS, "dapo.adv_estimator", d.adv_estimator, f"one of {adv_lib.ESTIMATORS}")
+  token_level = d.adv_estimator in adv_lib.TOKEN_ESTIMATORS
+  G = n("rollout.group_size", 1 if token_level else 2, integer=True,
+        allowed=">= 1" if token_level else ">= 2 (group-relative advantages are 0 for a group of one)")
   C = n("rollout.max_new_tokens", 1, integer=True)
   for p in ("rollout", "eval"):
     n(f"{p}.temperature", 0, allowed=">= 0 (0 = greedy)")
@@ -133,6 +135,10 @@ def validate(cfg, num_devices: int | None = None) -> None:
   n("dapo.overlong_buffer", 0, C, integer=True, allowed=f"from 0 to rollout.max_new_tokens={C}")
   n("dapo.overlong_penalty", 0)
   n("dapo.max_gen_batches", 0, integer=True, allowed=">= 0 (0 = unlimited)")
+  check(isinstance(c.eval.reward_fn, str) and (not c.eval.reward_fn or ":" in c.eval.reward_fn), "eval.reward_fn",
+        c.eval.reward_fn, "'' (reward.fn) or a reward spec like reward.fn")
+  if token_level:
+    _check_token_estimators(c)
   n("reward.timeout_s", 0, lo_open=True)
   n("reward.workers", 1, integer=True)
   check(isinstance(c.reward.fn, str) and ":" in c.reward.fn, "reward.fn", c.reward.fn,
@@ -217,6 +223,32 @@ def validate(cfg, num_devices: int | None = None) -> None:
   if r.engine == "continuous" and r.slots % shards:
     raise ConfigError(f"rollout.slots={r.slots}: the decode slots do not split over the mesh's "
                       f"data*fsdp = {shards} batch shards")
+
+
+def _check_token_estimators(c) -> None:
+  """The `ppo` section (REINFORCE++, PPO) and, for PPO, the value model's `critic` section."""
+  n = functools.partial(number, c)
+  n("ppo.gamma", 0, 1)
+  n("ppo.lam", 0, 1)
+  n("ppo.kl_coef", 0, allowed=">= 0 (0 = no KL in the reward)")
+  check(c.ppo.kl_ctrl in ("fixed", "adaptive"), "ppo.kl_ctrl", c.ppo.kl_ctrl, "'fixed' or 'adaptive'")
+  if c.ppo.kl_ctrl == "adaptive":
+    n("ppo.target_kl", 0, lo_open=True)
+    n("ppo.horizon", 0, lo_open=True)
+  if c.dapo.adv_estimator != "gae":
+    return
+  k = c.critic
+  check(k.init in ("policy", "rm"), "critic.init", k.init, "'policy' (the policy's trunk, a zero head) or 'rm' "
+        "(a reward model's directory: critic.model_dir, or the rm:DIR of reward.fn)")
+  if k.init == "rm":
+    path = k.model_dir or (c.reward.fn.removeprefix("rm:") if c.reward.fn.startswith("rm:") else "")
+    check(bool(path), "critic.model_dir", k.model_dir, "a reward model's HF directory when critic.init='rm' "
+          "and reward.fn is not rm:DIR")
+  n("critic.lr", 0, lo_open=True)
+  n("critic.warmup_steps", 0, integer=True)
+  n("critic.weight_decay", 0)
+  n("critic.grad_clip", 0, allowed=">= 0 (0 = off)")
+  n("critic.clip_range", 0, lo_open=True)
 
 
 def _max_positions(hf_dir: str) -> int:

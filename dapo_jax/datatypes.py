@@ -29,6 +29,7 @@ class RLBatch:
   # bool: rows sampled by an earlier policy (carried-over groups), whose old_logp_BC is their
   # sampling policy's log-probs; None (the batch has no such row): π_old is this step's policy.
   behaviour_B: jax.Array | None = None
+  adv_BC: jax.Array | None = None  # fp32 advantage per token (GAE, REINFORCE++); None: adv_B on every token
 
 
 @struct.dataclass

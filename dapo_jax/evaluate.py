@@ -26,7 +26,7 @@ def majority_correct(acc_k: Sequence[bool], preds_k: Sequence[str]) -> bool:
 
 
 class Evaluator:
-  """Samples k answers per held-out row and scores them with the rollout's reward.
+  """Samples k answers per held-out row and scores them with the rollout's reward (or its own).
 
   Identical rows (the same prompt and ground truth, e.g. AIME's 30 problems repeated 32 times) are
   one problem with k x (its copies) samples: avg@n, best@n and maj@n per problem come from one pass
@@ -36,8 +36,11 @@ class Evaluator:
 
   def __init__(self, rollout: Rollout, examples: Sequence[data_lib.Example], *, k: int,
                sampler_cfg: sampling.SamplerConfig, greedy: bool = False, seed: int = 0, rows: int = 1,
-               progress: bool = False):
+               progress: bool = False, reward=None):
+    """`reward` scores the answers instead of the rollout's (e.g. the rule check of a run trained on
+    a reward model's score); the evaluator closes it."""
     self.rollout, self.examples, self.k, self.progress = rollout, list(examples), k, progress
+    self.reward = reward
     self.sampler_cfg, self.greedy, self.seed, self.rows = sampler_cfg, greedy, seed, max(rows, 1)
     problems: dict = {}
     for ex in self.examples:
@@ -45,6 +48,10 @@ class Evaluator:
     self.problems = [exs[0] for exs in problems.values()]
     self.copies = [len(exs) for exs in problems.values()]
     self.sampled_rows = 0  # rows the sampler decoded (the last run)
+
+  def close(self) -> None:
+    if self.reward is not None and hasattr(self.reward, "close"):
+      self.reward.close()
 
   def run(self, params, key=None) -> dict:
     if not self.examples:
@@ -70,7 +77,7 @@ class Evaluator:
       texts, samples = self._continuous(params, counts, key, sampler_cfg)
     else:
       texts, samples = self._static(params, counts, key, sampler_cfg)
-    res = r.call_reward(texts, [ex for ex, n in zip(self.problems, counts) for _ in range(n)])
+    res = r.call_reward(texts, [ex for ex, n in zip(self.problems, counts) for _ in range(n)], self.reward)
     first = np.cumsum([0] + counts)
     acc = [np.array([x["acc"] for x in res[first[q]:first[q + 1]]], bool) for q in range(len(counts))]
     preds = [[x["pred"] for x in res[first[q]:first[q + 1]]] for q in range(len(counts))]

@@ -206,9 +206,47 @@ def loop_config(cfg) -> loop.LoopConfig:
       gen_prompts=d.gen_prompts, dynamic_sampling=d.dynamic_sampling, max_gen_batches=d.max_gen_batches,
       on_cap=d.on_cap, carry_over=d.carry_over, norm_adv_by_std=d.norm_adv_by_std,
       overlong_filter=d.overlong_filter, minibatches=t.minibatches, ppo_epochs=t.ppo_epochs,
-      reference=d.kl_coef > 0, seed=cfg.seed, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
+      reference=d.kl_coef > 0 or kl_in_reward(cfg), seed=cfg.seed, adv_estimator=d.adv_estimator,
+      gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
       length_buckets=adv_lib.length_buckets(cfg.rollout.max_new_tokens, t.length_buckets) if t.length_buckets else ())
+
+
+def kl_in_reward(cfg) -> bool:
+  """Whether the token rewards carry -β·KL to a frozen reference (the token-level estimators, β > 0)."""
+  return cfg.dapo.adv_estimator in adv_lib.TOKEN_ESTIMATORS and cfg.ppo.kl_coef > 0
+
+
+def kl_controller(cfg):
+  """β of the KL-shaped reward (`ppo.kl_ctrl`), or None without one."""
+  p = cfg.ppo
+  if not kl_in_reward(cfg):
+    return None
+  if p.kl_ctrl == "adaptive":
+    return adv_lib.AdaptiveKLController(p.kl_coef, p.target_kl, p.horizon)
+  return adv_lib.FixedKLController(p.kl_coef)
+
+
+def critic(cfg, model_cfg: model_lib.ModelConfig, params, tok, mesh, group_size: int) -> loop.Critic:
+  """PPO's value model (`critic`): the policy's trunk with a zero scalar head, or a reward model's
+  directory; its own Trainer (objectives.value_model) and optimizer on the policy's mesh."""
+  from dapo_jax import rm  # noqa: PLC0415
+  c = cfg.critic
+  if c.init == "rm":
+    path = c.model_dir or cfg.reward.fn.removeprefix("rm:")
+    critic_cfg, critic_params = hf.load_scalar(path, **runtime_overrides(cfg))
+    tokenizer_lib.check_vocab(tok, critic_cfg.vocab_size, f"{path}/config.json (critic.model_dir)")
+    if critic_cfg.vocab_size != model_cfg.vocab_size:
+      raise ConfigError(f"critic.model_dir={path!r}: vocab_size={critic_cfg.vocab_size}, the policy's is "
+                        f"{model_cfg.vocab_size}; the value model must read the policy's tokens")
+  else:
+    critic_cfg, critic_params = model_cfg, rm.from_lm(jax.device_get(params))
+  opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=c.grad_clip)
+  trainer_ = train_step.Trainer(critic_cfg, opt, mesh, objectives.value_model(critic_cfg, c.clip_range, group_size),
+                                num_microbatches=cfg.train.num_microbatches,
+                                microbatch_tokens=cfg.train.microbatch_tokens, head="scalar")
+  return loop.Critic(trainer=trainer_, values=trainer_.forward(objectives.completion_values(critic_cfg, group_size)),
+                     params=critic_params)
 
 
 def sft_config(cfg):
@@ -248,8 +286,10 @@ def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_ste
 def evaluator(cfg, rollout: rollout_lib.Rollout, examples, progress: bool = False) -> evaluate.Evaluator:
   # Static sampler: chunks of the rollout's row count, so the compiled sampler shapes are few.
   rows = max(cfg.dapo.gen_prompts * cfg.rollout.group_size // cfg.eval.k, 1)
-  return evaluate.Evaluator(rollout, examples, k=cfg.eval.k, sampler_cfg=eval_sampler_config(cfg, rollout.sampler_cfg),
-                            greedy=cfg.eval.greedy, seed=cfg.seed, rows=rows, progress=progress)
+  e = cfg.eval
+  reward_ = rewards_lib.make_reward(e.reward_fn, cfg.reward.timeout_s, cfg.reward.workers) if e.reward_fn else None
+  return evaluate.Evaluator(rollout, examples, k=e.k, sampler_cfg=eval_sampler_config(cfg, rollout.sampler_cfg),
+                            greedy=e.greedy, seed=cfg.seed, rows=rows, progress=progress, reward=reward_)
 
 
 def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
@@ -271,12 +311,20 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
                                   sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_)
     data_iter = data_lib.PromptIterator(train, seed=cfg.seed, process_index=jax.process_index(),
                                         process_count=jax.process_count())
-    return loop.DAPO(loop_config(cfg), trainer=trainer_, logprobs=logprobs, rollout=rollout,
-                     evaluator=evaluator(cfg, rollout, evals), data_iter=data_iter, params=params,
-                     workdir=workdir, keep_ckpts=cfg.train.keep_ckpts,
-                     writer_cfg=metrics_lib.WriterConfig(**cfg.metrics), run_config=cfg.to_dict())
+    critic_ = critic(cfg, model_cfg, params, tok, mesh, pg.group_size) if cfg.dapo.adv_estimator == "gae" else None
+    evaluator_ = evaluator(cfg, rollout, evals)
   except BaseException:
     reward_.close()
+    raise
+  try:
+    return loop.DAPO(loop_config(cfg), trainer=trainer_, logprobs=logprobs, rollout=rollout,
+                     evaluator=evaluator_, data_iter=data_iter, params=params,
+                     workdir=workdir, keep_ckpts=cfg.train.keep_ckpts,
+                     writer_cfg=metrics_lib.WriterConfig(**cfg.metrics), run_config=cfg.to_dict(),
+                     critic=critic_, kl_ctrl=kl_controller(cfg))
+  except BaseException:
+    reward_.close()
+    evaluator_.close()
     raise
 
 

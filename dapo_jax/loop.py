@@ -4,6 +4,12 @@
   -> advantages (`advantages.to_train_batch`) -> old log-probs -> Trainer.step x (epochs x
   mini-batches) -> metrics -> checkpoint
 
+PPO (`adv_estimator="gae"`) adds a value model, trained beside the policy: after the rollout, the
+log-probs of the sampling policy and of the frozen reference, the KL-shaped token rewards
+(`advantages.kl_shaped_rewards`, β from the KL controller), the value model's values and GAE give
+per-token advantages and returns; then epochs x mini-batches of value updates (clipped value loss)
+and of policy updates. REINFORCE++ takes the same path without values.
+
 π_old: the rollout policy's log-probs are recomputed by one training forward pass of the
 current params (as the reference does) rather than taken from the sampler, so both sides of the
 ratio come from the same program. When a rollout step makes a single update (one mini-batch, one
@@ -17,6 +23,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -25,7 +32,7 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import sharding, streaming
-from dapo_jax.datatypes import Groups, RLBatch
+from dapo_jax.datatypes import Groups, RLBatch, ValueBatch
 
 
 class TrainingError(RuntimeError):
@@ -51,6 +58,9 @@ class LoopConfig:
   streaming: bool = True        # admit prompts while they can be needed (`streaming`); False: whole
                                 # generation batches, then the filter (the reference)
   length_buckets: tuple[int, ...] = ()  # completion lengths micro-batches are cut to; () = pad to C
+  adv_estimator: str = "grpo"   # advantages.ESTIMATORS; "gae" needs a `Critic`
+  gamma: float = 1.0            # discount of the token-level estimators
+  lam: float = 1.0              # GAE's λ
   seed: int = 0
   ckpt_every: int = 0
   eval_every: int = 0
@@ -62,16 +72,33 @@ class LoopConfig:
     return self.minibatches * self.ppo_epochs
 
 
+@dataclasses.dataclass(frozen=True)
+class Critic:
+  """PPO's value model: a `train_step.Trainer` of `objectives.value_model` (head="scalar", its own
+  optimizer and learning rate, on the policy's mesh), its jitted values pass
+  (`trainer.forward(objectives.completion_values(...))`) and its initial params."""
+  trainer: Any
+  values: Callable
+  params: Any
+
+
 class DAPO:
   """One run: `run()` executes it. A context manager: leaving it stops the reward workers, the
-  metric writer and the checkpointer (`from_config.dapo(cfg, workdir, mesh)` builds one)."""
+  metric writer and the checkpointer (`from_config.dapo(cfg, workdir, mesh)` builds one).
+
+  PPO: `critic` (a `Critic`) and `kl_ctrl` (`advantages.FixedKLController` or the adaptive one: β of
+  the KL-shaped reward, updated every step and checkpointed)."""
 
   def __init__(self, cfg: LoopConfig, *, trainer, logprobs, rollout, evaluator, data_iter, params,
                workdir: str, keep_ckpts: int = 3, writer_cfg: metrics_lib.WriterConfig = metrics_lib.WriterConfig(),
-               run_config: dict | None = None):
+               run_config: dict | None = None, critic: Critic | None = None, kl_ctrl=None):
     self.cfg, self.trainer, self.logprobs, self.rollout, self.evaluator = cfg, trainer, logprobs, rollout, evaluator
     self.data_iter = data_iter
+    if cfg.adv_estimator == "gae" and critic is None:
+      raise ValueError("adv_estimator='gae' needs a value model (critic)")
+    self.critic, self.kl_ctrl = critic, kl_ctrl
     self.state = trainer.init(params=params)
+    self.critic_state = critic.trainer.init(params=critic.params) if critic is not None else None
     # Baselines with a KL term: the initial policy, resident on the mesh like the params.
     self.ref_params = trainer.reference_params(self.state.params) if cfg.reference else None
     self.carry: Groups | None = None
@@ -88,6 +115,8 @@ class DAPO:
 
   def close(self) -> None:
     self.rollout.reward.close()
+    if hasattr(self.evaluator, "close"):
+      self.evaluator.close()
     self.writer.close()
     self.ckpt.close()
 
@@ -135,26 +164,80 @@ class DAPO:
         c.prompts_per_step, self.step_key(step), max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling
         else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap)
 
-  def update(self, batch: RLBatch) -> tuple[dict, dict]:
-    """π_old (and reference) log-probs, then epochs x mini-batches of updates; mean metrics."""
+  def split(self, batch):
+    """The train batch's `minibatches` mini-batches (consecutive rows: whole groups)."""
+    rows = batch.tokens_BT.shape[0] // self.cfg.minibatches
+    return [jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch) for i in range(self.cfg.minibatches)]
+
+  def token_advantages(self, batch: RLBatch, groups: Groups) -> tuple[RLBatch, ValueBatch | None, dict]:
+    """REINFORCE++ / PPO: log-probs of the sampling policy and the reference, the KL-shaped token
+    rewards, values (GAE), per-token advantages and returns. Returns the batch with its log-probs
+    and `adv_BC` set, the value model's batch (None without one) and the step's metrics."""
+    c = self.cfg
+    placed = self.trainer.put_batch(batch.replace(behaviour_B=None))  # Forward passes read no flags.
+    logp_BC = sharding.fetch(self.logprobs(self.state.params, placed))
+    ref_BC = sharding.fetch(self.logprobs(self.ref_params, placed)) if self.ref_params is not None else logp_BC
+    values_BC = None
+    if self.critic is not None:
+      values_BC = sharding.fetch(self.critic.values(self.critic_state.params, placed))
+    mask_BC = batch.loss_mask_BC
+    # As `to_train_batch` completes a short step: groups repeated cyclically (their loss mask is empty).
+    score_B = np.resize(groups.score_QG, (c.prompts_per_step, c.group_size)).reshape(-1)
+    beta = self.kl_ctrl.value if self.kl_ctrl is not None else 0.0
+    rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
+        c.adv_estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=c.gamma,
+        lam=c.lam))
+    kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC)
+    real_B, m = mask_BC.any(1), mask_BC.astype(bool)
+    metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": beta}
+    if real_B.any():  # verl's names: rewards are summed over each response's tokens.
+      for name, x in (("rewards", rewards_BC.sum(1)[real_B]), ("returns", returns_BC[m])) + (
+          (("values", values_BC[m]),) if values_BC is not None else ()):
+        metrics.update({f"critic/{name}/mean": float(x.mean()), f"critic/{name}/max": float(x.max()),
+                        f"critic/{name}/min": float(x.min())})
+    if values_BC is not None and m.any():  # As verl: the rollout's values against the returns.
+      err = returns_BC[m] - values_BC[m]
+      metrics["critic/vf_explained_var"] = float(1.0 - np.var(err) / (np.var(returns_BC[m]) + 1e-5))
+    if self.kl_ctrl is not None:
+      self.kl_ctrl.update(kl, n_steps=int(real_B.sum()))
+    # The ratio's π_old is the sampling policy's log-probs computed here (the update need not repeat them).
+    # Carried rows keep their sampling policy's log-probs.
+    old_BC = logp_BC if batch.behaviour_B is None else np.where(batch.behaviour_B[:, None], batch.old_logp_BC, logp_BC)
+    batch = batch.replace(old_logp_BC=old_BC, ref_logp_BC=ref_BC, adv_BC=np.asarray(adv_BC, np.float32))
+    value_batch = None
+    if self.critic is not None:
+      value_batch = ValueBatch(tokens_BT=batch.tokens_BT, mask_BT=batch.mask_BT, loss_mask_BC=mask_BC,
+                               old_values_BC=values_BC, returns_BC=np.asarray(returns_BC, np.float32))
+    return batch, value_batch, metrics
+
+  def update_critic(self, batch: ValueBatch) -> dict:
+    """Epochs x mini-batches of value-model updates (clipped value loss); mean metrics."""
+    t = self.critic.trainer
+    minibatches = self.split(batch)
+    all_metrics = []
+    for _ in range(self.cfg.ppo_epochs):
+      for mb in minibatches:
+        self.critic_state, m = t.step(self.critic_state, t.put_batch(mb))
+        all_metrics.append(m)
+    return metrics_lib.mean_updates(sharding.fetch(all_metrics))
+
+  def update(self, batch: RLBatch, have_logprobs: bool = False) -> tuple[dict, dict]:
+    """π_old (and reference) log-probs unless `have_logprobs`, then epochs x mini-batches of
+    updates; mean metrics."""
     c = self.cfg
     # An async checkpoint may still be reading the state's buffers, which the train step donates
     # (and overwrites). It has had the whole rollout phase to finish.
     self.ckpt.wait()
     t0 = time.perf_counter()
-    rows = batch.adv_B.shape[0] // c.minibatches
-    minibatches = [jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch) for i in range(c.minibatches)]
+    minibatches = self.split(batch)
     C = batch.loss_mask_BC.shape[1]
     if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
       M = self.trainer.microbatches_for(minibatches[0])
-      minibatches = [adv_lib.bucketed_microbatches(mb, M, self.trainer.group_size, c.length_buckets)
-                     for mb in minibatches]
-      minibatches = [parts if min(p.loss_mask_BC.shape[1] for p in parts) < C else [mb]
-                     for parts, mb in zip(minibatches, [jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch)
-                                                        for i in range(c.minibatches)])]
+      minibatches = [parts if min(p.loss_mask_BC.shape[1] for p in parts) < C else [mb] for mb, parts in (
+          (mb, adv_lib.bucketed_microbatches(mb, M, self.trainer.group_size, c.length_buckets)) for mb in minibatches)]
     else:
       minibatches = [[mb] for mb in minibatches]
-    for parts in minibatches:
+    for parts in [] if have_logprobs else minibatches:
       for i, mb in enumerate(parts):
         # Forward passes read no flags: one compiled pass whether or not the batch has carried rows.
         placed = self.trainer.put_batch(mb.replace(behaviour_B=None))
@@ -184,33 +267,64 @@ class DAPO:
     """One rollout step: collect a filtered batch, update on it. Returns (metrics, rollout info)."""
     t_step = time.perf_counter()
     self.state = self.state.replace(rollout_step=step)  # Sets this step's learning rate.
+    if self.critic_state is not None:
+      self.critic_state = self.critic_state.replace(rollout_step=step)
     groups, stats, info = self.collect(step)
-    train_metrics, timing, adv = {}, {}, np.zeros((0,))
+    c = self.cfg
+    train_metrics, timing, adv, token_metrics = {}, {}, np.zeros((0,)), {}
     if groups is None:
       logging.warning("step %d: no group with mixed correctness; no update", step)
     else:
-      batch, adv = adv_lib.to_train_batch(groups, self.cfg.prompts_per_step, self.rollout.prompt_len(
-          groups.prompt_mask_QP), norm_adv_by_std=self.cfg.norm_adv_by_std, overlong_filter=self.cfg.overlong_filter)
-      train_metrics, timing = self.update(batch)
+      batch, adv = adv_lib.to_train_batch(groups, c.prompts_per_step, self.rollout.prompt_len(
+          groups.prompt_mask_QP), norm_adv_by_std=c.norm_adv_by_std, overlong_filter=c.overlong_filter,
+          estimator=c.adv_estimator)
+      token_level = c.adv_estimator in adv_lib.TOKEN_ESTIMATORS
+      if token_level:
+        self.ckpt.wait()  # The critic's update donates its state too.
+        t0 = time.perf_counter()
+        batch, value_batch, token_metrics = self.token_advantages(batch, groups)
+        adv = batch.adv_BC[batch.loss_mask_BC]
+        if value_batch is not None:
+          t1 = time.perf_counter()
+          token_metrics.update({f"critic/{k}": v for k, v in self.update_critic(value_batch).items()
+                                if k in ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")})
+          timing["update_critic_s"] = time.perf_counter() - t1
+        timing["adv_s"] = time.perf_counter() - t0 - timing.get("update_critic_s", 0.0)
+      train_metrics, update_timing = self.update(batch, have_logprobs=token_level)
+      timing.update(update_timing)
     step_s = time.perf_counter() - t_step
-    return metrics_lib.step_metrics(
+    m = metrics_lib.step_metrics(
         groups, stats, info, train_metrics, timing, adv, step_s, max_new_tokens=self.rollout.sampler_cfg.max_new_tokens,
         group_size=self.cfg.group_size, reward=self.rollout.reward, skipped=int(self.state.skipped),
-        truncated_prompts=self.rollout.truncated_prompts), info
+        truncated_prompts=self.rollout.truncated_prompts)
+    m.update(token_metrics)
+    for k in ("update_critic_s", "adv_s"):
+      if k in timing:
+        m["timing_s/" + k.removesuffix("_s")] = timing[k]
+    return m, info
 
   # --- checkpoints ---------------------------------------------------------------------------
 
   def save(self, next_step: int) -> None:
     extra = {"rollout_step": next_step, "data": self.data_iter.state(), "seed": self.cfg.seed,
              "carry": self.carry.to_json() if self.carry is not None else None}
-    self.ckpt.save(next_step, self.state, extra)
+    if self.kl_ctrl is not None:
+      extra["kl_coef"] = self.kl_ctrl.value
+    self.ckpt.save(next_step, self.state, extra, critic=self.critic_state)
 
   def restore(self) -> int:
     abstract = ckpt_lib.abstract(self.state, self.trainer.state_sharding)
-    restored = self.ckpt.restore_latest(abstract)  # The newest intact checkpoint.
+    abstract_critic = None
+    if self.critic is not None:
+      abstract_critic = ckpt_lib.abstract(self.critic_state, self.critic.trainer.state_sharding)
+    restored = self.ckpt.restore_latest(abstract, abstract_critic)  # The newest intact checkpoint.
     if restored is None:
       return 0
-    step, self.state, extra = restored
+    step, self.state, extra = restored[:3]
+    if self.critic is not None:
+      self.critic_state = restored[3]
+    if self.kl_ctrl is not None and "kl_coef" in extra:
+      self.kl_ctrl.value = float(extra["kl_coef"])
     if extra["seed"] != self.cfg.seed:
       raise ckpt_lib.CheckpointMismatchError(
           f"checkpoint {self.ckpt.directory}/{step} was written with seed={extra['seed']}, config has "

@@ -78,6 +78,7 @@ def clipped_surrogate(ratio_BC, adv_B1, eps_low: float, eps_high: float, clip_ra
   """Per-token decoupled-clip PPO loss (paper Eq. 10, as a loss), with optional dual clip.
 
   L = max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high)); for A < 0 also min(L, -A·c) (dual clip).
+  A is [B, 1] (one advantage per response) or [B, C] (one per token).
   Returns (loss_BC, upper-clipped, lower-clipped, dual-clipped) masks.
   """
   l1 = -adv_B1 * ratio_BC
@@ -108,11 +109,12 @@ def kl_penalty(logp_BC, ref_logp_BC, estimator: str = "k3") -> jax.Array:
 def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_high: float,
                 clip_ratio_c: float | None = None, agg: str = "token_mean", num_tokens=None,
                 num_seqs=None, norm_len: int | None = None, ref_logp_BC=None, kl_coef: float = 0.0,
-                kl_estimator: str = "k3"):
+                kl_estimator: str = "k3", adv_BC=None):
   """The DAPO policy loss (what is minimised) and its metrics.
 
   logp_BC: log π_θ of the sampled tokens (differentiated); old_logp_BC: log π_old (constant);
-  adv_B: one advantage per response; mask_BC: tokens that count in the loss.
+  adv_B: one advantage per response, or adv_BC: one per token (PPO's GAE), which replaces it;
+  mask_BC: tokens that count in the loss.
   Metrics are token means with the same denominators, so micro-batch metrics sum to the total.
   verl's names mean verl's quantities: pg_clipfrac (either PPO clip binds), ppo_kl (mean of
   log π_old - log π_θ) and pg_clipfrac_lower (the dual clip binds, A < 0 and ratio > c). The PPO
@@ -120,9 +122,10 @@ def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_hig
   (A < 0, ratio < 1-ε_low).
   """
   old_logp_BC = jax.lax.stop_gradient(old_logp_BC)
-  adv_B1 = jax.lax.stop_gradient(adv_B)[:, None].astype(logp_BC.dtype)
+  adv = adv_B[:, None] if adv_BC is None else adv_BC  # [B, 1] broadcasts over the tokens
+  adv = jax.lax.stop_gradient(adv).astype(logp_BC.dtype)
   ratio_BC = jnp.exp(logp_BC - old_logp_BC)
-  loss_BC, high, low, dual = clipped_surrogate(ratio_BC, adv_B1, eps_low, eps_high, clip_ratio_c)
+  loss_BC, high, low, dual = clipped_surrogate(ratio_BC, adv, eps_low, eps_high, clip_ratio_c)
   pg_loss = aggregate(loss_BC, mask_BC, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
   tok_mean = lambda x: masked_mean(x.astype(jnp.float32), mask_BC, num_tokens)
   metrics = {

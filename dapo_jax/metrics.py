@@ -157,7 +157,8 @@ def read_jsonl(path: str) -> dict[int, dict]:
 
 HEADLINE = {"critic/acc/mean": "acc", "rollout/acc_all": "acc(all)", "critic/score/mean": "score",
             "response_length/mean": "len", "actor/entropy": "ent", "train/num_gen_batches": "gen",
-            "actor/grad_norm": "gnorm", "timing_s/step": "s", "val/acc/greedy": "VAL greedy"}
+            "actor/grad_norm": "gnorm", "actor/reward_kl_penalty": "kl", "critic/vf_loss": "vf",
+            "timing_s/step": "s", "val/acc/greedy": "VAL greedy"}
 
 
 def format_eval(ev: Mapping[str, float]) -> str:
@@ -178,12 +179,13 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
     m.update({
         "critic/score/mean": float(groups.score_QG.mean()), "critic/score/max": float(groups.score_QG.max()),
         "critic/score/min": float(groups.score_QG.min()), "critic/acc/mean": float(groups.acc_QG.mean()),
-        "critic/advantages/mean": float(adv.mean()), "critic/advantages/max": float(adv.max()),
-        "critic/advantages/min": float(adv.min()),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
         "response_length/clip_ratio": float((lengths >= max_new_tokens).mean()),
         "train/carried_groups": int(groups.carried_Q.sum())})  # trained against their sampling policy
+    if adv.size:  # Per response, or per loss token (REINFORCE++, GAE).
+      m.update({"critic/advantages/mean": float(adv.mean()), "critic/advantages/max": float(adv.max()),
+                "critic/advantages/min": float(adv.min())})
   gen = max(stats.generated, 1)
   if stats.generated:  # A step filled from carried-over groups generated nothing.
     m["rollout/acc_all"] = stats.acc_sum / gen

@@ -91,7 +91,7 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
     value, metrics = loss_lib.policy_loss(
         logp_BC, old_logp_BC, mb.adv_B, mb.loss_mask_BC, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         clip_ratio_c=cfg.clip_ratio_c, agg=cfg.loss_agg, ref_logp_BC=mb.ref_logp_BC, kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, **denoms)
+        kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, **denoms)
     metrics = jax.tree.map(lambda m: m * weight, metrics)
     metrics["entropy"] = loss_lib.masked_mean(loss_lib.entropy(jax.lax.stop_gradient(z_BCV)),
                                               mb.loss_mask_BC, denoms["num_tokens"]) * weight

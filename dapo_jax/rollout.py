@@ -149,12 +149,14 @@ class Rollout:
 
   # --- scoring -------------------------------------------------------------------------------
 
-  def call_reward(self, texts: Sequence[str], examples: Sequence[data_lib.Example]) -> list[dict]:
-    """The reward of each response to its example (reward models also see the prompt)."""
+  def call_reward(self, texts: Sequence[str], examples: Sequence[data_lib.Example], reward=None) -> list[dict]:
+    """The reward of each response to its example (reward models also see the prompt), by the
+    rollout's reward or the given one."""
+    reward = reward or self.reward
     gts = [ex.ground_truth for ex in examples]
-    if getattr(self.reward, "needs_prompts", False):
-      return self.reward(texts, gts, prompts=[ex.messages[-1]["content"] for ex in examples])
-    return self.reward(texts, gts)
+    if getattr(reward, "needs_prompts", False):
+      return reward(texts, gts, prompts=[ex.messages[-1]["content"] for ex in examples])
+    return reward(texts, gts)
 
   def score(self, examples: Sequence[data_lib.Example], samples, G: int) -> dict:
     """Rewards of the rows of `examples` x G: correctness + overlong penalty, and the filter values."""
