@@ -99,7 +99,7 @@ class Rollout:
   def engine(self, sampler_cfg: sampling.SamplerConfig, rows: int) -> engine_lib.Engine:
     """The continuous-batching engine for `sampler_cfg` (`rollout.slots`, or `rows` when 0)."""
     slots = self.cfg.slots or rows
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    shards = sharding.batch_shards(self.mesh.shape)
     slots = -(-slots // shards) * shards  # Whole slots per data shard.
     k = (sampler_cfg, slots)
     if k not in self.engines:
@@ -127,7 +127,7 @@ class Rollout:
       raise ValueError(f"rollout.rows_per_call={chunk} must be a multiple of rollout.group_size={G} "
                        f"and divide the {Q * G} rows of a generation batch")
     per_call = chunk // G
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    shards = sharding.batch_shards(self.mesh.shape)
     # Prompts are split over the data shards when they divide evenly, else every shard holds them all.
     placement = self.batch_sharding if per_call % shards == 0 else self.replicated
     outs = []

@@ -197,7 +197,7 @@ class Trainer:
                                                      lora_lib.boxed(model_cfg, lora, base_boxed)))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
-    self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    self.batch_sharding = NamedSharding(mesh, P(sharding.BATCH_AXES))
     self.replicated = NamedSharding(mesh, P())
 
     # The micro-batch count is read off each batch's (static) shape when the function is traced.
@@ -309,7 +309,7 @@ class Trainer:
     if self.num_microbatches:
       return self.num_microbatches
     rows, seq_len = batch.tokens_BT.shape
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    shards = sharding.batch_shards(self.mesh.shape)
     return auto_microbatches(rows, seq_len, group_size=self.group_size, shards=shards,
                              max_tokens=self.microbatch_tokens)
 
