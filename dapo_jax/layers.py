@@ -342,24 +342,23 @@ EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 
 
 def experts(cfg: ModelConfig, p: dict, x_XD: jax.Array, expert_Xk: jax.Array, gate_Xk: jax.Array) -> jax.Array:
-  """`expert_mlp` over the mesh's `expert` axis, whose n devices hold E/n experts each.
+  """`expert_mlp` over the mesh's `expert` axis, whose n devices hold E/n experts each, in blocks
+  of `expert_chunk` tokens per device.
 
   Expert parallelism as a sharded MLP: the n devices of an expert group gather their tokens (and
   routes), each runs its own experts on the assignments routed to them, and a reduce-scatter sums
   the partial outputs and returns each device its own tokens. Every assignment is computed once,
-  on the device holding its expert; there is no capacity, hence nothing is dropped.
+  on the device holding its expert; there is no capacity, hence nothing is dropped. Being
+  dropless, a device's dispatch buffers hold every assignment of the group's tokens (one expert may
+  receive them all): n * chunk * k rows, which the chunk bounds.
   """
   mesh = jax.sharding.get_abstract_mesh()
   n = 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
   w = {name: p[name] for name in EXPERT_WEIGHTS}
-  if n == 1:
-    return expert_mlp(cfg, w, x_XD, expert_Xk, gate_Xk)
-  X = x_XD.shape[0]
-  pad = -X % n  # Rows that split evenly over the group; the padding's outputs are dropped.
-  if pad:
-    x_XD, expert_Xk, gate_Xk = (jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in (x_XD, expert_Xk, gate_Xk))
 
-  def shard(x_XD, expert_Xk, gate_Xk, w):
+  def block(x_XD, expert_Xk, gate_Xk, w):
+    if n == 1:
+      return expert_mlp(cfg, w, x_XD, expert_Xk, gate_Xk)
     x_XD, expert_Xk, gate_Xk = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x_XD, expert_Xk, gate_Xk))
     E = w["w_gate_EDF"].shape[0]
     local_Xk = expert_Xk - jax.lax.axis_index("expert") * E
@@ -367,9 +366,27 @@ def experts(cfg: ModelConfig, p: dict, x_XD: jax.Array, expert_Xk: jax.Array, ga
     y_XD = expert_mlp(cfg, w, x_XD, local_Xk, gate_Xk)
     return jax.lax.psum_scatter(y_XD, "expert", scatter_dimension=0, tiled=True)
 
+  def blocks(x_XD, expert_Xk, gate_Xk, w):
+    c, X = cfg.expert_chunk, x_XD.shape[0]
+    if not c or X <= c:
+      return block(x_XD, expert_Xk, gate_Xk, w)
+    # Blocks rematerialised in the backward pass: one block's buffers live at a time.
+    args = [_pad_rows(a, -X % c).reshape(-1, c, *a.shape[1:]) for a in (x_XD, expert_Xk, gate_Xk)]
+    y_nXD = jax.lax.map(jax.checkpoint(lambda a: block(*a, w)), tuple(args))
+    return y_nXD.reshape(-1, y_nXD.shape[-1])[:X]
+
+  if n == 1:
+    return blocks(x_XD, expert_Xk, gate_Xk, w)
+  X = x_XD.shape[0]
+  # Rows that split evenly over the group; the padding's outputs are dropped.
+  x_XD, expert_Xk, gate_Xk = (_pad_rows(a, -X % n) for a in (x_XD, expert_Xk, gate_Xk))
   e = P("expert")
-  y_XD = jax.shard_map(shard, in_specs=(e, e, e, e), out_specs=e, axis_names={"expert"})(x_XD, expert_Xk, gate_Xk, w)
+  y_XD = jax.shard_map(blocks, in_specs=(e, e, e, e), out_specs=e, axis_names={"expert"})(x_XD, expert_Xk, gate_Xk, w)
   return y_XD[:X]
+
+
+def _pad_rows(a: jax.Array, pad: int) -> jax.Array:
+  return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) if pad else a
 
 
 def feed_forward(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, Any]:

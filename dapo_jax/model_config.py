@@ -68,6 +68,8 @@ class ModelConfig:
   norm_topk_prob: bool = False         # renormalise the k chosen probabilities to sum to 1
   dense_layers: tuple[int, ...] = ()   # layers that keep the dense MLP (HF mlp_only_layers, decoder_sparse_step)
   router_aux_coef: float = 0.0         # weight of the load-balancing loss in training (0 = off, as verl)
+  expert_chunk: int = 0                # tokens per device per expert-dispatch block (0 = all at once);
+                                       # bounds the dispatch buffers of long rows, as attn_chunk the scores
 
   def __post_init__(self):
     object.__setattr__(self, "local_layers", tuple(int(l) for l in self.local_layers))
@@ -115,6 +117,8 @@ class ModelConfig:
     bad = [l for l in self.dense_layers if not 0 <= l < self.num_layers]
     if bad:
       raise ValueError(f"model.dense_layers={self.dense_layers} names layers outside 0..{self.num_layers - 1}")
+    if self.expert_chunk < 0:
+      raise ValueError(f"model.expert_chunk={self.expert_chunk} must be >= 0")
     if self.router_aux_coef < 0:
       raise ValueError(f"model.router_aux_coef={self.router_aux_coef} must be >= 0")
 
@@ -158,6 +162,12 @@ class ModelConfig:
     moe_layers = sum(self.is_moe_layer(l) for l in range(L))
     mlps = (L - moe_layers) * 3 * D * F + moe_layers * self.num_experts * D * (1 + 3 * self.expert_mlp_dim)
     return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + mlps + D
+
+  @property
+  def num_expert_params(self) -> int:
+    """Parameters of the experts and routers (they shard over the mesh's expert axis)."""
+    moe_layers = sum(self.is_moe_layer(l) for l in range(self.num_layers))
+    return moe_layers * self.num_experts * self.embed_dim * (1 + 3 * self.expert_mlp_dim)
 
   @property
   def num_active_params(self) -> int:

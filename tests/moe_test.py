@@ -130,6 +130,10 @@ def test_dispatch_equals_a_loop_over_tokens():
         want[t] += gate[t, j] * ((silu(x[t] @ w["w_gate_EDF"][e]) * (x[t] @ w["w_up_EDF"][e])) @ w["w_down_EFD"][e])
   got = layers.expert_mlp(TINY, jax.tree.map(jnp.asarray, w), jnp.asarray(x), jnp.asarray(expert), jnp.asarray(gate))
   np.testing.assert_allclose(got, want, atol=1e-5)
+  # In blocks of 3 tokens (the last one padded), as `experts` runs it with expert_chunk=3.
+  chunked = layers.experts(dataclasses.replace(TINY, expert_chunk=3), jax.tree.map(jnp.asarray, w), jnp.asarray(x),
+                           jnp.asarray(expert), jnp.asarray(gate))
+  np.testing.assert_allclose(chunked, want, atol=1e-5)
   grads = jax.grad(lambda w: jnp.sum(layers.expert_mlp(TINY, w, jnp.asarray(x), jnp.asarray(expert),
                                                        jnp.asarray(gate)) ** 2))(jax.tree.map(jnp.asarray, w))
   used = set(expert[expert < E].tolist())
@@ -174,14 +178,15 @@ def test_sampler_greedy_and_logp_equal_the_forward():
 
 
 def test_expert_parallel_step_matches_one_device():
-  """The policy-gradient step with the load-balancing loss on (data=2, expert=2, tensor=2) equals
-  one device (loss, metrics, updated params); experts shard over the expert axis and get gradients."""
+  """The policy-gradient step with the load-balancing loss on (data=2, expert=2, tensor=2), its
+  dispatch in blocks of 4 tokens, equals one device's in one block (loss, metrics, updated params);
+  experts shard over the expert axis and get gradients."""
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   cfg = dataclasses.replace(TINY, vocab_size=64, router_aux_coef=0.01)
   batch = make_batch(B=8)
 
-  def run(mesh):
+  def run(mesh, cfg):
     trainer = train_step.Trainer(cfg, LINEAR_OPT, mesh, objectives.policy_gradient(cfg, objectives.PGConfig()),
                                  num_microbatches=2)
     state = trainer.init(jax.random.key(0))
@@ -190,8 +195,9 @@ def test_expert_parallel_step_matches_one_device():
     state, metrics = trainer.step(state, trainer.put_batch(batch))
     return trainer, init, jax.device_get(state.params), jax.device_get(metrics)
 
-  trainer, init, p8, m8 = run(sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2}))
-  _, _, p1, m1 = run(one_device_mesh())
+  trainer, init, p8, m8 = run(sharding.make_mesh({"data": 2, "expert": 2, "tensor": 2}),
+                              dataclasses.replace(cfg, expert_chunk=4))
+  _, _, p1, m1 = run(one_device_mesh(), cfg)
   assert m8.keys() == m1.keys() and {"router/aux_loss", "router/load_max", "router/load_min"} <= m8.keys()
   for key in m8:
     np.testing.assert_allclose(m8[key], m1[key], rtol=1e-5, atol=1e-6, err_msg=key)
@@ -210,10 +216,10 @@ def test_aux_loss_coefficient_adds_its_gradient():
   batch = make_batch(B=4)
   cfg = dataclasses.replace(TINY, vocab_size=64)
   params = model.init_params(cfg, jax.random.key(0))
-  counts = objectives.policy_gradient(cfg, objectives.PGConfig()).counts(batch)
-  off, m_off = objectives.policy_gradient(cfg, objectives.PGConfig()).loss(params, batch, counts)
-  on_cfg = dataclasses.replace(cfg, router_aux_coef=0.5)
-  on, m_on = objectives.policy_gradient(on_cfg, objectives.PGConfig()).loss(params, batch, counts)
+  both = lambda params, batch: [objectives.policy_gradient(c, objectives.PGConfig()).loss(
+      params, batch, objectives.policy_gradient(c, objectives.PGConfig()).counts(batch))
+      for c in (cfg, dataclasses.replace(cfg, router_aux_coef=0.5))]
+  (off, m_off), (on, _) = jax.jit(both)(params, batch)
   assert float(m_off["router/aux_loss"]) > 0.9  # E * sum f P >= k * ... : about k=2 when balanced.
   np.testing.assert_allclose(float(on - off), 0.5 * float(m_off["router/aux_loss"]), rtol=1e-5)
 
@@ -247,7 +253,7 @@ def test_runs_and_parameter_counts():
   assert big.layer_runs == ((0, 48, True),)
   mixed = dataclasses.replace(TINY, num_layers=5, dense_layers=(0, 3))
   assert mixed.layer_runs == ((0, 1, False), (1, 3, True), (3, 4, False), (4, 5, True))
-  params = model.init_params(mixed, jax.random.key(0))
+  params = jax.eval_shape(lambda: model.init_params(mixed, jax.random.key(0)))
   assert sorted(params) == ["embed_VD", "final_norm", "layers", "layers_1", "layers_2", "layers_3"]
   assert params["layers_1"]["w_up_EDF"].shape == (2, 4, 32, 16) and "w_up_DF" in params["layers_2"]
   assert sum(x.size for x in jax.tree.leaves(params)) == mixed.num_params
