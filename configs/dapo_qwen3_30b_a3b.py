@@ -8,7 +8,7 @@ r"""DAPO on DAPO-Math-17k with Qwen3-30B-A3B (128 experts, 8 per token): the pap
   python -m launch.train --config=configs/dapo_qwen3_30b_a3b.py:runlocal     # CPU smoke run (a tiny MoE)
 
 Variants (`:arg`): mesh=gpu8 (one node of 8 H200s) | mesh=gpu2x8 (2 nodes of 8 H100s) |
-mesh=v5p64 (TPU v5p-64); runlocal shrinks everything to a 4-expert model on a laptop.
+mesh=v5p64 (TPU v5p-64) | mesh=gpu16x8 (16 nodes); runlocal shrinks everything to a 4-expert model on a laptop.
 The load-balancing loss is off (model.router_aux_coef=0), as verl's RL recipes run MoE policies.
 """
 from configs import common, dapo_qwen2_5_32b
@@ -18,10 +18,11 @@ MESHES = {
     "gpu8": dict(data=1, fsdp=1, expert=2, tensor=4),   # one 8-GPU node (H200: 141 GB)
     "gpu2x8": dict(data=1, fsdp=2, expert=4, tensor=2), # 16 GPUs (H100-80GB)
     "v5p64": dict(data=1, fsdp=4, expert=4, tensor=2),  # 32 chips
+    "gpu16x8": dict(data=4, fsdp=2, expert=4, tensor=4),  # 128 GPUs: 4 model replicas of 32
     "auto": dict(data=1, fsdp=-1, expert=1, tensor=1),
 }
 
-ROWS_PER_CALL = {"gpu8": 64, "gpu2x8": 128, "v5p64": 256, "auto": 64}  # sampler rows per call (KV cache)
+ROWS_PER_CALL = {"gpu8": 64, "gpu2x8": 128, "v5p64": 256, "gpu16x8": 512, "auto": 64}  # sampler rows per call (KV cache)
 
 
 def get_config(arg=None):

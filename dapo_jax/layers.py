@@ -342,21 +342,48 @@ EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
 
 
 def experts(cfg: ModelConfig, p: dict, x_XD: jax.Array, expert_Xk: jax.Array, gate_Xk: jax.Array) -> jax.Array:
-  """`expert_mlp` over the mesh's `expert` axis, whose n devices hold E/n experts each, in blocks
-  of `expert_chunk` tokens per device.
+  """`expert_mlp` on the mesh, whose `expert` axis holds E/n experts per device, in blocks of
+  `expert_chunk` tokens per device.
 
   Expert parallelism as a sharded MLP: the n devices of an expert group gather their tokens (and
   routes), each runs its own experts on the assignments routed to them, and a reduce-scatter sums
   the partial outputs and returns each device its own tokens. Every assignment is computed once,
   on the device holding its expert; there is no capacity, hence nothing is dropped. Being
   dropless, a device's dispatch buffers hold every assignment of the group's tokens (one expert may
-  receive them all): n * chunk * k rows, which the chunk bounds.
+  receive them all): n * chunk * k rows, which the chunk bounds. The layer is written per device
+  (`shard_map`): FSDP shards of the experts are gathered, tensor parallelism splits each expert's F
+  and sums the partial outputs.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  n = 1 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
   w = {name: p[name] for name in EXPERT_WEIGHTS}
+  if mesh.empty or mesh.size == 1:
+    return _blocks(cfg, x_XD, expert_Xk, gate_Xk, w, n=1)
+  batch = tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)  # sharding.BATCH_AXES
+  X, shards = x_XD.shape[0], math.prod(mesh.shape[a] for a in batch)
+  x_XD, expert_Xk, gate_Xk = (_pad_rows(a, -X % shards) for a in (x_XD, expert_Xk, gate_Xk))
+  n = mesh.shape.get("expert", 1)
+  has = lambda a: a if a in mesh.axis_names else None
 
-  def block(x_XD, expert_Xk, gate_Xk, w):
+  def shard(x_XD, expert_Xk, gate_Xk, w):
+    if has("fsdp"):
+      w = {k: jax.lax.all_gather(v, "fsdp", axis=2 if k == "w_down_EFD" else 1, tiled=True) for k, v in w.items()}
+    y_XD = _blocks(cfg, x_XD, expert_Xk, gate_Xk, w, n)
+    return jax.lax.psum(y_XD, "tensor") if has("tensor") else y_XD
+
+  rows = P(batch)
+  w_specs = {"w_gate_EDF": P(has("expert"), has("fsdp"), has("tensor")),
+             "w_up_EDF": P(has("expert"), has("fsdp"), has("tensor")),
+             "w_down_EFD": P(has("expert"), has("tensor"), has("fsdp"))}
+  y_XD = jax.shard_map(shard, in_specs=(rows, rows, rows, w_specs), out_specs=rows,
+                       axis_names=set(mesh.axis_names))(x_XD, expert_Xk, gate_Xk, w)
+  return y_XD[:X]
+
+
+def _blocks(cfg: ModelConfig, x_XD, expert_Xk, gate_Xk, w: dict, n: int) -> jax.Array:
+  """One device's tokens through the experts, in blocks of `expert_chunk` tokens, each block's
+  buffers rematerialised in the backward pass (one block's live at a time). With n > 1 the
+  device's experts are the `expert` axis index's E/n, and its tokens those of its expert group."""
+  def block(x_XD, expert_Xk, gate_Xk):
     if n == 1:
       return expert_mlp(cfg, w, x_XD, expert_Xk, gate_Xk)
     x_XD, expert_Xk, gate_Xk = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x_XD, expert_Xk, gate_Xk))
@@ -366,23 +393,12 @@ def experts(cfg: ModelConfig, p: dict, x_XD: jax.Array, expert_Xk: jax.Array, ga
     y_XD = expert_mlp(cfg, w, x_XD, local_Xk, gate_Xk)
     return jax.lax.psum_scatter(y_XD, "expert", scatter_dimension=0, tiled=True)
 
-  def blocks(x_XD, expert_Xk, gate_Xk, w):
-    c, X = cfg.expert_chunk, x_XD.shape[0]
-    if not c or X <= c:
-      return block(x_XD, expert_Xk, gate_Xk, w)
-    # Blocks rematerialised in the backward pass: one block's buffers live at a time.
-    args = [_pad_rows(a, -X % c).reshape(-1, c, *a.shape[1:]) for a in (x_XD, expert_Xk, gate_Xk)]
-    y_nXD = jax.lax.map(jax.checkpoint(lambda a: block(*a, w)), tuple(args))
-    return y_nXD.reshape(-1, y_nXD.shape[-1])[:X]
-
-  if n == 1:
-    return blocks(x_XD, expert_Xk, gate_Xk, w)
-  X = x_XD.shape[0]
-  # Rows that split evenly over the group; the padding's outputs are dropped.
-  x_XD, expert_Xk, gate_Xk = (_pad_rows(a, -X % n) for a in (x_XD, expert_Xk, gate_Xk))
-  e = P("expert")
-  y_XD = jax.shard_map(blocks, in_specs=(e, e, e, e), out_specs=e, axis_names={"expert"})(x_XD, expert_Xk, gate_Xk, w)
-  return y_XD[:X]
+  c, X = cfg.expert_chunk, x_XD.shape[0]
+  if not c or X <= c:
+    return block(x_XD, expert_Xk, gate_Xk)
+  args = tuple(_pad_rows(a, -X % c).reshape(-1, c, *a.shape[1:]) for a in (x_XD, expert_Xk, gate_Xk))
+  y_nXD = jax.lax.map(jax.checkpoint(lambda a: block(*a)), args)
+  return y_nXD.reshape(-1, y_nXD.shape[-1])[:X]
 
 
 def _pad_rows(a: jax.Array, pad: int) -> jax.Array:

@@ -9,6 +9,7 @@ on the mesh, each host scoring its own rows, and the scored groups gathered on e
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -112,6 +113,11 @@ class Rollout:
     """G samples per prompt as host arrays (`sampling.Samples`); prompt q's samples are rows
     qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair.
     Continuous engine: prompt q's samples come from (key, first_prompt_id + q, sample index)."""
+    # A mixture of experts runs its experts on the mesh, which its layers read from the context.
+    with jax.set_mesh(self.mesh) if self.model_cfg.moe else contextlib.nullcontext():
+      return self._generate(params, prompts, G, key, sampler_cfg, first_prompt_id)
+
+  def _generate(self, params, prompts, G, key, sampler_cfg, first_prompt_id):
     sampler_cfg = sampler_cfg or self.sampler_cfg
     prompt_QP, prompt_mask_QP = prompts if isinstance(prompts, tuple) else self.encode(prompts)
     stop_at_B = self.length_hook(len(prompt_QP) * G) if self.length_hook else None

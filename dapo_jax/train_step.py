@@ -175,6 +175,9 @@ class Trainer:
     each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
     (`auto_microbatches`). `head` is the model's head ("scalar": a reward or value model)."""
     sharding.check_divisible(model_cfg, mesh)
+    if lora is not None and model_cfg.moe:
+      raise ValueError(f"model.lora.rank={lora.rank}: LoRA adapters on a mixture of experts (model.num_experts="
+                       f"{model_cfg.num_experts}) are not supported; train it in full (model.lora.rank=0)")
     if num_microbatches < 0 or (num_microbatches == 0 and microbatch_tokens <= 0):
       raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
                        "count >= 1, or 0 (auto) with a positive token budget")
