@@ -114,18 +114,20 @@ def config_from_metadata(meta: dict, path: str = "", **overrides) -> model_lib.M
       raise GGUFError(f"{path}: metadata field '{arch}.{key}' is missing")
     return meta.get(f"{arch}.{key}", default)
 
+  # Floats are stored in float32: their shortest float32 spelling gives back the number written (1e-06).
+  f32 = lambda v: float(str(np.float32(v)))
   n_head, width, L = int(g("attention.head_count")), int(g("embedding_length")), int(g("block_count"))
   head_dim = int(g("attention.key_length", 0) or g("rope.dimension_count", width // n_head))
   kw = dict(vocab_size=int(g("vocab_size", 0)), embed_dim=width, mlp_dim=int(g("feed_forward_length")),
             num_layers=L, num_heads=n_head, num_kv_heads=int(g("attention.head_count_kv", n_head)),
-            head_dim=head_dim, rope_theta=float(g("rope.freq_base", 10_000.0)),
-            norm_eps=float(g("attention.layer_norm_rms_epsilon")), qkv_bias=False, arch=_ARCHS[arch],
+            head_dim=head_dim, rope_theta=f32(g("rope.freq_base", 10_000.0)),
+            norm_eps=f32(g("attention.layer_norm_rms_epsilon")), qkv_bias=False, arch=_ARCHS[arch],
             qk_norm=arch != "llama")
   scaling = g("rope.scaling.type", "none")
   if scaling not in ("none", "linear"):
     raise GGUFError(f"{path}: metadata field '{arch}.rope.scaling.type'={scaling!r}; supported: 'none', 'linear'")
   if scaling == "linear":
-    kw.update(rope_type="linear", rope_factor=float(g("rope.scaling.factor")))
+    kw.update(rope_type="linear", rope_factor=f32(g("rope.scaling.factor")))
   if arch == "qwen3moe":
     kw.update(num_experts=int(g("expert_count")), experts_per_token=int(g("expert_used_count")),
               expert_mlp_dim=int(g("expert_feed_forward_length")),
