@@ -13,6 +13,7 @@ metadata: tokens, merges, token types, special ids and chat template.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -217,10 +218,15 @@ def tokenizer(path: str):
 
 
 def to_hf_dir(path: str, out_dir: str) -> str:
-  """Writes a standard HF model directory (config, safetensors, tokenizer) from a GGUF file."""
+  """Writes a standard HF model directory (config, safetensors, tokenizer) from a GGUF file; a
+  vocabulary `tokenizer` cannot rebuild (Gemma's SentencePiece) is left out, with a warning."""
   cfg, params = load(path)
-  tok = tokenizer(path)
-  hf.save(out_dir, cfg, params, tokenizer=tok, bos_token_id=tok.bos_token_id)
+  kind = metadata(_reader(path)).get("tokenizer.ggml.model")
+  tok = tokenizer(path) if kind == "gpt2" else None
+  if tok is None:
+    logging.warning("%s: tokenizer.ggml.model is %r, not byte-level BPE; %s is written without a tokenizer "
+                    "(use the model's HF tokenizer)", path, kind, out_dir)
+  hf.save(out_dir, cfg, params, tokenizer=tok, bos_token_id=tok.bos_token_id if tok else None)
   with open(os.path.join(out_dir, "source.json"), "w") as f:
     json.dump({"gguf": os.path.abspath(path)}, f)
   return out_dir

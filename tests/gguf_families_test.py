@@ -3,6 +3,7 @@ transformers model the way llama.cpp's converter lays it out, converted by `gguf
 `launch.prepare gguf` runs), gives back the source tensors, and transformers loads the result to the
 source model's logits."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -114,6 +115,21 @@ def test_gguf_architecture_converts_to_the_source_model(tmp_path, arch):
     np.testing.assert_allclose(m(ids).logits.numpy(), ref(ids).logits.numpy(), atol=1e-4)
   tok = transformers.AutoTokenizer.from_pretrained(out)
   assert tok.eos_token == "<|endoftext|>"
+
+
+def test_sentencepiece_vocabulary_is_left_out_with_a_warning(tmp_path, caplog):
+  """Gemma's GGUF files carry a SentencePiece vocabulary (`llama`), which is not rebuilt: the model
+  is converted and the directory has no tokenizer."""
+  make_source("qwen3", str(tmp_path / "src"))
+  path = str(tmp_path / "spm.gguf")
+  write_gguf("qwen3", path, str(tmp_path / "src"))
+  reader = gg.GGUFReader(path, "r+")  # The tokenizer model renamed in place, same length: "gpt2" -> "llam".
+  field = reader.fields["tokenizer.ggml.model"]
+  field.parts[field.data[0]][:] = np.frombuffer(b"llam", np.uint8)
+  out = gguf.to_hf_dir(path, str(tmp_path / "out"))
+  assert "tokenizer.ggml.model is 'llam', not byte-level BPE" in caplog.text
+  assert hf.load(out)[0] == hf.load(str(tmp_path / "src"))[0]
+  assert not any(name.startswith("tokenizer") for name in os.listdir(out))
 
 
 def test_unknown_gguf_architecture_names_the_field(tmp_path):
