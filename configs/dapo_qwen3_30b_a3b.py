@@ -22,7 +22,8 @@ MESHES = {
     "auto": dict(data=1, fsdp=-1, expert=1, tensor=1),
 }
 
-ROWS_PER_CALL = {"gpu8": 64, "gpu2x8": 128, "v5p64": 256, "gpu16x8": 512, "auto": 64}  # sampler rows per call (KV cache)
+# Sampler rows per call: they bound the KV cache.
+ROWS_PER_CALL = {"gpu8": 64, "gpu2x8": 128, "v5p64": 256, "gpu16x8": 512, "auto": 64}
 
 
 def get_config(arg=None):

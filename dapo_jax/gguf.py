@@ -29,7 +29,8 @@ _LAYER_NAMES = {  # GGUF name -> HF name (inside model.layers.{i}.)
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _ARCH_NAMES = {  # Each architecture's tensors beyond Llama's.
-    "llama": {}, "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
+    "llama": {},
+    "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
     "gemma3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "ffn_norm.weight": "pre_feedforward_layernorm.weight",

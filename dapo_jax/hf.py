@@ -321,7 +321,7 @@ def params_from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarra
     used.add(name)
     return np.asarray(arr, dtype=np.float32)
 
-  D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
+  D, V = cfg.embed_dim, cfg.vocab_size
   params: dict = {}
   params["embed_VD"] = take("model.embed_tokens.weight", (V, D)).astype(dtype)
   params["final_norm"] = {"scale_D": take("model.norm.weight", (D,)).astype(dtype)}

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from dapo_jax import sharding
 from dapo_jax.model_config import ModelConfig
 
 
@@ -358,7 +359,7 @@ def experts(cfg: ModelConfig, p: dict, x_XD: jax.Array, expert_Xk: jax.Array, ga
   w = {name: p[name] for name in EXPERT_WEIGHTS}
   if mesh.empty or mesh.size == 1:
     return _blocks(cfg, x_XD, expert_Xk, gate_Xk, w, n=1)
-  batch = tuple(a for a in ("data", "fsdp", "expert") if a in mesh.axis_names)  # sharding.BATCH_AXES
+  batch = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
   X, shards = x_XD.shape[0], math.prod(mesh.shape[a] for a in batch)
   x_XD, expert_Xk, gate_Xk = (_pad_rows(a, -X % shards) for a in (x_XD, expert_Xk, gate_Xk))
   n = mesh.shape.get("expert", 1)

@@ -176,11 +176,6 @@ def run_name(i: int) -> str:
   return "layers" if i == 0 else f"layers_{i}"
 
 
-def layer_index(cfg: ModelConfig) -> list[tuple[str, int]]:
-  """For each layer l: (its run's subtree, its index in that run's stack)."""
-  return [(run_name(r), l - start) for r, (start, stop, _) in enumerate(cfg.layer_runs) for l in range(start, stop)]
-
-
 def _scale_param(module: nn.Module, name: str) -> jax.Array:
   """An RMSNorm scale stored as {name: {"scale_D": ...}} (the parameter tree HF import expects)."""
   return RMSNormScale(module.cfg, name=name)()
