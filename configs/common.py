@@ -36,7 +36,8 @@ def base() -> mlc.ConfigDict:
                  remat="dots",               # none | full | dots: on XLA:CPU "dots" (keep matmul
                                              # outputs, recompute the rest) is also the fastest
                  attn_chunk=0,               # attention query block (0 = whole rows); long rows need it
-                 # Family (a loaded model takes these from its config.json): qwen2 | llama | qwen3 | gemma3.
+                 # Family (a loaded model takes these from its config.json): qwen2 | llama | qwen3 |
+                 # qwen3_moe | gemma3.
                  arch="qwen2", qk_norm=False,
                  rope_type="default",        # RoPE scaling: default | linear | llama3 | yarn
                  rope_factor=1.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
@@ -47,6 +48,12 @@ def base() -> mlc.ConfigDict:
                  rope_local_theta=10_000.0,  # RoPE base of local layers
                  query_scale=0.0,            # scores scale by query_scale**-0.5 (0 = head_dim)
                  attn_softcap=0.0, final_softcap=0.0,   # tanh soft-capping of scores / logits (0 = off)
+                 # Mixture of experts (qwen3_moe): E experts of width expert_mlp_dim, k per token.
+                 num_experts=0, experts_per_token=0, expert_mlp_dim=0,
+                 norm_topk_prob=False,       # renormalise the k router probabilities to sum to 1
+                 dense_layers=(),            # layers that keep a dense MLP of mlp_dim
+                 router_aux_coef=0.0,        # load-balancing loss weight in training (0 = off, as verl)
+                 expert_chunk=0,             # tokens per device per expert-dispatch block (0 = all)
                  # LoRA: rank > 0 trains adapters of that rank on the `targets` projections of every
                  # layer (PEFT names) and freezes the base; the reference model is the base with its
                  # adapters off. alpha: the adapters' output scales by alpha / rank. dropout: only 0.
@@ -174,7 +181,8 @@ def base() -> mlc.ConfigDict:
                label_smoothing=0.0,
                eval_greedy=64,               # held-out prompts whose greedy answers are rule-checked
                max_new_tokens=32)            # their generation budget
-  c.mesh = dict(data=1, fsdp=-1, tensor=1)   # -1: the rest of the devices
+  c.mesh = dict(data=1, fsdp=-1, tensor=1,  # -1: the rest of the devices
+                expert=1)                  # devices that split a mixture's experts (rows elsewhere)
   # Where metrics go: any of "tensorboard" (WORKDIR/tb), "jsonl" (WORKDIR/metrics.jsonl) and "wandb"
   # (pip install -e ".[wandb]"; WANDB_MODE=offline writes WORKDIR/wandb for a later `wandb sync`).
   c.metrics = dict(writers=("tensorboard", "jsonl"),
@@ -203,7 +211,9 @@ def runlocal(c: mlc.ConfigDict) -> None:
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
                  tie_embeddings=True, param_dtype="float32", dtype="float32", matmul_dtype="", remat="none",
                  attn_chunk=0, arch="qwen2", qk_norm=False, rope_type="default", sliding_window=0,
-                 local_layers=(), query_scale=0.0, attn_softcap=0.0, final_softcap=0.0)
+                 local_layers=(), query_scale=0.0, attn_softcap=0.0, final_softcap=0.0, num_experts=0,
+                 experts_per_token=0, expert_mlp_dim=0, norm_topk_prob=False, dense_layers=(),
+                 router_aux_coef=0.0, expert_chunk=0)
   c.tokenizer.update(path="", vocab_size=300)
   c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8,
                 digits_b=0, fewshot=0)
@@ -215,4 +225,4 @@ def runlocal(c: mlc.ConfigDict) -> None:
                  log_samples_every=1)
   c.eval.update(k=2, max_new_tokens=0)
   c.sft.steps = 0
-  c.mesh.update(data=1, fsdp=-1, tensor=1)
+  c.mesh.update(data=1, fsdp=-1, tensor=1, expert=1)

@@ -12,6 +12,7 @@ import jax
 
 from dapo_jax import advantages as adv_lib
 from dapo_jax import loss as loss_lib
+from dapo_jax import sharding
 from dapo_jax import tokenizer as tokenizer_lib
 
 
@@ -199,7 +200,7 @@ def validate(cfg, num_devices: int | None = None) -> None:
 
   # Mesh against the devices, and the batch over its data shards.
   sizes = {}
-  for a in ("data", "fsdp", "tensor"):
+  for a in sharding.MESH_AXES:
     v = c.mesh.get(a, 1)
     check(isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1), f"mesh.{a}", v,
            "a positive size, or -1 for the rest of the devices")
@@ -215,14 +216,14 @@ def validate(cfg, num_devices: int | None = None) -> None:
                         f"{num_devices} devices")
     sizes = {a: (num_devices // fixed if v == -1 else v) for a, v in sizes.items()}
   elif fixed != num_devices:
-    raise ConfigError(f"mesh={sizes}: data*fsdp*tensor = {fixed}, but there are {num_devices} devices")
-  shards = sizes["data"] * sizes["fsdp"]
+    raise ConfigError(f"mesh={sizes}: data*fsdp*expert*tensor = {fixed}, but there are {num_devices} devices")
+  shards = sharding.batch_shards(sizes)
   if per_mb % shards:
     raise ConfigError(f"train.minibatches={mb}: {per_mb} rows per mini-batch do not split over the "
-                      f"mesh's data*fsdp = {shards} batch shards")
+                      f"mesh's data*fsdp*expert = {shards} batch shards")
   if r.engine == "continuous" and r.slots % shards:
     raise ConfigError(f"rollout.slots={r.slots}: the decode slots do not split over the mesh's "
-                      f"data*fsdp = {shards} batch shards")
+                      f"data*fsdp*expert = {shards} batch shards")
 
 
 def _check_token_estimators(c) -> None:

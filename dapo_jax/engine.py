@@ -87,10 +87,10 @@ class Engine:
     self.prompt_buckets = sorted(set(b for b in prompt_buckets if b <= prompt_len) | {prompt_len})
     self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1},
                                                                  jax.devices()[:1])
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    shards = sharding.batch_shards(self.mesh.shape)
     if slots % shards:
       raise ValueError(f"rollout.slots={slots} does not split over the {shards} data shards of the mesh "
-                       f"(data={self.mesh.shape['data']} x fsdp={self.mesh.shape['fsdp']})")
+                       f"(data x fsdp x expert of {dict(self.mesh.shape)})")
     self.round_fraction = round_fraction
     self.row_sharding = sharding.named(self.mesh, "B")
     self.eos = tuple(sampler_cfg.eos_ids)

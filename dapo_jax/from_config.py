@@ -37,12 +37,14 @@ from dapo_jax.config_checks import (  # noqa: F401 (public)
 )
 
 # Fields that are not in an HF config.json: they apply to a loaded model too.
-_RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk")
+_RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk", "router_aux_coef",
+                  "expert_chunk")
 _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
                  "norm_eps", "qkv_bias", "tie_embeddings", "arch", "qk_norm", "rope_type", "rope_factor",
                  "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos", "rope_beta_fast",
                  "rope_beta_slow", "rope_attention_factor", "rope_truncate", "sliding_window", "local_layers",
-                 "rope_local_theta", "query_scale", "attn_softcap", "final_softcap") + _RUNTIME_FIELDS
+                 "rope_local_theta", "query_scale", "attn_softcap", "final_softcap", "num_experts",
+                 "experts_per_token", "expert_mlp_dim", "norm_topk_prob", "dense_layers") + _RUNTIME_FIELDS
 
 
 def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:

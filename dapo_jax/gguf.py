@@ -1,13 +1,19 @@
 """GGUF (llama.cpp) files -> params, HF model directories and tokenizers, without torch.
 
-Tensors are dequantized to fp32 with the `gguf` package's NumPy code; llama.cpp's row
-permutation of the q/k projections (for its rotary layout) is undone so the weights match the
-HF "rotate half" convention of `model.py`. The tokenizer (byte-level BPE) is rebuilt from the
-GGUF metadata: tokens, merges, token types, special ids and chat template.
+Architectures (llama.cpp's names): `llama`, `qwen3`, `qwen3moe` and `gemma3`. Tensors are
+dequantized to fp32 with the `gguf` package's NumPy code and renamed to the HF layout; llama.cpp's
+row permutation of Llama's q/k projections (for its rotary layout) is undone so the weights match
+the HF "rotate half" convention of `model.py` (Qwen and Gemma are stored unpermuted), and Gemma's
+norm weights, which llama.cpp stores as 1 + w, get their offset back. What GGUF metadata does not
+state is taken as llama.cpp runs the model: Qwen3-MoE renormalises its top-k gates, Gemma 3 has
+every 6th layer global, local layers use RoPE base 10,000, and queries scale by head_dim**-0.5
+(the 62-layer 27B: (D/N)**-0.5). The tokenizer (byte-level BPE) is rebuilt from the GGUF
+metadata: tokens, merges, token types, special ids and chat template.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -22,6 +28,19 @@ _LAYER_NAMES = {  # GGUF name -> HF name (inside model.layers.{i}.)
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_ARCH_NAMES = {  # Each architecture's tensors beyond Llama's.
+    "llama": {},
+    "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
+    "gemma3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "qwen3moe": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+                 "ffn_gate_inp.weight": "mlp.gate.weight"},
+}
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+            "ffn_down_exps.weight": "down_proj"}  # Stacked [E, out, in] -> mlp.experts.{e}.{proj}.weight
+_ARCHS = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}  # -> model.arch
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _CONTROL = 3  # llama.cpp token type of special tokens
@@ -82,43 +101,77 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
   return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def config_from_metadata(meta: dict, path: str = "", **overrides) -> model_lib.ModelConfig:
+def architecture(meta: dict, path: str = "") -> str:
   arch = meta.get("general.architecture")
-  if arch != "llama":
-    raise GGUFError(f"{path}: general.architecture is {arch!r}; only 'llama' GGUF files are supported")
-  g = lambda k: meta[f"llama.{k}"]
-  n_head = int(g("attention.head_count"))
-  width = int(g("embedding_length"))
-  kw = dict(vocab_size=int(meta.get("llama.vocab_size", 0)), embed_dim=width, mlp_dim=int(g("feed_forward_length")),
-            num_layers=int(g("block_count")), num_heads=n_head,
-            num_kv_heads=int(meta.get("llama.attention.head_count_kv", n_head)),
-            head_dim=int(meta.get("llama.rope.dimension_count", width // n_head)),
-            rope_theta=float(meta.get("llama.rope.freq_base", 10_000.0)),
-            norm_eps=float(g("attention.layer_norm_rms_epsilon")), qkv_bias=False, arch="llama")
+  if arch not in _ARCHS:
+    raise GGUFError(f"{path}: general.architecture is {arch!r}; supported: {sorted(_ARCHS)}")
+  return arch
+
+
+def config_from_metadata(meta: dict, path: str = "", **overrides) -> model_lib.ModelConfig:
+  arch = architecture(meta, path)
+
+  def g(key, default=None):
+    if f"{arch}.{key}" not in meta and default is None:
+      raise GGUFError(f"{path}: metadata field '{arch}.{key}' is missing")
+    return meta.get(f"{arch}.{key}", default)
+
+  # Floats are stored in float32: their shortest float32 spelling gives back the number written (1e-06).
+  f32 = lambda v: float(str(np.float32(v)))
+  n_head, width, L = int(g("attention.head_count")), int(g("embedding_length")), int(g("block_count"))
+  head_dim = int(g("attention.key_length", 0) or g("rope.dimension_count", width // n_head))
+  kw = dict(vocab_size=int(g("vocab_size", 0)), embed_dim=width, mlp_dim=int(g("feed_forward_length")),
+            num_layers=L, num_heads=n_head, num_kv_heads=int(g("attention.head_count_kv", n_head)),
+            head_dim=head_dim, rope_theta=f32(g("rope.freq_base", 10_000.0)),
+            norm_eps=f32(g("attention.layer_norm_rms_epsilon")), qkv_bias=False, arch=_ARCHS[arch],
+            qk_norm=arch != "llama")
+  scaling = g("rope.scaling.type", "none")
+  if scaling not in ("none", "linear"):
+    raise GGUFError(f"{path}: metadata field '{arch}.rope.scaling.type'={scaling!r}; supported: 'none', 'linear'")
+  if scaling == "linear":
+    kw.update(rope_type="linear", rope_factor=f32(g("rope.scaling.factor")))
+  if arch == "qwen3moe":
+    kw.update(num_experts=int(g("expert_count")), experts_per_token=int(g("expert_used_count")),
+              expert_mlp_dim=int(g("expert_feed_forward_length")),
+              norm_topk_prob=bool(g("expert_weights_norm", True)))  # llama.cpp's qwen3moe always renormalises.
+  if arch == "gemma3":
+    pattern = g("attention.sliding_window_pattern", 6)  # A period, or one flag per layer (True: local).
+    local = ([l for l in range(L) if pattern[l]] if isinstance(pattern, list)
+             else [l for l in range(L) if (l + 1) % int(pattern)])
+    kw.update(local_layers=tuple(local), sliding_window=int(g("attention.sliding_window")), rope_local_theta=10_000.0,
+              query_scale=float(width // n_head if L == 62 else head_dim))
   kw.update(overrides)
   return model_lib.ModelConfig(**kw)
 
 
 def hf_tensors(reader, cfg: model_lib.ModelConfig) -> dict[str, np.ndarray]:
-  """Every tensor, dequantized to fp32 and renamed and un-permuted to the HF layout."""
+  """Every tensor, dequantized to fp32 and renamed, un-permuted and un-shifted to the HF layout."""
   from gguf import quants
+  arch = architecture(metadata(reader))
+  names = {**_LAYER_NAMES, **_ARCH_NAMES[arch]}
   out = {}
   progress = console.Progress(len(reader.tensors), "GGUF tensors", unit="tensor")
   for t in reader.tensors:
     progress.update(1)
     arr = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
     arr = arr.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGML lists dims innermost first.
+    if arch == "gemma3" and t.name.endswith("norm.weight"):
+      arr = arr - 1.0  # llama.cpp stores Gemma's (1 + w).
     if t.name in _GLOBAL_NAMES:
       out[_GLOBAL_NAMES[t.name]] = arr
       continue
     _, layer, rest = t.name.split(".", 2)
-    if rest not in _LAYER_NAMES:
-      raise GGUFError(f"tensor {t.name!r} is not part of a Llama model")
-    if rest == "attn_q.weight":
+    if arch == "qwen3moe" and rest in _EXPERTS:
+      for e in range(arr.shape[0]):
+        out[f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[rest]}.weight"] = arr[e]
+      continue
+    if rest not in names:
+      raise GGUFError(f"tensor {t.name!r} is not part of a {arch!r} model")
+    if arch == "llama" and rest == "attn_q.weight":
       arr = _unpermute(arr, cfg.num_heads)
-    elif rest == "attn_k.weight":
+    elif arch == "llama" and rest == "attn_k.weight":
       arr = _unpermute(arr, cfg.num_kv_heads)
-    out[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = arr
+    out[f"model.layers.{layer}.{names[rest]}"] = arr
   progress.close()
   return out
 
@@ -128,7 +181,7 @@ def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
   reader = _reader(path)
   meta = metadata(reader)
   names = {t.name for t in reader.tensors}
-  if not meta.get("llama.vocab_size"):
+  if not meta.get(f"{architecture(meta, path)}.vocab_size"):
     overrides.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
   cfg = config_from_metadata(meta, path, tie_embeddings="output.weight" not in names, **overrides)
   return cfg, hf.params_from_tensors(cfg, hf_tensors(reader, cfg), {n: path for n in names})
@@ -166,10 +219,15 @@ def tokenizer(path: str):
 
 
 def to_hf_dir(path: str, out_dir: str) -> str:
-  """Writes a standard HF model directory (config, safetensors, tokenizer) from a GGUF file."""
+  """Writes a standard HF model directory (config, safetensors, tokenizer) from a GGUF file; a
+  vocabulary `tokenizer` cannot rebuild (Gemma's SentencePiece) is left out, with a warning."""
   cfg, params = load(path)
-  tok = tokenizer(path)
-  hf.save(out_dir, cfg, params, tokenizer=tok, bos_token_id=tok.bos_token_id)
+  kind = metadata(_reader(path)).get("tokenizer.ggml.model")
+  tok = tokenizer(path) if kind == "gpt2" else None
+  if tok is None:
+    logging.warning("%s: tokenizer.ggml.model is %r, not byte-level BPE; %s is written without a tokenizer "
+                    "(use the model's HF tokenizer)", path, kind, out_dir)
+  hf.save(out_dir, cfg, params, tokenizer=tok, bos_token_id=tok.bos_token_id if tok else None)
   with open(os.path.join(out_dir, "source.json"), "w") as f:
     json.dump({"gguf": os.path.abspath(path)}, f)
   return out_dir

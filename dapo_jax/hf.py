@@ -2,7 +2,8 @@
 
 Reads config.json plus `model.safetensors` (or sharded `*.safetensors` with
 `model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM` (Llama 3.x rope
-scaling included) / `Qwen3ForCausalLM` / `Gemma3ForCausalLM`, and writes the same layout back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it.
+scaling included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM`, and writes the
+same layout back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it.
 The mapping from HF tensor names to our parameter names lives only in this file. LoRA adapters
 travel in PEFT's format (`save_peft`, `load_peft`); `save` of an adapted tree writes the merged model.
 """
@@ -22,12 +23,13 @@ from dapo_jax.safetensors_io import CheckpointError, read_safetensors, write_saf
 from dapo_jax.safetensors_io import read_dir_tensors
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-             "Gemma3ForCausalLM": "gemma3"}
+             "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3"}
 _CLASSES = {v: k for k, v in SUPPORTED.items()}
 # Scalar-head models (reward / value models): the trunk and `score.weight` [num_labels=1, D].
 SCALAR_CLASSES = {"Qwen2ForSequenceClassification": "qwen2", "LlamaForSequenceClassification": "llama",
                   "Qwen3ForSequenceClassification": "qwen3"}
-_MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_MODEL_TYPES = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3": "gemma3_text"}
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3")  # Families with per-head q/k RMSNorm.
 _ACTIVATIONS = {"gemma3": ("hidden_activation", "gelu_pytorch_tanh")}  # Others: hidden_act = silu.
 # --- config.json <-> ModelConfig ---------------------------------------------------------------
 
@@ -62,7 +64,9 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> model_
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       qkv_bias=arch == "qwen2",
       tie_embeddings=bool(hf.get("tie_word_embeddings", arch == "gemma3")),
-      arch=arch, qk_norm=arch in ("qwen3", "gemma3"), **rope)
+      arch=arch, qk_norm=arch in _QK_NORM, **rope)
+  if arch == "qwen3_moe":
+    kw.update(_moe_fields(hf, source, kw["num_layers"]))
   if arch == "gemma3":
     L = kw["num_layers"]
     types = hf.get("layer_types") or [
@@ -80,6 +84,35 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> model_
               rope_local_theta=float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))))
   kw.update(overrides)
   return model_lib.ModelConfig(**kw)
+
+
+def _moe_fields(hf: dict, source: str, L: int) -> dict:
+  """The ModelConfig fields of a Qwen3-MoE config.json, each HF field checked and named."""
+  E = hf.get("num_experts", hf.get("num_local_experts"))
+  if not isinstance(E, int) or E < 1:
+    raise CheckpointError(f"{source}: field 'num_experts'={E!r}; expected a positive integer")
+  checks = {"num_experts_per_tok": lambda v: isinstance(v, int) and 1 <= v <= E,
+            "moe_intermediate_size": lambda v: isinstance(v, int) and v >= 1,
+            "decoder_sparse_step": lambda v: isinstance(v, int) and v >= 1}
+  wanted = {"num_experts_per_tok": f"an integer in 1..num_experts={E}",
+            "moe_intermediate_size": "a positive integer", "decoder_sparse_step": "a positive integer"}
+  for key, ok in checks.items():
+    if key != "decoder_sparse_step" and key not in hf:
+      raise CheckpointError(f"{source}: missing field {key!r}")
+    if not ok(hf.get(key, 1)):
+      raise CheckpointError(f"{source}: field {key!r}={hf[key]!r}; expected {wanted[key]}")
+  only = hf.get("mlp_only_layers") or []
+  if not isinstance(only, list) or any(not isinstance(l, int) or not 0 <= l < L for l in only):
+    raise CheckpointError(f"{source}: field 'mlp_only_layers'={only!r}; expected layer indices in 0..{L - 1}")
+  for key in ("shared_expert_intermediate_size", "n_shared_experts"):  # Qwen2-MoE / DeepSeek shared experts.
+    if hf.get(key):
+      raise CheckpointError(f"{source}: field {key!r}={hf[key]!r}: shared experts are not supported")
+  step = hf.get("decoder_sparse_step", 1)
+  return dict(num_experts=E, experts_per_token=hf["num_experts_per_tok"], expert_mlp_dim=hf["moe_intermediate_size"],
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+              dense_layers=tuple(l for l in range(L) if l in only or (l + 1) % step),
+              # transformers adds the loss only when output_router_logits is set.
+              router_aux_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0)
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -158,16 +191,22 @@ def config_to_hf(cfg: model_lib.ModelConfig, eos_token_id=None, bos_token_id=Non
   if cfg.arch != "gemma3" and (cfg.local_layers or cfg.attn_softcap or cfg.final_softcap or cfg.query_scale):
     raise CheckpointError(f"model.local_layers / attn_softcap / final_softcap / query_scale are Gemma 3 "
                           f"features; model.arch={cfg.arch!r} cannot be written with them")
-  if cfg.qk_norm != (cfg.arch in ("qwen3", "gemma3")):
+  if cfg.qk_norm != (cfg.arch in _QK_NORM):
     raise CheckpointError(f"model.qk_norm={cfg.qk_norm} cannot be written as model.arch={cfg.arch!r} "
-                          "(q/k norms: qwen3 and gemma3 have them, qwen2 and llama do not)")
-  if cfg.arch in ("qwen3", "gemma3"):
+                          "(q/k norms: qwen3, qwen3_moe and gemma3 have them, qwen2 and llama do not)")
+  if cfg.arch in _QK_NORM:
     if cfg.qkv_bias:
       raise CheckpointError(f"model.qkv_bias=True cannot be written as model.arch={cfg.arch!r}")
     out = dict(architectures=[_CLASSES[cfg.arch]], model_type=_MODEL_TYPES[cfg.arch], attention_bias=False,
                **common)
     if cfg.arch == "qwen3":
       out.update(use_sliding_window=False, sliding_window=None)
+      return out
+    if cfg.arch == "qwen3_moe":
+      out.update(use_sliding_window=False, sliding_window=None, num_experts=cfg.num_experts,
+                 num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_mlp_dim,
+                 norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers),
+                 output_router_logits=cfg.router_aux_coef > 0, router_aux_loss_coef=cfg.router_aux_coef or 0.001)
       return out
     del out["hidden_act"]
     L = cfg.num_layers
@@ -192,8 +231,9 @@ def config_to_hf(cfg: model_lib.ModelConfig, eos_token_id=None, bos_token_id=Non
 
 # --- tensors <-> params ------------------------------------------------------------------------
 
-def _layer_names(cfg: model_lib.ModelConfig) -> Iterator[tuple[str, str, Any]]:
-  """(HF name suffix, our name, HF -> ours reshape) for one layer."""
+def _layer_names(cfg: model_lib.ModelConfig, moe: bool = False) -> Iterator[tuple[str, str, Any]]:
+  """(HF name suffix, our name, HF -> ours reshape) for one layer (`moe`: an expert layer, whose
+  experts `_expert_names` lists)."""
   D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
   yield "input_layernorm.weight", "attn_norm/scale_D", (D,)
   if cfg.gemma:
@@ -206,9 +246,12 @@ def _layer_names(cfg: model_lib.ModelConfig) -> Iterator[tuple[str, str, Any]]:
   yield "self_attn.k_proj.weight", "wk_DKH", (K, H, D)
   yield "self_attn.v_proj.weight", "wv_DKH", (K, H, D)
   yield "self_attn.o_proj.weight", "wo_NHD", (D, N, H)
-  yield "mlp.gate_proj.weight", "w_gate_DF", (F, D)
-  yield "mlp.up_proj.weight", "w_up_DF", (F, D)
-  yield "mlp.down_proj.weight", "w_down_FD", (D, F)
+  if moe:
+    yield "mlp.gate.weight", "router_DE", (cfg.num_experts, D)
+  else:
+    yield "mlp.gate_proj.weight", "w_gate_DF", (F, D)
+    yield "mlp.up_proj.weight", "w_up_DF", (F, D)
+    yield "mlp.down_proj.weight", "w_down_FD", (D, F)
   if cfg.qkv_bias:
     yield "self_attn.q_proj.bias", "bq_NH", (N, H)
     yield "self_attn.k_proj.bias", "bk_KH", (K, H)
@@ -221,11 +264,17 @@ def _layer_names(cfg: model_lib.ModelConfig) -> Iterator[tuple[str, str, Any]]:
     yield "post_feedforward_layernorm.weight", "post_mlp_norm/scale_D", (D,)
 
 
+# An expert layer's experts: HF stores expert e's projections as mlp.experts.{e}.{proj}.weight
+# ([out, in], as the dense MLP's); transformers 5 fuses them in memory but writes these names.
+_EXPERT_NAMES = {"gate_proj": "w_gate_EDF", "up_proj": "w_up_EDF", "down_proj": "w_down_EFD"}
+_TRANSPOSED = ("w_gate_DF", "w_up_DF", "w_down_FD", "router_DE")  # HF [out, in] = ours transposed.
+
+
 def _to_ours(name: str, hf_arr: np.ndarray, hf_shape) -> np.ndarray:
   arr = hf_arr.reshape(hf_shape)
   if name in ("wq_DNH", "wk_DKH", "wv_DKH"):
     return arr.transpose(2, 0, 1)             # [N, H, D] -> [D, N, H]
-  if name in ("w_gate_DF", "w_up_DF", "w_down_FD"):
+  if name in _TRANSPOSED:
     return arr.T
   if name == "wo_NHD":
     return arr.transpose(1, 2, 0)             # [D, N, H] -> [N, H, D]
@@ -235,7 +284,7 @@ def _to_ours(name: str, hf_arr: np.ndarray, hf_shape) -> np.ndarray:
 def _to_hf(name: str, arr: np.ndarray) -> np.ndarray:
   if name in ("wq_DNH", "wk_DKH", "wv_DKH"):
     return arr.reshape(arr.shape[0], -1).T
-  if name in ("w_gate_DF", "w_up_DF", "w_down_FD"):
+  if name in _TRANSPOSED:
     return arr.T
   if name == "wo_NHD":
     return arr.reshape(-1, arr.shape[-1]).T
@@ -272,19 +321,22 @@ def params_from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarra
     used.add(name)
     return np.asarray(arr, dtype=np.float32)
 
-  D, V, L = cfg.embed_dim, cfg.vocab_size, cfg.num_layers
+  D, V = cfg.embed_dim, cfg.vocab_size
   params: dict = {}
   params["embed_VD"] = take("model.embed_tokens.weight", (V, D)).astype(dtype)
   params["final_norm"] = {"scale_D": take("model.norm.weight", (D,)).astype(dtype)}
   if not cfg.tie_embeddings:
     params["unembed_DV"] = take("lm_head.weight", (V, D)).T.astype(dtype)
-  layers: dict = {}
-  for suffix, ours, hf_shape in _layer_names(cfg):
-    full_shape = _hf_shape(cfg, suffix, hf_shape)
-    stacked = np.stack([_to_ours(ours.rsplit("/", 1)[-1], take(f"model.layers.{i}.{suffix}", full_shape),
-                                 hf_shape) for i in range(L)])
-    _set(layers, ours, stacked.astype(dtype))
-  params["layers"] = layers
+  for r, (start, stop, moe) in enumerate(cfg.layer_runs):  # One stack per run of alike layers.
+    layers: dict = {}
+    for suffix, ours, hf_shape in _layer_names(cfg, moe):
+      full_shape = _hf_shape(cfg, suffix, hf_shape)
+      stacked = np.stack([_to_ours(ours.rsplit("/", 1)[-1], take(f"model.layers.{i}.{suffix}", full_shape),
+                                   hf_shape) for i in range(start, stop)])
+      _set(layers, ours, stacked.astype(dtype))
+    if moe:
+      layers.update({k: v.astype(dtype) for k, v in _experts_from_tensors(cfg, tensors, take, start, stop).items()})
+    params[model_lib.run_name(r)] = layers
   ignored = {n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")}
   if cfg.tie_embeddings:
     ignored.discard("lm_head.weight")  # Some tied checkpoints still store the copy.
@@ -292,6 +344,25 @@ def params_from_tensors(cfg: model_lib.ModelConfig, tensors: dict[str, np.ndarra
     raise CheckpointError(f"unexpected tensors {sorted(ignored)[:5]} (files: {sorted(set(origin.values()))}); "
                           "the architecture in config.json does not match the weights")
   return params
+
+
+def _experts_from_tensors(cfg: model_lib.ModelConfig, tensors: dict, take, start: int, stop: int) -> dict:
+  """The stacked experts [L, E, ...] of layers start..stop-1, from per-expert tensors or from the
+  fused `mlp.experts.gate_up_proj` [E, 2F, D] / `mlp.experts.down_proj` [E, D, F] of transformers 5."""
+  E, D, F = cfg.num_experts, cfg.embed_dim, cfg.expert_mlp_dim
+  out: dict = {name: [] for name in _EXPERT_NAMES.values()}
+  for i in range(start, stop):
+    fused = f"model.layers.{i}.mlp.experts.gate_up_proj"
+    if fused in tensors:
+      gate_up = take(fused, (E, 2 * F, D))
+      out["w_gate_EDF"].append(gate_up[:, :F].transpose(0, 2, 1))
+      out["w_up_EDF"].append(gate_up[:, F:].transpose(0, 2, 1))
+      out["w_down_EFD"].append(take(f"model.layers.{i}.mlp.experts.down_proj", (E, D, F)).transpose(0, 2, 1))
+      continue
+    for proj, ours in _EXPERT_NAMES.items():
+      shape = (D, F) if proj == "down_proj" else (F, D)
+      out[ours].append(np.stack([take(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", shape).T for e in range(E)]))
+  return {k: np.stack(v) for k, v in out.items()}
 
 
 def _hf_shape(cfg: model_lib.ModelConfig, suffix: str, default=None) -> tuple[int, ...]:
@@ -309,10 +380,18 @@ def params_to_tensors(cfg: model_lib.ModelConfig, params: dict, dtype=np.float32
   out = {"model.embed_tokens.weight": get("embed_VD"), "model.norm.weight": get("final_norm/scale_D")}
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = get("unembed_DV").T
-  for suffix, ours, _ in _layer_names(cfg):
-    stacked = get(f"layers/{ours}")
-    for i in range(cfg.num_layers):
-      out[f"model.layers.{i}.{suffix}"] = _to_hf(ours.rsplit("/", 1)[-1], stacked[i])
+  for r, (start, stop, moe) in enumerate(cfg.layer_runs):
+    run = model_lib.run_name(r)
+    for suffix, ours, _ in _layer_names(cfg, moe):
+      stacked = get(f"{run}/{ours}")
+      for i in range(start, stop):
+        out[f"model.layers.{i}.{suffix}"] = _to_hf(ours.rsplit("/", 1)[-1], stacked[i - start])
+    if moe:
+      for proj, ours in _EXPERT_NAMES.items():
+        stacked = get(f"{run}/{ours}")
+        for i in range(start, stop):
+          for e in range(cfg.num_experts):
+            out[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = stacked[i - start, e].T
   return {k: np.ascontiguousarray(v).astype(dtype) for k, v in out.items()}
 
 

@@ -2,8 +2,9 @@
 
 Weight matmuls in a narrower operand dtype with fp32 accumulation (`matmul`, its own VJP), RMSNorm,
 rotary embeddings and their frequency scalings, the attention core (masked fp32 softmax, sliding
-windows, soft-capping), and one transformer `layer` that teacher forcing, prefill and decode share:
-`model` supplies the weights (stacked training ones or fused decode ones) and the attention layout.
+windows, soft-capping), the mixture-of-experts MLP (router, dropless grouped-matmul dispatch, expert
+parallelism), and one transformer `layer` that teacher forcing, prefill and decode share: `model`
+supplies the weights (stacked training ones or fused decode ones) and the attention layout.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
+from dapo_jax import sharding
 from dapo_jax.model_config import ModelConfig
 
 
@@ -252,11 +255,11 @@ def project_qkv(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, 
   """Queries [X, K, R, H], keys and values [X, K, H] (before rotary embedding)."""
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   R = N // K
-  if "wqkv_DKEH" in p:  # Decode weights: one matmul (E = R + 2: the R queries of KV head k, its key, its value).
-    qkv_XKEH = matmul("XD,DKEH->XKEH", h_XD, p["wqkv_DKEH"], cfg)
-    if p["bqkv_KEH"] is not None:
-      qkv_XKEH += p["bqkv_KEH"][None]
-    return _qk_norm(cfg, p, qkv_XKEH[:, :, :R], qkv_XKEH[:, :, R]) + (qkv_XKEH[:, :, R + 1],)
+  if "wqkv_DKJH" in p:  # Decode weights: one matmul (J = R + 2: the R queries of KV head k, its key, its value).
+    qkv_XKJH = matmul("XD,DKJH->XKJH", h_XD, p["wqkv_DKJH"], cfg)
+    if p["bqkv_KJH"] is not None:
+      qkv_XKJH += p["bqkv_KJH"][None]
+    return _qk_norm(cfg, p, qkv_XKJH[:, :, :R], qkv_XKJH[:, :, R]) + (qkv_XKJH[:, :, R + 1],)
   q_XNH = dense("XD,DNH->XNH", h_XD, p, "wq_DNH", cfg)
   k_XKH = dense("XD,DKH->XKH", h_XD, p, "wk_DKH", cfg)
   v_XKH = dense("XD,DKH->XKH", h_XD, p, "wv_DKH", cfg)
@@ -287,12 +290,138 @@ def mlp(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> jax.Array:
   return dense("XF,FD->XD", act(gate_XF) * up_XF, p, "w_down_FD", cfg)
 
 
-def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple[jax.Array, Any]:
+# --- Mixture of experts ------------------------------------------------------------------------------
+# E experts; each of the X tokens goes to k of them: A = X*k (token, expert) assignments. The
+# lower-case k (the router's top-k) is the one letter outside the shape alphabet's capitals.
+
+def route(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The router: (probabilities [X, E] fp32, the k most probable experts [X, k], their gates [X, k]).
+
+  Softmax over all E experts in fp32, then top-k; with `norm_topk_prob` the k gates are
+  renormalised to sum to 1 (else they are the raw probabilities, as Qwen3-30B-A3B's config says).
+  """
+  logits_XE = matmul("XD,DE->XE", h_XD, p["router_DE"], cfg, jnp.float32)
+  probs_XE = jax.nn.softmax(logits_XE, axis=-1)
+  gate_Xk, expert_Xk = jax.lax.top_k(probs_XE, cfg.experts_per_token)
+  if cfg.norm_topk_prob:
+    gate_Xk = gate_Xk / jnp.sum(gate_Xk, axis=-1, keepdims=True)
+  return probs_XE, expert_Xk, gate_Xk
+
+
+def _grouped(x_AI: jax.Array, w_EIO: jax.Array, sizes_E: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Row groups times their expert's matrix: the first sizes_E[0] rows by w[0], the next sizes_E[1]
+  by w[1], ... (rows past the groups give 0). Operands in the matmul dtype, fp32 accumulation."""
+  op = cfg.operand_dtype
+  y = jax.lax.ragged_dot(x_AI.astype(op), w_EIO.astype(op), sizes_E, preferred_element_type=jnp.float32)
+  return y.astype(cfg.dtype)
+
+
+def expert_mlp(cfg: ModelConfig, p: dict, x_XD: jax.Array, expert_Xk: jax.Array, gate_Xk: jax.Array) -> jax.Array:
+  """sum_j gate[x, j] * SwiGLU_e(x) with e = expert[x, j]: every assignment is computed (dropless,
+  no capacity), exactly.
+
+  The X*k assignments are sorted by expert, so each expert's rows are contiguous; one grouped
+  matmul per weight (`ragged_dot`, group e = the rows of expert e) runs all experts; the rows are
+  unsorted and each token's k outputs summed with its gates. Expert ids outside 0..E-1 (E = the
+  experts in `p`: another shard's) sort last, fall in no group and contribute nothing.
+  """
+  X, k = expert_Xk.shape
+  E = p["w_gate_EDF"].shape[0]
+  expert_A = expert_Xk.reshape(-1)
+  order_A = jnp.argsort(expert_A, stable=True)
+  sizes_E = jax.ops.segment_sum(jnp.ones_like(expert_A), expert_A, num_segments=E)  # Drops ids >= E.
+  x_AD = jnp.take(x_XD, order_A // k, axis=0)
+  gate_AF = _grouped(x_AD, p["w_gate_EDF"], sizes_E, cfg)
+  up_AF = _grouped(x_AD, p["w_up_EDF"], sizes_E, cfg)
+  y_AD = _grouped(nn.silu(gate_AF) * up_AF, p["w_down_EFD"], sizes_E, cfg)
+  y_XkD = jnp.take(y_AD, jnp.argsort(order_A), axis=0).reshape(X, k, -1)
+  gate_Xk = jnp.where(expert_Xk < E, gate_Xk, 0).astype(y_XkD.dtype)
+  return jnp.einsum("XkD,Xk->XD", y_XkD, gate_Xk)
+
+
+EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+
+
+def experts(cfg: ModelConfig, p: dict, x_XD: jax.Array, expert_Xk: jax.Array, gate_Xk: jax.Array) -> jax.Array:
+  """`expert_mlp` on the mesh, whose `expert` axis holds E/n experts per device, in blocks of
+  `expert_chunk` tokens per device.
+
+  Expert parallelism as a sharded MLP: the n devices of an expert group gather their tokens (and
+  routes), each runs its own experts on the assignments routed to them, and a reduce-scatter sums
+  the partial outputs and returns each device its own tokens. Every assignment is computed once,
+  on the device holding its expert; there is no capacity, hence nothing is dropped. Being
+  dropless, a device's dispatch buffers hold every assignment of the group's tokens (one expert may
+  receive them all): n * chunk * k rows, which the chunk bounds. The layer is written per device
+  (`shard_map`): FSDP shards of the experts are gathered, tensor parallelism splits each expert's F
+  and sums the partial outputs.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  w = {name: p[name] for name in EXPERT_WEIGHTS}
+  if mesh.empty or mesh.size == 1:
+    return _blocks(cfg, x_XD, expert_Xk, gate_Xk, w, n=1)
+  batch = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
+  X, shards = x_XD.shape[0], math.prod(mesh.shape[a] for a in batch)
+  x_XD, expert_Xk, gate_Xk = (_pad_rows(a, -X % shards) for a in (x_XD, expert_Xk, gate_Xk))
+  n = mesh.shape.get("expert", 1)
+  has = lambda a: a if a in mesh.axis_names else None
+
+  def shard(x_XD, expert_Xk, gate_Xk, w):
+    if has("fsdp"):
+      w = {k: jax.lax.all_gather(v, "fsdp", axis=2 if k == "w_down_EFD" else 1, tiled=True) for k, v in w.items()}
+    y_XD = _blocks(cfg, x_XD, expert_Xk, gate_Xk, w, n)
+    return jax.lax.psum(y_XD, "tensor") if has("tensor") else y_XD
+
+  rows = P(batch)
+  w_specs = {"w_gate_EDF": P(has("expert"), has("fsdp"), has("tensor")),
+             "w_up_EDF": P(has("expert"), has("fsdp"), has("tensor")),
+             "w_down_EFD": P(has("expert"), has("tensor"), has("fsdp"))}
+  y_XD = jax.shard_map(shard, in_specs=(rows, rows, rows, w_specs), out_specs=rows,
+                       axis_names=set(mesh.axis_names))(x_XD, expert_Xk, gate_Xk, w)
+  return y_XD[:X]
+
+
+def _blocks(cfg: ModelConfig, x_XD, expert_Xk, gate_Xk, w: dict, n: int) -> jax.Array:
+  """One device's tokens through the experts, in blocks of `expert_chunk` tokens, each block's
+  buffers rematerialised in the backward pass (one block's live at a time). With n > 1 the
+  device's experts are the `expert` axis index's E/n, and its tokens those of its expert group."""
+  def block(x_XD, expert_Xk, gate_Xk):
+    if n == 1:
+      return expert_mlp(cfg, w, x_XD, expert_Xk, gate_Xk)
+    x_XD, expert_Xk, gate_Xk = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x_XD, expert_Xk, gate_Xk))
+    E = w["w_gate_EDF"].shape[0]
+    local_Xk = expert_Xk - jax.lax.axis_index("expert") * E
+    local_Xk = jnp.where((local_Xk >= 0) & (local_Xk < E), local_Xk, E)
+    y_XD = expert_mlp(cfg, w, x_XD, local_Xk, gate_Xk)
+    return jax.lax.psum_scatter(y_XD, "expert", scatter_dimension=0, tiled=True)
+
+  c, X = cfg.expert_chunk, x_XD.shape[0]
+  if not c or X <= c:
+    return block(x_XD, expert_Xk, gate_Xk)
+  args = tuple(_pad_rows(a, -X % c).reshape(-1, c, *a.shape[1:]) for a in (x_XD, expert_Xk, gate_Xk))
+  y_nXD = jax.lax.map(jax.checkpoint(lambda a: block(*a)), args)
+  return y_nXD.reshape(-1, y_nXD.shape[-1])[:X]
+
+
+def _pad_rows(a: jax.Array, pad: int) -> jax.Array:
+  return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) if pad else a
+
+
+def feed_forward(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, Any]:
+  """The layer's MLP, or its experts when it has a router: (output, routing) where routing is
+  (probs_XE, expert_Xk) of an expert layer (the load statistics read it) and None otherwise."""
+  if "router_DE" not in p:
+    return mlp(cfg, p, h_XD), None
+  probs_XE, expert_Xk, gate_Xk = route(cfg, p, h_XD)
+  return experts(cfg, p, h_XD, expert_Xk, gate_Xk), (probs_XE, expert_Xk)
+
+
+def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple[jax.Array, Any, Any]:
   """Pre-norm block on flattened tokens: x + attn(norm(x)), then x + mlp(norm(x)); Gemma also
-  normalises each branch's output (post-norms) before adding it.
+  normalises each branch's output (post-norms) before adding it. Returns (x, aux, routing).
 
   `attend(q_XKRH, k_XKH, v_XKH) -> (o_XNH, aux)` applies rotary embeddings and attention as the
-  caller lays its tokens out; `aux` (e.g. the keys and values written to a cache) is returned.
+  caller lays its tokens out; `aux` (e.g. the keys and values written to a cache) is returned, and
+  so is the routing of an expert layer (`feed_forward`).
   """
   h_XD = norm(cfg, x_XD, p["attn_norm"]["scale_D"])
   o_XNH, aux = attend(*project_qkv(cfg, p, h_XD))
@@ -300,7 +429,7 @@ def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple
   if cfg.gemma:
     a_XD = norm(cfg, a_XD, p["post_attn_norm"]["scale_D"])
   x_XD = x_XD + a_XD
-  m_XD = mlp(cfg, p, norm(cfg, x_XD, p["mlp_norm"]["scale_D"]))
+  m_XD, routing = feed_forward(cfg, p, norm(cfg, x_XD, p["mlp_norm"]["scale_D"]))
   if cfg.gemma:
     m_XD = norm(cfg, m_XD, p["post_mlp_norm"]["scale_D"])
-  return x_XD + m_XD, aux
+  return x_XD + m_XD, aux, routing

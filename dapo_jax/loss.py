@@ -219,3 +219,19 @@ def pairwise_rm_loss(chosen_r_B, rejected_r_B, margin_B=None):
   raw_B = jax.lax.stop_gradient(jnp.asarray(chosen_r_B, jnp.float32) - jnp.asarray(rejected_r_B, jnp.float32))
   loss = jnp.mean(-jax.nn.log_sigmoid(diff_B))
   return loss, {"rm_loss": loss, "accuracy": jnp.mean((raw_B > 0).astype(jnp.float32)), "margin": jnp.mean(raw_B)}
+
+
+def router_aux_loss(routing: dict) -> tuple[jax.Array, dict]:
+  """The load-balancing loss of a mixture of experts (Switch Transformer, eqs. 4-6), as transformers'
+  `load_balancing_loss_func` computes it: E * sum_e f_e P_e, where f_e counts the assignments to
+  expert e per token (they sum to k) and P_e is expert e's mean router probability, both over every
+  expert layer's real tokens. `routing` is `model.routing`'s. Also returns router metrics: the
+  load of each (layer, expert), its share of the layer's assignments times E (1 = balanced),
+  at its largest and smallest."""
+  counts_LE, probs_LE = routing["counts_LE"], routing["probs_LE"]
+  E = counts_LE.shape[-1]
+  n = jnp.maximum(jnp.sum(routing["tokens_L"]), 1.0)
+  aux = E * jnp.sum(jnp.sum(counts_LE, 0) / n * (jnp.sum(probs_LE, 0) / n))
+  load_LE = E * counts_LE / jnp.maximum(jnp.sum(counts_LE, -1, keepdims=True), 1.0)
+  return aux, {"router/aux_loss": jax.lax.stop_gradient(aux), "router/load_max": jnp.max(load_LE),
+               "router/load_min": jnp.min(load_LE)}

@@ -1,6 +1,10 @@
 """Per-device memory plan of a config: parameters, optimizer state, gradients, activations
 (with and without rematerialisation), and the sampler's KV cache, for the config's mesh.
 
+A mixture of experts holds E / mesh.expert experts per device; its router's probabilities are kept
+for the backward pass, and each expert layer's dispatch buffers (every assignment of the expert
+group's tokens of one `expert_chunk` block: dropless, so sized for the worst case) live while it runs.
+
 With LoRA the parameters are the frozen base (its layer matrices in int8 with fp32 scales when
 `base_quant` is "int8") plus the fp32 adapters; gradients and AdamW state exist for the adapters
 alone, and the sampler holds a merged float copy of the layer matrices per call."""
@@ -12,6 +16,7 @@ import jax.numpy as jnp
 
 from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
+from dapo_jax import sharding
 
 ACCELERATORS_GB = {"H100-80GB": 80, "H200-141GB": 141, "TPU-v5p-95GB": 95, "TPU-v5e-16GB": 16}
 GB = 1e9
@@ -30,6 +35,8 @@ class Plan:
   remat: str
   adapters: float = 0.0          # LoRA adapter bytes (included in `params`)
   decode_weights: float = 0.0    # LoRA: the sampler's merged float layer matrices, per call
+  experts_per_device: int = 0    # MoE: experts each device holds (per expert layer)
+  dispatch: float = 0.0          # MoE: one expert layer's dispatch buffers (included in the activations)
 
   @property
   def train_total(self) -> float:
@@ -53,12 +60,13 @@ class Plan:
 def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, num_microbatches: int,
          prompt_len: int, completion_len: int, gen_rows: int, lora: lora_lib.LoraConfig | None = None) -> Plan:
   """Bytes per device. Rows are sequences; one update sees rows_per_update rows in micro-batches."""
-  devices = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["tensor"]
-  model_shards = mesh_shape["fsdp"] * mesh_shape["tensor"]     # Parameters: FSDP x tensor.
-  batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]       # Rows: data x FSDP.
+  e = mesh_shape.get("expert", 1)
+  devices = mesh_shape["data"] * mesh_shape["fsdp"] * e * mesh_shape["tensor"]
+  model_shards = mesh_shape["fsdp"] * mesh_shape["tensor"]     # Parameters: FSDP x tensor (experts: x expert).
+  batch_shards = sharding.batch_shards(mesh_shape)             # Rows: data x FSDP x expert.
   p_bytes = jnp.dtype(mc.param_dtype).itemsize
   c_bytes = jnp.dtype(mc.dtype).itemsize
-  n = mc.num_params
+  n = (mc.num_params - mc.num_expert_params) + mc.num_expert_params / e  # Per model shard.
   params = n * p_bytes / model_shards
   optimizer = 2 * n * 4 / model_shards                          # AdamW mu and nu, fp32.
   gradients = n * 4 / model_shards
@@ -85,18 +93,32 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
   # Saved for the backward pass per token and layer (compute dtype), split by tensor parallelism
   # where the tensor is: norms and residuals (D), q/k/v/o (N·H + 2K·H + N·H), MLP (3F).
   per_token_layer = c_bytes * (4 * D + (2 * N * H + 2 * K * H + 3 * F) / t)
+  dots_token_layer = c_bytes * (D + ((N + 2 * K) * H + 2 * F) / t)  # remat="dots": q/k/v, gate/up
+  L_moe = L - (sum(not mc.is_moe_layer(l) for l in range(L)) if mc.moe else L)
+  dispatch = moe_token_layer = 0.0
+  if mc.moe:
+    # An expert layer keeps its router's fp32 probabilities and its block inputs; a block's
+    # dispatch buffers (gathered rows x_AD, y_AD; gate, up, h [A, F/t]) are rematerialised.
+    Fe, k = mc.expert_mlp_dim, mc.experts_per_token
+    block = min(mc.expert_chunk or tokens, tokens)
+    dispatch = 2 * e * block * k * c_bytes * (2 * D + 3 * Fe / t)  # Forward and backward copies.
+    moe_token_layer = c_bytes * (4 * D + (2 * N * H + 2 * K * H) / t) + 4 * mc.num_experts
+    if not mc.expert_chunk:  # One block: its buffers are saved for the backward pass.
+      moe_token_layer += e * k * c_bytes * (2 * D + 3 * Fe / t)
+  layer_tokens = (L - L_moe) * per_token_layer + L_moe * moe_token_layer  # Summed over the layers.
+  widest = max(per_token_layer if L > L_moe else 0, moe_token_layer)     # The layer being recomputed.
   q_block = mc.attn_chunk if mc.attn_chunk and T > mc.attn_chunk else T
   scores = 2 * 4 * rows * (N / t) * q_block * T                # fp32 scores + probs of one query block
   logits = 2 * 4 * rows * completion_len * V / t                 # fp32 logits and their gradient.
-  act_full = L * (tokens * per_token_layer + (scores if q_block == T else 0)) + logits
-  act_remat = L * tokens * D * c_bytes + tokens * per_token_layer + scores + logits
-  # "dots" keeps q/k/v and gate/up (attention scores are batched matmuls: recomputed).
-  dots_token_layer = c_bytes * (D + ((N + 2 * K) * H + 2 * F) / t)
-  act_dots = L * tokens * dots_token_layer + tokens * per_token_layer + scores + logits
+  act_full = tokens * layer_tokens + L * (scores if q_block == T else 0) + logits + dispatch
+  act_remat = L * tokens * D * c_bytes + tokens * widest + scores + logits + dispatch
+  # "dots" keeps q/k/v and gate/up (attention scores are batched matmuls: recomputed); experts as "full".
+  dots_layers = (L - L_moe) * dots_token_layer + L_moe * c_bytes * (D + (N + 2 * K) * H / t)
+  act_dots = tokens * dots_layers + tokens * widest + scores + logits + dispatch
   kv_rows = gen_rows / batch_shards
   kv = 2 * L * kv_rows * T * (K / min(K, t)) * H * c_bytes if K >= t else 2 * L * kv_rows * T * H * c_bytes
   return Plan(params, optimizer, gradients, act_full, act_remat, act_dots, kv, devices, mc.remat, adapters,
-              decode_weights)
+              decode_weights, mc.num_experts // e if mc.moe else 0, dispatch)
 
 
 def report(p: Plan, name: str = "") -> str:
@@ -108,6 +130,9 @@ def report(p: Plan, name: str = "") -> str:
   if p.adapters:
     rows[1:1] = [("  of which LoRA adapters", p.adapters)]
     rows.insert(-1, ("merged decode weights (LoRA)", p.decode_weights))
+  if p.experts_per_device:
+    lines.append(f"  {'experts per device':28s} {p.experts_per_device:10d}    (per expert layer)")
+    rows.insert(6, ("  of which expert dispatch", p.dispatch))
   lines += [f"  {k:28s} {v / GB:10.2f} GB" for k, v in rows]
   lines += [f"  fits {acc:14s} {'yes' if p.fits(gb) else 'NO'}" for acc, gb in ACCELERATORS_GB.items()]
   return "\n".join(lines)

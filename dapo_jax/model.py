@@ -1,12 +1,15 @@
-"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Gemma 3 families (flax.linen).
+"""Decoder-only transformer of the Llama / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 families (flax.linen).
 
 RMSNorm, rotary embeddings (with Llama 3 / linear / YaRN scaling), grouped-query attention
 (N query heads share K KV heads, N = K*R), SwiGLU MLP, optional QKV bias (Qwen2), tied or untied
 embeddings. Qwen3 adds per-head q/k RMSNorm; Gemma 3 adds (1 + w) norms, post-norms around
 attention and MLP, GeGLU, a scaled embedding, sliding-window (local) layers with their own RoPE
-base, and logit soft-capping. One layer function serves every family. Layers are stacked with
-`nn.scan`, so compile time does not grow with depth and every layer parameter has a leading
-L axis. Parameters carry logical axis names derived from their shape-suffixed names.
+base, and logit soft-capping; Qwen3-MoE replaces the MLP of its expert layers by a router and E
+stacked experts. One layer function serves every family. Layers are stacked with `nn.scan`, so
+compile time does not grow with depth and every layer parameter has a leading L axis: one stack
+per run of alike layers (`ModelConfig.layer_runs`; an MoE model that mixes dense-MLP and expert
+layers has several, named by `run_name`, every other model one, "layers"). Parameters carry
+logical axis names derived from their shape-suffixed names.
 Parameters live in `param_dtype`, activations in `dtype`; the weight matmuls read their operands in
 `matmul_dtype` and accumulate in fp32; logits and softmax are fp32.
 """
@@ -62,16 +65,19 @@ class Block(nn.Module):
   prompt forward). Dense layers run on every token of every segment at once; only attention sees
   the segments. With `emit_kv` (rows), also returns this call's keys and values ([B, K, T, H] each).
   `local` (scanned over layers, a traced bool) selects the sliding window and the local RoPE table.
+  With `moe`, the MLP is a router and E experts; the layer then sows its routing statistics
+  (`router_stats`) into the "router" collection.
   """
   cfg: ModelConfig
   layout: str = "rows"
   emit_kv: bool = False
+  moe: bool = False
 
   @nn.compact
   def __call__(self, segments: tuple, shared: tuple, local: jax.Array):
     cfg = self.cfg
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    tables, local_tables, masks, lora_scale = shared
+    tables, local_tables, masks, lora_scale, real = shared
     window = None
     if cfg.local_layers:  # Local layers: the window and their own rotary table.
       window = jnp.where(local, cfg.sliding_window, jnp.iinfo(jnp.int32).max)
@@ -94,9 +100,16 @@ class Block(nn.Module):
     if cfg.gemma:
       p["post_attn_norm"] = {"scale_D": _scale_param(self, "post_attn_norm")}
       p["post_mlp_norm"] = {"scale_D": _scale_param(self, "post_mlp_norm")}
-    p["w_gate_DF"] = _matrix(self, "w_gate_DF", (D, F), cfg)
-    p["w_up_DF"] = _matrix(self, "w_up_DF", (D, F), cfg)
-    p["w_down_FD"] = _matrix(self, "w_down_FD", (F, D), cfg)
+    if self.moe:
+      E, Fe = cfg.num_experts, cfg.expert_mlp_dim
+      p["router_DE"] = _param(self, "router_DE", (D, E), _normal, cfg)
+      p["w_gate_EDF"] = _param(self, "w_gate_EDF", (E, D, Fe), _normal, cfg)
+      p["w_up_EDF"] = _param(self, "w_up_EDF", (E, D, Fe), _normal, cfg)
+      p["w_down_EFD"] = _param(self, "w_down_EFD", (E, Fe, D), _normal, cfg)
+    else:
+      p["w_gate_DF"] = _matrix(self, "w_gate_DF", (D, F), cfg)
+      p["w_up_DF"] = _matrix(self, "w_up_DF", (D, F), cfg)
+      p["w_down_FD"] = _matrix(self, "w_down_FD", (F, D), cfg)
     if lora_scale is not None:  # Adapters of an adapted tree (see `lora`), this layer's slice.
       p["lora"] = {n: self.get_variable("lora", n) for n in quant.MATRICES if self.has_variable("lora", n)}
       p["lora_scale"] = lora_scale
@@ -129,7 +142,9 @@ class Block(nn.Module):
     # Dense projections run on flattened tokens: 2-D matmuls whose gradients XLA computes
     # without transposed copies.
     x_XD = jnp.concatenate([s.reshape(-1, D) for s in segments])
-    x_XD, kv = layers_lib.layer(cfg, p, x_XD, attend)
+    x_XD, kv, routing = layers_lib.layer(cfg, p, x_XD, attend)
+    if routing is not None:
+      self.sow("router", "stats", router_stats(*routing, jnp.concatenate([r.reshape(-1) for r in real])))
     return tuple(sharding.constrain(s, "BTD") for s in per_segment(x_XD, D)), kv
 
   def _attend_rows(self, q_BTKRH, k_BTKH, v_BTKH, mask_BTS):
@@ -143,6 +158,22 @@ class Block(nn.Module):
     mask_nBcS = jnp.moveaxis(mask_BTS.reshape(B, T // c, c, -1), 1, 0)
     block = jax.checkpoint(lambda qm: layers_lib.attend_rows(qm[0], k_BTKH, v_BTKH, qm[1], **kw))
     return jnp.moveaxis(jax.lax.map(block, (q_nBcKRH, mask_nBcS)), 0, 1).reshape(B, T, K, R, H)
+
+
+def router_stats(probs_XE: jax.Array, expert_Xk: jax.Array, real_X: jax.Array) -> dict:
+  """One expert layer's routing over the real tokens: assignments per expert `counts_E`, summed
+  router probabilities `probs_E` (differentiable: the load-balancing loss's gradient flows here)
+  and the token count."""
+  E, k = probs_XE.shape[-1], expert_Xk.shape[-1]
+  real_X = real_X.astype(jnp.float32)
+  counts_E = jax.ops.segment_sum(jnp.repeat(real_X, k), expert_Xk.reshape(-1), num_segments=E)
+  return {"counts_E": jax.lax.stop_gradient(counts_E), "probs_E": jnp.einsum("XE,X->E", probs_XE, real_X),
+          "tokens": jnp.sum(real_X)}
+
+
+def run_name(i: int) -> str:
+  """The parameter subtree of the i-th run of alike layers (`ModelConfig.layer_runs`)."""
+  return "layers" if i == 0 else f"layers_{i}"
 
 
 def _scale_param(module: nn.Module, name: str) -> jax.Array:
@@ -183,14 +214,20 @@ class Transformer(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    layers = nn.scan(block, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
-                     in_axes=(nn.broadcast, 0), length=cfg.num_layers,
-                     metadata_params={nn.PARTITION_NAME: "layers"})
     tables = tuple(layers_lib.rope_table(p, cfg) for p in pos)
     local_tables = tuple(layers_lib.rope_table(p, cfg, local=True) for p in pos) if cfg.local_layers else None
     local_L = jnp.asarray([l in cfg.local_layers for l in range(cfg.num_layers)])
     lora_scale = self.get_variable("lora", "scale") if self.has_variable("lora", "scale") else None
-    x, kv = layers(cfg, self.layout, self.emit_kv, name="layers")(x, (tables, local_tables, masks, lora_scale), local_L)
+    real = tuple(jnp.diagonal(m, axis1=-2, axis2=-1) for m in masks)  # A token sees itself iff it is real.
+    shared = (tables, local_tables, masks, lora_scale, real)
+    kvs = []
+    for r, (start, stop, moe) in enumerate(cfg.layer_runs):
+      layers = nn.scan(block, variable_axes={"params": 0, "lora": 0, "router": 0}, split_rngs={"params": True},
+                       in_axes=(nn.broadcast, 0), length=stop - start,
+                       metadata_params={nn.PARTITION_NAME: "layers"})
+      x, kv = layers(cfg, self.layout, self.emit_kv, moe, name=run_name(r))(x, shared, local_L[start:stop])
+      kvs.append(kv)
+    kv = jax.tree.map(lambda *a: jnp.concatenate(a), *kvs) if self.emit_kv else None
 
     if self.layout == "shared_prompt":
       # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
@@ -236,15 +273,32 @@ def positions(mask_BT: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def _apply(module: Transformer, params: Params, *args, with_router: bool = False):
+  """`module.apply`; with `with_router`, (out, routing statistics of the expert layers, see `routing`)."""
+  if not with_router:
+    return module.apply(lora_lib.flax_variables(params), *args)
+  out, state = module.apply(lora_lib.flax_variables(params), *args, mutable=["router"])
+  return out, routing(module.cfg, state.get("router", {}))
+
+
+def routing(cfg: ModelConfig, collection: dict) -> dict:
+  """The "router" collection of an apply -> {"counts_LE", "probs_LE": [L_moe, E], "tokens_L": [L_moe]},
+  the expert layers in order."""
+  runs = [collection[run_name(r)]["stats"][0] for r, (_, _, moe) in enumerate(cfg.layer_runs) if moe]
+  cat = lambda key: jnp.concatenate([s[key] for s in runs])
+  return {"counts_LE": cat("counts_E"), "probs_LE": cat("probs_E"), "tokens_L": cat("tokens")}
+
+
 def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logits_from: int = 0,
-            emit_kv: bool = False, head: str = "lm"):
+            emit_kv: bool = False, head: str = "lm", with_router: bool = False):
   """Teacher-forced outputs of the head (fp32 logits [B, T', V], or values [B, T']) for positions
   >= logits_from (static).
 
   With `emit_kv`, returns (out, (k_LBKTH, v_LBKTH)): every layer's keys and values, to fill a cache.
+  With `with_router` (an MoE model), returns (that, routing statistics): see `routing`.
   """
-  return Transformer(cfg, head, "rows", emit_kv).apply(
-      lora_lib.flax_variables(params), (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from)
+  return _apply(Transformer(cfg, head, "rows", emit_kv), params, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from,
+                with_router=with_router)
 
 
 def causal_mask(mask_BT: jax.Array) -> jax.Array:
@@ -254,28 +308,31 @@ def causal_mask(mask_BT: jax.Array) -> jax.Array:
 
 
 def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array,
-           logits_from: int = 0) -> jax.Array:
+           logits_from: int = 0, with_router: bool = False) -> jax.Array:
   """Teacher-forced logits [B, T, V] (fp32) of left-padded rows; mask 1 = real token.
 
   With `logits_from`, only positions logits_from..T-1 are unembedded ([B, T - logits_from, V]).
+  With `with_router` (an MoE model), returns (logits, routing statistics): see `routing`.
   """
-  return forward(model_cfg, params, tokens_BT, positions(mask_BT), causal_mask(mask_BT), logits_from=logits_from)
+  return forward(model_cfg, params, tokens_BT, positions(mask_BT), causal_mask(mask_BT), logits_from=logits_from,
+                 with_router=with_router)
 
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
-                      completion_BC: jax.Array, completion_mask_BC: jax.Array, head: str = "lm") -> jax.Array:
+                      completion_BC: jax.Array, completion_mask_BC: jax.Array, head: str = "lm",
+                      with_router: bool = False) -> jax.Array:
   """Logits [B, C, V] (fp32) predicting each completion token, for G = B/Q completions per prompt.
 
   Equals `logits` on the rows [prompt q | completion qG+g] (positions P-1 .. P+C-2), but each
-  prompt's tokens pass through the model once rather than G times.
+  prompt's tokens pass through the model once rather than G times. `with_router`: as `logits`.
   """
   G = completion_BC.shape[0] // prompt_QP.shape[0]
   C = completion_BC.shape[1]
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
-  return Transformer(model_cfg, head, "shared_prompt").apply(
-      lora_lib.flax_variables(params), (prompt_QP, completion_BC), (positions(prompt_mask_QP), pos_BC),
-      (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)))
+  return _apply(Transformer(model_cfg, head, "shared_prompt"), params, (prompt_QP, completion_BC),
+                (positions(prompt_mask_QP), pos_BC), (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)),
+                with_router=with_router)
 
 
 # --- Cached decoding -----------------------------------------------------------------------------
@@ -287,38 +344,51 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
   """Per-layer weights for `decode_step`: matrices in the matmul dtype, the rest in the compute dtype.
 
-  layers[l]: attn_norm, wqkv_DKEH (E = R + 2: the R query heads of KV group k, then its key and
-  its value, so tensor parallelism splits K), bqkv_KEH (None without bias), wo_NHD, mlp_norm,
-  w_gate_up_D2F, w_down_FD: what `layer` reads. Also embed_VD, final_scale_D and unembed_DV.
+  layers[l]: attn_norm, wqkv_DKJH (J = R + 2: the R query heads of KV group k, then its key and
+  its value, so tensor parallelism splits K), bqkv_KJH (None without bias), wo_NHD, mlp_norm,
+  w_gate_up_D2F, w_down_FD (an expert layer: router_DE and the stacked experts as they are): what
+  `layer` reads. Also embed_VD, final_scale_D and unembed_DV.
   An adapted tree (`lora`) decodes with its adapters merged in and its int8 matrices dequantized
   here, once per call: each token then costs what the base model's does.
   """
   if lora_lib.is_adapted(params):
     params = dict(params["base"], layers=lora_lib.merge_layers(params))
-  D, N, K, H, L = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-  R = N // K
+  layers = []
+  for r, (start, stop, _) in enumerate(cfg.layer_runs):
+    layers += _decode_layers(cfg, params[run_name(r)], stop - start)
   cast = lambda x: x.astype(cfg.dtype)
-  cast_w = lambda x: x.astype(cfg.operand_dtype)
-  p = params["layers"]
-  wqkv_LDKEH = jnp.concatenate([p["wq_DNH"].reshape(L, D, K, R, H), p["wk_DKH"][:, :, :, None],
-                                p["wv_DKH"][:, :, :, None]], axis=3)
-  bqkv_LKEH = None
-  if cfg.qkv_bias:
-    bqkv_LKEH = jnp.concatenate([p["bq_NH"].reshape(L, K, R, H), p["bk_KH"][:, :, None],
-                                 p["bv_KH"][:, :, None]], axis=2)
-  w_gate_up_LD2F = jnp.stack([p["w_gate_DF"], p["w_up_DF"]], axis=2)
-  layers = [dict(attn_norm=dict(scale_D=cast(p["attn_norm"]["scale_D"][l])), wqkv_DKEH=cast_w(wqkv_LDKEH[l]),
-                 bqkv_KEH=None if bqkv_LKEH is None else cast(bqkv_LKEH[l]), wo_NHD=cast_w(p["wo_NHD"][l]),
-                 mlp_norm=dict(scale_D=cast(p["mlp_norm"]["scale_D"][l])), w_gate_up_D2F=cast_w(w_gate_up_LD2F[l]),
-                 w_down_FD=cast_w(p["w_down_FD"][l]))
-            for l in range(L)]
-  for l, layer_p in enumerate(layers):  # Family extras: q/k norms, post-norms.
-    layer_p.update({k: cast(p[k][l]) for k in ("q_norm_H", "k_norm_H") if k in p})
-    layer_p.update({k: dict(scale_D=cast(p[k]["scale_D"][l])) for k in ("post_attn_norm", "post_mlp_norm") if k in p})
   # A tied unembedding is transposed once here, so each token's logits are a plain [B,D]x[D,V] matmul.
   unembed_DV = params["embed_VD"].T if cfg.tie_embeddings else params["unembed_DV"]
   return dict(layers=layers, embed_VD=cast(params["embed_VD"]), final_scale_D=cast(params["final_norm"]["scale_D"]),
-              unembed_DV=cast_w(unembed_DV))
+              unembed_DV=unembed_DV.astype(cfg.operand_dtype))
+
+
+def _decode_layers(cfg: ModelConfig, p: dict, L: int) -> list[dict]:
+  """`decode_params`' per-layer weights of one stack of L alike layers."""
+  D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  R = N // K
+  cast = lambda x: x.astype(cfg.dtype)
+  cast_w = lambda x: x.astype(cfg.operand_dtype)
+  wqkv_LDKJH = jnp.concatenate([p["wq_DNH"].reshape(L, D, K, R, H), p["wk_DKH"][:, :, :, None],
+                                p["wv_DKH"][:, :, :, None]], axis=3)
+  bqkv_LKJH = None
+  if cfg.qkv_bias:
+    bqkv_LKJH = jnp.concatenate([p["bq_NH"].reshape(L, K, R, H), p["bk_KH"][:, :, None],
+                                 p["bv_KH"][:, :, None]], axis=2)
+  layers = [dict(attn_norm=dict(scale_D=cast(p["attn_norm"]["scale_D"][l])), wqkv_DKJH=cast_w(wqkv_LDKJH[l]),
+                 bqkv_KJH=None if bqkv_LKJH is None else cast(bqkv_LKJH[l]), wo_NHD=cast_w(p["wo_NHD"][l]),
+                 mlp_norm=dict(scale_D=cast(p["mlp_norm"]["scale_D"][l])))
+            for l in range(L)]
+  if "router_DE" in p:
+    mlp = lambda l: {k: cast_w(p[k][l]) for k in ("router_DE",) + layers_lib.EXPERT_WEIGHTS}
+  else:
+    w_gate_up_LD2F = jnp.stack([p["w_gate_DF"], p["w_up_DF"]], axis=2)
+    mlp = lambda l: dict(w_gate_up_D2F=cast_w(w_gate_up_LD2F[l]), w_down_FD=cast_w(p["w_down_FD"][l]))
+  for l, layer_p in enumerate(layers):  # The MLP or experts; family extras: q/k norms, post-norms.
+    layer_p.update(mlp(l))
+    layer_p.update({k: cast(p[k][l]) for k in ("q_norm_H", "k_norm_H") if k in p})
+    layer_p.update({k: dict(scale_D=cast(p[k]["scale_D"][l])) for k in ("post_attn_norm", "post_mlp_norm") if k in p})
+  return layers
 
 
 def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Array, cache: kvc.KVCache,
@@ -349,7 +419,7 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
       o_BKRH = layers_lib.attention(q_BKR1H, k_BKHS, v_BKSH, mask_B1S, k_layout="BKHS",
                                     **layers_lib.attn_kw(cfg))[:, :, :, 0]
       return o_BKRH.reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1]), (k_BKHS, v_BKSH)
-    x_BD, (k_BKHS, v_BKSH) = layers_lib.layer(cfg, p, x_BD, attend)
+    x_BD, (k_BKHS, v_BKSH), _ = layers_lib.layer(cfg, p, x_BD, attend)
     ks.append(k_BKHS)
     vs.append(v_BKSH)
   x_BD = layers_lib.norm(cfg, x_BD, dparams["final_scale_D"])

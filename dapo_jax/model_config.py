@@ -39,7 +39,7 @@ class ModelConfig:
   remat: str = "none"      # what the backward pass re-computes: none | full (all but each layer's
                            # input) | dots (all but matmul outputs; the fastest on XLA:CPU too)
   attn_chunk: int = 0      # queries per attention block (0 = all at once); bounds score memory for long rows
-  arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama | qwen3 | gemma3
+  arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama | qwen3 | qwen3_moe | gemma3
   qk_norm: bool = False    # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
   # RoPE scaling of the (global) layers, as HF `rope_scaling`: default | linear | llama3 | yarn.
   rope_type: str = "default"
@@ -59,9 +59,21 @@ class ModelConfig:
   query_scale: float = 0.0             # attention scores scale by query_scale**-0.5 (0 = head_dim)
   attn_softcap: float = 0.0            # scores -> c*tanh(scores/c) before the softmax (0 = off)
   final_softcap: float = 0.0           # logits -> c*tanh(logits/c) (0 = off)
+  # Mixture of experts (Qwen3-MoE): every layer not in `dense_layers` replaces its MLP by
+  # `num_experts` SwiGLU experts of width `expert_mlp_dim`; a router sends each token to its
+  # `experts_per_token` most probable experts and sums their outputs weighted by those probabilities.
+  num_experts: int = 0                 # E (0 = a dense model)
+  experts_per_token: int = 0           # k, the top-k of the router
+  expert_mlp_dim: int = 0              # F of one expert
+  norm_topk_prob: bool = False         # renormalise the k chosen probabilities to sum to 1
+  dense_layers: tuple[int, ...] = ()   # layers that keep the dense MLP (HF mlp_only_layers, decoder_sparse_step)
+  router_aux_coef: float = 0.0         # weight of the load-balancing loss in training (0 = off, as verl)
+  expert_chunk: int = 0                # tokens per device per expert-dispatch block (0 = all at once);
+                                       # bounds the dispatch buffers of long rows, as attn_chunk the scores
 
   def __post_init__(self):
     object.__setattr__(self, "local_layers", tuple(int(l) for l in self.local_layers))
+    object.__setattr__(self, "dense_layers", tuple(int(l) for l in self.dense_layers))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
@@ -82,6 +94,7 @@ class ModelConfig:
       raise ValueError(f"model.local_layers={self.local_layers} names layers outside 0..{self.num_layers - 1}")
     if self.local_layers and self.sliding_window <= 0:
       raise ValueError(f"model.local_layers={self.local_layers} needs model.sliding_window > 0")
+    self._check_experts()
     for f in ("param_dtype", "dtype", "matmul_dtype"):
       name = getattr(self, f)
       if f == "matmul_dtype" and not name:
@@ -90,6 +103,45 @@ class ModelConfig:
         jnp.dtype(name)
       except TypeError as e:
         raise ValueError(f"{f}={name!r} is not a dtype name") from e
+
+  def _check_experts(self) -> None:
+    if (self.arch == "qwen3_moe") != (self.num_experts > 0):
+      raise ValueError(f"model.num_experts={self.num_experts} with model.arch={self.arch!r}: experts (num_experts "
+                       "> 0) go with arch 'qwen3_moe' and only with it")
+    if not self.moe:
+      return
+    if not 1 <= self.experts_per_token <= self.num_experts:
+      raise ValueError(f"model.experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
+    if self.expert_mlp_dim < 1:
+      raise ValueError(f"model.expert_mlp_dim={self.expert_mlp_dim} must be positive")
+    bad = [l for l in self.dense_layers if not 0 <= l < self.num_layers]
+    if bad:
+      raise ValueError(f"model.dense_layers={self.dense_layers} names layers outside 0..{self.num_layers - 1}")
+    if self.expert_chunk < 0:
+      raise ValueError(f"model.expert_chunk={self.expert_chunk} must be >= 0")
+    if self.router_aux_coef < 0:
+      raise ValueError(f"model.router_aux_coef={self.router_aux_coef} must be >= 0")
+
+  @property
+  def moe(self) -> bool:
+    return self.num_experts > 0
+
+  def is_moe_layer(self, l: int) -> bool:
+    return self.moe and l not in self.dense_layers
+
+  @property
+  def layer_runs(self) -> tuple[tuple[int, int, bool], ...]:
+    """(start, stop, moe) of each maximal run of consecutive layers of one kind (MLP or experts).
+
+    Each run is one scanned stack of identical layers; a model whose layers are all alike (every
+    dense model, every released Qwen3-MoE) is one run.
+    """
+    runs, start = [], 0
+    for l in range(1, self.num_layers + 1):
+      if l == self.num_layers or self.is_moe_layer(l) != self.is_moe_layer(start):
+        runs.append((start, l, self.is_moe_layer(start)))
+        start = l
+    return tuple(runs)
 
   @property
   def operand_dtype(self) -> str:
@@ -105,9 +157,26 @@ class ModelConfig:
   def num_params(self) -> int:
     D, F, N, K, H, V, L = (self.embed_dim, self.mlp_dim, self.num_heads, self.num_kv_heads,
                            self.head_dim, self.vocab_size, self.num_layers)
-    per_layer = D * H * (2 * N + 2 * K) + 3 * D * F + 2 * D + (H * (N + 2 * K) if self.qkv_bias else 0)
+    per_layer = D * H * (2 * N + 2 * K) + 2 * D + (H * (N + 2 * K) if self.qkv_bias else 0)
     per_layer += (2 * H if self.qk_norm else 0) + (2 * D if self.gemma else 0)
-    return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + D
+    moe_layers = sum(self.is_moe_layer(l) for l in range(L))
+    mlps = (L - moe_layers) * 3 * D * F + moe_layers * self.num_experts * D * (1 + 3 * self.expert_mlp_dim)
+    return V * D * (1 if self.tie_embeddings else 2) + L * per_layer + mlps + D
+
+  @property
+  def num_expert_params(self) -> int:
+    """Parameters of the experts and routers (they shard over the mesh's expert axis)."""
+    moe_layers = sum(self.is_moe_layer(l) for l in range(self.num_layers))
+    return moe_layers * self.num_experts * self.embed_dim * (1 + 3 * self.expert_mlp_dim)
+
+  @property
+  def num_active_params(self) -> int:
+    """Parameters one token's forward reads: those of the k experts it is routed to, not all E."""
+    if not self.moe:
+      return self.num_params
+    moe_layers = sum(self.is_moe_layer(l) for l in range(self.num_layers))
+    unused = self.num_experts - self.experts_per_token
+    return self.num_params - moe_layers * unused * 3 * self.embed_dim * self.expert_mlp_dim
 
   # Presets (Qwen2.5 family, from their HF config.json files).
   @classmethod
@@ -136,6 +205,14 @@ class ModelConfig:
                tie_embeddings=False, arch="qwen3", qk_norm=True, **kw)
 
   @classmethod
+  def qwen3_30b_a3b(cls, **kw) -> "ModelConfig":
+    """Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (3.3B of its 30.5B parameters active)."""
+    return cls(vocab_size=151_936, embed_dim=2048, mlp_dim=6144, num_layers=48, num_heads=32,
+               num_kv_heads=4, head_dim=128, rope_theta=1e6, norm_eps=1e-6, qkv_bias=False,
+               tie_embeddings=False, arch="qwen3_moe", qk_norm=True, num_experts=128, experts_per_token=8,
+               expert_mlp_dim=768, norm_topk_prob=True, **kw)
+
+  @classmethod
   def llama3_1_8b(cls, **kw) -> "ModelConfig":
     return cls(vocab_size=128_256, embed_dim=4096, mlp_dim=14_336, num_layers=32, num_heads=32,
                num_kv_heads=8, head_dim=128, rope_theta=500_000.0, norm_eps=1e-5, qkv_bias=False,
@@ -153,5 +230,5 @@ class ModelConfig:
                rope_local_theta=10_000.0, query_scale=256.0, **kw)
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "gemma3")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "gemma3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -45,15 +45,19 @@ class PGConfig:
                                             # then runs through the model once per group
 
 
-def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch) -> jax.Array:
-  """Logits [B, C, V] predicting each completion token of a batch of RL rows."""
+def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch,
+                      with_router: bool = False) -> jax.Array:
+  """Logits [B, C, V] predicting each completion token of a batch of RL rows (`with_router`: and
+  the routing statistics of an MoE model, `model.routing`)."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
   if group_size:
     return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
-                                       mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:])
+                                       mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:],
+                                       with_router=with_router)
   # Logits at position P-1+t predict completion token t.
-  return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1)
+  return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1,
+                          with_router=with_router)
 
 
 def completion_logprobs(model_cfg: model_lib.ModelConfig, temperature: float, group_size: int = 0) -> Callable:
@@ -74,7 +78,11 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
 
   def loss(params, mb: RLBatch, counts: dict):
     P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
-    z_BCV = completion_logits(model_cfg, cfg.group_size, params, mb) / cfg.temperature
+    if model_cfg.moe:
+      z_BCV, routing = completion_logits(model_cfg, cfg.group_size, params, mb, with_router=True)
+    else:
+      z_BCV = completion_logits(model_cfg, cfg.group_size, params, mb)
+    z_BCV = z_BCV / cfg.temperature
     logp_BC = loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
     old_logp_BC = mb.old_logp_BC
     if cfg.old_is_current:  # π_old = π_θ, except on rows an earlier policy sampled (carried groups).
@@ -95,7 +103,14 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
     metrics = jax.tree.map(lambda m: m * weight, metrics)
     metrics["entropy"] = loss_lib.masked_mean(loss_lib.entropy(jax.lax.stop_gradient(z_BCV)),
                                               mb.loss_mask_BC, denoms["num_tokens"]) * weight
-    return value * weight, metrics
+    value = value * weight
+    if model_cfg.moe:  # This micro-batch's load-balancing loss and router metrics, by its share of rows.
+      share = mb.adv_B.shape[0] / counts["num_rows"]
+      aux, router_metrics = loss_lib.router_aux_loss(routing)
+      if model_cfg.router_aux_coef:
+        value = value + model_cfg.router_aux_coef * aux * share
+      metrics.update(jax.tree.map(lambda m: m * share, router_metrics))
+    return value, metrics
 
   return Objective(loss=loss, counts=counts, group_size=cfg.group_size)
 

@@ -9,6 +9,7 @@ on the mesh, each host scoring its own rows, and the scored groups gathered on e
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -99,7 +100,7 @@ class Rollout:
   def engine(self, sampler_cfg: sampling.SamplerConfig, rows: int) -> engine_lib.Engine:
     """The continuous-batching engine for `sampler_cfg` (`rollout.slots`, or `rows` when 0)."""
     slots = self.cfg.slots or rows
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    shards = sharding.batch_shards(self.mesh.shape)
     slots = -(-slots // shards) * shards  # Whole slots per data shard.
     k = (sampler_cfg, slots)
     if k not in self.engines:
@@ -112,6 +113,11 @@ class Rollout:
     """G samples per prompt as host arrays (`sampling.Samples`); prompt q's samples are rows
     qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair.
     Continuous engine: prompt q's samples come from (key, first_prompt_id + q, sample index)."""
+    # A mixture of experts runs its experts on the mesh, which its layers read from the context.
+    with jax.set_mesh(self.mesh) if self.model_cfg.moe else contextlib.nullcontext():
+      return self._generate(params, prompts, G, key, sampler_cfg, first_prompt_id)
+
+  def _generate(self, params, prompts, G, key, sampler_cfg, first_prompt_id):
     sampler_cfg = sampler_cfg or self.sampler_cfg
     prompt_QP, prompt_mask_QP = prompts if isinstance(prompts, tuple) else self.encode(prompts)
     stop_at_B = self.length_hook(len(prompt_QP) * G) if self.length_hook else None
@@ -127,7 +133,7 @@ class Rollout:
       raise ValueError(f"rollout.rows_per_call={chunk} must be a multiple of rollout.group_size={G} "
                        f"and divide the {Q * G} rows of a generation batch")
     per_call = chunk // G
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    shards = sharding.batch_shards(self.mesh.shape)
     # Prompts are split over the data shards when they divide evenly, else every shard holds them all.
     placement = self.batch_sharding if per_call % shards == 0 else self.replicated
     outs = []

@@ -1,6 +1,6 @@
 """The device mesh and the logical-axis rules that place every array on it.
 
-Mesh axes are (data, fsdp, tensor). Every array is named by the one-letter shape alphabet
+Mesh axes are (data, fsdp, expert, tensor). Every array is named by the one-letter shape alphabet
 of `datatypes` (`x_BTD`, `wq_DNH`); `LOGICAL` turns those letters into logical axis names
 and the rule tables below map logical names onto mesh axes.
 """
@@ -16,13 +16,16 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# Rows are split over these axes. The expert axis holds whole experts of a mixture-of-experts
+# model; outside the expert layers its devices work as more data shards.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # One letter per axis (datatypes.py has the full alphabet) -> logical axis name.
 LOGICAL = {
     "Q": "batch", "B": "batch", "T": "seq", "C": "seq", "P": "seq", "S": "kv_seq",
     "D": "embed", "F": "mlp", "V": "vocab", "N": "heads", "K": "kv_heads",
-    "H": "head_dim", "L": "layers",
+    "H": "head_dim", "L": "layers", "E": "expert",
 }
 
 Rules = Sequence[tuple[str, Any]]
@@ -31,20 +34,21 @@ Rules = Sequence[tuple[str, Any]]
 PARAM_RULES: Rules = (
     ("batch", None), ("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"),
     ("kv_heads", "tensor"), ("vocab", "tensor"), ("seq", None), ("kv_seq", None),
-    ("head_dim", None), ("layers", None),
+    ("head_dim", None), ("layers", None), ("expert", "expert"),
 )
-# Activations in the train step: the batch is split over data and fsdp.
+# Activations in the train step: the batch is split over data, fsdp and expert.
 ACT_RULES: Rules = (
-    ("batch", ("data", "fsdp")), ("embed", None), ("mlp", "tensor"), ("heads", "tensor"),
+    ("batch", BATCH_AXES), ("embed", None), ("mlp", "tensor"), ("heads", "tensor"),
     ("kv_heads", "tensor"), ("vocab", "tensor"), ("seq", None), ("kv_seq", None),
-    ("head_dim", None), ("layers", None),
+    ("head_dim", None), ("layers", None), ("expert", "expert"),
 )
 # Sampling keeps whole weights per tensor shard (no FSDP gather per decoded token).
 SAMPLING_PARAM_RULES: Rules = tuple((k, None if v == "fsdp" else v) for k, v in PARAM_RULES)
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, tensor) mesh; one size may be -1 for "the rest of the devices"."""
+  """Builds the (data, fsdp, expert, tensor) mesh; one size may be -1 for "the rest of the devices"
+  (an axis the config leaves out has size 1)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
   unknown = [a for a, s in sizes.items() if s == -1]
@@ -59,7 +63,7 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
                        f"(the fixed axes multiply to {known})")
     sizes[unknown[0]] = len(devices) // known
   if math.prod(sizes.values()) != len(devices):
-    raise ValueError(f"mesh: data*fsdp*tensor = {math.prod(sizes.values())} for {sizes}, "
+    raise ValueError(f"mesh: data*fsdp*expert*tensor = {math.prod(sizes.values())} for {sizes}, "
                      f"but there are {len(devices)} devices")
   shape = tuple(sizes[a] for a in MESH_AXES)
   try:
@@ -67,6 +71,11 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
   except Exception:  # Host CPU devices have no topology to optimise for.
     dev_array = np.asarray(devices).reshape(shape)
   return Mesh(dev_array, MESH_AXES)
+
+
+def batch_shards(mesh_shape: Mapping[str, int]) -> int:
+  """How many shards the rows of a batch are split into."""
+  return math.prod(mesh_shape.get(a, 1) for a in BATCH_AXES)
 
 
 def axes_of(letters: str) -> tuple[str, ...]:
@@ -98,10 +107,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def check_divisible(model_cfg, mesh: Mesh) -> None:
   """Fails early, with the numbers, when a sharded dimension does not divide its mesh axes."""
-  t, f = mesh.shape["tensor"], mesh.shape["fsdp"]
+  t, f, e = mesh.shape["tensor"], mesh.shape["fsdp"], mesh.shape.get("expert", 1)
   checks = {"num_heads": (model_cfg.num_heads, t), "num_kv_heads": (model_cfg.num_kv_heads, t),
             "mlp_dim": (model_cfg.mlp_dim, t), "vocab_size": (model_cfg.vocab_size, t),
             "embed_dim": (model_cfg.embed_dim, f)}
+  if model_cfg.moe:
+    checks.update(num_experts=(model_cfg.num_experts, e), expert_mlp_dim=(model_cfg.expert_mlp_dim, t))
+  elif e > 1:
+    raise ValueError(f"mesh.expert={e}: a dense model (model.num_experts=0) has no experts to split; "
+                     "use mesh.data or mesh.fsdp for these devices")
   bad = [f"model.{k}={n} is not divisible by mesh size {m}" for k, (n, m) in checks.items() if n % m]
   if bad:
     raise ValueError("mesh does not fit the model: " + "; ".join(bad) + f" (mesh {dict(mesh.shape)})")

@@ -175,6 +175,9 @@ class Trainer:
     each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
     (`auto_microbatches`). `head` is the model's head ("scalar": a reward or value model)."""
     sharding.check_divisible(model_cfg, mesh)
+    if lora is not None and model_cfg.moe:
+      raise ValueError(f"model.lora.rank={lora.rank}: LoRA adapters on a mixture of experts (model.num_experts="
+                       f"{model_cfg.num_experts}) are not supported; train it in full (model.lora.rank=0)")
     if num_microbatches < 0 or (num_microbatches == 0 and microbatch_tokens <= 0):
       raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
                        "count >= 1, or 0 (auto) with a positive token budget")
@@ -197,7 +200,7 @@ class Trainer:
                                                      lora_lib.boxed(model_cfg, lora, base_boxed)))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
-    self.batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
+    self.batch_sharding = NamedSharding(mesh, P(sharding.BATCH_AXES))
     self.replicated = NamedSharding(mesh, P())
 
     # The micro-batch count is read off each batch's (static) shape when the function is traced.
@@ -309,7 +312,7 @@ class Trainer:
     if self.num_microbatches:
       return self.num_microbatches
     rows, seq_len = batch.tokens_BT.shape
-    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    shards = sharding.batch_shards(self.mesh.shape)
     return auto_microbatches(rows, seq_len, group_size=self.group_size, shards=shards,
                              max_tokens=self.microbatch_tokens)
 

@@ -13,7 +13,7 @@ _DEVICES = flags.DEFINE_integer("devices", None, "Device count, for meshes with 
 
 def main(argv):
   del argv
-  from dapo_jax import from_config, memory, train_step
+  from dapo_jax import from_config, memory, sharding, train_step
   from dapo_jax import lora as lora_lib
   cfg = _CONFIG.value
   lora = from_config.lora_config(cfg)
@@ -28,7 +28,7 @@ def main(argv):
   seq_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   num_microbatches = cfg.train.num_microbatches or train_step.auto_microbatches(
       rows_per_update, seq_len, group_size=cfg.rollout.group_size if cfg.train.share_prompt else 1,
-      shards=shape["data"] * shape["fsdp"], max_tokens=cfg.train.microbatch_tokens)
+      shards=sharding.batch_shards(shape), max_tokens=cfg.train.microbatch_tokens)
   p = memory.plan(mc, shape, rows_per_update=rows_per_update, num_microbatches=num_microbatches,
                   prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
                   gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size,
@@ -36,7 +36,8 @@ def main(argv):
   if lora is not None:
     print(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {lora_lib.param_count(mc, lora) / 1e6:.2f}M trainable "
           f"parameters; base {lora.base_quant or mc.param_dtype}, frozen (no gradients or optimizer state)")
-  print(f"model: {mc.num_params / 1e9:.2f}B parameters, mesh {shape}, "
+  active = f" ({mc.num_active_params / 1e9:.2f}B active per token)" if mc.moe else ""
+  print(f"model: {mc.num_params / 1e9:.2f}B parameters{active}, mesh {shape}, "
         f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} micro-batch{'es' if num_microbatches > 1 else ''}")
   print(memory.report(p, common.default_workdir().split("/")[-1]))
 

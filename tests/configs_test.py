@@ -1,6 +1,7 @@
 """Every config builds, validates its model, and rejects mistyped overrides."""
 import glob
 import importlib
+import math
 import os
 
 import pytest
@@ -14,7 +15,8 @@ CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, 
 ARGS = [(n, None) for n in CONFIGS] + [(n, "runlocal") for n in CONFIGS if n != "default"] + [
     ("ablation", f"stage={s}") for s in ablation.STAGES] + [("ablation", f"stage={s},task=arith") for s in
                                                            ablation.STAGES] + [("dapo_qwen2_5_32b", "mesh=gpu16x8"),
-                                                           ("dapo_qwen2_5_32b", "mesh=v5p256")]
+                                                           ("dapo_qwen2_5_32b", "mesh=v5p256")] + [
+    ("dapo_qwen3_30b_a3b", f"mesh={m}") for m in ("gpu8", "gpu2x8", "v5p64")]
 
 
 def load(name, arg):
@@ -27,7 +29,10 @@ def load(name, arg):
 def test_config_builds_and_passes_startup_validation(name, arg):
   cfg = load(name, arg)
   # The same check `loop.run` makes before building anything (pod meshes: on their 128 devices).
-  from_config.validate(cfg, num_devices=128 if arg and "mesh=" in arg else None)
+  if arg and "mesh=" in arg and -1 not in cfg.mesh.values():  # The mesh's own device count.
+    from_config.validate(cfg, num_devices=math.prod(cfg.mesh.values()))
+  else:
+    from_config.validate(cfg, num_devices=128 if arg and "mesh=" in arg else None)
   mc = from_config.model_config(cfg, 1024)
   assert isinstance(mc, model.ModelConfig)
 

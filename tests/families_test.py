@@ -134,8 +134,8 @@ def test_unknown_rope_type_and_architecture_fail_naming_the_field(tmp_path):
   json.dump(bad, open(path, "w"))
   with pytest.raises(hf.CheckpointError, match=r"config\.json: field 'rope_scaling' type 'dynamic' is not supported"):
     hf.load(str(tmp_path / "hf"))
-  json.dump(dict(good, architectures=["Qwen3MoeForCausalLM"]), open(path, "w"))
-  with pytest.raises(hf.CheckpointError, match=r"'architectures' is \['Qwen3MoeForCausalLM'\]; supported"):
+  json.dump(dict(good, architectures=["Qwen2MoeForCausalLM"]), open(path, "w"))
+  with pytest.raises(hf.CheckpointError, match=r"'architectures' is \['Qwen2MoeForCausalLM'\]; supported"):
     hf.load(str(tmp_path / "hf"))
   with pytest.raises(ValueError, match=r"model\.rope_type='ntk'"):
     dataclasses.replace(model.ModelConfig.llama3_1_8b(), rope_type="ntk")

@@ -98,3 +98,27 @@ def test_sharded_plan_against_compiled_memory_analysis():
   (state_c, temp_c), (state_p, temp_p) = compiled(mc, mesh, ROWS, 1), planned(mc, mesh, ROWS, 1)
   assert abs(state_c / state_p - 1) < 0.015, (state_c, state_p)   # 1/4 of the state per device
   assert 1.0 < temp_c / temp_p < 3.5, (temp_c, temp_p)            # measured 2.53
+
+
+def test_moe_plan_by_hand():
+  """Experts split over the expert axis; router probabilities kept; one block's dispatch buffers."""
+  import dataclasses
+  mc = dataclasses.replace(testing.tiny_model_config(vocab_size=128), arch="qwen3_moe", qk_norm=True, qkv_bias=False,
+                           num_experts=8, experts_per_token=2, expert_mlp_dim=16, dense_layers=(0,), expert_chunk=4)
+  mesh = {"data": 1, "fsdp": 1, "expert": 2, "tensor": 2}
+  p = memory.plan(mc, mesh, rows_per_update=8, num_microbatches=2, prompt_len=6, completion_len=10, gen_rows=16)
+  D, F, N, K, H, L, V, T, E, k, Fe = 32, 64, 4, 2, 8, 2, 128, 16, 8, 2, 16
+  experts = E * D * (1 + 3 * Fe)  # Layer 1's router and experts.
+  assert mc.num_expert_params == experts
+  n = (mc.num_params - experts) / 2 + experts / 4   # tensor 2; experts also over expert 2
+  assert p.params == n * 4 and p.optimizer == 2 * n * 4 and p.experts_per_device == 4
+  # 8 rows / 2 micro-batches / 2 batch shards (expert is one) = 2 rows of 16 tokens per device.
+  dense = 4 * (4 * D + (2 * N * H + 2 * K * H + 3 * F) / 2)
+  moe = 4 * (4 * D + (2 * N * H + 2 * K * H) / 2) + 4 * E
+  dispatch = 2 * 2 * 4 * k * 4 * (2 * D + 3 * Fe / 2)  # Both passes; 2 devices x a 4-token block x k rows.
+  assert p.dispatch == dispatch
+  scores, logits = 2 * 4 * 2 * (N / 2) * T * T, 2 * 4 * 2 * 10 * V / 2
+  assert p.activations_no_remat == 2 * T * (dense + moe) + L * scores + logits + dispatch
+  assert p.activations_remat == L * 2 * T * D * 4 + 2 * T * max(dense, moe) + scores + logits + dispatch
+  report = memory.report(p)
+  assert "experts per device" in report and "of which expert dispatch" in report

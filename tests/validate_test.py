@@ -121,13 +121,13 @@ def test_mesh_against_devices():
   c = base()
   c.mesh.update(data=1, fsdp=2, tensor=2)
   from_config.validate(c, num_devices=4)
-  with pytest.raises(from_config.ConfigError, match=r"data\*fsdp\*tensor = 4, but there are 8 devices"):
+  with pytest.raises(from_config.ConfigError, match=r"data\*fsdp\*expert\*tensor = 4, but there are 8 devices"):
     from_config.validate(c, num_devices=8)
   c.mesh.update(data=1, fsdp=-1, tensor=1)
   c.train.minibatches = 4  # 4 rows per mini-batch over 8 batch shards.
   c.train.num_microbatches = 1
   with pytest.raises(from_config.ConfigError, match=r"4 rows per mini-batch do not split over the mesh's "
-                                                    r"data\*fsdp = 8 batch shards"):
+                                                    r"data\*fsdp\*expert = 8 batch shards"):
     from_config.validate(c, num_devices=8)
 
 

@@ -1,17 +1,18 @@
-"""Lowers the Qwen2.5-32B DAPO train step and sampler on a 128-device CPU mesh with abstract
-shapes (nothing is allocated), then compiles a 2-layer cut. Run with 128 forced host devices."""
+"""Lowers a recipe's DAPO train step and sampler (Qwen2.5-32B, Qwen3-30B-A3B) on a 128-device CPU
+mesh with abstract shapes (nothing is allocated), then compiles a 2-layer cut. Run with 128 forced
+host devices: `pod_lowering_worker.py CONFIG MESH`."""
 import dataclasses
+import importlib
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from configs import dapo_qwen2_5_32b
 from dapo_jax import from_config, objectives, optim, sampling, sharding, train_step
 from dapo_jax.datatypes import RLBatch
 
-mesh_name = sys.argv[1]
-cfg = dapo_qwen2_5_32b.get_config(f"mesh={mesh_name}")
+config_name, mesh_name = sys.argv[1:3]
+cfg = importlib.import_module(f"configs.{config_name}").get_config(f"mesh={mesh_name}")
 mc = from_config.model_config(cfg, 0)
 mesh = sharding.make_mesh(cfg.mesh)
 assert mesh.devices.size == 128, mesh
@@ -19,9 +20,11 @@ assert mesh.devices.size == 128, mesh
 
 def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
   G = cfg.rollout.group_size  # As the loop runs it: one prompt forward per group, one prefill per prompt.
-  pg = objectives.PGConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, group_size=G)
+  pg = objectives.PGConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0,
+                           group_size=G if cfg.train.share_prompt else 0)
   trainer = train_step.Trainer(mc, optim.OptimConfig(**cfg.optim), mesh, objectives.policy_gradient(mc, pg),
-                               num_microbatches=cfg.train.num_microbatches)
+                               num_microbatches=cfg.train.num_microbatches,
+                               microbatch_tokens=cfg.train.microbatch_tokens)
   state = jax.eval_shape(lambda: train_step.TrainState.create(
       jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), trainer_param_shapes(mc)), trainer.tx))
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
@@ -52,7 +55,7 @@ def trainer_param_shapes(mc):
 rows = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
 with mesh:
   lower(mc, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, rows, cfg.rollout.rows_per_call, False)
-  print("lowered full 32B train step and sampler", flush=True)
+  print(f"lowered full {config_name} train step and sampler", flush=True)
   cut = dataclasses.replace(mc, num_layers=2)
   lower(cut, 512, 1024, rows, cfg.rollout.rows_per_call, True)
   print("compiled 2-layer cut", flush=True)
