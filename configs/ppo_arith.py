@@ -1,14 +1,19 @@
 r"""Stage 3 of the RLHF pipeline on the arithmetic task: PPO with the reward model as the only reward.
 
+  python -m launch.sft --config=configs/sft_chat_arith.py          # -> runs/sft_chat_arith/sft_model
   python -m launch.sft --config=configs/sft_chat_arith.py:weak     # -> runs/sft_chat_arith_weak/sft_model
-  python -m launch.rm --config=configs/rm_arith.py:weak             # -> runs/rm_arith_weak/rm_model
+  python -m launch.rm --config=configs/rm_arith.py                  # -> runs/rm_arith/rm_model
   python -m launch.train --config=configs/ppo_arith.py              # -> runs/ppo_arith
 The policy starts from an SFT model stopped early (so there is room to improve) and is regularised
 towards it: each token's reward is -β·(log π - log π_ref), plus the reward model's score of the whole
 answer on its last token (StackLLaMA / Ziegler et al. 2019). A value model initialised from the
 reward model gives GAE advantages; its clipped value loss trains it beside the policy. The reward
 model is the only training signal; the held-out accuracy printed before, during and after RL is the
-rule check of the answers (eval.reward_fn), which the run never trains on.
+rule check of the answers (eval.reward_fn), which the run never trains on. The reward model is
+trained from the fully trained SFT model (the same tokenizer), on pairs with every kind of
+mistake of `preference.ERROR_KINDS`.
+Measured (docs/rlhf.md): held-out greedy accuracy 41.5% -> 45.5% in 60 steps, KL <= 0.06 nat per
+token; the reward model still scores answers with a wrong digit sum highly, which limits the gain.
 """
 from configs import common
 
@@ -18,7 +23,7 @@ def get_config(arg=None):
   c = common.base()
   c.model.update(init="hf", hf_dir="runs/sft_chat_arith_weak/sft_model")
   c.data.update(task="arith", digits=2, ops="+", max_prompt_len=32, num_eval=200)
-  c.reward.update(fn="rm:runs/rm_arith_weak/rm_model")
+  c.reward.update(fn="rm:runs/rm_arith/rm_model")
   c.rollout.update(group_size=4, max_new_tokens=40, temperature=1.0, top_p=1.0)
   c.dapo.update(adv_estimator="gae",
                 prompts_per_step=16, gen_prompts=16, dynamic_sampling=False,   # PPO keeps every sample

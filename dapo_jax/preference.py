@@ -3,8 +3,9 @@
 Row schema (jsonl or parquet; TRL's preference format, standard or conversational):
   {"prompt": str | messages, "chosen": str | messages, "rejected": str | messages}
   {"chosen": messages, "rejected": messages}   # implicit prompt: the turns both share
-A response given as messages is one assistant turn. Extra fields are kept only as `ground_truth`
-(when present) for rule-checked evaluation. Host-side NumPy; no jax.
+A response given as messages is one assistant turn. Two optional fields are kept: `ground_truth`
+for rule-checked evaluation, and `error` (the kind of mistake in the rejected response) for
+held-out accuracy per kind; others are ignored. Host-side NumPy; no jax.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class PreferencePair:
   rejected: str                  # the other one
   index: int = 0                 # row number in its file
   ground_truth: str | None = None
+  error: str | None = None       # the kind of mistake in `rejected`, when the row names it
 
 
 # --- rows ---------------------------------------------------------------------------------------
@@ -80,9 +82,9 @@ def parse_row(row: dict, path: str, i: int) -> PreferencePair:
                       f"{{'role', 'content'}} messages, got {type(prompt).__name__}")
     c = ({"content": chosen},) if isinstance(chosen, str) else _turns(chosen)
     r = ({"content": rejected},) if isinstance(rejected, str) else _turns(rejected)
-  gt = row.get("ground_truth")
+  gt, error = row.get("ground_truth"), row.get("error")
   return PreferencePair(prompt_turns, _response(c, "chosen", path, i), _response(r, "rejected", path, i), i,
-                        None if gt is None else str(gt))
+                        None if gt is None else str(gt), None if error is None else str(error))
 
 
 def load_pairs(path: str) -> list[PreferencePair]:
@@ -95,12 +97,74 @@ def load_pairs(path: str) -> list[PreferencePair]:
 
 # --- pairs from the arithmetic task -------------------------------------------------------------
 
-ERROR_KINDS = ("carry", "digit")
+# The mistakes a rejected answer makes. "carry" and "digit" alone leave the arithmetic of the steps
+# unchecked: a reward model trained on them alone scores "3+6=10, 2+9+1=13. Answer: 130" (23+96)
+# highly, and a policy trained against it learns such answers. The other kinds are the mistakes a
+# half-trained model makes (a wrong digit sum, a misread operand, a carry from nowhere, a lost or
+# repeated step, an unfinished answer), each with the rest of the answer consistent with it.
+ERROR_KINDS = ("carry", "digit", "sum", "operand", "extra_carry", "steps", "truncated")
 
 
 def _operands(ex: data_lib.Example) -> tuple[str, str] | None:
   expr = ex.messages[-1]["content"].split("What is ")[1].split("?")[0]
   return tuple(expr.split("+")) if "+" in expr else None  # type: ignore[return-value]
+
+
+def _columns(a: str, b: str) -> list[tuple[int, int]]:
+  """The digit pairs of a + b, units first."""
+  da, db = a[::-1], b[::-1]
+  return [(int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0) for i in range(max(len(da), len(db)))]
+
+
+def worked_sum(cols: Sequence[tuple[int, int]], sum_delta: dict[int, int] | None = None,
+               extra_carry: int | None = None) -> tuple[list[str], str]:
+  """Column addition written as `arith_solution` writes it, (steps, answer), with planted mistakes.
+
+  Column i's written sum is off by sum_delta[i]; column `extra_carry` adds a carry of 1 it was not
+  given. Later carries and the answer follow the written sums (each column writes its last digit,
+  the leftmost its whole sum), so only the planted step is wrong.
+  """
+  sum_delta = sum_delta or {}
+  steps, digits, carry = [], [], 0
+  for i, (x, y) in enumerate(cols):
+    c = carry + (i == extra_carry)
+    s = x + y + c + sum_delta.get(i, 0)
+    steps.append(f"{x}+{y}" + (f"+{c}" if c else "") + f"={s}")
+    digits.append(str(s) if i == len(cols) - 1 else str(s % 10))
+    carry = s // 10
+  return steps, str(int("".join(reversed(digits))))
+
+
+def _planted(cols: list[tuple[int, int]], kind: str, rng: np.random.Generator) -> str | None:
+  """A worked answer with one mistake of `kind` ("sum", "operand", "extra_carry", "steps"), or None."""
+  i = int(rng.integers(len(cols)))
+  if kind == "sum":
+    s = int(worked_sum(cols)[0][i].rsplit("=", 1)[1])
+    deltas = [d for d in (-2, -1, 1, 2) if 0 <= s + d <= 19]
+    steps, answer = worked_sum(cols, sum_delta={i: deltas[int(rng.integers(len(deltas)))]})
+  elif kind == "operand":
+    x, y = cols[i]
+    j = int(rng.integers(2))
+    d = (x, y)[j]
+    near = [v for v in (d - 1, d + 1) if 0 <= v <= 9]
+    wrong = near[int(rng.integers(len(near)))] if rng.random() < 0.5 else \
+        int(rng.choice([v for v in range(10) if v != d]))
+    cols = list(cols)
+    cols[i] = (wrong, y) if j == 0 else (x, wrong)
+    steps, answer = worked_sum(cols)
+  elif kind == "extra_carry":
+    sums = [int(st.rsplit("=", 1)[1]) for st in worked_sum(cols)[0]]
+    free = [k for k in range(len(cols)) if k == 0 or sums[k - 1] < 10]   # no carry comes into column k
+    steps, answer = worked_sum(cols, extra_carry=free[int(rng.integers(len(free)))])
+  elif kind == "steps":
+    steps, _ = worked_sum(cols)
+    steps = steps[:i] + steps[i + 1:] if len(steps) > 1 and rng.random() < 0.5 else steps[:i + 1] + steps[i:]
+    # The answer the written steps give: each step's last digit, the leftmost step's whole sum.
+    sums = [st.rsplit("=", 1)[1] for st in steps]
+    answer = str(int(sums[-1] + "".join(s[-1] for s in reversed(sums[:-1]))))
+  else:
+    return None
+  return ", ".join(steps) + f". Answer: {answer}"
 
 
 def wrong_solution(ex: data_lib.Example, kind: str, rng: np.random.Generator,
@@ -109,21 +173,31 @@ def wrong_solution(ex: data_lib.Example, kind: str, rng: np.random.Generator,
 
   "carry": every carry is forgotten (each column writes its last digit, the leftmost its whole sum),
   so steps and answer agree and are both wrong; "digit": the steps are right but one digit of the
-  final answer is changed (usually the last). A sum with no carry to forget gets a digit error.
+  final answer is changed (usually the last); "sum": one step's sum is off by 1 or 2; "operand":
+  one step adds a digit that is not the question's; "extra_carry": one step adds a carry that no
+  column gave; "steps": a step is left out or written twice; in these four the later steps and
+  the answer follow the mistake. "truncated": the right answer cut off before its last character.
+  A kind that cannot apply (no carry to forget, a direct answer) gives a digit error, so every
+  rejected answer has a wrong final answer.
   """
   if kind not in ERROR_KINDS:
     raise ValueError(f"error kind {kind!r}; expected one of {ERROR_KINDS}")
   operands = _operands(ex)
   right = data_lib.arith_solution(ex, style)
-  if kind == "carry" and operands and style == "steps":
-    da, db = operands[0][::-1], operands[1][::-1]
-    cols = [(int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0)
-            for i in range(max(len(da), len(db)))]
-    if any(x + y >= 10 for x, y in cols[:-1]):
-      steps = ", ".join(f"{x}+{y}={x + y}" for x, y in cols)
-      answer = str(sum(cols[-1])) + "".join(str((x + y) % 10) for x, y in reversed(cols[:-1]))
-      return steps + f". Answer: {int(answer)}", "carry"
   gt = ex.ground_truth
+  if kind == "truncated":
+    return right[:int(rng.integers(1, len(right)))], "truncated"
+  if operands and style == "steps" and kind != "digit":
+    cols = _columns(*operands)
+    if kind == "carry":
+      if any(x + y >= 10 for x, y in cols[:-1]):
+        steps = ", ".join(f"{x}+{y}={x + y}" for x, y in cols)
+        answer = str(sum(cols[-1])) + "".join(str((x + y) % 10) for x, y in reversed(cols[:-1]))
+        return steps + f". Answer: {int(answer)}", "carry"
+    else:
+      text = _planted(cols, kind, rng)
+      if text is not None and text.rsplit("Answer: ", 1)[1] != gt:
+        return text, kind
   pos = len(gt) - 1 if rng.random() < 0.75 else int(rng.integers(len(gt)))
   choices = [d for d in "0123456789" if d != gt[pos] and not (pos == 0 and d == "0" and len(gt) > 1)]
   wrong = gt[:pos] + choices[int(rng.integers(len(choices)))] + gt[pos + 1:]

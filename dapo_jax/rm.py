@@ -137,23 +137,35 @@ def fit_pairs(c: PairTrainConfig, trainer: train_step.Trainer, params, data: Pre
     writer.close()
 
 
+def pairwise_metrics(diff_N: np.ndarray, errors: Sequence[str | None] = ()) -> dict:
+  """accuracy, margin and loss of the score differences r(chosen) - r(rejected) of N pairs, and
+  accuracy/<kind> over the pairs whose rejected answer names its kind of mistake (`errors`)."""
+  diff_N = np.asarray(diff_N, np.float64)
+  out = {"accuracy": float(np.mean(diff_N > 0)), "margin": float(np.mean(diff_N)),
+         "loss": float(np.mean(np.logaddexp(0.0, -diff_N)))}
+  errors = np.asarray(list(errors) or [None] * len(diff_N), dtype=object)
+  for kind in sorted({e for e in errors if e is not None}):
+    out[f"accuracy/{kind}"] = float(np.mean(diff_N[errors == kind] > 0))
+  return out
+
+
 def train(c: RMConfig, model_cfg: model_lib.ModelConfig, params, tok, train_pairs, eval_pairs, mesh,
           workdir: str) -> tuple[object, dict]:
-  """Trains the reward model; returns (params, held-out metrics: val/rm/accuracy, margin, loss)."""
+  """Trains the reward model; returns (params, held-out metrics: val/rm/accuracy, margin, loss, and
+  val/rm/accuracy/<kind> for held-out rows with an `error` field)."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=c.grad_clip)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.reward_model(model_cfg, c.margin), num_microbatches=0,
                                microbatch_tokens=c.microbatch_tokens, head="scalar")
   score = trainer.forward(objectives.reward_scores(model_cfg))
   data = pair_rows(tok, train_pairs, c)
   held = pair_rows(tok, eval_pairs, c) if eval_pairs else None
+  errors = [p.error for p in eval_pairs or ()]
 
   def evaluate(p) -> dict:
     if held is None:
       return {}
     r = chunked(score, trainer, p, held, c.batch_pairs)
-    diff = r[0::2] - r[1::2]
-    return {"val/rm/accuracy": float(np.mean(diff > 0)), "val/rm/margin": float(np.mean(diff)),
-            "val/rm/loss": float(np.mean(np.logaddexp(0.0, -diff)))}
+    return {f"val/rm/{k}": v for k, v in pairwise_metrics(r[0::2] - r[1::2], errors).items()}
 
   return fit_pairs(c, trainer, params, data, workdir, evaluate, "rm",
                    {"loss": "loss", "accuracy": "acc", "margin": "margin"})

@@ -6,8 +6,9 @@
 The directory is a standard HF one (config.json, model.safetensors, tokenizer): use it with
 --config.model.init=hf --config.model.hf_dir=DIR, or load it in transformers.
 
-  python -m launch.prepare arith_pairs --out=runs/pairs/train.jsonl --num=2000 [--split=heldout]
-writes preference pairs of the built-in arithmetic task in TRL's schema (prompt / chosen / rejected).
+  python -m launch.prepare arith_pairs --out=runs/pairs/train.jsonl --num=2000 [--split=heldout] [--kinds=carry,digit]
+writes preference pairs of the built-in arithmetic task in TRL's schema (prompt / chosen / rejected),
+the rejected answers' mistakes taking the kinds in turn (`preference.ERROR_KINDS`).
 
   python -m launch.prepare arith_sft --out=runs/arith/sft_train.jsonl --num=20000 [--split=heldout]
 writes the task's conversations (question, worked answer) in the messages schema, for `launch.sft`.
@@ -22,6 +23,8 @@ _NUM = flags.DEFINE_integer("num", 2000, "Number of pairs / conversations (for `
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"], "Problem split (for `arith_pairs`).")
 _DIGITS = flags.DEFINE_integer("digits", 2, "Digits per operand (for `arith_pairs`).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed (for `arith_pairs`).")
+_KINDS = flags.DEFINE_list("kinds", None, "Mistakes of the rejected answers (for `arith_pairs`; default: all of "
+                           "preference.ERROR_KINDS).")
 
 
 def main(argv):
@@ -30,7 +33,13 @@ def main(argv):
                      "[--num=N --split=train|heldout --digits=D --seed=S]")
   if argv[1] == "arith_pairs":
     from dapo_jax import preference
-    rows = preference.arith_pair_rows(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value)
+    kinds = tuple(_KINDS.value or preference.ERROR_KINDS)
+    unknown = [k for k in kinds if k not in preference.ERROR_KINDS]
+    if unknown:
+      raise SystemExit(f"--kinds: unknown error kind {unknown[0]!r}; "
+                       f"expected some of {','.join(preference.ERROR_KINDS)}")
+    rows = preference.arith_pair_rows(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value,
+                                      kinds=kinds)
     preference.write_jsonl(rows, _OUT.value)
     print(f"wrote {len(rows)} {_SPLIT.value} preference pairs to {_OUT.value}")
     return

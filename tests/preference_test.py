@@ -22,7 +22,7 @@ def test_standard_conversational_and_implicit_prompt_rows(tmp_path):
   rows = [
       {"prompt": "What is 2+3?", "chosen": "Answer: 5", "rejected": "Answer: 6"},
       {"prompt": USER, "chosen": [{"role": "assistant", "content": "Answer: 5"}],
-       "rejected": [{"role": "assistant", "content": "Answer: 6"}], "ground_truth": 5},
+       "rejected": [{"role": "assistant", "content": "Answer: 6"}], "ground_truth": 5, "error": "digit"},
       {"chosen": USER + [{"role": "assistant", "content": "Answer: 5"}],
        "rejected": USER + [{"role": "assistant", "content": "Answer: 6"}]},
   ]
@@ -30,6 +30,7 @@ def test_standard_conversational_and_implicit_prompt_rows(tmp_path):
   for p in pairs:
     assert p.prompt == tuple(USER) and (p.chosen, p.rejected) == ("Answer: 5", "Answer: 6")
   assert [p.index for p in pairs] == [0, 1, 2] and pairs[1].ground_truth == "5" and pairs[0].ground_truth is None
+  assert (pairs[1].error, pairs[0].error) == ("digit", None)
   import pyarrow as pa
   import pyarrow.parquet as pq
   pq.write_table(pa.Table.from_pylist(rows[:1]), str(tmp_path / "p.parquet"))
@@ -52,23 +53,77 @@ def test_bad_rows_name_file_and_row(tmp_path, row, needle):
     preference.load_pairs(path)
 
 
+def _steps(text):
+  """(x, y, carry, written sum) of every step of a worked answer, and its final answer."""
+  body, answer = text.split(". Answer: ")
+  out = []
+  for step in body.split(", "):
+    terms, s = step.split("=")
+    t = [int(v) for v in terms.split("+")]
+    out.append((t[0], t[1], t[2] if len(t) > 2 else 0, int(s)))
+  return out, answer
+
+
 def test_arith_pairs_chosen_right_rejected_wrong():
-  rows = preference.arith_pair_rows(200, split="train", seed=3, digits=3)
-  kinds = {r["error"] for r in rows}
-  assert kinds == {"carry", "digit"}
+  rows = preference.arith_pair_rows(350, split="train", seed=3, digits=3)
+  assert {r["error"] for r in rows} == set(preference.ERROR_KINDS)
   for r in rows:
     chosen, rejected = r["chosen"][0]["content"], r["rejected"][0]["content"]
     assert rewards.math_dapo(chosen, r["ground_truth"])["acc"]
     assert not rewards.math_dapo(rejected, r["ground_truth"])["acc"]
+    a, b = (int(v) for v in r["prompt"][-1]["content"].split("What is ")[1].split("?")[0].split("+"))
     if r["error"] == "digit":  # Same steps, different final answer of the same length.
       assert chosen.rsplit("Answer:", 1)[0] == rejected.rsplit("Answer:", 1)[0]
       assert len(rewards.math_dapo(rejected, "0")["pred"]) == len(r["ground_truth"])
-  # The carry error is the hand-worked one: 97+56 with the carry forgotten is 143.
+    if r["error"] == "steps":   # the right steps with one left out or written twice; the answer follows them
+      steps, answer = _steps(rejected)
+      right_steps, _ = _steps(chosen)
+      assert any(steps in (right_steps[:i] + right_steps[i + 1:], right_steps[:i + 1] + right_steps[i:])
+                 for i in range(len(right_steps)))
+      assert int(answer) == int(str(steps[-1][3]) + "".join(str(s % 10) for *_, s in reversed(steps[:-1])))
+    if r["error"] == "truncated":
+      assert chosen.startswith(rejected) and len(rejected) < len(chosen)
+    if r["error"] in ("sum", "operand", "extra_carry"):
+      # Checked column by column: exactly one step is wrong (its digits, its carry or its sum),
+      # and every later carry and the answer follow what the steps wrote.
+      steps, answer = _steps(rejected)
+      right_steps, _ = _steps(chosen)
+      assert len(steps) == len(right_steps)
+      da, db = str(a)[::-1], str(b)[::-1]
+      faults, carry = [], 0
+      for i, (x, y, c, s) in enumerate(steps):
+        fault = set()
+        if (x, y) != (int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0):
+          fault.add("operand")
+        if c != carry:
+          fault.add("extra_carry" if c == carry + 1 else "carry")
+        if s != x + y + c:
+          fault.add("sum")
+          assert abs(s - (x + y + c)) <= 2
+        faults.append(fault)
+        carry = s // 10
+      assert sorted(map(sorted, faults)) == sorted([[r["error"]]] + [[]] * (len(steps) - 1)), (r["prompt"], rejected)
+      assert int(answer) == int(str(steps[-1][3]) + "".join(str(s % 10) for *_, s in reversed(steps[:-1])))
+  # Hand-worked examples of every kind.
   ex = data.Example(messages=({"role": "user", "content": "What is 97+56? End"},), ground_truth="153")
   text, kind = preference.wrong_solution(ex, "carry", np.random.default_rng(0))
-  assert (text, kind) == ("7+6=13, 9+5=14. Answer: 143", "carry")
+  assert (text, kind) == ("7+6=13, 9+5=14. Answer: 143", "carry")   # the carry forgotten: 143
   ex = data.Example(messages=({"role": "user", "content": "What is 52+82? End"},), ground_truth="134")
   assert preference.wrong_solution(ex, "carry", np.random.default_rng(0))[1] == "digit"  # no carry to forget
+  # 23+96 = 119. A wrong units sum 3+6=10 carries into the tens: 2+9+1=12, answer 120, not 119.
+  cols = [(3, 6), (2, 9)]
+  assert preference.worked_sum(cols) == (["3+6=9", "2+9=11"], "119")
+  assert preference.worked_sum(cols, sum_delta={0: 1}) == (["3+6=10", "2+9+1=12"], "120")
+  # A carry from nowhere into the units: 3+6+1=10, then 2+9+1=12.
+  assert preference.worked_sum(cols, extra_carry=0) == (["3+6+1=10", "2+9+1=12"], "120")
+  assert preference.worked_sum(cols, extra_carry=1) == (["3+6=9", "2+9+1=12"], "129")
+  for kind, seed in [("sum", 0), ("operand", 1), ("extra_carry", 2), ("steps", 3), ("truncated", 4)]:
+    ex = data.Example(messages=({"role": "user", "content": "What is 23+96? End"},), ground_truth="119")
+    text, got = preference.wrong_solution(ex, kind, np.random.default_rng(seed))
+    assert got == kind and not rewards.math_dapo(text, "119")["acc"]
+    if kind == "steps":   # one step written twice or left out; the answer is what the steps give
+      assert text in ("3+6=9, 3+6=9, 2+9=11. Answer: 1199", "3+6=9, 2+9=11, 2+9=11. Answer: 1111",
+                      "2+9=11. Answer: 11", "3+6=9. Answer: 9"), text
   # Held-out pairs never share a problem with training pairs.
   held = preference.arith_pair_rows(50, split="heldout", seed=3, digits=3)
   assert not {r["prompt"][-1]["content"] for r in held} & {r["prompt"][-1]["content"] for r in rows}

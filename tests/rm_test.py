@@ -113,3 +113,15 @@ def test_rm_reward_spec_without_directory_fails():
     rewards.make_reward("rm:")
   with pytest.raises(hf.CheckpointError, match="no config.json"):
     rewards.make_reward("rm:/nonexistent/rm_model")
+
+
+def test_pairwise_metrics_per_error_kind():
+  from dapo_jax import rm
+  diff = [2.0, -1.0, 0.5, 3.0, -0.5]
+  m = rm.pairwise_metrics(diff, ["sum", "sum", "carry", None, "carry"])
+  assert m["accuracy"] == pytest.approx(3 / 5) and m["margin"] == pytest.approx(4.0 / 5)
+  want_loss = np.mean([np.log1p(np.exp(-d)) for d in diff])
+  assert m["loss"] == pytest.approx(want_loss)
+  # Per kind: sum 1 of 2, carry 1 of 2; the row without a kind counts only in the total.
+  assert (m["accuracy/sum"], m["accuracy/carry"]) == (0.5, 0.5)
+  assert set(rm.pairwise_metrics(diff)) == {"accuracy", "margin", "loss"}
