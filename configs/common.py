@@ -49,7 +49,8 @@ def base() -> mlc.ConfigDict:
                  attn_softcap=0.0, final_softcap=0.0,   # tanh soft-capping of scores / logits (0 = off)
                  # LoRA: rank > 0 trains adapters of that rank on the `targets` projections of every
                  # layer (PEFT names) and freezes the base; the reference model is the base with its
-                 # adapters off. alpha: the adapters' output scales by alpha / rank. dropout: only 0.
+                 # adapters off. alpha: the adapters' output scales by alpha / rank. dropout: PEFT's
+                 # lora_dropout, on the adapters' input in training forwards only.
                  lora=dict(rank=0, alpha=32.0, dropout=0.0,
                            targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
                  base_quant="")              # "int8": the frozen base's layer matrices in int8 (needs lora.rank > 0)

@@ -242,7 +242,7 @@ def lora_config(cfg) -> lora_lib.LoraConfig | None:
 def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_step.Trainer:
   return train_step.Trainer(model_cfg, optim.OptimConfig(**cfg.optim), mesh, objective,
                             num_microbatches=cfg.train.num_microbatches,
-                            microbatch_tokens=cfg.train.microbatch_tokens, lora=lora_config(cfg))
+                            microbatch_tokens=cfg.train.microbatch_tokens, lora=lora_config(cfg), seed=cfg.seed)
 
 
 def evaluator(cfg, rollout: rollout_lib.Rollout, examples, progress: bool = False) -> evaluate.Evaluator:

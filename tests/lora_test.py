@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import hf, lora, model, objectives, optim, sampling, sharding, testing, train_step
+from dapo_jax import hf, layers, lora, model, objectives, optim, sampling, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64)
@@ -164,7 +164,8 @@ def test_reference_is_the_base_with_adapters_off_and_survives_the_steps():
 def test_sharded_lora_step_matches_one_device():
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  lcfg = lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8")
+  # With dropout: the masks depend on the token's place in the batch, not on the device holding it.
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8", dropout=0.2)
   batch = make_batch()
   out = []
   for mesh in (sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), one_device_mesh()):
@@ -185,6 +186,111 @@ def test_sharded_lora_step_matches_one_device():
   assert specs["lora"]["layers"]["wq_DNH"]["b"] == P(None, None, "tensor", None)
   assert specs["base"]["layers"]["wq_DNH"]["int8"] == P(None, "fsdp", "tensor", None)
   assert specs["base"]["layers"]["wq_DNH"]["scale"] == P(None, "tensor", None)
+
+
+# --- dropout ----------------------------------------------------------------------------------
+
+def _dense_case(seed=0, X=6, D=8, N=2, H=4, r=3):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  p = {"wq_DNH": f(D, N, H), "wk_DKH": f(D, N, H), "lora_scale": jnp.asarray(0.7, jnp.float32),
+       "lora": {"wq_DNH": {"a": f(D, r), "b": f(r, N, H)}, "wk_DKH": {"a": f(D, r), "b": f(r, N, H)}}}
+  return p, f(X, D)
+
+
+def test_adapter_dropout_matches_a_numpy_reference_with_the_same_mask():
+  # PEFT: y = x W + scale * B(A(dropout(x))), dropout(x) = x * mask / (1 - p) in training.
+  p, x = _dense_case()
+  rate, key = 0.25, jax.random.key(5)
+  got = layers.dense("XD,DNH->XNH", x, dict(p, lora_dropout=(jnp.float32(rate), key)), "wq_DNH", CFG)
+  mask = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, 0), 1 - rate, x.shape))  # wq: target 0
+  f64 = lambda a: np.asarray(a, np.float64)
+  ad = p["lora"]["wq_DNH"]
+  want = (np.einsum("XD,DNH->XNH", f64(x), f64(p["wq_DNH"]))
+          + 0.7 * np.einsum("Xr,rNH->XNH", (f64(x) * mask / (1 - rate)) @ f64(ad["a"]), f64(ad["b"])))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert 0 < mask.mean() < 1
+  # Without the entry (every forward but the train step's), nothing is dropped.
+  plain = np.einsum("XD,DNH->XNH", f64(x), f64(p["wq_DNH"]) + 0.7 * np.einsum("Dr,rNH->DNH", f64(ad["a"]), f64(ad["b"])))
+  np.testing.assert_allclose(layers.dense("XD,DNH->XNH", x, p, "wq_DNH", CFG), plain, rtol=1e-5, atol=1e-5)
+  # Each target draws its own mask from the layer's key (PEFT has one dropout module per projection).
+  same = lambda name: layers.adapter_dropout(x, jnp.float32(rate), key, name)
+  assert (np.asarray(same("wq_DNH")) != np.asarray(same("wk_DKH"))).any()
+
+
+def test_adapter_dropout_is_unbiased():
+  # E[x * mask / (1 - p)] = x: the mean of the adapter output over many masks is the undropped one.
+  p, x = _dense_case(X=2)
+  rate = 0.5
+  delta = lambda q: layers.dense("XD,DNH->XNH", x, q, "wq_DNH", CFG) - layers.dense(
+      "XD,DNH->XNH", x, dict(q, lora_scale=jnp.float32(0)), "wq_DNH", CFG)
+  keys = jax.random.split(jax.random.key(0), 4000)
+  samples = np.asarray(jax.vmap(lambda k: delta(dict(p, lora_dropout=(jnp.float32(rate), k))))(keys), np.float64)
+  mean, se = samples.mean(0), samples.std(0) / np.sqrt(len(keys))
+  assert (np.abs(mean - np.asarray(delta(p))) < 5 * se + 1e-6).all()
+  assert samples.std(0).min() > 0  # The masks vary.
+
+
+def test_lora_dropout_is_only_0_to_1():
+  assert lora.LoraConfig(dropout=0.1).dropout == 0.1
+  for bad in (1.0, -0.1, "0.1"):
+    with pytest.raises(lora.LoraError, match="model.lora.dropout"):
+      lora.LoraConfig(dropout=bad)
+
+
+def _steps(trainer, n, state=None):
+  """n updates on one batch from `state` (default: fresh adapters); returns the states after each."""
+  state = state or trainer.init(params=base_params()).replace(rollout_step=1)
+  batch = trainer.put_batch(make_batch())
+  out = []
+  for _ in range(n):
+    state, m = trainer.step(state, batch)
+    out.append((jax.device_get(state), jax.device_get(m)))
+  return out
+
+
+def test_dropout_step_is_seeded_and_resumes_exactly():
+  drop = lora.LoraConfig(rank=4, alpha=8.0, dropout=0.3)
+  trainer = make_trainer(lcfg=drop, seed=0)
+  (s1, _), (s2, m2) = _steps(trainer, 2)
+  # Resume: the state after one update (as a checkpoint restores it) in a new trainer, one update.
+  t = make_trainer(lcfg=drop, seed=0)
+  [(resumed, m_resumed)] = _steps(t, 1, sharding.put(s1, t.state_sharding))
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, s2.params)
+  assert m_resumed["loss"] == m2["loss"]
+  # Another seed draws other masks.
+  b = lambda s: s.params["lora"]["layers"]["wq_DNH"]["b"]
+  [(other, _)] = _steps(make_trainer(lcfg=drop, seed=1), 1)
+  assert np.abs(b(other) - b(s1)).max() > 0
+  # Dropout 0 draws nothing: the compiled update has no random-number op at all.
+  state, batch = trainer.init(params=base_params()), trainer.put_batch(make_batch())
+  assert "threefry" in trainer.lower_step(state, batch).as_text()
+  plain = make_trainer(seed=0)
+  assert "threefry" not in plain.lower_step(plain.init(params=base_params()), batch).as_text()
+
+
+def test_dropout_step_loss_is_the_objective_on_the_dropped_forward():
+  # The step's loss at update 0 is the objective on the adapted tree with the masks of (seed, 0, 0).
+  trainer = make_trainer(lcfg=lora.LoraConfig(rank=4, alpha=8.0, dropout=0.5), seed=3)
+  p = jax.device_get(adapted())
+  state = trainer.init(params=p)
+  _, m = trainer.step(state, trainer.put_batch(make_batch()))
+  obj = objectives.policy_gradient(CFG, objectives.PGConfig())
+  mb = make_batch()
+  at = lambda q: float(obj.loss(q, mb, obj.counts(mb))[0])
+  dropped = at(lora.with_dropout(p, 0.5, lora.dropout_key(3, 0, 0)))
+  np.testing.assert_allclose(float(m["loss"]), dropped, rtol=1e-5)
+  assert abs(dropped - at(p)) > 1e-4
+
+
+def test_forward_passes_never_drop():
+  # π_old / reference log-probs (Trainer.forward) of a trainer with dropout: the undropped model.
+  trainer = make_trainer(lcfg=lora.LoraConfig(rank=4, alpha=8.0, dropout=0.5))
+  p = jax.device_get(adapted())
+  state = trainer.init(params=p)
+  fn = objectives.completion_logprobs(CFG, 1.0)
+  got = np.asarray(trainer.forward(fn)(state.params, trainer.put_batch(make_batch())))
+  np.testing.assert_allclose(got, np.asarray(fn(lora.merge(p), make_batch())), atol=1e-5)
 
 
 # --- the sampler ------------------------------------------------------------------------------
@@ -236,9 +342,9 @@ def test_peft_export_loads_in_peft_and_gives_our_logits(tmp_path):
 
 def test_peft_adapter_imports_as_the_starting_point(tmp_path):
   p = adapted()
-  hf.save_peft(str(tmp_path / "adapter"), CFG, jax.device_get(p))
+  hf.save_peft(str(tmp_path / "adapter"), CFG, jax.device_get(p), dropout=0.05)
   lcfg, adapters = hf.load_peft(str(tmp_path / "adapter"), CFG, base_quant="int8")
-  assert (lcfg.rank, lcfg.alpha, lcfg.base_quant) == (4, 8.0, "int8")
+  assert (lcfg.rank, lcfg.alpha, lcfg.dropout, lcfg.base_quant) == (4, 8.0, 0.05, "int8")
   assert lcfg.targets == lora.ALL_TARGETS
   jax.tree.map(np.testing.assert_array_equal, adapters, jax.device_get(p["lora"]))
   # A LoRA trainer starts from it: same adapters, int8 base.
