@@ -151,6 +151,7 @@ def base() -> mlc.ConfigDict:
   c.dpo = dict(pairs, beta=0.1,              # β of the implicit reward β·(log π - log π_ref)
                loss_type="sigmoid",          # sigmoid (DPO) | ipo
                label_smoothing=0.0,
+               rpo_alpha=0.0,                # RPO: + rpo_alpha * NLL of the chosen responses (0 = plain DPO)
                eval_greedy=64,               # held-out prompts whose greedy answers are rule-checked
                max_new_tokens=32)            # their generation budget
   c.mesh = dict(data=1, fsdp=-1, tensor=1)   # -1: the rest of the devices

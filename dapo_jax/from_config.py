@@ -342,7 +342,7 @@ def dpo_config(cfg):
   from dapo_jax import dpo  # noqa: PLC0415
   d = cfg.dpo
   return dpo.DPOTrainConfig(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
-                            **_pair_fields(cfg, "dpo"))
+                            rpo_alpha=d.rpo_alpha, **_pair_fields(cfg, "dpo"))
 
 
 def preference_data(cfg, name: str):
