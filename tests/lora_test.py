@@ -214,7 +214,8 @@ def test_adapter_dropout_matches_a_numpy_reference_with_the_same_mask():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert 0 < mask.mean() < 1
   # Without the entry (every forward but the train step's), nothing is dropped.
-  plain = np.einsum("XD,DNH->XNH", f64(x), f64(p["wq_DNH"]) + 0.7 * np.einsum("Dr,rNH->DNH", f64(ad["a"]), f64(ad["b"])))
+  merged = f64(p["wq_DNH"]) + 0.7 * np.einsum("Dr,rNH->DNH", f64(ad["a"]), f64(ad["b"]))
+  plain = np.einsum("XD,DNH->XNH", f64(x), merged)
   np.testing.assert_allclose(layers.dense("XD,DNH->XNH", x, p, "wq_DNH", CFG), plain, rtol=1e-5, atol=1e-5)
   # Each target draws its own mask from the layer's key (PEFT has one dropout module per projection).
   same = lambda name: layers.adapter_dropout(x, jnp.float32(rate), key, name)
