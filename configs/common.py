@@ -56,7 +56,8 @@ def base() -> mlc.ConfigDict:
                  expert_chunk=0,             # tokens per device per expert-dispatch block (0 = all)
                  # LoRA: rank > 0 trains adapters of that rank on the `targets` projections of every
                  # layer (PEFT names) and freezes the base; the reference model is the base with its
-                 # adapters off. alpha: the adapters' output scales by alpha / rank. dropout: only 0.
+                 # adapters off. alpha: the adapters' output scales by alpha / rank. dropout: PEFT's
+                 # lora_dropout, on the adapters' input in training forwards only.
                  lora=dict(rank=0, alpha=32.0, dropout=0.0,
                            targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
                  base_quant="")              # "int8": the frozen base's layer matrices in int8 (needs lora.rank > 0)
@@ -179,6 +180,7 @@ def base() -> mlc.ConfigDict:
   c.dpo = dict(pairs, beta=0.1,              # β of the implicit reward β·(log π - log π_ref)
                loss_type="sigmoid",          # sigmoid (DPO) | ipo
                label_smoothing=0.0,
+               rpo_alpha=0.0,                # RPO: + rpo_alpha * NLL of the chosen responses (0 = plain DPO)
                eval_greedy=64,               # held-out prompts whose greedy answers are rule-checked
                max_new_tokens=32)            # their generation budget
   c.mesh = dict(data=1, fsdp=-1, tensor=1,  # -1: the rest of the devices

@@ -1,11 +1,15 @@
-r"""Stage 3 of the RLHF pipeline on the arithmetic task: DPO on the preference pairs.
+r"""Stage 3 of the RLHF pipeline on the arithmetic task: DPO on the preference pairs, with RPO's NLL term.
 
   python -m launch.dpo --config=configs/dpo_arith.py               # -> runs/dpo_arith/dpo_model
+  python -m launch.dpo --config=configs/dpo_arith.py --config.dpo.rpo_alpha=0   # plain DPO
 Starts from (and is regularised towards) the SFT model of configs/sft_chat_arith.py; reads the pairs
-of configs/rm_arith.py. Prints the rule-checked greedy accuracy on held-out prompts before and after.
-Measured (2 shared CPU cores, ~2.5 min): held-out implicit-reward accuracy 0.918, but greedy accuracy
-0.898 -> 0.641 (lr 1e-5: -> 0.531): on pairs that differ in a digit or two, DPO lowers the chosen
-answers' likelihood too (the chosen implicit reward goes negative), as Pal et al. 2024 (DPOP) report.
+of configs/rm_arith.py. Prints the rule-checked greedy accuracy on 128 held-out prompts before and
+after. The pairs differ in a digit or two, and plain DPO lowers the chosen answers' likelihood along
+with the rejected ones' (Pal et al. 2024, DPOP): greedy accuracy falls. RPO (Pang et al. 2024; TRL's
+`rpo_alpha`) adds α times the chosen responses' NLL and keeps it rising, so it is the default here.
+Measured (2 shared CPU cores, 150 updates, β 0.1, lr 1e-4), greedy accuracy 89.8% before:
+  plain DPO (rpo_alpha=0): 34.4% / 46.1% / 64.1% after 50 / 100 / 150 updates (implicit-reward acc 0.918)
+  RPO (rpo_alpha=1):       100% / 97.7% / 96.1% after 50 / 100 / 150 updates (implicit-reward acc 0.953)
 """
 from configs import common
 
@@ -18,6 +22,7 @@ def get_config(arg=None):
                init_dir="runs/sft_chat_arith/sft_model",
                steps=150, batch_pairs=32, lr=1e-4, warmup_steps=10,
                beta=0.1, loss_type="sigmoid",
+               rpo_alpha=1.0,      # RPO's NLL on the chosen responses; 0 = plain DPO (lowers accuracy here)
                prompt_len=32, response_len=40, eval_every=50, ckpt_every=50,
                eval_greedy=128, max_new_tokens=40)
   if arg.runlocal:

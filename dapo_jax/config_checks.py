@@ -283,6 +283,7 @@ def validate_pairs(cfg, name: str) -> None:
     n("dpo.beta", 0, lo_open=True)
     check(s.loss_type in loss_lib.DPO_LOSS_TYPES, "dpo.loss_type", s.loss_type, f"one of {loss_lib.DPO_LOSS_TYPES}")
     n("dpo.label_smoothing", 0, 0.5)
+    n("dpo.rpo_alpha", 0)
     n("dpo.eval_greedy", 0, integer=True)
     n("dpo.max_new_tokens", 1, integer=True)
   else:

@@ -26,6 +26,7 @@ class DPOTrainConfig(rm.PairTrainConfig):
   beta: float = 0.1              # β of the implicit reward
   loss_type: str = "sigmoid"     # sigmoid (DPO) | ipo
   label_smoothing: float = 0.0   # conservative DPO's ε (sigmoid only)
+  rpo_alpha: float = 0.0         # RPO: + α · NLL of the chosen responses (0 = plain DPO)
 
   def __post_init__(self):
     from dapo_jax import loss as loss_lib
@@ -33,13 +34,16 @@ class DPOTrainConfig(rm.PairTrainConfig):
       raise ValueError(f"dpo.loss_type={self.loss_type!r}; expected one of {loss_lib.DPO_LOSS_TYPES}")
     if self.beta <= 0:
       raise ValueError(f"dpo.beta={self.beta}; expected > 0")
+    if self.rpo_alpha < 0:
+      raise ValueError(f"dpo.rpo_alpha={self.rpo_alpha}; expected >= 0")
 
 
 def train(c: DPOTrainConfig, model_cfg: model_lib.ModelConfig, params, tok, train_pairs, eval_pairs, mesh,
           workdir: str, evaluator: evaluate_lib.Evaluator | None = None) -> tuple[object, dict]:
   """DPO from `params` (also the reference); returns (params, the last held-out metrics)."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=c.grad_clip)
-  dcfg = objectives.DPOConfig(beta=c.beta, loss_type=c.loss_type, label_smoothing=c.label_smoothing)
+  dcfg = objectives.DPOConfig(beta=c.beta, loss_type=c.loss_type, label_smoothing=c.label_smoothing,
+                              rpo_alpha=c.rpo_alpha)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.dpo(model_cfg, dcfg), num_microbatches=0,
                                microbatch_tokens=c.microbatch_tokens)
   logprobs = trainer.forward(objectives.response_logprobs(model_cfg))

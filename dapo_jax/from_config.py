@@ -282,7 +282,7 @@ def lora_config(cfg) -> lora_lib.LoraConfig | None:
 def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_step.Trainer:
   return train_step.Trainer(model_cfg, optim.OptimConfig(**cfg.optim), mesh, objective,
                             num_microbatches=cfg.train.num_microbatches,
-                            microbatch_tokens=cfg.train.microbatch_tokens, lora=lora_config(cfg))
+                            microbatch_tokens=cfg.train.microbatch_tokens, lora=lora_config(cfg), seed=cfg.seed)
 
 
 def evaluator(cfg, rollout: rollout_lib.Rollout, examples, progress: bool = False) -> evaluate.Evaluator:
@@ -392,7 +392,7 @@ def dpo_config(cfg):
   from dapo_jax import dpo  # noqa: PLC0415
   d = cfg.dpo
   return dpo.DPOTrainConfig(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
-                            **_pair_fields(cfg, "dpo"))
+                            rpo_alpha=d.rpo_alpha, **_pair_fields(cfg, "dpo"))
 
 
 def preference_data(cfg, name: str):

@@ -509,9 +509,11 @@ def _peft_name(layer: int, module: str, which: str) -> str:
   return f"base_model.model.model.layers.{layer}.{module}.lora_{which}.weight"
 
 
-def save_peft(path: str, model_cfg: model_lib.ModelConfig, params: dict, base_model: str = "") -> None:
+def save_peft(path: str, model_cfg: model_lib.ModelConfig, params: dict, base_model: str = "",
+              dropout: float = 0.0) -> None:
   """Writes the adapters of an adapted tree as a PEFT LoRA adapter directory (adapter_config.json and
-  adapter_model.safetensors), which `peft.PeftModel.from_pretrained` loads onto the base model."""
+  adapter_model.safetensors), which `peft.PeftModel.from_pretrained` loads onto the base model.
+  `dropout` is recorded as the adapter's lora_dropout (the run's `model.lora.dropout`)."""
   if not lora_lib.is_adapted(params):
     raise ValueError("save_peft needs an adapted parameter tree (lora.adapt); these params have no adapters")
   adapters = params["lora"]["layers"]
@@ -526,7 +528,7 @@ def save_peft(path: str, model_cfg: model_lib.ModelConfig, params: dict, base_mo
       tensors[_peft_name(l, names[ours][1], "B")] = b[l].reshape(rank, -1).T
   os.makedirs(path, exist_ok=True)
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
-            "r": int(rank), "lora_alpha": _num(float(params["lora_scale"]) * rank), "lora_dropout": 0.0,
+            "r": int(rank), "lora_alpha": _num(float(params["lora_scale"]) * rank), "lora_dropout": float(dropout),
             "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "use_dora": False, "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
             "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
@@ -560,7 +562,8 @@ def load_peft(path: str, model_cfg: model_lib.ModelConfig, base_quant: str = "")
   if isinstance(targets, str) or not isinstance(targets, list):
     raise CheckpointError(f"{cfg_path}: target_modules={targets!r}: expected a list of projection names")
   try:
-    lcfg = lora_lib.LoraConfig(rank=config.get("r"), alpha=config.get("lora_alpha"), dropout=0.0,
+    lcfg = lora_lib.LoraConfig(rank=config.get("r"), alpha=config.get("lora_alpha"),
+                               dropout=config.get("lora_dropout", 0.0),
                                targets=tuple(sorted(targets, key=list(lora_lib.TARGETS).index)
                                              if set(targets) <= set(lora_lib.TARGETS) else targets),
                                base_quant=base_quant)

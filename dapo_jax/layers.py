@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from dapo_jax import quant
 from dapo_jax import sharding
 from dapo_jax.model_config import ModelConfig
 
@@ -63,7 +64,8 @@ def dense(spec: str, x: jax.Array, p: dict, name: str, cfg: ModelConfig) -> jax.
   A float weight is `matmul`. An int8 one ({"int8", "scale"}, see `quant`) is dequantized on the
   fly: (x @ w_int8) * scale, fp32 accumulation, one scale per output channel. A LoRA adapter
   p["lora"][name] = {"a": [in.., r], "b": [r, out..]} adds p["lora_scale"] * (x @ a) @ b: with
-  b = 0 or lora_scale = 0 the result is exactly the base's.
+  b = 0 or lora_scale = 0 the result is exactly the base's. With p["lora_dropout"] = (rate, key)
+  (a training forward), the adapter reads `adapter_dropout(x, ...)` instead of x.
   """
   w = p[name]
   if isinstance(w, dict):
@@ -79,9 +81,19 @@ def dense(spec: str, x: jax.Array, p: dict, name: str, cfg: ModelConfig) -> jax.
   ws, ys = rest.split("->")
   ins = "".join(c for c in ws if c in xs)        # contracted (input) axes of the weight
   keep = "".join(c for c in xs if c not in ins)  # the token axes
+  if "lora_dropout" in p:
+    x = adapter_dropout(x, *p["lora_dropout"], name)
   h = matmul(f"{xs},{ins}r->{keep}r", x, adapter["a"], cfg)
   delta = matmul(f"{keep}r,r{ws[len(ins):]}->{ys}", h, adapter["b"], cfg)
   return y + p["lora_scale"].astype(y.dtype) * delta
+
+
+def adapter_dropout(x: jax.Array, rate: jax.Array, key: jax.Array, name: str) -> jax.Array:
+  """PEFT's lora_dropout on the input of the adapter on `name`: x * mask / (1 - rate) with
+  mask ~ Bernoulli(1 - rate) elementwise, one mask per (layer key, target), as PEFT has one
+  dropout module per adapted projection (the target's index among the layer matrices salts the key)."""
+  keep = jax.random.bernoulli(jax.random.fold_in(key, list(quant.MATRICES).index(name)), 1.0 - rate, x.shape)
+  return jnp.where(keep, x * (1.0 / (1.0 - rate)).astype(x.dtype), jnp.zeros((), x.dtype))
 
 
 def rms_norm(x: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:

@@ -4,8 +4,10 @@ An adapted parameter tree is {"base": the model's params (layer matrices possibl
 `quant`), "lora": {"layers": {weight: {"a": [L, in.., r], "b": [L, r, out..]}}}, "lora_scale":
 fp32 scalar alpha / r}. A target projection y = x W becomes y = x W + lora_scale (x a) b
 (`layers.dense`); b starts at 0, so the adapted model starts as the base. Only "lora" is
-trained: gradients and optimizer state exist for the adapters alone. The reference model is the
-same tree with lora_scale = 0 (`adapters_off`): one forward with a switch, no second base.
+trained: gradients and optimizer state exist for the adapters alone. Dropout (PEFT's
+lora_dropout) acts on the adapters' input in the train step's forward alone (`with_dropout`).
+The reference model is the same tree with lora_scale = 0 (`adapters_off`): one forward with a
+switch, no second base.
 The sampler decodes with the adapters merged into its per-call decode weights (`merge_layers`).
 Target names are PEFT's (q_proj, ..., down_proj), so `hf.save_peft` / `hf.load_peft` exchange
 adapters with `peft`.
@@ -40,7 +42,7 @@ class LoraConfig:
   stores the frozen base's layer matrices as int8 (weight-only)."""
   rank: int = 16
   alpha: float = 32.0                  # adapter output scales by alpha / rank
-  dropout: float = 0.0                 # on the adapter input; only 0 is implemented
+  dropout: float = 0.0                 # probability of dropping an adapter input (training forwards only)
   targets: tuple[str, ...] = ALL_TARGETS
   base_quant: str = ""                 # "" (float base) | "int8"
 
@@ -56,8 +58,8 @@ class LoraConfig:
       raise LoraError(f"model.lora.rank={self.rank!r}: expected an integer >= 1")
     if not self.alpha > 0:
       raise LoraError(f"model.lora.alpha={self.alpha!r}: expected a number > 0")
-    if self.dropout != 0:
-      raise LoraError(f"model.lora.dropout={self.dropout!r}: only 0 is implemented")
+    if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+      raise LoraError(f"model.lora.dropout={self.dropout!r}: expected a probability in [0, 1)")
     if self.base_quant not in quant.KINDS:
       raise LoraError(f"model.base_quant={self.base_quant!r}: expected one of {quant.KINDS}")
 
@@ -111,11 +113,34 @@ def adapters_off(params: dict) -> dict:
   return dict(params, lora_scale=jnp.zeros_like(params["lora_scale"]))
 
 
+def with_dropout(params: dict, rate: float, rng: jax.Array) -> dict:
+  """The adapted tree as the train step's forward sees it: every adapter input x is replaced by
+  x * mask / (1 - rate), mask ~ Bernoulli(1 - rate), before `a` (PEFT's lora_dropout), with masks
+  drawn from `rng` (one per layer and target). Nothing else adds this entry, so the sampler, the
+  π_old and reference log-probs and evaluation never drop. `rate` 0 returns `params` unchanged."""
+  if not rate:
+    return params
+  return dict(params, lora_dropout={"rate": jnp.asarray(rate, jnp.float32), "rng": rng})
+
+
+def dropout_key(seed: int, update: jax.Array, microbatch) -> jax.Array:
+  """The dropout key of one micro-batch of one optimizer update: a function of the run's seed and
+  the update count (`TrainState.step`, checkpointed), so a resumed run draws the same masks."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), update), microbatch)
+
+
 def flax_variables(params) -> dict:
-  """The flax variables `model.Transformer` applies: {"params": base} and, adapted, {"lora": ...}."""
+  """The flax variables `model.Transformer` applies: {"params": base} and, adapted, {"lora": ...}
+  (with dropout: the rate and one key per layer, which `nn.scan` hands to each layer)."""
   if not is_adapted(params):
     return {"params": params}
-  return {"params": params["base"], "lora": dict(params["lora"], scale=params["lora_scale"])}
+  lora = dict(params["lora"], scale=params["lora_scale"])
+  drop = params.get("lora_dropout")
+  if drop is not None:
+    num_layers = jax.tree.leaves(params["lora"]["layers"])[0].shape[0]
+    lora["layers"] = dict(lora["layers"], dropout_rng=jax.random.split(drop["rng"], num_layers))
+    lora["dropout_rate"] = drop["rate"]
+  return {"params": params["base"], "lora": lora}
 
 
 def merge_layers(params: dict, dtype=jnp.float32) -> dict:

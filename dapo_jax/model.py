@@ -77,7 +77,7 @@ class Block(nn.Module):
   def __call__(self, segments: tuple, shared: tuple, local: jax.Array):
     cfg = self.cfg
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    tables, local_tables, masks, lora_scale, real = shared
+    tables, local_tables, masks, lora_switch, real = shared
     window = None
     if cfg.local_layers:  # Local layers: the window and their own rotary table.
       window = jnp.where(local, cfg.sliding_window, jnp.iinfo(jnp.int32).max)
@@ -110,9 +110,11 @@ class Block(nn.Module):
       p["w_gate_DF"] = _matrix(self, "w_gate_DF", (D, F), cfg)
       p["w_up_DF"] = _matrix(self, "w_up_DF", (D, F), cfg)
       p["w_down_FD"] = _matrix(self, "w_down_FD", (F, D), cfg)
-    if lora_scale is not None:  # Adapters of an adapted tree (see `lora`), this layer's slice.
+    if lora_switch is not None:  # Adapters of an adapted tree (see `lora`), this layer's slice.
       p["lora"] = {n: self.get_variable("lora", n) for n in quant.MATRICES if self.has_variable("lora", n)}
-      p["lora_scale"] = lora_scale
+      p["lora_scale"] = lora_switch["scale"]
+      if "dropout_rate" in lora_switch:  # A training forward (`lora.with_dropout`): this layer's key.
+        p["lora_dropout"] = (lora_switch["dropout_rate"], self.get_variable("lora", "dropout_rng"))
 
     shapes = [s.shape[:2] for s in segments]
     sizes = [b * t for b, t in shapes]
@@ -217,9 +219,11 @@ class Transformer(nn.Module):
     tables = tuple(layers_lib.rope_table(p, cfg) for p in pos)
     local_tables = tuple(layers_lib.rope_table(p, cfg, local=True) for p in pos) if cfg.local_layers else None
     local_L = jnp.asarray([l in cfg.local_layers for l in range(cfg.num_layers)])
-    lora_scale = self.get_variable("lora", "scale") if self.has_variable("lora", "scale") else None
+    lora_switch = None  # The adapters' scale and, in a training forward, their dropout rate.
+    if self.has_variable("lora", "scale"):
+      lora_switch = {k: self.get_variable("lora", k) for k in ("scale", "dropout_rate") if self.has_variable("lora", k)}
     real = tuple(jnp.diagonal(m, axis1=-2, axis2=-1) for m in masks)  # A token sees itself iff it is real.
-    shared = (tables, local_tables, masks, lora_scale, real)
+    shared = (tables, local_tables, masks, lora_switch, real)
     kvs = []
     for r, (start, stop, moe) in enumerate(cfg.layer_runs):
       layers = nn.scan(block, variable_axes={"params": 0, "lora": 0, "router": 0}, split_rngs={"params": True},

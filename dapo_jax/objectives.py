@@ -224,16 +224,30 @@ class DPOConfig:
   beta: float = 0.1
   loss_type: str = "sigmoid"      # sigmoid (DPO) | ipo (length-averaged log-probs, as TRL)
   label_smoothing: float = 0.0    # ε of the conservative DPO (sigmoid only)
+  rpo_alpha: float = 0.0          # α of RPO's NLL term on the chosen responses (0 = plain DPO)
   share_prompt: bool = True       # a pair's prompt runs through the model once
 
 
 def dpo(model_cfg: model_lib.ModelConfig, cfg: DPOConfig) -> Objective:
   """DPO / IPO on `PreferenceBatch` rows against the reference log-probs stored in the batch
-  (`ref_logp_B`, sums over the response, computed once by the frozen reference)."""
+  (`ref_logp_B`, sums over the response, computed once by the frozen reference).
+
+  With `rpo_alpha` = α > 0, RPO (Pang et al. 2024; TRL's `rpo_alpha`): the loss adds α times the
+  chosen responses' NLL, a token mean over the mini-batch's chosen tokens,
+      L = mean_pairs(DPO) + α · (-Σ log π(y_c tokens) / #chosen tokens),
+  which keeps the chosen answers' likelihood from falling with the rejected ones'.
+  """
   logprobs = response_logprobs(model_cfg, cfg.share_prompt)
 
+  def counts(batch: PreferenceBatch) -> dict:
+    out = _pair_counts(batch)
+    if cfg.rpo_alpha:
+      out["num_chosen_tokens"] = jnp.sum(batch.loss_mask_BC[0::2].astype(jnp.float32))
+    return out
+
   def loss(params, mb: PreferenceBatch, counts: dict):
-    logp_B, ref_B = logprobs(params, mb), mb.ref_logp_B
+    sum_B = logprobs(params, mb)
+    logp_B, ref_B = sum_B, mb.ref_logp_B
     if cfg.loss_type == "ipo":  # IPO compares length-averaged log-probs.
       n_B = jnp.maximum(jnp.sum(mb.loss_mask_BC, axis=1), 1).astype(jnp.float32)
       logp_B, ref_B = logp_B / n_B, ref_B / n_B
@@ -242,9 +256,13 @@ def dpo(model_cfg: model_lib.ModelConfig, cfg: DPOConfig) -> Objective:
     metrics = dict(metrics, dpo_loss=value, **{"logps/chosen": jnp.mean(logp_B[0::2]),
                                                "logps/rejected": jnp.mean(logp_B[1::2])})
     w = _pair_weight(mb, counts)
-    return value * w, jax.tree.map(lambda m: m * w, metrics)
+    value, metrics = value * w, jax.tree.map(lambda m: m * w, metrics)
+    if cfg.rpo_alpha:  # Over the whole mini-batch's chosen tokens, so micro-batches add up to it.
+      nll = -jnp.sum(sum_B[0::2]) / jnp.maximum(counts["num_chosen_tokens"], 1.0)
+      value, metrics = value + cfg.rpo_alpha * nll, dict(metrics, nll_loss=nll)
+    return value, metrics
 
-  return Objective(loss=loss, counts=_pair_counts, group_size=2)
+  return Objective(loss=loss, counts=counts, group_size=2)
 
 
 # --- PPO's critic ---------------------------------------------------------------------------------

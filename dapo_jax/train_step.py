@@ -91,33 +91,47 @@ def merge_microbatches(x_M, group_size: int = 1):
 
 def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Callable,
                tx: optax.GradientTransformation, optim_cfg: optim.OptimConfig, num_microbatches: int = 1,
-               group_size: int = 1, adapters: bool = False):
+               group_size: int = 1, adapters: bool = False, dropout: float = 0.0, seed: int = 0):
   """One optimizer update on one mini-batch; pure. Returns (state, metrics).
 
-  With `adapters` (a `lora` tree), gradients are taken with respect to the adapters alone.
+  With `adapters` (a `lora` tree), gradients are taken with respect to the adapters alone, and
+  the adapters' inputs are dropped with probability `dropout` (masks from `lora.dropout_key`).
   """
   counts = counts_fn(batch)  # Global over the mini-batch: the denominators of every micro-batch.
-  if adapters:
-    full = lambda lora: dict(state.params, lora=lora)
-    grad_fn = jax.value_and_grad(lambda p, mb: objective(full(p), mb, counts), has_aux=True)
-  else:
-    grad_fn = jax.value_and_grad(lambda p, mb: objective(p, mb, counts), has_aux=True)
+  grad_fn = jax.value_and_grad(adapter_loss(objective, state.params, adapters, dropout, seed, state.step),
+                               has_aux=True)
   params = trainable(state.params, adapters)
 
-  def accumulate(carry, mb):
-    (loss, metrics), grads = grad_fn(params, mb)
+  def accumulate(carry, mb_i):
+    (loss, metrics), grads = grad_fn(params, *mb_i, counts)
     return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
 
   if num_microbatches == 1:
-    (loss, metrics), grads = grad_fn(params, batch)
+    (loss, metrics), grads = grad_fn(params, batch, 0, counts)
   else:
     micro = split_microbatches(batch, num_microbatches, group_size)
     first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(lambda: grad_fn(params, first))
+    shapes = jax.eval_shape(lambda: grad_fn(params, first, 0, counts))
     (loss0, metrics0), grads0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (loss, metrics, grads), _ = jax.lax.scan(accumulate, (loss0, metrics0, grads0), micro)
+    (loss, metrics, grads), _ = jax.lax.scan(accumulate, (loss0, metrics0, grads0),
+                                             (micro, jnp.arange(num_microbatches)))
 
   return apply_update(state, loss, metrics, grads, counts, tx=tx, optim_cfg=optim_cfg, adapters=adapters)
+
+
+def adapter_loss(objective: Callable, params, adapters: bool, dropout: float, seed: int, update) -> Callable:
+  """(trainable params, micro-batch, its index, counts) -> objective(...): the loss as a function of
+  what the optimizer updates. With `adapters`, the rest of `params` (the frozen base) is closed
+  over, and a `dropout` > 0 drops the adapters' inputs with the masks of (seed, update, micro-batch)."""
+  if not adapters:
+    return lambda p, mb, i, counts: objective(p, mb, counts)
+
+  def loss(lora, mb, i, counts):
+    full = dict(params, lora=lora)
+    if dropout:
+      full = lora_lib.with_dropout(full, dropout, lora_lib.dropout_key(seed, update, i))
+    return objective(full, mb, counts)
+  return loss
 
 
 def apply_update(state: TrainState, loss, metrics: dict, grads, counts: dict, *, tx: optax.GradientTransformation,
@@ -165,15 +179,19 @@ class Trainer:
 
   With `lora` (a `lora.LoraConfig`), params are an adapted tree (`lora.adapt`: a frozen, possibly
   int8 base and adapters): gradients and AdamW state exist for the adapters alone, the step never
-  donates or rewrites the base, and `reference_params` is the base with its adapters off.
+  donates or rewrites the base, and `reference_params` is the base with its adapters off. The
+  update's forward drops adapter inputs with probability `lora.dropout` (masks from `seed` and
+  the update count); `forward` passes never do.
   """
 
   def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh,
                objective: Objective, *, num_microbatches: int = 1, microbatch_tokens: int = 2048,
-               param_rules=sharding.PARAM_RULES, lora: lora_lib.LoraConfig | None = None, head: str = "lm"):
+               param_rules=sharding.PARAM_RULES, lora: lora_lib.LoraConfig | None = None, head: str = "lm",
+               seed: int = 0):
     """`num_microbatches` splits each update's mini-batch for gradient accumulation; 0 picks, for
     each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
-    (`auto_microbatches`). `head` is the model's head ("scalar": a reward or value model)."""
+    (`auto_microbatches`). `head` is the model's head ("scalar": a reward or value model). `seed`
+    seeds the LoRA dropout masks."""
     sharding.check_divisible(model_cfg, mesh)
     if lora is not None and model_cfg.moe:
       raise ValueError(f"model.lora.rank={lora.rank}: LoRA adapters on a mixture of experts (model.num_experts="
@@ -186,6 +204,7 @@ class Trainer:
     self.num_microbatches, self.microbatch_tokens = num_microbatches, microbatch_tokens
     self.group_size = max(objective.group_size, 1)
     self.lora = lora
+    dropout = lora.dropout if lora is not None else 0.0
 
     # Shardings of the whole state from the parameters' logical axes (boxed abstract params:
     # optax's moments inherit the boxes, so they shard like their parameters).
@@ -212,16 +231,15 @@ class Trainer:
       self._step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
                            out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
     else:
-      self._setup_adapters(model_cfg, optim_cfg, objective, lora)
+      self._setup_adapters(model_cfg, optim_cfg, objective, lora, seed)
     adapters = lora is not None
 
-    def grads(params, mb, counts):  # Of the adapters alone in LoRA mode.
-      if adapters:
-        loss = lambda a: objective.loss(dict(params, lora=a), mb, counts)
-        return jax.value_and_grad(loss, has_aux=True)(params["lora"])
-      return jax.value_and_grad(objective.loss, has_aux=True)(params, mb, counts)
+    def grads(params, mb, counts, update, i):  # Of the adapters alone in LoRA mode.
+      loss = adapter_loss(objective.loss, params, adapters, dropout, seed, update)
+      return jax.value_and_grad(loss, has_aux=True)(trainable(params, adapters), mb, i, counts)
     grads_sharding = self.params_sharding["lora"] if adapters else self.params_sharding
-    self._grads = jax.jit(grads, in_shardings=(self.params_sharding, self.batch_sharding, self.replicated),
+    self._grads = jax.jit(grads, in_shardings=(self.params_sharding, self.batch_sharding, self.replicated,
+                                               self.replicated, self.replicated),
                           out_shardings=((self.replicated, self.replicated), grads_sharding))
     self._counts = jax.jit(objective.counts, in_shardings=(self.batch_sharding,), out_shardings=self.replicated)
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
@@ -235,14 +253,14 @@ class Trainer:
     self._copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(self.params_sharding,),
                          out_shardings=self.params_sharding)
 
-  def _setup_adapters(self, model_cfg, optim_cfg, objective, lora) -> None:
+  def _setup_adapters(self, model_cfg, optim_cfg, objective, lora, seed) -> None:
     """The jitted pieces of LoRA mode. The step takes the frozen base as its own argument, which is
     not donated: the reference (`reference_params`) and the sampler keep reading the same arrays."""
     def step(rest, base, batch):
       state = rest.replace(params=dict(rest.params, base=base))
       state, metrics = train_step(state, batch, objective=objective.loss, counts_fn=objective.counts, tx=self.tx,
                                   optim_cfg=optim_cfg, num_microbatches=self.microbatches_for(batch),
-                                  group_size=self.group_size, adapters=True)
+                                  group_size=self.group_size, adapters=True, dropout=lora.dropout, seed=seed)
       return _without_base(state), metrics
     rest_sharding = _without_base(self.state_sharding)
     self._step = jax.jit(step, in_shardings=(rest_sharding, self.params_sharding["base"], self.batch_sharding),
@@ -271,8 +289,8 @@ class Trainer:
       for mb in micro_batches[1:]:
         counts = self._add(counts, self._counts(mb))
       acc = None
-      for mb in micro_batches:
-        out = self._grads(state.params, mb, counts)
+      for i, mb in enumerate(micro_batches):
+        out = self._grads(state.params, mb, counts, state.step, i)
         acc = out if acc is None else self._add(acc, out)
       (loss, metrics), grads = acc
       return self._apply(state, loss, metrics, grads, counts)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import hf, lora, model, objectives, optim, sampling, sharding, testing, train_step
+from dapo_jax import hf, layers, lora, model, objectives, optim, sampling, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64)
@@ -17,7 +17,10 @@ OPT = optim.OptimConfig(lr=1e-2, warmup_steps=0, weight_decay=0.0, grad_clip=1.0
 
 
 def base_params(cfg=CFG, seed=0):
-  return jax.device_get(model.init_params(cfg, jax.random.key(seed)))
+  return jax.device_get(_init(cfg, jax.random.key(seed)))
+
+
+_init = jax.jit(model.init_params, static_argnums=0)  # Jitted: an eager flax init takes seconds.
 
 
 def adapted(cfg=CFG, lcfg=LCFG, seed=0, b_scale=0.3):
@@ -164,7 +167,8 @@ def test_reference_is_the_base_with_adapters_off_and_survives_the_steps():
 def test_sharded_lora_step_matches_one_device():
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  lcfg = lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8")
+  # With dropout: the masks depend on the token's place in the batch, not on the device holding it.
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8", dropout=0.2)
   batch = make_batch()
   out = []
   for mesh in (sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}), one_device_mesh()):
@@ -185,6 +189,97 @@ def test_sharded_lora_step_matches_one_device():
   assert specs["lora"]["layers"]["wq_DNH"]["b"] == P(None, None, "tensor", None)
   assert specs["base"]["layers"]["wq_DNH"]["int8"] == P(None, "fsdp", "tensor", None)
   assert specs["base"]["layers"]["wq_DNH"]["scale"] == P(None, "tensor", None)
+
+
+# --- dropout ----------------------------------------------------------------------------------
+
+def _dense_case(seed=0, X=6, D=8, N=2, H=4, r=3):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  p = {"wq_DNH": f(D, N, H), "wk_DKH": f(D, N, H), "lora_scale": jnp.asarray(0.7, jnp.float32),
+       "lora": {"wq_DNH": {"a": f(D, r), "b": f(r, N, H)}, "wk_DKH": {"a": f(D, r), "b": f(r, N, H)}}}
+  return p, f(X, D)
+
+
+def test_adapter_dropout_matches_a_numpy_reference_with_the_same_mask():
+  # PEFT: y = x W + scale * B(A(dropout(x))), dropout(x) = x * mask / (1 - p) in training.
+  p, x = _dense_case()
+  rate, key = 0.25, jax.random.key(5)
+  got = layers.dense("XD,DNH->XNH", x, dict(p, lora_dropout=(jnp.float32(rate), key)), "wq_DNH", CFG)
+  mask = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, 0), 1 - rate, x.shape))  # wq: target 0
+  f64 = lambda a: np.asarray(a, np.float64)
+  ad = p["lora"]["wq_DNH"]
+  want = (np.einsum("XD,DNH->XNH", f64(x), f64(p["wq_DNH"]))
+          + 0.7 * np.einsum("Xr,rNH->XNH", (f64(x) * mask / (1 - rate)) @ f64(ad["a"]), f64(ad["b"])))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert 0 < mask.mean() < 1
+  # Without the entry (every forward but the train step's), nothing is dropped.
+  merged = f64(p["wq_DNH"]) + 0.7 * np.einsum("Dr,rNH->DNH", f64(ad["a"]), f64(ad["b"]))
+  plain = np.einsum("XD,DNH->XNH", f64(x), merged)
+  np.testing.assert_allclose(layers.dense("XD,DNH->XNH", x, p, "wq_DNH", CFG), plain, rtol=1e-5, atol=1e-5)
+  # Each target draws its own mask from the layer's key (PEFT has one dropout module per projection).
+  same = lambda name: layers.adapter_dropout(x, jnp.float32(rate), key, name)
+  assert (np.asarray(same("wq_DNH")) != np.asarray(same("wk_DKH"))).any()
+
+
+def test_adapter_dropout_is_unbiased():
+  # E[x * mask / (1 - p)] = x: the mean of the adapter output over many masks is the undropped one.
+  p, x = _dense_case(X=2)
+  rate = 0.5
+  delta = lambda q: layers.dense("XD,DNH->XNH", x, q, "wq_DNH", CFG) - layers.dense(
+      "XD,DNH->XNH", x, dict(q, lora_scale=jnp.float32(0)), "wq_DNH", CFG)
+  keys = jax.random.split(jax.random.key(0), 4000)
+  samples = np.asarray(jax.vmap(lambda k: delta(dict(p, lora_dropout=(jnp.float32(rate), k))))(keys), np.float64)
+  mean, se = samples.mean(0), samples.std(0) / np.sqrt(len(keys))
+  assert (np.abs(mean - np.asarray(delta(p))) < 5 * se + 1e-6).all()
+  assert samples.std(0).min() > 0  # The masks vary.
+
+
+def test_lora_dropout_is_only_0_to_1():
+  assert lora.LoraConfig(dropout=0.1).dropout == 0.1
+  for bad in (1.0, -0.1, "0.1"):
+    with pytest.raises(lora.LoraError, match="model.lora.dropout"):
+      lora.LoraConfig(dropout=bad)
+
+
+@pytest.mark.slow  # Three updates and two lowerings of the LoRA step (~30 s on 2 cores).
+def test_dropout_step_uses_the_seeded_masks_and_resumes_exactly():
+  trainer = make_trainer(lcfg=lora.LoraConfig(rank=4, alpha=8.0, dropout=0.5), seed=3)
+  p = jax.device_get(adapted())  # b != 0: dropout changes the loss from the first update on.
+  # Every state placed the same way, as a restored checkpoint is: one compiled update serves them all.
+  place = lambda s: sharding.put(s, trainer.state_sharding)
+  state = jax.device_get(trainer.init(params=p)).replace(rollout_step=np.int32(1))  # past the warm-up
+  batch = trainer.put_batch(make_batch())
+  s1, m1 = trainer.step(place(state), batch)
+  s1 = jax.device_get(s1)
+  # Update 0's loss is the objective on the adapted tree with the masks of (seed 3, update 0, micro-batch 0).
+  obj = objectives.policy_gradient(CFG, objectives.PGConfig())
+  mb = make_batch()
+  at = jax.jit(lambda q: obj.loss(q, mb, obj.counts(mb))[0])
+  dropped = float(at(lora.with_dropout(p, 0.5, lora.dropout_key(3, 0, 0))))
+  np.testing.assert_allclose(float(m1["loss"]), dropped, rtol=1e-5)
+  assert abs(dropped - float(at(p))) > 1e-4
+  s2, m2 = trainer.step(place(s1), batch)
+  s2, m2 = jax.device_get((s2, m2))
+  # Resume: the state after update 1 (as a checkpoint restores it) redoes update 2 exactly; the
+  # masks come from the state's update count, not from how many updates this process ran.
+  again, m_again = jax.device_get(trainer.step(place(s1), batch))
+  jax.tree.map(np.testing.assert_array_equal, again.params, s2.params)
+  assert m_again["loss"] == m2["loss"]
+  # Dropout 0 draws nothing: the compiled update has no random-number op at all.
+  placed = place(s1)
+  assert "threefry" in trainer.lower_step(placed, batch).as_text()
+  assert "threefry" not in make_trainer(seed=3).lower_step(placed, batch).as_text()
+
+
+def test_forward_passes_never_drop():
+  # π_old / reference log-probs (Trainer.forward) of a trainer with dropout: the undropped model.
+  trainer = make_trainer(lcfg=lora.LoraConfig(rank=4, alpha=8.0, dropout=0.5))
+  p = jax.device_get(adapted())
+  state = trainer.init(params=p)
+  fn = objectives.completion_logprobs(CFG, 1.0)
+  got = np.asarray(trainer.forward(fn)(state.params, trainer.put_batch(make_batch())))
+  np.testing.assert_allclose(got, np.asarray(fn(lora.merge(p), make_batch())), atol=1e-5)
 
 
 # --- the sampler ------------------------------------------------------------------------------
@@ -236,9 +331,9 @@ def test_peft_export_loads_in_peft_and_gives_our_logits(tmp_path):
 
 def test_peft_adapter_imports_as_the_starting_point(tmp_path):
   p = adapted()
-  hf.save_peft(str(tmp_path / "adapter"), CFG, jax.device_get(p))
+  hf.save_peft(str(tmp_path / "adapter"), CFG, jax.device_get(p), dropout=0.05)
   lcfg, adapters = hf.load_peft(str(tmp_path / "adapter"), CFG, base_quant="int8")
-  assert (lcfg.rank, lcfg.alpha, lcfg.base_quant) == (4, 8.0, "int8")
+  assert (lcfg.rank, lcfg.alpha, lcfg.dropout, lcfg.base_quant) == (4, 8.0, 0.05, "int8")
   assert lcfg.targets == lora.ALL_TARGETS
   jax.tree.map(np.testing.assert_array_equal, adapters, jax.device_get(p["lora"]))
   # A LoRA trainer starts from it: same adapters, int8 base.

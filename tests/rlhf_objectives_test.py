@@ -159,6 +159,30 @@ def test_dpo_step_loss_matches_dpo_loss(loss_type):
     np.testing.assert_allclose(m[k], float(want_m[k]), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow  # Naive per-row log-probs of two models (~25 s on 2 cores).
+def test_rpo_adds_alpha_times_the_chosen_token_mean_nll():
+  # RPO (TRL's rpo_alpha): mean_pairs(-log σ(β h)) + α · (-Σ log π(chosen tokens) / #chosen tokens).
+  cfg = testing.tiny_model_config(V)
+  policy, ref = _params(cfg, 3), _params(cfg, 4)
+  batch = _pairs(np.random.default_rng(5), 2)
+  logp, ref_logp = _naive_logp(cfg, policy, batch), _naive_logp(cfg, ref, batch)
+  batch = batch.replace(ref_logp_B=ref_logp.astype(np.float32))
+  beta, alpha = 0.2, 0.7
+  h = (logp[0::2] - logp[1::2]) - (ref_logp[0::2] - ref_logp[1::2])
+  nll = -logp[0::2].sum() / batch.loss_mask_BC[0::2].sum()
+  want = np.mean(np.log1p(np.exp(-beta * h))) + alpha * nll
+  obj = objectives.dpo(cfg, objectives.DPOConfig(beta=beta, rpo_alpha=alpha))
+  counts = obj.counts(batch)
+  # Two micro-batches of one pair each, with the mini-batch's counts, add up to the whole.
+  halves = [jax.tree.map(lambda x: x[rows], batch) for rows in (slice(0, 2), slice(2, 4))]
+  loss_fn = jax.jit(obj.loss)
+  outs = [loss_fn(policy, half, counts) for half in halves]
+  np.testing.assert_allclose(sum(float(v) for v, _ in outs), want, rtol=1e-5)
+  np.testing.assert_allclose(sum(float(m["nll_loss"]) for _, m in outs), nll, rtol=1e-5)
+  plain = objectives.dpo(cfg, objectives.DPOConfig(beta=beta))
+  np.testing.assert_allclose(float(plain.loss(policy, batch, plain.counts(batch))[0]), want - alpha * nll, rtol=1e-5)
+
+
 def test_from_pairs_interleaves():
   tokens = np.arange(8)[:, None] * np.ones((1, 3), np.int32)
   b = PreferenceBatch.from_pairs(tokens, tokens > 0, tokens[:, 1:] > 0)
