@@ -23,8 +23,8 @@ class FakeRollout:
     self.answers = answers  # prompt text -> k predicted answers
     self.reward = lambda texts, gts: [{"acc": t == g, "pred": t, "score": float(t == g)} for t, g in zip(texts, gts)]
 
-  def call_reward(self, texts, examples):
-    return self.reward(texts, [ex.ground_truth for ex in examples])
+  def call_reward(self, texts, examples, reward=None):  # As Rollout.call_reward: `reward` or the rollout's.
+    return (reward or self.reward)(texts, [ex.ground_truth for ex in examples])
 
   def generate(self, params, examples, k, key, sampler_cfg):
     return [a for ex in examples for a in self.answers[ex.messages[0]["content"]][:k]]

@@ -50,7 +50,7 @@ BAD = [
     ("eval.temperature", -1.0, "eval.temperature=-1.0: expected >= 0"),
     ("eval.top_p", 2.0, "eval.top_p=2.0: expected in (0, 1]"),
     ("eval.k", 0, "eval.k=0: expected >= 1"),
-    ("rollout.group_size", 1, "rollout.group_size=1: expected >= 2 (group-normalised advantages"),
+    ("rollout.group_size", 1, "rollout.group_size=1: expected >= 2 (group-relative advantages are 0"),
     ("rollout.max_new_tokens", 0, "rollout.max_new_tokens=0: expected >= 1"),
     ("dapo.eps_low", 0.0, "dapo.eps_low=0.0: expected > 0 and < 1"),
     ("dapo.eps_low", 1.0, "dapo.eps_low=1.0: expected > 0 and < 1"),
