@@ -108,22 +108,7 @@ def test_family_matches_transformers(tmp_path, case):
   assert type(m2).__name__ == CASES[case][1]
   assert_close_on_real(torch_logits(m2, tokens, mask), ref, mask)
 
-  # Cached decode (prefill 3, then one token at a time: past the window of local layers) equals
-  # the full forward; the shared-prompt layout of the train step too.
-  T = tokens.shape[1]
-  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask, bool)
-  logits, cache = sampling.prefill(cfg, params, tokens[:, :3], mask[:, :3], cache_size=T)
-  dparams = model.decode_params(cfg, params)
-  pos = model.positions(mask)
-  for t in range(3, T):
-    cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
-    logits, cache = model.decode_step(cfg, dparams, tokens[:, t], pos[:, t], cache, t)
-    rows = np.asarray(mask[:, t])
-    np.testing.assert_allclose(np.asarray(logits)[rows], ours[:, t][rows], atol=1e-4)
-  P = 8  # Every row's prompt holds a real token.
-  shared = model.completion_logits(cfg, params, tokens[:, :P], mask[:, :P], tokens[:, P:],
-                                   jnp.ones_like(mask[:, P:]))
-  np.testing.assert_allclose(shared[:, 1:], ours[:, P:-1], atol=1e-4)
+  assert_decode_and_shared_prompt_match_forward(cfg, params, tokens, mask, ours)
 
 
 def test_unknown_rope_type_and_architecture_fail_naming_the_field(tmp_path):
@@ -170,3 +155,22 @@ def test_attention_softcap_and_window_against_a_loop():
     z = np.array([c * np.tanh(q[0, 0, 0, t] @ k[0, 0, 0, s] * scale / c) for s in keys])
     p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     np.testing.assert_allclose(out[0, 0, 0, t], p @ v[0, 0, 0, keys], atol=1e-6)
+
+
+def assert_decode_and_shared_prompt_match_forward(cfg, params, tokens, mask, ours):
+  """Cached decode (prefill 3, then one token at a time: past the window of local layers) equals the
+  full forward `ours` [B, T, V]; the shared-prompt layout of the train step too (prompt of 8)."""
+  T = tokens.shape[1]
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask, bool)
+  logits, cache = sampling.prefill(cfg, params, tokens[:, :3], mask[:, :3], cache_size=T)
+  dparams = model.decode_params(cfg, params)
+  pos = model.positions(mask)
+  for t in range(3, T):
+    cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
+    logits, cache = model.decode_step(cfg, dparams, tokens[:, t], pos[:, t], cache, t)
+    rows = np.asarray(mask[:, t])
+    np.testing.assert_allclose(np.asarray(logits)[rows], ours[:, t][rows], atol=1e-4)
+  P = 8  # Every row's prompt holds a real token.
+  shared = model.completion_logits(cfg, params, tokens[:, :P], mask[:, :P], tokens[:, P:],
+                                   jnp.ones_like(mask[:, P:]))
+  np.testing.assert_allclose(shared[:, 1:], ours[:, P:-1], atol=1e-4)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import hf, kv_cache, layers, loss, model, objectives, sampling, sharding, train_step
-from tests.families_test import assert_close_on_real, left_padded_batch, torch_logits
+from dapo_jax import hf, layers, loss, model, objectives, sampling, sharding, train_step
+from tests.families_test import (assert_close_on_real, assert_decode_and_shared_prompt_match_forward,
+                                 left_padded_batch, torch_logits)
 from tests.train_step_test import LINEAR_OPT, make_batch, one_device_mesh
 
 torch = pytest.importorskip("torch")
@@ -83,20 +84,7 @@ def test_moe_matches_transformers(tmp_path, case):
   assert type(m2).__name__ == "Qwen3MoeForCausalLM"
   assert_close_on_real(torch_logits(m2, tokens, mask), ref, mask)
 
-  # Cached decode (prefill 3, then one token at a time) and the shared-prompt layout equal the forward.
-  T = tokens.shape[1]
-  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask, bool)
-  logits, cache = sampling.prefill(cfg, params, tokens[:, :3], mask[:, :3], cache_size=T)
-  dparams = model.decode_params(cfg, params)
-  pos = model.positions(mask)
-  for t in range(3, T):
-    cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
-    logits, cache = model.decode_step(cfg, dparams, tokens[:, t], pos[:, t], cache, t)
-    rows = np.asarray(mask[:, t])
-    np.testing.assert_allclose(np.asarray(logits)[rows], ours[:, t][rows], atol=1e-4)
-  P = 8
-  shared = model.completion_logits(cfg, params, tokens[:, :P], mask[:, :P], tokens[:, P:], jnp.ones_like(mask[:, P:]))
-  np.testing.assert_allclose(shared[:, 1:], ours[:, P:-1], atol=1e-4)
+  assert_decode_and_shared_prompt_match_forward(cfg, params, tokens, mask, ours)
 
 
 def test_transformers_fused_expert_tensors_load_too(tmp_path):
