@@ -9,7 +9,7 @@ lora_dropout) acts on the adapters' input in the train step's forward alone (`wi
 The reference model is the same tree with lora_scale = 0 (`adapters_off`): one forward with a
 switch, no second base.
 The sampler decodes with the adapters merged into its per-call decode weights (`merge_layers`).
-Target names are PEFT's (q_proj, ..., down_proj), so `hf.save_peft` / `hf.load_peft` exchange
+Target names are PEFT's (q_proj, ..., down_proj), so `peft_format.save_peft` / `peft_format.load_peft` exchange
 adapters with `peft`.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def init(cfg: ModelConfig, lcfg: LoraConfig, rng: jax.Array) -> dict:
 
 def adapt(cfg: ModelConfig, lcfg: LoraConfig, params: dict, rng: jax.Array, adapters: dict | None = None) -> dict:
   """The adapted tree of base `params`: quantized as `lcfg.base_quant` says, with `adapters`
-  (e.g. `hf.load_peft`'s) or fresh ones. An adapted tree is returned as it is."""
+  (e.g. `peft_format.load_peft`'s) or fresh ones. An adapted tree is returned as it is."""
   if is_adapted(params):
     return params
   lora = adapters if adapters is not None else init(cfg, lcfg, rng)

@@ -337,7 +337,7 @@ class Trainer:
   def init(self, rng: jax.Array | None = None, params=None) -> TrainState:
     """A fresh state from given params (e.g. `hf.load`) or from random ones. With LoRA, plain params
     become the frozen base of fresh adapters (drawn from `rng`, default key 0); an adapted tree
-    (`lora.adapt`, e.g. with `hf.load_peft`'s adapters) is kept as it is."""
+    (`lora.adapt`, e.g. with `peft_format.load_peft`'s adapters) is kept as it is."""
     if self.lora is None:
       params = self._init_params(rng) if params is None else sharding.put(params, self.params_sharding)
       return self._create(params)

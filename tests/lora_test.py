@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import hf, layers, lora, model, objectives, optim, sampling, sharding, testing, train_step
+from dapo_jax import hf, layers, lora, model, objectives, optim, peft_format, sampling, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64)
@@ -312,7 +312,7 @@ def test_peft_export_loads_in_peft_and_gives_our_logits(tmp_path):
   cfg = testing.tiny_model_config(vocab_size=64, qkv_bias=True)
   p = adapted(cfg)
   hf.save(str(tmp_path / "base"), cfg, jax.device_get(p["base"]))
-  hf.save_peft(str(tmp_path / "adapter"), cfg, jax.device_get(p), base_model=str(tmp_path / "base"))
+  peft_format.save_peft(str(tmp_path / "adapter"), cfg, jax.device_get(p), base_model=str(tmp_path / "base"))
   names = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
   assert names["r"] == 4 and names["lora_alpha"] == 8
   tensors = hf.read_safetensors(str(tmp_path / "adapter" / "adapter_model.safetensors"))
@@ -331,8 +331,8 @@ def test_peft_export_loads_in_peft_and_gives_our_logits(tmp_path):
 
 def test_peft_adapter_imports_as_the_starting_point(tmp_path):
   p = adapted()
-  hf.save_peft(str(tmp_path / "adapter"), CFG, jax.device_get(p), dropout=0.05)
-  lcfg, adapters = hf.load_peft(str(tmp_path / "adapter"), CFG, base_quant="int8")
+  peft_format.save_peft(str(tmp_path / "adapter"), CFG, jax.device_get(p), dropout=0.05)
+  lcfg, adapters = peft_format.load_peft(str(tmp_path / "adapter"), CFG, base_quant="int8")
   assert (lcfg.rank, lcfg.alpha, lcfg.dropout, lcfg.base_quant) == (4, 8.0, 0.05, "int8")
   assert lcfg.targets == lora.ALL_TARGETS
   jax.tree.map(np.testing.assert_array_equal, adapters, jax.device_get(p["lora"]))
@@ -345,11 +345,11 @@ def test_peft_adapter_imports_as_the_starting_point(tmp_path):
 
 def test_peft_adapter_for_another_base_fails_naming_the_tensor(tmp_path):
   p = adapted(testing.tiny_model_config(vocab_size=64, embed_dim=48))
-  hf.save_peft(str(tmp_path / "adapter"), testing.tiny_model_config(vocab_size=64, embed_dim=48), jax.device_get(p))
+  peft_format.save_peft(str(tmp_path / "adapter"), testing.tiny_model_config(vocab_size=64, embed_dim=48), jax.device_get(p))
   with pytest.raises(hf.CheckpointError, match=r"q_proj\.lora_A\.weight.*\(4, 48\), expected \(4, 32\)"):
-    hf.load_peft(str(tmp_path / "adapter"), CFG)
+    peft_format.load_peft(str(tmp_path / "adapter"), CFG)
   conf = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
   conf["target_modules"] = ["q_proj", "c_attn"]
   json.dump(conf, open(tmp_path / "adapter" / "adapter_config.json", "w"))
   with pytest.raises(hf.CheckpointError, match="c_attn"):
-    hf.load_peft(str(tmp_path / "adapter"), CFG)
+    peft_format.load_peft(str(tmp_path / "adapter"), CFG)
