@@ -187,10 +187,10 @@ def bench_e2e(cfg, peak):
     if _MEAN_LENGTH.value:
       dapo.rollout.length_hook = LengthHook(_MEAN_LENGTH.value, C)
     dapo.step(0)  # Warm-up: compiles, starts the reward pool.
-    steps, utilisation = [], []
+    steps, engine_stats = [], []
     for i in range(_RUNS.value):
       steps.append(dapo.step(i + 1)[0])
-      utilisation.append(dapo.rollout.last_stats["slot_utilisation"])
+      engine_stats.append(dapo.rollout.last_stats)
   med = lambda k: statistics.median(m[k] for m in steps)
   mc = dapo.rollout.model_cfg
   B, P = Q * G, 32
@@ -202,7 +202,8 @@ def bench_e2e(cfg, peak):
           "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(
               [m["perf/throughput"] * m["timing_s/step"] for m in steps])),
-          "slot_utilisation": statistics.median(utilisation), "engine": cfg.rollout.engine,
+          "slot_utilisation": statistics.median(s["slot_utilisation"] for s in engine_stats),
+          "rounds": statistics.median(s.get("rounds", 1) for s in engine_stats), "engine": cfg.rollout.engine,
           "slots": dapo.rollout.engines and next(iter(dapo.rollout.engines.values())).S or None,
           "length_buckets": list(dapo.cfg.length_buckets), "mean_length": _MEAN_LENGTH.value}
 
