@@ -8,10 +8,10 @@
       ──► harvest ended slots hand back their completions and are free again ──► insert ...
 
 The cost follows the tokens generated, not the longest row: a slot whose sample ends early takes the
-next one instead of idling to the end of the call. Once the queue is empty the busy rows are
-compacted into the smallest of a few decode widths that holds them (their cache rows copied), so the
-last long samples do not drag idle slots along: a step computes `width` rows, and slot utilisation
-(tokens generated / rows computed, summed over steps) stays high through the tail.
+next one instead of idling to the end of the call. Once no more samples will come (`Session.close`)
+and the queue is empty, the busy rows are compacted into the smallest of a few decode widths that
+holds them (their cache rows copied), so the last long samples do not drag idle slots along. Slot
+utilisation is tokens generated / rows computed (each decode step counts the width it ran at).
 
 Each sample's randomness comes from (key, prompt id, sample index) and the number of tokens it has
 drawn, never from its slot or the width it runs in, so the same key gives the same samples whatever
@@ -77,15 +77,15 @@ def _buckets(n: int) -> list[int]:
   return sorted(set(out + [n]))
 
 
-def decode_widths(slots: int, shards: int = 1) -> list[int]:
+def decode_widths(slots: int, shards: int = 1, thirds: bool = True) -> list[int]:
   """The decode batch sizes busy rows are compacted into once the queue is empty: whole rows per data
-  shard, in powers of two and three times powers of two (1, 2, 3, 4, 6, 8, 12, ... per shard), and
-  `slots`. A width holds every busy count above the next smaller one, so at least 2/3 of its rows
-  decode a live sample (1/2 with powers of two alone), for a handful of compiled shapes."""
+  shard, in powers of two and (`thirds`) three times powers of two (1, 2, 3, 4, 6, 8, 12, ... per
+  shard), and `slots`. A width holds every busy count above the next smaller one, so at least 2/3
+  of its rows decode a live sample (1/2 with powers of two alone), for a handful of compiled shapes."""
   per = slots // shards
   out, p = {per}, 1
   while p < per:
-    out |= {p} | ({3 * p // 2} if p > 1 and 3 * p // 2 < per else set())
+    out |= {p} | ({3 * p // 2} if thirds and p > 1 and 3 * p // 2 < per else set())
     p *= 2
   return sorted(w * shards for w in out)
 
@@ -100,12 +100,12 @@ class Engine:
   """A pool of `slots` decode rows for one model and sampler config; `session(params, key)` runs it."""
 
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
-               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.125, compact: bool = True):
+               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.125, widths=None):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one), so freed slots are refilled
-    promptly; once none wait, it returns when the busy rows fit a smaller width (`compact`; else
-    when all have ended)."""
+    promptly; once none wait, it returns when the busy rows fit the next smaller of `widths` (default
+    `decode_widths`; `(slots,)` never compacts) and moves them there."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -118,7 +118,9 @@ class Engine:
       raise ValueError(f"rollout.slots={slots} does not split over the {shards} data shards of the mesh "
                        f"(data={self.mesh.shape['data']} x fsdp={self.mesh.shape['fsdp']})")
     self.round_fraction = round_fraction
-    self.widths = decode_widths(slots, shards) if compact else [slots]
+    self.widths = sorted(set(widths or decode_widths(slots, shards)) | {slots})
+    if any(w % shards or w > slots for w in self.widths):
+      raise ValueError(f"decode widths {self.widths}: expected multiples of the {shards} data shards up to {slots}")
     self.row_sharding = sharding.named(self.mesh, "B")
     self.eos = tuple(sampler_cfg.eos_ids)
 
@@ -158,6 +160,7 @@ class Engine:
     for q, n in enumerate(counts):
       s.add([first_prompt_id + q], prompt_QP[q:q + 1], prompt_mask_QP[q:q + 1], n,
             None if stop_at_B is None else stop_at_B[first[q]:first[q + 1]])
+    s.close()
     out = {}
     while s.busy:
       ended = s.step()
@@ -242,6 +245,7 @@ def _decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, 
 
 
 _decode_params = jax.jit(model_lib.decode_params, static_argnums=(0,))
+_take_rows = jax.jit(lambda tokens_SC, logp_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A]))
 
 
 def stack(rows: list[Finished], C: int) -> sampling.Samples:
@@ -253,7 +257,7 @@ def stack(rows: list[Finished], C: int) -> sampling.Samples:
 
 class Session:
   """One use of the engine with fixed params and key: `add` queues samples, `step` runs one round
-  (resize, insert, decode, harvest) and returns the samples that ended in it."""
+  (insert, compact once closed, decode, harvest) and returns the samples that ended in it."""
 
   def __init__(self, engine: Engine, params, key):
     self.e = engine
@@ -270,6 +274,7 @@ class Session:
     self.samples = 0
     self.rounds = 0
     self.resizes = 0
+    self.closed = False
 
   @property
   def busy(self) -> bool:
@@ -285,6 +290,8 @@ class Session:
 
   def add(self, prompt_ids, prompt_QP, prompt_mask_QP, G: int, stop_at_B=None) -> None:
     """Queues G samples of each prompt (prompt_QP left-padded to the engine's prompt length)."""
+    if self.closed:
+      raise RuntimeError("samples added to a closed engine session")
     P = self.e.P
     if prompt_QP.shape[1] > P:
       raise ValueError(f"prompts of {prompt_QP.shape[1]} tokens do not fit the engine's {P}-token prompt cache")
@@ -296,22 +303,27 @@ class Session:
         stop = self.e.C + 1 if stop_at_B is None else int(stop_at_B[q * G + g])
         self.queue.append(_Work(int(pid), g, prompt_QP[q], prompt_mask_QP[q], stop))
 
+  def close(self) -> None:
+    """No more samples will be added. From then on, once the queue is empty, the busy rows move into
+    ever smaller decode widths as they end (a session still being fed keeps its width, so it compiles
+    few programs and returns to the host only to refill)."""
+    self.closed = True
+
   def step(self) -> list[Finished]:
     e = self.e
-    if not self.busy:
-      return []
-    width = e.width_for(min(e.S, self.in_flight + len(self.queue)))
-    if width != self.width:
-      self._resize(width)
     self._insert()
     busy = self.in_flight
     if not busy:
       return []
     if self.queue:  # Every slot is busy: return once a few have ended, to refill them.
       target = max(1, int(busy * e.round_fraction))
-    else:  # Return when the busy rows fit the next smaller width (or all have ended).
+    elif self.closed:  # The tail: the smallest width that holds the busy rows, until they fit the next.
+      if e.width_for(busy) < self.width:
+        self._resize(e.width_for(busy))
       smaller = [w for w in e.widths if w < busy]
       target = busy - smaller[-1] if smaller else busy
+    else:
+      target = busy
     self.state, steps = _decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(e.C, jnp.int32))
     self.rounds += 1
@@ -321,9 +333,9 @@ class Session:
     ended = [s for s, w in enumerate(self.slot_work) if w is not None and done_S[s]]
     if not ended:
       return []
-    idx = jnp.asarray(ended)
-    tokens, logp = sharding.fetch((jnp.take(self.state.tokens_SC, idx, axis=0),
-                                   jnp.take(self.state.logp_SC, idx, axis=0)))
+    rows_A = np.zeros(next(b for b in _buckets(self.width) if b >= len(ended)), np.int32)  # Few shapes.
+    rows_A[:len(ended)] = ended
+    tokens, logp = sharding.fetch(_take_rows(self.state.tokens_SC, self.state.logp_SC, sharding.put(rows_A, self.rep)))
     out = []
     eos = set(e.eos)
     for i, s in enumerate(ended):
