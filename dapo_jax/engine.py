@@ -100,11 +100,11 @@ class Engine:
   """A pool of `slots` decode rows for one model and sampler config; `session(params, key)` runs it."""
 
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
-               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.125, widths=None):
+               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
-    `round_fraction` of the busy slots have ended (at least one), so freed slots are refilled
-    promptly; once none wait, it returns when the busy rows fit the next smaller of `widths` (default
+    `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
+    slots are refilled promptly; once none wait, it returns when the busy rows fit the next smaller of `widths` (default
     `decode_widths`; `(slots,)` never compacts) and moves them there."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")

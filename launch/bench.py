@@ -40,7 +40,7 @@ _SLOTS = flags.DEFINE_integer("slots", None, "e2e: decode slots of the continuou
 _WIDTHS = flags.DEFINE_enum("widths", "thirds", ["thirds", "pow2", "off"], "e2e, continuous engine: the decode "
                             "widths busy rows are compacted into once the queue is empty (engine.decode_widths: "
                             "powers of two and three times powers of two, powers of two only, or never compact).")
-_ROUND_FRACTION = flags.DEFINE_float("round_fraction", 0.125, "e2e, continuous engine: a decode round returns to "
+_ROUND_FRACTION = flags.DEFINE_float("round_fraction", 0.0, "e2e, continuous engine: a decode round returns to "
                                      "refill slots once this fraction of the busy slots ended (0 = the first).")
 _MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = the config's "
                                     "model.matmul_dtype, or else the compute dtype).")
