@@ -322,7 +322,7 @@ class Session:
         self._resize(e.width_for(busy))
       smaller = [w for w in e.widths if w < busy]
       target = busy - smaller[-1] if smaller else busy
-    else:
+    else:  # Still being fed (a stream): until all have ended, at the full width.
       target = busy
     self.state, steps = _decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(e.C, jnp.int32))
