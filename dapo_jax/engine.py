@@ -4,14 +4,19 @@
       ──► insert  freed slots take the next samples; their prompts are prefilled into those slots'
                   cache rows, each distinct prompt once (`kv_cache.write_rows`)
       ──► decode  every busy slot advances one token per step at its own position, inside one jitted
-                  loop, until enough slots have ended (EOS or budget) or the queue is empty and all end
+                  loop, until enough slots have ended (EOS or budget)
       ──► harvest ended slots hand back their completions and are free again ──► insert ...
 
 The cost follows the tokens generated, not the longest row: a slot whose sample ends early takes the
-next one instead of idling to the end of the call. Each sample's randomness comes from
-(key, prompt id, sample index) and the number of tokens it has drawn, never from its slot, so the same
-key gives the same samples whatever the number of slots or the order of admission. Every host runs
-the same host loop on the same (gathered) prompts, so all agree on the admission order.
+next one instead of idling to the end of the call. Once no more samples will come (`Session.close`)
+and the queue is empty, the busy rows are compacted into the smallest of a few decode widths that
+holds them (their cache rows copied), so the last long samples do not drag idle slots along. Slot
+utilisation is tokens generated / rows computed (each decode step counts the width it ran at).
+
+Each sample's randomness comes from (key, prompt id, sample index) and the number of tokens it has
+drawn, never from its slot or the width it runs in, so the same key gives the same samples whatever
+the number of slots or the order of admission. Every host runs the same host loop on the same
+(gathered) prompts, so all agree on the admission order.
 """
 from __future__ import annotations
 
@@ -72,14 +77,35 @@ def _buckets(n: int) -> list[int]:
   return sorted(set(out + [n]))
 
 
+def decode_widths(slots: int, shards: int = 1, thirds: bool = True) -> list[int]:
+  """The decode batch sizes busy rows are compacted into once the queue is empty: whole rows per data
+  shard, in powers of two and (`thirds`) three times powers of two (1, 2, 3, 4, 6, 8, 12, ... per
+  shard), and `slots`. A width holds every busy count above the next smaller one, so at least 2/3
+  of its rows decode a live sample (1/2 with powers of two alone), for a handful of compiled shapes."""
+  per = slots // shards
+  out, p = {per}, 1
+  while p < per:
+    out |= {p} | ({3 * p // 2} if thirds and p > 1 and 3 * p // 2 < per else set())
+    p *= 2
+  return sorted(w * shards for w in out)
+
+
+def sample_key_data(key_data: jax.Array, prompt_id: jax.Array, sample: jax.Array) -> jax.Array:
+  """The key of sample g of prompt q: fold_in(fold_in(key, q), g), as raw key data."""
+  key = jax.random.wrap_key_data(key_data)
+  return jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, prompt_id), sample))
+
+
 class Engine:
   """A pool of `slots` decode rows for one model and sampler config; `session(params, key)` runs it."""
 
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
-               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.125):
+               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
-    `prompt_buckets` that holds them. A decode round returns to the host once `round_fraction` of
-    the busy slots have ended (at least one), so freed slots are refilled promptly."""
+    `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
+    `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
+    slots are refilled promptly; once none wait, it returns when the busy rows fit the next smaller of `widths` (default
+    `decode_widths`; `(slots,)` never compacts) and moves them there."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -92,13 +118,15 @@ class Engine:
       raise ValueError(f"rollout.slots={slots} does not split over the {shards} data shards of the mesh "
                        f"(data x fsdp x expert of {dict(self.mesh.shape)})")
     self.round_fraction = round_fraction
+    self.widths = sorted(set(widths or decode_widths(slots, shards)) | {slots})
+    if any(w % shards or w > slots for w in self.widths):
+      raise ValueError(f"decode widths {self.widths}: expected multiples of the {shards} data shards up to {slots}")
     self.row_sharding = sharding.named(self.mesh, "B")
     self.eos = tuple(sampler_cfg.eos_ids)
-    self._decode_params = jax.jit(functools.partial(model_lib.decode_params, model_cfg))
-    self._insert = jax.jit(self._insert_fn, static_argnums=(0,), donate_argnums=(2,))
-    self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
 
-  # --- device programs -----------------------------------------------------------------------
+  def width_for(self, rows: int) -> int:
+    """The smallest decode width that holds `rows` busy rows."""
+    return next((w for w in self.widths if w >= rows), self.S)
 
   def empty_state(self) -> SlotState:
     cfg, S, C = self.model_cfg, self.S, self.C
@@ -113,59 +141,6 @@ class Engine:
                       prompt_len_S=jnp.zeros((S,), jnp.int32), key_S=jnp.zeros((S, 2), jnp.uint32),
                       stop_at_S=jnp.full((S,), C + 1, jnp.int32), cache=cache)
     return jax.device_put(state, self.row_sharding)
-
-  def _insert_fn(self, P: int, params, state: SlotState, prompt_UP, mask_UP, src_A, slot_A, key_A, stop_at_A):
-    """Prefills the U distinct prompts (P positions) and starts sample a in slot slot_A[a] from prompt
-    src_A[a]; slot ids >= S are padding and write nothing."""
-    logits_U1V, (k_LUKPH, v_LUKPH) = model_lib.forward(
-        self.model_cfg, params, prompt_UP, model_lib.positions(mask_UP), model_lib.causal_mask(mask_UP),
-        logits_from=P - 1, emit_kv=True)
-    take = lambda x: jnp.take(x, src_A, axis=1)
-    A, C = src_A.shape[0], self.C
-    mask_AT = jnp.concatenate([jnp.zeros((A, self.P - P), bool), mask_UP[src_A], jnp.zeros((A, C), bool)], axis=1)
-    cache = kvc.write_rows(state.cache, slot_A, self.P - P, take(k_LUKPH), take(v_LUKPH), mask_AT)
-    put = lambda x, v: x.at[slot_A].set(v, mode="drop")
-    return SlotState(
-        tokens_SC=put(state.tokens_SC, self.sampler_cfg.pad_id), logp_SC=put(state.logp_SC, 0.0),
-        step_S=put(state.step_S, 0), done_S=put(state.done_S, False),
-        logits_SV=put(state.logits_SV, logits_U1V[src_A, -1]),
-        prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_A]),
-        key_S=put(state.key_S, key_A), stop_at_S=put(state.stop_at_S, stop_at_A), cache=cache)
-
-  def _decode_fn(self, dparams, state: SlotState, target_ended, max_steps):
-    """Decodes until `target_ended` samples have ended in this round, all have, or `max_steps`."""
-    cfg, sc, C = self.model_cfg, self.sampler_cfg, self.C
-    eos = jnp.asarray(self.eos or (-1,), jnp.int32)
-    S = state.step_S.shape[0]
-    rows_S = jnp.arange(S)
-    done_at_start = state.done_S
-
-    def cond(carry):
-      i, s = carry
-      ended = jnp.sum(s.done_S & ~done_at_start)
-      return (i < max_steps) & (ended < target_ended) & ~jnp.all(s.done_S)
-
-    def body(carry):
-      i, s = carry
-      keys = jax.random.wrap_key_data(s.key_S)
-      u_S = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(keys, s.step_S)
-      tok_S, logp_S = sampling.choose(s.logits_SV, u_S, sc)
-      running_S = ~s.done_S
-      forced_S = s.step_S == s.stop_at_S - 1
-      tok_S = jnp.where(forced_S, eos[0], tok_S)
-      tok_S = jnp.where(running_S, tok_S, sc.pad_id)
-      col_S = jnp.where(running_S, s.step_S, C)  # Out of range: ended rows write nothing.
-      tokens_SC = s.tokens_SC.at[rows_S, col_S].set(tok_S, mode="drop")
-      logp_SC = s.logp_SC.at[rows_S, col_S].set(logp_S, mode="drop")
-      ended_S = running_S & (jnp.isin(tok_S, eos) | (s.step_S + 1 >= C))
-      index_S = jnp.minimum(self.P + s.step_S, self.P + C - 1)
-      cache = kvc.write_mask_rows(s.cache, running_S, index_S)
-      logits_SV, cache = model_lib.decode_step(cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
-      return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, step_S=s.step_S + running_S,
-                              done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)
-
-    steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-    return state, steps
 
   # --- the host loop -------------------------------------------------------------------------
 
@@ -185,6 +160,7 @@ class Engine:
     for q, n in enumerate(counts):
       s.add([first_prompt_id + q], prompt_QP[q:q + 1], prompt_mask_QP[q:q + 1], n,
             None if stop_at_B is None else stop_at_B[first[q]:first[q + 1]])
+    s.close()
     out = {}
     while s.busy:
       ended = s.step()
@@ -196,6 +172,82 @@ class Engine:
     return stack(rows, self.C), s.stats()
 
 
+# --- device programs: jitted once per model and sampler config, shared by every engine ----------
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _prefill_slots(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, params, state: SlotState, key_data,
+                   prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_at_A) -> SlotState:
+  """Prefills the U distinct prompts and starts sample a in slot slot_A[a] from prompt src_A[a], with
+  the key of (prompt_id_A[a], sample_A[a]); slot ids out of range (padding) write nothing."""
+  A, P, C = src_A.shape[0], prompt_UP.shape[1], sc.max_new_tokens
+  P_cache = state.cache.size - C
+  logits_U1V, (k_LUKPH, v_LUKPH) = model_lib.forward(
+      model_cfg, params, prompt_UP, model_lib.positions(mask_UP), model_lib.causal_mask(mask_UP),
+      logits_from=P - 1, emit_kv=True)
+  take = lambda x: jnp.take(x, src_A, axis=1)
+  mask_AT = jnp.concatenate([jnp.zeros((A, P_cache - P), bool), mask_UP[src_A], jnp.zeros((A, C), bool)], axis=1)
+  cache = kvc.write_rows(state.cache, slot_A, P_cache - P, take(k_LUKPH), take(v_LUKPH), mask_AT)
+  key_A = jax.vmap(sample_key_data, in_axes=(None, 0, 0))(key_data, prompt_id_A, sample_A)
+  put = lambda x, v: x.at[slot_A].set(v, mode="drop")
+  return SlotState(
+      tokens_SC=put(state.tokens_SC, sc.pad_id), logp_SC=put(state.logp_SC, 0.0),
+      step_S=put(state.step_S, 0), done_S=put(state.done_S, False),
+      logits_SV=put(state.logits_SV, logits_U1V[src_A, -1]),
+      prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_A]),
+      key_S=put(state.key_S, key_A), stop_at_S=put(state.stop_at_S, stop_at_A), cache=cache)
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _move_rows(state: SlotState, rows_N, row_sharding) -> SlotState:
+  """A pool of N rows: row n is row rows_N[n] of `state` (cache included), or empty where out of range."""
+  take = lambda x, fill=0: jax.lax.with_sharding_constraint(
+      jnp.take(x, rows_N, axis=0, mode="fill", fill_value=fill), row_sharding)
+  return jax.tree.map(take, state).replace(done_S=take(state.done_S, True))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def _decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, dparams, state: SlotState, target_ended,
+            max_steps) -> tuple[SlotState, jax.Array]:
+  """Decodes until `target_ended` samples have ended in this round, all have, or `max_steps`."""
+  C = sc.max_new_tokens
+  P = state.cache.size - C
+  eos = jnp.asarray(sc.eos_ids or (-1,), jnp.int32)
+  rows_S = jnp.arange(state.step_S.shape[0])
+  done_at_start = state.done_S
+
+  def cond(carry):
+    i, s = carry
+    ended = jnp.sum(s.done_S & ~done_at_start)
+    return (i < max_steps) & (ended < target_ended) & ~jnp.all(s.done_S)
+
+  def body(carry):
+    i, s = carry
+    keys = jax.random.wrap_key_data(s.key_S)
+    u_S = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(keys, s.step_S)
+    tok_S, logp_S = sampling.choose(s.logits_SV, u_S, sc)
+    running_S = ~s.done_S
+    forced_S = s.step_S == s.stop_at_S - 1
+    tok_S = jnp.where(forced_S, eos[0], tok_S)
+    tok_S = jnp.where(running_S, tok_S, sc.pad_id)
+    col_S = jnp.where(running_S, s.step_S, C)  # Out of range: ended rows write nothing.
+    tokens_SC = s.tokens_SC.at[rows_S, col_S].set(tok_S, mode="drop")
+    logp_SC = s.logp_SC.at[rows_S, col_S].set(logp_S, mode="drop")
+    ended_S = running_S & (jnp.isin(tok_S, eos) | (s.step_S + 1 >= C))
+    index_S = jnp.minimum(P + s.step_S, P + C - 1)
+    cache = kvc.write_mask_rows(s.cache, running_S, index_S)
+    logits_SV, cache = model_lib.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
+    return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, step_S=s.step_S + running_S,
+                            done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)
+
+  steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
+  return state, steps
+
+
+_decode_params = jax.jit(model_lib.decode_params, static_argnums=(0,))
+_take_rows = jax.jit(lambda tokens_SC, logp_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A]))
+
+
 def stack(rows: list[Finished], C: int) -> sampling.Samples:
   length_B = np.array([r.length for r in rows], np.int32)
   return sampling.Samples(tokens_BC=np.stack([r.tokens_C for r in rows]), logp_BC=np.stack([r.logp_C for r in rows]),
@@ -205,20 +257,24 @@ def stack(rows: list[Finished], C: int) -> sampling.Samples:
 
 class Session:
   """One use of the engine with fixed params and key: `add` queues samples, `step` runs one round
-  (insert, decode, harvest) and returns the samples that ended in it."""
+  (insert, compact once closed, decode, harvest) and returns the samples that ended in it."""
 
   def __init__(self, engine: Engine, params, key):
     self.e = engine
     self.params = params
-    self.dparams = engine._decode_params(params)
-    self.key_data = np.asarray(jax.random.key_data(key))
+    self.dparams = _decode_params(engine.model_cfg, params)
+    self.rep = sharding.replicated(engine.mesh)
+    self.key_data = sharding.put(np.asarray(jax.random.key_data(key)), self.rep)
     self.state = engine.empty_state()
     self.queue: collections.deque[_Work] = collections.deque()
-    self.slot_work: list[_Work | None] = [None] * engine.S
+    self.slot_work: list[_Work | None] = [None] * engine.S  # One entry per row of the current width.
     self.decode_steps = 0
+    self.slot_steps = 0    # Rows computed: each decode step counts the width it ran at.
     self.generated = 0
     self.samples = 0
     self.rounds = 0
+    self.resizes = 0
+    self.closed = False
 
   @property
   def busy(self) -> bool:
@@ -228,8 +284,14 @@ class Session:
   def in_flight(self) -> int:
     return sum(w is not None for w in self.slot_work)
 
+  @property
+  def width(self) -> int:
+    return len(self.slot_work)
+
   def add(self, prompt_ids, prompt_QP, prompt_mask_QP, G: int, stop_at_B=None) -> None:
     """Queues G samples of each prompt (prompt_QP left-padded to the engine's prompt length)."""
+    if self.closed:
+      raise RuntimeError("samples added to a closed engine session")
     P = self.e.P
     if prompt_QP.shape[1] > P:
       raise ValueError(f"prompts of {prompt_QP.shape[1]} tokens do not fit the engine's {P}-token prompt cache")
@@ -241,24 +303,39 @@ class Session:
         stop = self.e.C + 1 if stop_at_B is None else int(stop_at_B[q * G + g])
         self.queue.append(_Work(int(pid), g, prompt_QP[q], prompt_mask_QP[q], stop))
 
+  def close(self) -> None:
+    """No more samples will be added. From then on, once the queue is empty, the busy rows move into
+    ever smaller decode widths as they end (a session still being fed keeps its width, so it compiles
+    few programs and returns to the host only to refill)."""
+    self.closed = True
+
   def step(self) -> list[Finished]:
     e = self.e
     self._insert()
     busy = self.in_flight
     if not busy:
       return []
-    target = max(1, int(busy * e.round_fraction)) if self.queue else busy
-    self.state, steps = e._decode(self.dparams, self.state, jnp.asarray(target, jnp.int32),
-                                  jnp.asarray(e.C, jnp.int32))
+    if self.queue:  # Every slot is busy: return once a few have ended, to refill them.
+      target = max(1, int(busy * e.round_fraction))
+    elif self.closed:  # The tail: the smallest width that holds the busy rows, until they fit the next.
+      if e.width_for(busy) < self.width:
+        self._resize(e.width_for(busy))
+      smaller = [w for w in e.widths if w < busy]
+      target = busy - smaller[-1] if smaller else busy
+    else:  # Still being fed (a stream): until all have ended, at the full width.
+      target = busy
+    self.state, steps = _decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
+                                      jnp.asarray(target, jnp.int32), jnp.asarray(e.C, jnp.int32))
     self.rounds += 1
     done_S, step_S, steps = sharding.fetch((self.state.done_S, self.state.step_S, steps))
     self.decode_steps += int(steps)
+    self.slot_steps += int(steps) * self.width
     ended = [s for s, w in enumerate(self.slot_work) if w is not None and done_S[s]]
     if not ended:
       return []
-    idx = jnp.asarray(ended)
-    tokens, logp = sharding.fetch((jnp.take(self.state.tokens_SC, idx, axis=0),
-                                   jnp.take(self.state.logp_SC, idx, axis=0)))
+    rows_A = np.zeros(next(b for b in _buckets(self.width) if b >= len(ended)), np.int32)  # Few shapes.
+    rows_A[:len(ended)] = ended
+    tokens, logp = sharding.fetch(_take_rows(self.state.tokens_SC, self.state.logp_SC, sharding.put(rows_A, self.rep)))
     out = []
     eos = set(e.eos)
     for i, s in enumerate(ended):
@@ -269,6 +346,15 @@ class Session:
       self.slot_work[s] = None
     return out
 
+  def _resize(self, width: int) -> None:
+    """Moves the busy rows (cache included) into a pool of `width` rows, in slot order."""
+    rows = [s for s, w in enumerate(self.slot_work) if w is not None]
+    rows_N = np.full((width,), self.width, np.int32)  # Out of range: an empty row.
+    rows_N[:len(rows)] = rows
+    self.state = _move_rows(self.state, sharding.put(rows_N, self.rep), self.e.row_sharding)
+    self.slot_work = [self.slot_work[s] for s in rows] + [None] * (width - len(rows))
+    self.resizes += 1
+
   def _insert(self) -> None:
     """Freed slots take the next queued samples; their distinct prompts are prefilled together."""
     e = self.e
@@ -277,47 +363,33 @@ class Session:
     if not n:
       return
     work = [self.queue.popleft() for _ in range(n)]
-    prompts, src = {}, []
+    firsts: dict[int, _Work] = {}
     for w in work:  # A group's samples that start together share one prefill.
-      src.append(prompts.setdefault(w.prompt_id, len(prompts)))
-    firsts = {}
-    for w in work:
       firsts.setdefault(w.prompt_id, w)
+    index = {pid: u for u, pid in enumerate(firsts)}
     uniq = list(firsts.values())
+    U = next(b for b in _buckets(e.S) if b >= len(uniq))
     A = next(b for b in _buckets(e.S) if b >= n)
     P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in uniq)), e.prompt_buckets)
-    prompt_UP = np.zeros((A, P), np.int32)
-    mask_UP = np.zeros((A, P), bool)
+    prompt_UP = np.zeros((U, P), np.int32)
+    mask_UP = np.zeros((U, P), bool)
     for u, w in enumerate(uniq):
       prompt_UP[u], mask_UP[u] = w.prompt_P[-P:], w.mask_P[-P:]
     mask_UP[len(uniq):, -1] = True  # Padding rows: one real token, so their softmax is defined.
-    slot_A = np.full((A,), e.S, np.int32)
+    slot_A = np.full((A,), self.width, np.int32)  # Out of range: padding writes nothing.
     slot_A[:n] = free[:n]
-    src_A = np.zeros((A,), np.int32)
-    src_A[:n] = src
-    key_A = np.zeros((A, 2), np.uint32)
-    key_A[:n] = [sample_key_data(self.key_data, w.prompt_id, w.sample) for w in work]
+    src_A, prompt_id_A, sample_A = np.zeros((3, A), np.int32)
+    src_A[:n] = [index[w.prompt_id] for w in work]
+    prompt_id_A[:n] = [w.prompt_id for w in work]
+    sample_A[:n] = [w.sample for w in work]
     stop_A = np.full((A,), e.C + 1, np.int32)
     stop_A[:n] = [w.stop_at for w in work]
-    rep = sharding.replicated(e.mesh)
-    args = sharding.put((prompt_UP, mask_UP, src_A, slot_A, key_A, stop_A), rep)
-    self.state = e._insert(P, self.params, self.state, *args)
+    args = sharding.put((prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_A), self.rep)
+    self.state = _prefill_slots(e.model_cfg, e.sampler_cfg, self.params, self.state, self.key_data, *args)
     for s, w in zip(free[:n], work):
       self.slot_work[s] = w
 
   def stats(self) -> dict:
-    slot_steps = self.decode_steps * self.e.S
     return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
-            "rounds": self.rounds,
-            "slot_utilisation": self.generated / max(slot_steps, 1)}
-
-
-@functools.lru_cache(maxsize=None)
-def _fold():
-  return jax.jit(lambda k, q, g: jax.random.key_data(
-      jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), q), g)))
-
-
-def sample_key_data(key_data: np.ndarray, prompt_id: int, sample: int) -> np.ndarray:
-  """The key of sample g of prompt q: fold_in(fold_in(key, q), g), as raw key data."""
-  return np.asarray(_fold()(key_data, prompt_id, sample))
+            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes,
+            "slot_utilisation": self.generated / max(self.slot_steps, 1)}

@@ -57,6 +57,7 @@ class Rollout:
     self.engines: dict = {}     # one continuous-batching engine per (sampler config, slots)
     self.last_stats: dict = {}  # the last generate's engine statistics (slot utilisation, ...)
     self.length_hook = None     # benchmarks only: rows -> the token number each row is forced to end at
+    self.engine_options: dict = {}  # benchmarks only: more `engine.Engine` arguments (round_fraction, widths)
     self.batch_sharding = sharding.named(mesh, "B")
     self.replicated = sharding.replicated(mesh)
     logical = nn.get_partition_spec(jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0))))
@@ -105,7 +106,7 @@ class Rollout:
     k = (sampler_cfg, slots)
     if k not in self.engines:
       self.engines[k] = engine_lib.Engine(self.model_cfg, sampler_cfg, slots=slots, prompt_len=self.cfg.max_prompt_len,
-                                          prompt_buckets=self.buckets, mesh=self.mesh)
+                                          prompt_buckets=self.buckets, mesh=self.mesh, **self.engine_options)
     return self.engines[k]
 
   def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None,

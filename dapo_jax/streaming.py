@@ -97,6 +97,8 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
       while len(kept) + in_flight() < Q and not capped:
         admit()
         capped = max_prompts and stats.admitted >= max_prompts
+      if capped:
+        session.close()  # Nothing more comes: the tail may compact.
       stats.max_in_flight = max(stats.max_in_flight, in_flight())
       if not session.busy:
         if scoring:

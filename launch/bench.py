@@ -37,6 +37,11 @@ _ENGINE = flags.DEFINE_enum("engine", None, ["continuous", "static"], "e2e: 'con
                             "length-bucketed updates) or 'static' (one sampler call per generation batch, every "
                             "row padded to --new_tokens); default: the config's.")
 _SLOTS = flags.DEFINE_integer("slots", None, "e2e: decode slots of the continuous engine (default: the config's).")
+_WIDTHS = flags.DEFINE_enum("widths", "thirds", ["thirds", "pow2", "off"], "e2e, continuous engine: the decode "
+                            "widths busy rows are compacted into once the queue is empty (engine.decode_widths: "
+                            "powers of two and three times powers of two, powers of two only, or never compact).")
+_ROUND_FRACTION = flags.DEFINE_float("round_fraction", 0.0, "e2e, continuous engine: a decode round returns to "
+                                     "refill slots once this fraction of the busy slots ended (0 = the first).")
 _MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = the config's "
                                     "model.matmul_dtype, or else the compute dtype).")
 
@@ -156,7 +161,7 @@ def bench_e2e(cfg, peak):
   """Seconds per DAPO rollout step on the peers' workload (8 x 8, 32-token prompts, 64 new tokens)."""
   import numpy as np
 
-  from dapo_jax import from_config, sharding
+  from dapo_jax import engine, from_config, sharding
   if not (_MODEL_DIR.value and _PROMPTS.value):
     raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")
   tmp = tempfile.mkdtemp(prefix="dapo_bench_")
@@ -186,11 +191,14 @@ def bench_e2e(cfg, peak):
   with from_config.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
     if _MEAN_LENGTH.value:
       dapo.rollout.length_hook = LengthHook(_MEAN_LENGTH.value, C)
+    slots = cfg.rollout.slots or Q * G
+    dapo.rollout.engine_options = {"round_fraction": _ROUND_FRACTION.value, "widths": {
+        "thirds": None, "pow2": engine.decode_widths(slots, thirds=False), "off": (slots,)}[_WIDTHS.value]}
     dapo.step(0)  # Warm-up: compiles, starts the reward pool.
-    steps, utilisation = [], []
+    steps, engine_stats = [], []
     for i in range(_RUNS.value):
       steps.append(dapo.step(i + 1)[0])
-      utilisation.append(dapo.rollout.last_stats["slot_utilisation"])
+      engine_stats.append(dapo.rollout.last_stats)
   med = lambda k: statistics.median(m[k] for m in steps)
   mc = dapo.rollout.model_cfg
   B, P = Q * G, 32
@@ -202,9 +210,11 @@ def bench_e2e(cfg, peak):
           "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(
               [m["perf/throughput"] * m["timing_s/step"] for m in steps])),
-          "slot_utilisation": statistics.median(utilisation), "engine": cfg.rollout.engine,
+          "slot_utilisation": statistics.median(s["slot_utilisation"] for s in engine_stats),
+          "rounds": statistics.median(s.get("rounds", 1) for s in engine_stats), "engine": cfg.rollout.engine,
           "slots": dapo.rollout.engines and next(iter(dapo.rollout.engines.values())).S or None,
-          "length_buckets": list(dapo.cfg.length_buckets), "mean_length": _MEAN_LENGTH.value}
+          "length_buckets": list(dapo.cfg.length_buckets), "mean_length": _MEAN_LENGTH.value,
+          **({"widths": _WIDTHS.value, "round_fraction": _ROUND_FRACTION.value} if cfg.rollout.engine == "continuous" else {})}
 
 
 class LengthHook:

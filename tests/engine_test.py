@@ -74,6 +74,37 @@ def test_samples_depend_on_key_prompt_and_index_not_on_slots_and_logps_match_tra
   np.testing.assert_allclose(np.where(out.mask_BC, logp, 0), np.where(out.mask_BC, out.logp_BC, 0), atol=2e-5)
 
 
+def test_compaction_keeps_the_samples_and_counts_the_rows_it_computes():
+  """Once the queue is empty the busy rows move into smaller decode widths (their cache rows
+  copied): the same tokens and log-probs as without compaction (greedy: the static sampler's), and
+  slot-steps count the rows each step computed. By hand, 4 slots and samples of 1, 2, 3 and 10
+  tokens: widths 4, 3, 2, 1 run 1, 1, 1 and 7 steps, 16 rows for 16 tokens; one width runs 10 x 4."""
+  tokens, mask = prompts(Q=4)  # Prompts of different lengths.
+  stop_at_B = np.array([1, 2, 3, 10])
+  sc = sampling.SamplerConfig(max_new_tokens=12, temperature=0.0, eos_ids=(1,))
+  ref = jax.device_get(sampling.generate(CFG, sc, PARAMS, tokens, mask, jax.random.key(0), stop_at_B=stop_at_B))
+  np.testing.assert_array_equal(ref.length_B, stop_at_B)
+  for widths, slot_steps in ((None, 16), ((4,), 40)):
+    e = engine.Engine(CFG, sc, slots=4, prompt_len=7, widths=widths)
+    out, stats = e.generate(PARAMS, tokens, mask, 1, jax.random.key(0), stop_at_B)
+    np.testing.assert_array_equal(out.tokens_BC, ref.tokens_BC)
+    np.testing.assert_allclose(out.logp_BC, ref.logp_BC, atol=1e-5)
+    assert (stats["decode_steps"], stats["slot_steps"], stats["generated_tokens"]) == (10, slot_steps, 16)
+    assert stats["slot_utilisation"] == 16 / slot_steps
+  assert engine.decode_widths(16) == [1, 2, 3, 4, 6, 8, 12, 16]
+  assert engine.decode_widths(16, shards=4) == [4, 8, 12, 16] and engine.decode_widths(16, thirds=False) == [1, 2, 4, 8, 16]
+  # Sampled: samples of one group end at different steps, some while others still wait for a slot.
+  sc = sampling.SamplerConfig(max_new_tokens=10, temperature=1.0, eos_ids=(5, 9), pad_id=0)  # As above: compiled once.
+  tokens, mask = prompts()
+  stop_at_B = np.random.default_rng(2).integers(1, 12, size=20)
+  outs = [engine.Engine(CFG, sc, slots=8, prompt_len=7, widths=w).generate(PARAMS, tokens, mask, 4, jax.random.key(1),
+                                                                          stop_at_B) for w in (None, (8,))]
+  (a, stats), (b, _) = outs
+  assert stats["resizes"] >= 3 and a.length_B.min() < a.length_B.max()
+  np.testing.assert_array_equal(a.tokens_BC, b.tokens_BC)
+  np.testing.assert_allclose(a.logp_BC, b.logp_BC, atol=1e-6)
+
+
 def test_sample_distribution_is_the_models():
   """The first token of 4000 samples of one prompt (200 slots, refilled 20 times) follows softmax."""
   cfg = testing.tiny_model_config(vocab_size=16)
