@@ -303,6 +303,19 @@ def test_sampler_with_adapters_equals_the_full_forward(quant):
   assert (np.asarray(base_out.tokens_BC) != comp).any()
 
 
+def test_int8_base_decodes_from_int8_weights_with_unmerged_adapters():
+  p = adapted(lcfg=lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8"))
+  float_sizes = []
+  for layer, l in zip(model.decode_params(CFG, p)["layers"], range(CFG.num_layers)):
+    for name in ("wqkv_DKJH", "wo_NHD", "w_gate_up_D2F", "w_down_FD"):
+      assert layer[name]["int8"].dtype == jnp.int8, name
+    np.testing.assert_array_equal(layer["lora"]["wq_DNH"]["a"], p["lora"]["layers"]["wq_DNH"]["a"][l])
+    float_sizes += [x.size for x in jax.tree.leaves(layer) if x.dtype != jnp.int8]
+  # What stays float per layer (norms, biases, scales, adapters) is far below its matrices.
+  D, F = CFG.embed_dim, CFG.mlp_dim
+  assert sum(float_sizes) < CFG.num_layers * 3 * D * F / 2
+
+
 # --- PEFT -------------------------------------------------------------------------------------
 
 def test_peft_export_loads_in_peft_and_gives_our_logits(tmp_path):
