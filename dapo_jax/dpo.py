@@ -4,7 +4,8 @@
                            evaluator=...)
 
 The reference log-probs of every pair are computed once, before training, by a frozen copy of the
-starting params (`Trainer.copy_params`, `Trainer.forward`), and travel in the batch
+starting params (`Trainer.reference_params`: a copy, or with LoRA the base with the adapters
+off; `Trainer.forward`), and travel in the batch
 (`PreferenceBatch.ref_logp_B`); the reference copy is then freed. Logged: the DPO loss, the implicit
 rewards β·(log π - log π_ref) of chosen and rejected responses, their accuracy and margin (train and
 held-out pairs), and, with an `evaluate.Evaluator`, the rule-checked accuracy of the policy's own
@@ -18,7 +19,8 @@ import numpy as np
 
 from dapo_jax import evaluate as evaluate_lib
 from dapo_jax import model as model_lib
-from dapo_jax import objectives, optim, rm, sharding, train_step
+from dapo_jax import lora as lora_lib
+from dapo_jax import objectives, optim, rm, train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +41,18 @@ class DPOTrainConfig(rm.PairTrainConfig):
 
 
 def train(c: DPOTrainConfig, model_cfg: model_lib.ModelConfig, params, tok, train_pairs, eval_pairs, mesh,
-          workdir: str, evaluator: evaluate_lib.Evaluator | None = None) -> tuple[object, dict]:
-  """DPO from `params` (also the reference); returns (params, the last held-out metrics)."""
+          workdir: str, evaluator: evaluate_lib.Evaluator | None = None,
+          lora: lora_lib.LoraConfig | None = None) -> tuple[object, dict]:
+  """DPO from `params` (also the reference); returns (params, the last held-out metrics). With
+  `lora`, adapters train on the frozen `params` and the reference is that base with them off."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=c.grad_clip)
   dcfg = objectives.DPOConfig(beta=c.beta, loss_type=c.loss_type, label_smoothing=c.label_smoothing,
                               rpo_alpha=c.rpo_alpha)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.dpo(model_cfg, dcfg), num_microbatches=0,
-                               microbatch_tokens=c.microbatch_tokens)
+                               microbatch_tokens=c.microbatch_tokens, lora=lora, seed=c.seed)
   logprobs = trainer.forward(objectives.response_logprobs(model_cfg))
-  ref = trainer.copy_params(sharding.put(params, trainer.params_sharding))
+  params = trainer.place(params)
+  ref = trainer.reference_params(params)
   data = rm.pair_rows(tok, train_pairs, c)
   data = data.replace(ref_logp_B=rm.chunked(logprobs, trainer, ref, data, c.batch_pairs).astype(np.float32))
   held = None

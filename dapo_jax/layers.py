@@ -59,33 +59,41 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def dense(spec: str, x: jax.Array, p: dict, name: str, cfg: ModelConfig) -> jax.Array:
-  """The weight matmul `einsum(spec, x, p[name])` of a layer, whatever form the weight takes.
+  """The weight matmul `einsum(spec, x, p[name])` of a layer, whatever form the weight takes
+  (`weight_matmul`), plus its LoRA adapter's output where it has one (`adapter`)."""
+  y = weight_matmul(spec, x, p[name], cfg)
+  delta = adapter(spec, x, p, name, cfg)
+  return y if delta is None else y + delta
 
-  A float weight is `matmul`. An int8 one ({"int8", "scale"}, see `quant`) is dequantized on the
-  fly: (x @ w_int8) * scale, fp32 accumulation, one scale per output channel. A LoRA adapter
-  p["lora"][name] = {"a": [in.., r], "b": [r, out..]} adds p["lora_scale"] * (x @ a) @ b: with
-  b = 0 or lora_scale = 0 the result is exactly the base's. With p["lora_dropout"] = (rate, key)
-  (a training forward), the adapter reads `adapter_dropout(x, ...)` instead of x.
-  """
-  w = p[name]
-  if isinstance(w, dict):
-    y = matmul(spec, x, w["int8"].astype(cfg.operand_dtype), cfg, jnp.float32)
-    scale = w["scale"]
-    y = (y * scale.reshape((1,) * (y.ndim - scale.ndim) + scale.shape)).astype(cfg.dtype)
-  else:
-    y = matmul(spec, x, w, cfg)
-  adapter = (p.get("lora") or {}).get(name)
-  if adapter is None:
-    return y
+
+def weight_matmul(spec: str, x: jax.Array, w, cfg: ModelConfig) -> jax.Array:
+  """`einsum(spec, x, w)`. A float weight is `matmul`. An int8 one ({"int8", "scale"}, see `quant`)
+  is dequantized on the fly: (x @ w_int8) * scale, fp32 accumulation, one scale per output
+  channel; only the matmul's operand-dtype cast of w_int8 is ever float."""
+  if not isinstance(w, dict):
+    return matmul(spec, x, w, cfg)
+  y = matmul(spec, x, w["int8"].astype(cfg.operand_dtype), cfg, jnp.float32)
+  scale = w["scale"]
+  return (y * scale.reshape((1,) * (y.ndim - scale.ndim) + scale.shape)).astype(cfg.dtype)
+
+
+def adapter(spec: str, x: jax.Array, p: dict, name: str, cfg: ModelConfig) -> jax.Array | None:
+  """The LoRA adapter p["lora"][name] = {"a": [in.., r], "b": [r, out..]} of the weight `name`
+  (matmul `spec`): p["lora_scale"] * (x @ a) @ b, or None without one. With b = 0 or lora_scale = 0
+  it adds exactly 0. With p["lora_dropout"] = (rate, key) (a training forward), the adapter reads
+  `adapter_dropout(x, ...)` instead of x."""
+  ad = (p.get("lora") or {}).get(name)
+  if ad is None:
+    return None
   xs, rest = spec.split(",")
   ws, ys = rest.split("->")
   ins = "".join(c for c in ws if c in xs)        # contracted (input) axes of the weight
   keep = "".join(c for c in xs if c not in ins)  # the token axes
   if "lora_dropout" in p:
     x = adapter_dropout(x, *p["lora_dropout"], name)
-  h = matmul(f"{xs},{ins}r->{keep}r", x, adapter["a"], cfg)
-  delta = matmul(f"{keep}r,r{ws[len(ins):]}->{ys}", h, adapter["b"], cfg)
-  return y + p["lora_scale"].astype(y.dtype) * delta
+  h = matmul(f"{xs},{ins}r->{keep}r", x, ad["a"], cfg)
+  delta = matmul(f"{keep}r,r{ws[len(ins):]}->{ys}", h, ad["b"], cfg)
+  return p["lora_scale"].astype(delta.dtype) * delta
 
 
 def adapter_dropout(x: jax.Array, rate: jax.Array, key: jax.Array, name: str) -> jax.Array:
@@ -268,10 +276,16 @@ def project_qkv(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, 
   N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   R = N // K
   if "wqkv_DKJH" in p:  # Decode weights: one matmul (J = R + 2: the R queries of KV head k, its key, its value).
-    qkv_XKJH = matmul("XD,DKJH->XKJH", h_XD, p["wqkv_DKJH"], cfg)
+    qkv_XKJH = weight_matmul("XD,DKJH->XKJH", h_XD, p["wqkv_DKJH"], cfg)
     if p["bqkv_KJH"] is not None:
       qkv_XKJH += p["bqkv_KJH"][None]
-    return _qk_norm(cfg, p, qkv_XKJH[:, :, :R], qkv_XKJH[:, :, R]) + (qkv_XKJH[:, :, R + 1],)
+    q_XKRH, k_XKH, v_XKH = qkv_XKJH[:, :, :R], qkv_XKJH[:, :, R], qkv_XKJH[:, :, R + 1]
+    if "lora" in p:  # Unmerged adapters (an int8 base's decode weights, see `model.decode_params`).
+      q_XKRH, k_XKH, v_XKH = (y if d is None else y + d.reshape(y.shape) for y, d in (
+          (q_XKRH, adapter("XD,DNH->XNH", h_XD, p, "wq_DNH", cfg)),
+          (k_XKH, adapter("XD,DKH->XKH", h_XD, p, "wk_DKH", cfg)),
+          (v_XKH, adapter("XD,DKH->XKH", h_XD, p, "wv_DKH", cfg))))
+    return _qk_norm(cfg, p, q_XKRH, k_XKH) + (v_XKH,)
   q_XNH = dense("XD,DNH->XNH", h_XD, p, "wq_DNH", cfg)
   k_XKH = dense("XD,DKH->XKH", h_XD, p, "wk_DKH", cfg)
   v_XKH = dense("XD,DKH->XKH", h_XD, p, "wv_DKH", cfg)
@@ -293,8 +307,11 @@ def mlp(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> jax.Array:
   """SwiGLU: down(silu(gate(h)) * up(h)) (GeGLU with tanh GELU for Gemma); gate and up fused into
   one matmul in decode weights."""
   if "w_gate_up_D2F" in p:
-    gate_up_X2F = matmul("XD,DGF->XGF", h_XD, p["w_gate_up_D2F"], cfg)
+    gate_up_X2F = weight_matmul("XD,DGF->XGF", h_XD, p["w_gate_up_D2F"], cfg)
     gate_XF, up_XF = gate_up_X2F[:, 0], gate_up_X2F[:, 1]
+    if "lora" in p:  # Unmerged adapters (see `project_qkv`).
+      gate_XF, up_XF = (y if d is None else y + d for y, d in (
+          (gate_XF, adapter("XD,DF->XF", h_XD, p, "w_gate_DF", cfg)), (up_XF, adapter("XD,DF->XF", h_XD, p, "w_up_DF", cfg))))
   else:
     gate_XF = dense("XD,DF->XF", h_XD, p, "w_gate_DF", cfg)
     up_XF = dense("XD,DF->XF", h_XD, p, "w_up_DF", cfg)

@@ -4,11 +4,14 @@ An adapted parameter tree is {"base": the model's params (layer matrices possibl
 `quant`), "lora": {"layers": {weight: {"a": [L, in.., r], "b": [L, r, out..]}}}, "lora_scale":
 fp32 scalar alpha / r}. A target projection y = x W becomes y = x W + lora_scale (x a) b
 (`layers.dense`); b starts at 0, so the adapted model starts as the base. Only "lora" is
-trained: gradients and optimizer state exist for the adapters alone. Dropout (PEFT's
+trained: gradients and optimizer state exist for the adapters alone (and a reward model's new
+scalar head, `HEAD`). Dropout (PEFT's
 lora_dropout) acts on the adapters' input in the train step's forward alone (`with_dropout`).
 The reference model is the same tree with lora_scale = 0 (`adapters_off`): one forward with a
 switch, no second base.
-The sampler decodes with the adapters merged into its per-call decode weights (`merge_layers`).
+The sampler decodes an int8 base from its int8 matrices with the adapters unmerged, and a float
+base with the adapters merged into its per-call decode weights (`merge_layers`; see
+`model.decode_params`).
 Target names are PEFT's (q_proj, ..., down_proj), so `peft_format.save_peft` / `peft_format.load_peft` exchange
 adapters with `peft`.
 """
@@ -73,6 +76,12 @@ class LoraConfig:
     return tuple(TARGETS[t][0] for t in self.targets)
 
 
+# A scalar head (a reward model's `score_D`) is new, so it cannot be frozen: with adapters it sits
+# in the trained tree ("lora") and is trained in full, as PEFT's modules_to_save trains a
+# sequence classifier's `score`.
+HEAD = "score_D"
+
+
 def is_adapted(params) -> bool:
   return isinstance(params, dict) and "base" in params
 
@@ -103,7 +112,11 @@ def adapt(cfg: ModelConfig, lcfg: LoraConfig, params: dict, rng: jax.Array, adap
   if is_adapted(params):
     return params
   lora = adapters if adapters is not None else init(cfg, lcfg, rng)
-  return {"base": quant.quantize_base(params, lcfg.base_quant), "lora": lora,
+  base = params
+  if HEAD in params:  # A reward model's head trains in full, beside the adapters.
+    base = {k: v for k, v in params.items() if k != HEAD}
+    lora = dict(lora, **{HEAD: params[HEAD]})
+  return {"base": quant.quantize_base(base, lcfg.base_quant), "lora": lora,
           "lora_scale": jnp.asarray(lcfg.scale, jnp.float32)}
 
 
@@ -134,13 +147,16 @@ def flax_variables(params) -> dict:
   (with dropout: the rate and one key per layer, which `nn.scan` hands to each layer)."""
   if not is_adapted(params):
     return {"params": params}
+  base = params["base"]
   lora = dict(params["lora"], scale=params["lora_scale"])
+  if HEAD in lora:
+    base = dict(base, **{HEAD: lora.pop(HEAD)})
   drop = params.get("lora_dropout")
   if drop is not None:
     num_layers = jax.tree.leaves(params["lora"]["layers"])[0].shape[0]
     lora["layers"] = dict(lora["layers"], dropout_rng=jax.random.split(drop["rng"], num_layers))
     lora["dropout_rate"] = drop["rate"]
-  return {"params": params["base"], "lora": lora}
+  return {"params": base, "lora": lora}
 
 
 def merge_layers(params: dict, dtype=jnp.float32) -> dict:
@@ -165,7 +181,8 @@ def merge(params: dict) -> dict:
   if not is_adapted(params):
     return params
   base = params["base"]
-  return dict(base, layers=merge_layers(params, base["embed_VD"].dtype))
+  head = {HEAD: params["lora"][HEAD]} if HEAD in params["lora"] else {}
+  return dict(base, layers=merge_layers(params, base["embed_VD"].dtype), **head)
 
 
 # --- shardings --------------------------------------------------------------------------------
@@ -190,7 +207,9 @@ def boxed(cfg: ModelConfig, lcfg: LoraConfig, base_boxed: dict) -> dict:
         "a": nn.Partitioned(jax.ShapeDtypeStruct(L + a_shape, jnp.float32), ("layers",) + sharding.axes_of(ins) + (None,)),
         "b": nn.Partitioned(jax.ShapeDtypeStruct(L + b_shape, jnp.float32), ("layers", None) + sharding.axes_of(outs))}
   scale = nn.Partitioned(jax.ShapeDtypeStruct((), jnp.float32), ())
-  return {"base": dict(base_boxed, layers=layers), "lora": {"layers": adapters}, "lora_scale": scale}
+  base = {k: v for k, v in dict(base_boxed, layers=layers).items() if k != HEAD}
+  head = {HEAD: base_boxed[HEAD]} if HEAD in base_boxed else {}
+  return {"base": base, "lora": {"layers": adapters, **head}, "lora_scale": scale}
 
 
 def param_count(cfg: ModelConfig, lcfg: LoraConfig) -> int:

@@ -7,7 +7,8 @@ group's tokens of one `expert_chunk` block: dropless, so sized for the worst cas
 
 With LoRA the parameters are the frozen base (its layer matrices in int8 with fp32 scales when
 `base_quant` is "int8") plus the fp32 adapters; gradients and AdamW state exist for the adapters
-alone, and the sampler holds a merged float copy of the layer matrices per call."""
+alone; the sampler holds a per-call copy of the layer matrices (int8 for an int8 base, whose
+adapters decode unmerged; merged float for a float base)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ class Plan:
   devices: int
   remat: str
   adapters: float = 0.0          # LoRA adapter bytes (included in `params`)
-  decode_weights: float = 0.0    # LoRA: the sampler's merged float layer matrices, per call
+  decode_weights: float = 0.0    # LoRA: the sampler's per-call layer matrices (int8, or merged float)
   experts_per_device: int = 0    # MoE: experts each device holds (per expert layer)
   dispatch: float = 0.0          # MoE: one expert layer's dispatch buffers (included in the activations)
 
@@ -83,7 +84,10 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
     params = base / model_shards + adapters
     optimizer = 2 * a * 4 / model_shards
     gradients = a * 4 / model_shards
-    decode_weights = matrices * c_bytes / mesh_shape["tensor"]  # Sampling weights are whole per FSDP shard.
+    # The sampler's per-call layer matrices, whole per FSDP shard: an int8 base's fused int8 copy
+    # (adapters unmerged), or a float base's merged float copy.
+    decode_bytes = 1 if lora.base_quant == "int8" else c_bytes
+    decode_weights = matrices * decode_bytes / mesh_shape["tensor"]
   T = prompt_len + completion_len
   rows = max(rows_per_update / num_microbatches / batch_shards, 1)
   tokens = rows * T
@@ -129,7 +133,7 @@ def report(p: Plan, name: str = "") -> str:
           ("KV cache (sampling)", p.kv_cache), ("peak (train or sample)", p.peak)]
   if p.adapters:
     rows[1:1] = [("  of which LoRA adapters", p.adapters)]
-    rows.insert(-1, ("merged decode weights (LoRA)", p.decode_weights))
+    rows.insert(-1, ("decode weights (LoRA)", p.decode_weights))
   if p.experts_per_device:
     lines.append(f"  {'experts per device':28s} {p.experts_per_device:10d}    (per expert layer)")
     rows.insert(6, ("  of which expert dispatch", p.dispatch))

@@ -352,14 +352,21 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   its value, so tensor parallelism splits K), bqkv_KJH (None without bias), wo_NHD, mlp_norm,
   w_gate_up_D2F, w_down_FD (an expert layer: router_DE and the stacked experts as they are): what
   `layer` reads. Also embed_VD, final_scale_D and unembed_DV.
-  An adapted tree (`lora`) decodes with its adapters merged in and its int8 matrices dequantized
-  here, once per call: each token then costs what the base model's does.
+  An adapted tree (`lora`) on a float base decodes with its adapters merged in (each token then
+  costs what the base model's does). On an int8 base the matrices stay int8 (fused like the float
+  ones, dequantized inside each matmul) and the adapters unmerged (layers[l]["lora"], as `dense`
+  reads them): no float copy of the base is ever made, one layer's dequantized matrix at a time.
   """
+  lora = None
   if lora_lib.is_adapted(params):
-    params = dict(params["base"], layers=lora_lib.merge_layers(params))
+    if quant.is_quantized(params["base"]["layers"]["wq_DNH"]):
+      lora = {"layers": params["lora"]["layers"], "scale": params["lora_scale"]}
+      params = params["base"]
+    else:
+      params = dict(params["base"], layers=lora_lib.merge_layers(params))
   layers = []
   for r, (start, stop, _) in enumerate(cfg.layer_runs):
-    layers += _decode_layers(cfg, params[run_name(r)], stop - start)
+    layers += _decode_layers(cfg, params[run_name(r)], stop - start, lora)
   cast = lambda x: x.astype(cfg.dtype)
   # A tied unembedding is transposed once here, so each token's logits are a plain [B,D]x[D,V] matmul.
   unembed_DV = params["embed_VD"].T if cfg.tie_embeddings else params["unembed_DV"]
@@ -367,31 +374,45 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
               unembed_DV=unembed_DV.astype(cfg.operand_dtype))
 
 
-def _decode_layers(cfg: ModelConfig, p: dict, L: int) -> list[dict]:
-  """`decode_params`' per-layer weights of one stack of L alike layers."""
+def _fuse(join_w, join_scale, *ws):
+  """Stacked weights joined into one by `join_w`: float ones as they are, int8 ones ({"int8", "scale"})
+  by joining their int8 matrices alike and their scales (the same axes, less the input) by `join_scale`."""
+  if not quant.is_quantized(ws[0]):
+    return join_w(*ws)
+  return {"int8": join_w(*(w["int8"] for w in ws)), "scale": join_scale(*(w["scale"] for w in ws))}
+
+
+def _decode_layers(cfg: ModelConfig, p: dict, L: int, lora: dict | None = None) -> list[dict]:
+  """`decode_params`' per-layer weights of one stack of L alike layers (with `lora`, {"layers",
+  "scale"}: an int8 base's unmerged adapters)."""
   D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   R = N // K
   cast = lambda x: x.astype(cfg.dtype)
-  cast_w = lambda x: x.astype(cfg.operand_dtype)
-  wqkv_LDKJH = jnp.concatenate([p["wq_DNH"].reshape(L, D, K, R, H), p["wk_DKH"][:, :, :, None],
-                                p["wv_DKH"][:, :, :, None]], axis=3)
+  cast_w = lambda x: x if isinstance(x, dict) else x.astype(cfg.operand_dtype)  # int8 stays int8.
+  at = lambda x, l: jax.tree.map(lambda a: a[l], x)
+  wqkv_LDKJH = _fuse(lambda q, k, v: jnp.concatenate([q.reshape(L, D, K, R, H), k[:, :, :, None], v[:, :, :, None]], axis=3),
+                     lambda q, k, v: jnp.concatenate([q.reshape(L, K, R, H), k[:, :, None], v[:, :, None]], axis=2),
+                     p["wq_DNH"], p["wk_DKH"], p["wv_DKH"])
   bqkv_LKJH = None
   if cfg.qkv_bias:
     bqkv_LKJH = jnp.concatenate([p["bq_NH"].reshape(L, K, R, H), p["bk_KH"][:, :, None],
                                  p["bv_KH"][:, :, None]], axis=2)
-  layers = [dict(attn_norm=dict(scale_D=cast(p["attn_norm"]["scale_D"][l])), wqkv_DKJH=cast_w(wqkv_LDKJH[l]),
-                 bqkv_KJH=None if bqkv_LKJH is None else cast(bqkv_LKJH[l]), wo_NHD=cast_w(p["wo_NHD"][l]),
+  layers = [dict(attn_norm=dict(scale_D=cast(p["attn_norm"]["scale_D"][l])), wqkv_DKJH=cast_w(at(wqkv_LDKJH, l)),
+                 bqkv_KJH=None if bqkv_LKJH is None else cast(bqkv_LKJH[l]), wo_NHD=cast_w(at(p["wo_NHD"], l)),
                  mlp_norm=dict(scale_D=cast(p["mlp_norm"]["scale_D"][l])))
             for l in range(L)]
   if "router_DE" in p:
     mlp = lambda l: {k: cast_w(p[k][l]) for k in ("router_DE",) + layers_lib.EXPERT_WEIGHTS}
   else:
-    w_gate_up_LD2F = jnp.stack([p["w_gate_DF"], p["w_up_DF"]], axis=2)
-    mlp = lambda l: dict(w_gate_up_D2F=cast_w(w_gate_up_LD2F[l]), w_down_FD=cast_w(p["w_down_FD"][l]))
+    w_gate_up_LD2F = _fuse(lambda g, u: jnp.stack([g, u], axis=2), lambda g, u: jnp.stack([g, u], axis=1),
+                           p["w_gate_DF"], p["w_up_DF"])
+    mlp = lambda l: dict(w_gate_up_D2F=cast_w(at(w_gate_up_LD2F, l)), w_down_FD=cast_w(at(p["w_down_FD"], l)))
   for l, layer_p in enumerate(layers):  # The MLP or experts; family extras: q/k norms, post-norms.
     layer_p.update(mlp(l))
     layer_p.update({k: cast(p[k][l]) for k in ("q_norm_H", "k_norm_H") if k in p})
     layer_p.update({k: dict(scale_D=cast(p[k]["scale_D"][l])) for k in ("post_attn_norm", "post_mlp_norm") if k in p})
+    if lora is not None:
+      layer_p.update(lora={name: at(ad, l) for name, ad in lora["layers"].items()}, lora_scale=lora["scale"])
   return layers
 
 

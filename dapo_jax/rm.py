@@ -23,6 +23,7 @@ import numpy as np
 
 from dapo_jax import checkpoint as ckpt_lib
 from dapo_jax import hf, metrics, objectives, optim, preference, train_step
+from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
 from dapo_jax import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import PreferenceBatch
@@ -150,12 +151,13 @@ def pairwise_metrics(diff_N: np.ndarray, errors: Sequence[str | None] = ()) -> d
 
 
 def train(c: RMConfig, model_cfg: model_lib.ModelConfig, params, tok, train_pairs, eval_pairs, mesh,
-          workdir: str) -> tuple[object, dict]:
+          workdir: str, lora: lora_lib.LoraConfig | None = None) -> tuple[object, dict]:
   """Trains the reward model; returns (params, held-out metrics: val/rm/accuracy, margin, loss, and
-  val/rm/accuracy/<kind> for held-out rows with an `error` field)."""
+  val/rm/accuracy/<kind> for held-out rows with an `error` field). With `lora`, adapters and the
+  score head train on the frozen trunk of `params`."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=c.grad_clip)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.reward_model(model_cfg, c.margin), num_microbatches=0,
-                               microbatch_tokens=c.microbatch_tokens, head="scalar")
+                               microbatch_tokens=c.microbatch_tokens, head="scalar", lora=lora, seed=c.seed)
   score = trainer.forward(objectives.reward_scores(model_cfg))
   data = pair_rows(tok, train_pairs, c)
   held = pair_rows(tok, eval_pairs, c) if eval_pairs else None

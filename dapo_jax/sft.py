@@ -11,6 +11,7 @@ import numpy as np
 
 from dapo_jax import console, objectives, optim, train_step
 from dapo_jax import data as data_lib
+from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
 from dapo_jax import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import LMBatch
@@ -71,15 +72,17 @@ class SFTConfig:
   microbatch_tokens: int = 2048    # automatic micro-batches of at most this many tokens
 
 
-def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, params=None):
-  """Returns SFT-trained params (random init unless `params` is given)."""
+def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, params=None,
+        lora: lora_lib.LoraConfig | None = None):
+  """Returns SFT-trained params (random init unless `params` is given); with `lora`, adapters
+  trained on the frozen params (an adapted tree, see `lora`)."""
   texts = sft_texts(tok, examples[: s.num_examples], s.chat_template, s.solution_style)
   ids = tok(texts, add_special_tokens=False)["input_ids"]
   # Each example ends with the chat's end-of-turn token, which is what stops generation.
   chunks = pack(ids, s.seq_len, tok.eos_token_id)
   opt = optim.OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=0.0, grad_clip=1.0)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.language_model(model_cfg), num_microbatches=0,
-                               microbatch_tokens=s.microbatch_tokens)
+                               microbatch_tokens=s.microbatch_tokens, lora=lora, seed=s.seed)
   state = trainer.init(jax.random.key(s.seed), params=params)
   rng = np.random.default_rng(s.seed)
   if s.target_acc:

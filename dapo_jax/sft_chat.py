@@ -20,6 +20,7 @@ import numpy as np
 
 from dapo_jax import conversations, metrics, objectives, optim, train_step
 from dapo_jax import data as data_lib
+from dapo_jax import lora as lora_lib
 from dapo_jax import model as model_lib
 from dapo_jax.datatypes import PackedLMBatch
 
@@ -72,11 +73,12 @@ def rows(tok, convs: Sequence[conversations.Conversation], c: ChatSFTConfig, sou
 
 
 def train(c: ChatSFTConfig, model_cfg: model_lib.ModelConfig, params, tok, train_convs, held_convs, mesh,
-          workdir: str, source: str = "") -> tuple[object, dict]:
-  """SFT from `params`; returns (params, the last held-out metrics `val/sft/loss`)."""
+          workdir: str, source: str = "", lora: lora_lib.LoraConfig | None = None) -> tuple[object, dict]:
+  """SFT from `params`; returns (params, the last held-out metrics `val/sft/loss`). With `lora`,
+  adapters train on the frozen `params`."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=1.0)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.packed_language_model(model_cfg),
-                               num_microbatches=0, microbatch_tokens=c.microbatch_tokens)
+                               num_microbatches=0, microbatch_tokens=c.microbatch_tokens, lora=lora, seed=c.seed)
   nll = trainer.forward(objectives.packed_nll(model_cfg))
   data = rows(tok, train_convs, c, source)
   n_rows = len(data.tokens_BT)

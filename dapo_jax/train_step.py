@@ -213,7 +213,7 @@ class Trainer:
         return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0), head), self.tx)
       logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
     else:
-      base_boxed = jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0)))
+      base_boxed = jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0), head))
       self.base_float_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(base_boxed), mesh, param_rules)
       logical = nn.get_partition_spec(jax.eval_shape(lambda p: TrainState.create(p, self.tx, adapters=True),
                                                      lora_lib.boxed(model_cfg, lora, base_boxed)))
@@ -338,17 +338,19 @@ class Trainer:
     """A fresh state from given params (e.g. `hf.load`) or from random ones. With LoRA, plain params
     become the frozen base of fresh adapters (drawn from `rng`, default key 0); an adapted tree
     (`lora.adapt`, e.g. with `peft_format.load_peft`'s adapters) is kept as it is."""
+    return self._create(self.place(params, rng))
+
+  def place(self, params=None, rng: jax.Array | None = None):
+    """`params` (random ones from `rng` if None) on the mesh as the state holds them: with LoRA,
+    plain params become the frozen base of fresh adapters (drawn from `rng`, default key 0)."""
     if self.lora is None:
-      params = self._init_params(rng) if params is None else sharding.put(params, self.params_sharding)
-      return self._create(params)
+      return self._init_params(rng) if params is None else sharding.put(params, self.params_sharding)
     rng = jax.random.key(0) if rng is None else rng
     if params is None:
       params = self._init_params(rng)
     if lora_lib.is_adapted(params):
-      params = sharding.put(params, self.params_sharding)
-    else:
-      params = self._adapt(sharding.put(params, self.base_float_sharding), jax.random.fold_in(rng, 1))
-    return self._create(params)
+      return sharding.put(params, self.params_sharding)
+    return self._adapt(sharding.put(params, self.base_float_sharding), jax.random.fold_in(rng, 1))
 
   def put_batch(self, batch):
     """Places a host batch (the same global rows on every process) on the mesh, split by rows."""

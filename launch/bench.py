@@ -78,9 +78,20 @@ def load_model(cfg):
 
   from dapo_jax import from_config, hf, model
   if _MODEL_DIR.value:
-    return hf.load(_MODEL_DIR.value, **{**from_config.runtime_overrides(cfg), **numerics(cfg)})
-  mc = dataclasses.replace(from_config.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))
-  return mc, model.init_params(mc, jax.random.key(0))
+    mc, params = hf.load(_MODEL_DIR.value, **{**from_config.runtime_overrides(cfg), **numerics(cfg)})
+  else:
+    mc = dataclasses.replace(from_config.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))
+    params = model.init_params(mc, jax.random.key(0))
+  return mc, params
+
+
+def adapted(cfg, mc, params):
+  """`params` as a run with `model.lora` holds them: the (int8) base and fresh adapters."""
+  import jax
+
+  from dapo_jax import from_config, lora
+  lcfg = from_config.lora_config(cfg)
+  return params if lcfg is None else lora.adapt(mc, lcfg, params, jax.random.key(1))
 
 
 def matmul_params(mc) -> int:
@@ -101,6 +112,7 @@ def bench_sampler(cfg, peak):
 
   from dapo_jax import sampling, sharding
   mc, params = load_model(cfg)
+  params = adapted(cfg, mc, params)  # LoRA: each call decodes its int8 base unmerged or merges a float one.
   B, P, C = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
   # Data-parallel over every local device, as the training loop's rollouts are; params resident.
   mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})

@@ -28,7 +28,7 @@ def main(argv):
   model_cfg, params = hf.load(cfg.dpo.init_dir, **from_config.runtime_overrides(cfg))
   evaluator = from_config.dpo_evaluator(cfg, tok, model_cfg, mesh, held)
   params, ev = dpo.train(from_config.dpo_config(cfg), model_cfg, params, tok, train, held, mesh, workdir,
-                         evaluator=evaluator)
+                         evaluator=evaluator, lora=from_config.lora_config(cfg))
   out = os.path.join(workdir, "dpo_model")
   if jax.process_index() == 0:
     hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)

@@ -27,7 +27,7 @@ def main(argv):
   tok = tokenizer.load(cfg.tokenizer.path or cfg.rm.init_dir)
   model_cfg, lm_params = hf.load(cfg.rm.init_dir, **from_config.runtime_overrides(cfg))
   params, ev = rm.train(from_config.rm_config(cfg), model_cfg, rm.from_lm(lm_params), tok, train, held,
-                        sharding.make_mesh(cfg.mesh), workdir)
+                        sharding.make_mesh(cfg.mesh), workdir, lora=from_config.lora_config(cfg))
   out = os.path.join(workdir, "rm_model")
   if jax.process_index() == 0:
     hf.save_scalar(out, model_cfg, jax.device_get(params), tokenizer=tok)

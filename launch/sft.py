@@ -36,12 +36,13 @@ def main(argv):
       model_cfg = from_config.model_config(cfg, ((len(tok) + 63) // 64) * 64)
       params = model.init_params(model_cfg, jax.random.key(cfg.seed))
     params, ev = sft_chat.train(from_config.chat_sft_config(cfg), model_cfg, params, tok, train, held, mesh,
-                                workdir, source=",".join(f for f in cfg.data.train_files if f))
+                                workdir, source=",".join(f for f in cfg.data.train_files if f),
+                                lora=from_config.lora_config(cfg))
   else:
     train, _ = from_config.datasets(cfg)
     tok = from_config.tokenizer(cfg, workdir, train)
     model_cfg = from_config.model_config(cfg, ((len(tok) + 63) // 64) * 64)
-    params = sft.run(from_config.sft_config(cfg), model_cfg, tok, train, mesh)
+    params = sft.run(from_config.sft_config(cfg), model_cfg, tok, train, mesh, lora=from_config.lora_config(cfg))
   hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)
   print(f"SFT model written to {out}")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dapo_jax import hf, layers, lora, model, objectives, optim, peft_format, sampling, sharding, testing, train_step
-from dapo_jax.datatypes import RLBatch
+from dapo_jax.datatypes import LMBatch, PreferenceBatch, RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64)
 LCFG = lora.LoraConfig(rank=4, alpha=8.0)
@@ -282,6 +282,74 @@ def test_forward_passes_never_drop():
   np.testing.assert_allclose(got, np.asarray(fn(lora.merge(p), make_batch())), atol=1e-5)
 
 
+# --- the SFT, RM and DPO trainers -------------------------------------------------------------
+
+def preference_pairs(n=4, P=6, C=5, seed=0):
+  """n interleaved pairs (rows 2i chosen, 2i+1 rejected): left-padded prompts, right-padded responses."""
+  rng = np.random.default_rng(seed)
+  tokens, mask = np.zeros((2 * n, P + C), np.int32), np.zeros((2 * n, P + C), bool)
+  for i in range(n):
+    p = int(rng.integers(2, P + 1))
+    prompt = rng.integers(1, CFG.vocab_size, size=p)
+    for j in range(2):
+      c = int(rng.integers(1, C + 1))
+      tokens[2 * i + j, P - p:P], mask[2 * i + j, P - p:P] = prompt, True
+      tokens[2 * i + j, P:P + c], mask[2 * i + j, P:P + c] = rng.integers(1, CFG.vocab_size, size=c), True
+  return PreferenceBatch(tokens, mask, mask[:, P:].copy(), rng.normal(-8, 1, size=2 * n).astype(np.float32))
+
+
+def sft_batch(B=4, T=12, seed=0):
+  tokens, mask = rows(B=B, T=T, seed=seed)
+  return LMBatch(tokens_BT=np.asarray(tokens), mask_BT=np.asarray(mask), loss_mask_BT=np.asarray(mask))
+
+
+TRAINERS = {  # objective, head, batch: as sft.run / sft_chat.train, rm.train and dpo.train build them.
+    "sft": (lambda: objectives.language_model(CFG), "lm", sft_batch),
+    "rm": (lambda: objectives.reward_model(CFG), "scalar", preference_pairs),
+    "dpo": (lambda: objectives.dpo(CFG, objectives.DPOConfig(beta=0.1)), "lm", preference_pairs)}
+
+
+@pytest.mark.parametrize("kind", sorted(TRAINERS))
+def test_sft_rm_dpo_train_adapters_only_from_the_base(kind):
+  make_obj, head, make = TRAINERS[kind]
+  obj = make_obj()
+  base = jax.device_get(jax.jit(model.init_params, static_argnums=(0, 2))(CFG, jax.random.key(0), head))
+  if head == "scalar":
+    base["score_D"] = np.asarray(jax.random.normal(jax.random.key(5), base["score_D"].shape))
+  trainer = train_step.Trainer(CFG, OPT, one_device_mesh(), obj, lora=LCFG, head=head)
+  state = trainer.init(params=base)
+  batch = make()
+  counts = obj.counts(batch)
+  # Step 0: the adapted model's loss is the base's, exactly.
+  np.testing.assert_array_equal(obj.loss(state.params, batch, counts)[0], obj.loss(base, batch, counts)[0])
+  trained = jax.device_get(state.params["lora"])
+  mu = state.opt_state.inner_state[1][0].mu
+  assert jax.tree.structure(mu) == jax.tree.structure(trained)  # AdamW state: adapters (and RM head) only.
+  base_before = jax.device_get(state.params["base"])
+  state = state.replace(rollout_step=1)  # Past the warm-up.
+  for _ in range(2):
+    state, m = trainer.step(state, trainer.put_batch(batch))
+  assert float(m["grad_norm"]) > 0 and int(state.step) == 2
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params["base"]), base_before)
+  after = jax.device_get(state.params["lora"])
+  assert all(np.abs(ab["b"]).max() > 0 for ab in after["layers"].values())
+  if head == "scalar":  # The new score head trains in full (PEFT's modules_to_save) and is not in the base.
+    assert "score_D" not in base_before and np.abs(after["score_D"] - base["score_D"]).max() > 0
+    np.testing.assert_allclose(lora.merge(state.params)["score_D"], after["score_D"])
+
+
+def test_dpo_reference_is_the_base_with_adapters_off():
+  obj = objectives.dpo(CFG, objectives.DPOConfig(beta=0.1))
+  trainer = train_step.Trainer(CFG, OPT, one_device_mesh(), obj, lora=LCFG)
+  base = base_params()
+  adapted_params = trainer.place(adapted())  # Adapters that change the model, as a PEFT import would.
+  ref = trainer.reference_params(adapted_params)
+  fn = trainer.forward(objectives.response_logprobs(CFG))
+  batch = preference_pairs()
+  np.testing.assert_allclose(np.asarray(fn(ref, trainer.put_batch(batch))),
+                             np.asarray(objectives.response_logprobs(CFG)(base, batch)), atol=1e-5)
+
+
 # --- the sampler ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("quant", ["", "int8"])
@@ -301,6 +369,19 @@ def test_sampler_with_adapters_equals_the_full_forward(quant):
   base_out = sampling.generate(CFG, sampling.SamplerConfig(max_new_tokens=8, temperature=0.0),
                                lora.adapters_off(p), prompt, pmask, jax.random.key(0))
   assert (np.asarray(base_out.tokens_BC) != comp).any()
+
+
+def test_int8_base_decodes_from_int8_weights_with_unmerged_adapters():
+  p = adapted(lcfg=lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8"))
+  float_sizes = []
+  for layer, l in zip(model.decode_params(CFG, p)["layers"], range(CFG.num_layers)):
+    for name in ("wqkv_DKJH", "wo_NHD", "w_gate_up_D2F", "w_down_FD"):
+      assert layer[name]["int8"].dtype == jnp.int8, name
+    np.testing.assert_array_equal(layer["lora"]["wq_DNH"]["a"], p["lora"]["layers"]["wq_DNH"]["a"][l])
+    float_sizes += [x.size for x in jax.tree.leaves(layer) if x.dtype != jnp.int8]
+  # What stays float per layer (norms, biases, scales, adapters) is far below its matrices.
+  D, F = CFG.embed_dim, CFG.mlp_dim
+  assert sum(float_sizes) < CFG.num_layers * 3 * D * F / 2
 
 
 # --- PEFT -------------------------------------------------------------------------------------

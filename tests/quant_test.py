@@ -70,6 +70,7 @@ def test_memory_plan_with_lora_by_hand():
   base = matrices + 4 * scales + 4 * (mc.num_params - matrices)
   assert p.params == base / 4 + adapters * 4 / 4
   assert p.optimizer == 2 * adapters * 4 / 4 and p.gradients == adapters * 4 / 4
-  assert p.decode_weights == matrices * 4 / 2
+  assert p.decode_weights == matrices * 1 / 2  # int8, fused per call; adapters unmerged
+  assert memory.plan(mc, mesh, lora=lora.LoraConfig(rank=4), **kw).decode_weights == matrices * 4 / 2  # merged float
   assert p.activations_dots == full.activations_dots and p.kv_cache == full.kv_cache
   assert "LoRA adapters" in memory.report(p) and "LoRA" not in memory.report(full)
