@@ -14,11 +14,11 @@ the rejected answers' mistakes taking the kinds in turn (`preference.ERROR_KINDS
 writes the task's conversations (question, worked answer) in the messages schema, for `launch.sft`.
 
   python -m launch.prepare policy_pairs --model_dir=runs/sft_chat_arith_weak/sft_model \
-      --out=runs/arith/policy_pairs.jsonl --num=2000 --k=8 [--split=heldout] [--temperature=1.0]
+      --out=runs/arith/policy_pairs.jsonl --num=2000 --k=8 [--split=heldout] [--chosen=reference]
 samples --k answers to each of --num task problems with the model of --model_dir, labels each by the
 rule check, and writes pairs of the model's own answers (chosen: a correct one, or the worked answer
-when none is; rejected: a wrong one; `preference.policy_pair_rows`) in TRL's schema: preferences
-over the policy's own mistakes, for the reward model that will score it.
+when none is, or always with --chosen=reference; rejected: a wrong one; `preference.policy_pair_rows`)
+in TRL's schema: preferences over the policy's own mistakes, for the reward model that will score it.
 """
 from absl import flags
 
@@ -34,6 +34,8 @@ _MODEL_DIR = flags.DEFINE_string("model_dir", None, "The policy whose samples ar
 _K = flags.DEFINE_integer("k", 8, "Samples per problem (for `policy_pairs`).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (for `policy_pairs`).")
 _PAIRS_PER_PROMPT = flags.DEFINE_integer("pairs_per_prompt", 2, "Pairs per problem at most (for `policy_pairs`).")
+_CHOSEN = flags.DEFINE_enum("chosen", "sample", ["sample", "reference"],
+                             "Chosen answers: the model's right ones, or the task's worked answer (for `policy_pairs`).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 40, "Answer tokens at most (for `policy_pairs`).")
 _KINDS = flags.DEFINE_list("kinds", None, "Mistakes of the rejected answers (for `arith_pairs`; default: all of "
                            "preference.ERROR_KINDS).")
@@ -63,7 +65,7 @@ def policy_pairs() -> None:
   responses_QK = [texts[q * k:(q + 1) * k] for q in range(len(examples))]
   correct_QK = [[rewards.math_dapo(t, ex.ground_truth)["acc"] for t in ts] for ex, ts in zip(examples, responses_QK)]
   rows = preference.policy_pair_rows(examples, responses_QK, correct_QK, pairs_per_prompt=_PAIRS_PER_PROMPT.value,
-                                     reference=[data.arith_solution(ex) for ex in examples])
+                                     reference=[data.arith_solution(ex) for ex in examples], chosen=_CHOSEN.value)
   preference.write_jsonl(rows, _OUT.value)
   acc = float(np.mean(correct_QK))
   print(f"wrote {len(rows)} {_SPLIT.value} preference pairs of the model's own answers to {_OUT.value} "

@@ -181,3 +181,8 @@ def test_policy_pairs_pair_each_wrong_sample_with_a_right_one():
   # The rows read back as TRL preference pairs.
   pairs = [preference.parse_row(r, "policy.jsonl", i) for i, r in enumerate(rows)]
   assert pairs[0].chosen == right[0] and pairs[0].error == "policy"
+  # chosen="reference": the worked answer is every pair's chosen response, the rejected ones as before.
+  rows = preference.policy_pair_rows(exs, responses_QK, correct_QK, pairs_per_prompt=2, reference=reference,
+                                     chosen="reference")
+  assert [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in rows] == [
+      (reference[0], wrong[0]), (reference[0], "Answer: 0"), (reference[1], wrong[1])]
