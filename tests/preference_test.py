@@ -186,3 +186,26 @@ def test_policy_pairs_pair_each_wrong_sample_with_a_right_one():
                                      chosen="reference")
   assert [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in rows] == [
       (reference[0], wrong[0]), (reference[0], "Answer: 0"), (reference[1], wrong[1])]
+
+
+@pytest.mark.slow  # A tiny model samples 4 x 4 answers (engine compile): ~20 s on 2 cores.
+def test_prepare_policy_pairs_cli(tmp_path, tiny_tokenizer_dir):
+  """`launch.prepare policy_pairs`: the model's own answers, rule-checked: every chosen answer is
+  right, every rejected one wrong."""
+  import jax
+
+  from dapo_jax import hf, model, testing
+  tok = tokenizer_lib.load(tiny_tokenizer_dir)
+  cfg = testing.tiny_model_config(((len(tok) + 63) // 64) * 64)
+  model_dir = str(tmp_path / "policy")
+  hf.save(model_dir, cfg, jax.device_get(model.init_params(cfg, jax.random.key(0))), tokenizer=tok)
+  out = tmp_path / "policy_pairs.jsonl"
+  res = subprocess.run([sys.executable, "-m", "launch.prepare", "policy_pairs", f"--model_dir={model_dir}",
+                        f"--out={out}", "--num=4", "--k=4", "--max_new_tokens=8"],
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr
+  pairs = preference.load_pairs(str(out))
+  assert pairs and len(pairs) <= 8 and "4 problems x 4 samples" in res.stdout
+  for p in pairs:
+    assert rewards.math_dapo(p.chosen, p.ground_truth)["acc"] and not rewards.math_dapo(p.rejected, p.ground_truth)["acc"]
+    assert p.error == "policy" and p.rejected != p.chosen
