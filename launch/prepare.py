@@ -27,7 +27,8 @@ from launch import common
 _OUT = flags.DEFINE_string("out", None, "Output model directory.", required=True)
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (for `gguf`).")
 _NUM = flags.DEFINE_integer("num", 2000, "Number of pairs / conversations (for `arith_pairs`, `arith_sft`).")
-_SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"], "Problem split (for `arith_pairs`, `arith_sft`, `policy_pairs`).")
+_SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"],
+                           "Problem split (for `arith_pairs`, `arith_sft`, `policy_pairs`).")
 _DIGITS = flags.DEFINE_integer("digits", 2, "Digits per operand (for `arith_pairs`, `policy_pairs`).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the problems (and of the samples, for `policy_pairs`).")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "The policy whose samples are paired (for `policy_pairs`).")
@@ -35,7 +36,7 @@ _K = flags.DEFINE_integer("k", 8, "Samples per problem (for `policy_pairs`).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (for `policy_pairs`).")
 _PAIRS_PER_PROMPT = flags.DEFINE_integer("pairs_per_prompt", 2, "Pairs per problem at most (for `policy_pairs`).")
 _CHOSEN = flags.DEFINE_enum("chosen", "sample", ["sample", "reference"],
-                             "Chosen answers: the model's right ones, or the task's worked answer (for `policy_pairs`).")
+                            "Chosen answers: the model's right ones, or the worked answer (for `policy_pairs`).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 40, "Answer tokens at most (for `policy_pairs`).")
 _KINDS = flags.DEFINE_list("kinds", None, "Mistakes of the rejected answers (for `arith_pairs`; default: all of "
                            "preference.ERROR_KINDS).")

@@ -207,5 +207,6 @@ def test_prepare_policy_pairs_cli(tmp_path, tiny_tokenizer_dir):
   pairs = preference.load_pairs(str(out))
   assert pairs and len(pairs) <= 8 and "4 problems x 4 samples" in res.stdout
   for p in pairs:
-    assert rewards.math_dapo(p.chosen, p.ground_truth)["acc"] and not rewards.math_dapo(p.rejected, p.ground_truth)["acc"]
+    assert rewards.math_dapo(p.chosen, p.ground_truth)["acc"]
+    assert not rewards.math_dapo(p.rejected, p.ground_truth)["acc"]
     assert p.error == "policy" and p.rejected != p.chosen
