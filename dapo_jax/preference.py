@@ -219,6 +219,42 @@ def arith_pair_rows(n: int, *, split: str = "train", seed: int = 0, digits: int 
   return rows
 
 
+# --- pairs from a policy's own samples -----------------------------------------------------------
+
+def policy_pair_rows(examples: Sequence[data_lib.Example], responses_QK: Sequence[Sequence[str]],
+                     correct_QK: Sequence[Sequence[bool]], *, pairs_per_prompt: int = 2,
+                     reference: Sequence[str | None] | None = None, chosen: str = "sample") -> list[dict]:
+  """Preference rows from a policy's samples, labelled by a rule check (StackLLaMA's recipe: the
+  reward model learns the mistakes the policy it will score actually makes).
+
+  Prompt q's distinct wrong samples are each paired with one of its distinct correct samples (taken
+  in turn), up to `pairs_per_prompt` pairs. A prompt with no correct sample takes `reference[q]` (the
+  task's worked answer) as its chosen response when given, else gives no pair. With
+  chosen="reference" every pair's chosen response is the reference: a right final answer reached
+  by wrong steps is never preferred. Rows are in TRL's conversational schema with `error="policy"`.
+  """
+  if chosen not in ("sample", "reference") or (chosen == "reference" and reference is None):
+    raise ValueError(f"chosen={chosen!r}: expected 'sample', or 'reference' with the references given")
+  if not (len(examples) == len(responses_QK) == len(correct_QK)):
+    raise ValueError(f"{len(examples)} prompts, {len(responses_QK)} response groups, {len(correct_QK)} labels")
+  rows = []
+  for q, ex in enumerate(examples):
+    right = list(dict.fromkeys(t for t, ok in zip(responses_QK[q], correct_QK[q]) if ok))
+    wrong = list(dict.fromkeys(t for t, ok in zip(responses_QK[q], correct_QK[q]) if not ok))
+    if chosen == "reference":
+      right = [reference[q]] if reference[q] is not None else []
+    elif not right and reference is not None and reference[q] is not None:
+      right = [reference[q]]
+    if not right:
+      continue
+    for j, rejected in enumerate(wrong[:pairs_per_prompt]):
+      rows.append({"prompt": [dict(m) for m in ex.messages],
+                   "chosen": [{"role": "assistant", "content": right[j % len(right)]}],
+                   "rejected": [{"role": "assistant", "content": rejected}],
+                   "ground_truth": ex.ground_truth, "error": "policy"})
+  return rows
+
+
 def write_jsonl(rows: Sequence[dict], path: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:

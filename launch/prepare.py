@@ -12,6 +12,13 @@ the rejected answers' mistakes taking the kinds in turn (`preference.ERROR_KINDS
 
   python -m launch.prepare arith_sft --out=runs/arith/sft_train.jsonl --num=20000 [--split=heldout]
 writes the task's conversations (question, worked answer) in the messages schema, for `launch.sft`.
+
+  python -m launch.prepare policy_pairs --model_dir=runs/sft_chat_arith_weak/sft_model \
+      --out=runs/arith/policy_pairs.jsonl --num=2000 --k=8 [--split=heldout] [--chosen=reference]
+samples --k answers to each of --num task problems with the model of --model_dir, labels each by the
+rule check, and writes pairs of the model's own answers (chosen: a correct one, or the worked answer
+when none is, or always with --chosen=reference; rejected: a wrong one; `preference.policy_pair_rows`)
+in TRL's schema: preferences over the policy's own mistakes, for the reward model that will score it.
 """
 from absl import flags
 
@@ -20,17 +27,59 @@ from launch import common
 _OUT = flags.DEFINE_string("out", None, "Output model directory.", required=True)
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (for `gguf`).")
 _NUM = flags.DEFINE_integer("num", 2000, "Number of pairs / conversations (for `arith_pairs`, `arith_sft`).")
-_SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"], "Problem split (for `arith_pairs`).")
-_DIGITS = flags.DEFINE_integer("digits", 2, "Digits per operand (for `arith_pairs`).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed (for `arith_pairs`).")
+_SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"],
+                           "Problem split (for `arith_pairs`, `arith_sft`, `policy_pairs`).")
+_DIGITS = flags.DEFINE_integer("digits", 2, "Digits per operand (for `arith_pairs`, `policy_pairs`).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the problems (and of the samples, for `policy_pairs`).")
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "The policy whose samples are paired (for `policy_pairs`).")
+_K = flags.DEFINE_integer("k", 8, "Samples per problem (for `policy_pairs`).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (for `policy_pairs`).")
+_PAIRS_PER_PROMPT = flags.DEFINE_integer("pairs_per_prompt", 2, "Pairs per problem at most (for `policy_pairs`).")
+_CHOSEN = flags.DEFINE_enum("chosen", "sample", ["sample", "reference"],
+                            "Chosen answers: the model's right ones, or the worked answer (for `policy_pairs`).")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 40, "Answer tokens at most (for `policy_pairs`).")
 _KINDS = flags.DEFINE_list("kinds", None, "Mistakes of the rejected answers (for `arith_pairs`; default: all of "
                            "preference.ERROR_KINDS).")
 
 
+def policy_pairs() -> None:
+  """`policy_pairs`: the model's own answers to the task's problems, rule-checked and paired."""
+  import jax
+  import numpy as np
+
+  from dapo_jax import data, hf, preference, rewards, rollout, sampling, sharding, tokenizer
+  if not _MODEL_DIR.value:
+    raise SystemExit("--model_dir=DIR is required for `policy_pairs`")
+  examples = data.arith_examples(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value)
+  model_cfg, params = hf.load(_MODEL_DIR.value)
+  tok = tokenizer.load(_MODEL_DIR.value)
+  sampler_cfg = sampling.SamplerConfig(max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
+                                       eos_ids=tokenizer.stop_ids(tok, _MODEL_DIR.value), pad_id=tok.pad_token_id)
+  k, chunk = _K.value, max(1, 512 // _K.value)   # prompts per engine call: ~512 decode slots
+  prompt_len = max(len(ids) for ids in tok([tokenizer.render(tok, ex.messages) for ex in examples],
+                                            add_special_tokens=False)["input_ids"])
+  r = rollout.Rollout(tok, model_cfg, sharding.make_mesh({"fsdp": -1}), rollout.RolloutConfig(prompt_len), sampler_cfg)
+  texts = []
+  for i in range(0, len(examples), chunk):
+    part = examples[i:i + chunk]
+    texts += r.decode(r.generate(params, part, k, jax.random.key(_SEED.value), first_prompt_id=i))
+  responses_QK = [texts[q * k:(q + 1) * k] for q in range(len(examples))]
+  correct_QK = [[rewards.math_dapo(t, ex.ground_truth)["acc"] for t in ts] for ex, ts in zip(examples, responses_QK)]
+  rows = preference.policy_pair_rows(examples, responses_QK, correct_QK, pairs_per_prompt=_PAIRS_PER_PROMPT.value,
+                                     reference=[data.arith_solution(ex) for ex in examples], chosen=_CHOSEN.value)
+  preference.write_jsonl(rows, _OUT.value)
+  acc = float(np.mean(correct_QK))
+  print(f"wrote {len(rows)} {_SPLIT.value} preference pairs of the model's own answers to {_OUT.value} "
+        f"({len(examples)} problems x {k} samples, {acc:.1%} of them correct)")
+
+
 def main(argv):
-  if len(argv) != 2 or argv[1] not in ("smollm2", "gguf", "arith_pairs", "arith_sft"):
-    raise SystemExit("usage: python -m launch.prepare smollm2|gguf|arith_pairs|arith_sft --out=DIR|FILE [--gguf=FILE] "
-                     "[--num=N --split=train|heldout --digits=D --seed=S]")
+  commands = ("smollm2", "gguf", "arith_pairs", "arith_sft", "policy_pairs")
+  if len(argv) != 2 or argv[1] not in commands:
+    raise SystemExit(f"usage: python -m launch.prepare {'|'.join(commands)} --out=DIR|FILE [--gguf=FILE] "
+                     "[--num=N --split=train|heldout --digits=D --seed=S] [--model_dir=DIR --k=K]")
+  if argv[1] == "policy_pairs":
+    return policy_pairs()
   if argv[1] == "arith_pairs":
     from dapo_jax import preference
     kinds = tuple(_KINDS.value or preference.ERROR_KINDS)

@@ -156,3 +156,57 @@ def test_pair_batch_layout(tiny_tokenizer_dir):
   np.testing.assert_array_equal(b.tokens_BT[0, :P], b.tokens_BT[2, :P])
   short = preference.pair_batch(tok, pairs, P, 3)
   assert short.response_mask_BC.all() and tok.eos_token_id not in short.tokens_BT[0, P:]
+
+
+def test_policy_pairs_pair_each_wrong_sample_with_a_right_one():
+  exs = data.arith_examples(3, split="train", seed=0)
+  gts = [ex.ground_truth for ex in exs]
+  right = [f"Answer: {g}" for g in gts]
+  wrong = [f"Answer: {int(g) + 1}" for g in gts]
+  responses_QK = [[wrong[0], right[0], wrong[0], "Answer: 0"],   # 2 distinct wrong, 1 right
+                  [wrong[1], wrong[1], wrong[1], wrong[1]],      # none right: the reference is chosen
+                  [right[2], right[2], right[2], right[2]]]      # none wrong: no pair
+  correct_QK = [[rewards.math_dapo(t, g)["acc"] for t in ts] for ts, g in zip(responses_QK, gts)]
+  assert correct_QK[0] == [False, True, False, False]
+  reference = [data.arith_solution(ex) for ex in exs]
+  rows = preference.policy_pair_rows(exs, responses_QK, correct_QK, pairs_per_prompt=2, reference=reference)
+  got = [(r["prompt"][-1]["content"], r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in rows]
+  assert got == [(exs[0].messages[-1]["content"], right[0], wrong[0]),
+                 (exs[0].messages[-1]["content"], right[0], "Answer: 0"),
+                 (exs[1].messages[-1]["content"], reference[1], wrong[1])]
+  assert all(r["error"] == "policy" and r["ground_truth"] == gts[i] for r, i in zip(rows, (0, 0, 1)))
+  # Without a reference, a prompt with no right sample gives no pair; at most pairs_per_prompt per prompt.
+  rows = preference.policy_pair_rows(exs, responses_QK, correct_QK, pairs_per_prompt=1)
+  assert [r["rejected"][0]["content"] for r in rows] == [wrong[0]]
+  # The rows read back as TRL preference pairs.
+  pairs = [preference.parse_row(r, "policy.jsonl", i) for i, r in enumerate(rows)]
+  assert pairs[0].chosen == right[0] and pairs[0].error == "policy"
+  # chosen="reference": the worked answer is every pair's chosen response, the rejected ones as before.
+  rows = preference.policy_pair_rows(exs, responses_QK, correct_QK, pairs_per_prompt=2, reference=reference,
+                                     chosen="reference")
+  assert [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in rows] == [
+      (reference[0], wrong[0]), (reference[0], "Answer: 0"), (reference[1], wrong[1])]
+
+
+@pytest.mark.slow  # A tiny model samples 4 x 4 answers (engine compile): ~20 s on 2 cores.
+def test_prepare_policy_pairs_cli(tmp_path, tiny_tokenizer_dir):
+  """`launch.prepare policy_pairs`: the model's own answers, rule-checked: every chosen answer is
+  right, every rejected one wrong."""
+  import jax
+
+  from dapo_jax import hf, model, testing
+  tok = tokenizer_lib.load(tiny_tokenizer_dir)
+  cfg = testing.tiny_model_config(((len(tok) + 63) // 64) * 64)
+  model_dir = str(tmp_path / "policy")
+  hf.save(model_dir, cfg, jax.device_get(model.init_params(cfg, jax.random.key(0))), tokenizer=tok)
+  out = tmp_path / "policy_pairs.jsonl"
+  res = subprocess.run([sys.executable, "-m", "launch.prepare", "policy_pairs", f"--model_dir={model_dir}",
+                        f"--out={out}", "--num=4", "--k=4", "--max_new_tokens=8"],
+                       capture_output=True, text=True, timeout=300)
+  assert res.returncode == 0, res.stderr
+  pairs = preference.load_pairs(str(out))
+  assert pairs and len(pairs) <= 8 and "4 problems x 4 samples" in res.stdout
+  for p in pairs:
+    assert rewards.math_dapo(p.chosen, p.ground_truth)["acc"]
+    assert not rewards.math_dapo(p.rejected, p.ground_truth)["acc"]
+    assert p.error == "policy" and p.rejected != p.chosen

@@ -125,3 +125,38 @@ def test_pairwise_metrics_per_error_kind():
   # Per kind: sum 1 of 2, carry 1 of 2; the row without a kind counts only in the total.
   assert (m["accuracy/sum"], m["accuracy/carry"]) == (0.5, 0.5)
   assert set(rm.pairwise_metrics(diff)) == {"accuracy", "margin", "loss"}
+
+
+@pytest.mark.slow  # One DAPO step with its compiles and a reward model: ~20 s on 2 cores.
+def test_dapo_loop_trains_on_a_reward_model(tmp_path, tiny_tokenizer_dir):
+  """configs/default.py with reward.fn=rm:DIR: the loop scores every rollout with the reward model
+  (prompts included) and logs its scores."""
+  from configs import common, default
+  from dapo_jax import from_config, metrics, rm
+  from dapo_jax import tokenizer as tokenizer_lib
+  tok = tokenizer_lib.load(tiny_tokenizer_dir)
+  rm_dir = str(tmp_path / "rm")
+  rm_cfg = testing.tiny_model_config(((len(tok) + 63) // 64) * 64)
+  hf.save_scalar(rm_dir, rm_cfg, _scalar_params(rm_cfg, 3), tokenizer=tok)
+  cfg = default.get_config()
+  common.runlocal(cfg)
+  cfg.reward.fn = f"rm:{rm_dir}"
+  cfg.train.update(num_steps=1, log_samples_every=0)
+  cfg.data.num_eval = 0
+  with from_config.dapo(cfg, str(tmp_path / "run")) as run:
+    reward = run.rollout.reward
+    assert isinstance(reward, rm.RMReward)
+    calls = []
+    score = reward.scorer
+    def spy(prompts, responses):
+      out = score(prompts, responses)
+      calls.append((list(prompts), list(responses), list(out)))
+      return out
+    reward.scorer = spy
+    run.run()
+  assert calls and all(p.startswith("What is ") for ps, _, _ in calls for p in ps)
+  # The loop's accuracy is the reward model's, the fraction of its scores above 0 (all of them for this
+  # head), where the rule check would give the random tiny policy about none.
+  scores = np.concatenate([np.asarray(got) for _, _, got in calls])
+  m = metrics.read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+  assert m[1]["rollout/acc_all"] == pytest.approx(np.mean(scores > 0))
