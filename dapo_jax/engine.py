@@ -128,9 +128,8 @@ class Engine:
     """The smallest decode width that holds `rows` busy rows."""
     return next((w for w in self.widths if w >= rows), self.S)
 
-  def empty_state(self, width: int | None = None) -> SlotState:
-    """A pool of `width` (default: all `slots`) empty rows."""
-    cfg, S, C = self.model_cfg, width or self.S, self.C
+  def empty_state(self) -> SlotState:
+    cfg, S, C = self.model_cfg, self.S, self.C
     T = self.P + C
     dt = jnp.dtype(cfg.dtype)
     cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
@@ -312,12 +311,6 @@ class Session:
 
   def step(self) -> list[Finished]:
     e = self.e
-    if not self.closed and self.queue and not self.in_flight:
-      # A fed stream between waves: an empty pool takes the width of what waits, so a stream's later,
-      # smaller admissions do not decode the full width (nothing to move, few widths to compile).
-      width = e.width_for(len(self.queue))
-      if width != self.width:
-        self.state, self.slot_work = e.empty_state(width), [None] * width
     self._insert()
     busy = self.in_flight
     if not busy:
