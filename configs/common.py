@@ -80,7 +80,7 @@ def base() -> mlc.ConfigDict:
                    engine="continuous",      # "continuous": a pool of decode slots refilled as samples
                                              # end (cost follows the tokens generated); "static": each
                                              # sampler call decodes until its longest row ends
-                   slots=0,                  # continuous: decode slots (0 = the rows of a train batch, Q*G)
+                   slots=0,                  # continuous: decode slots of every engine call, rollout and evaluation (0 = the rows of a train batch, Q*G)
                    rows_per_call=0,          # static: rows per sampler call (0 = the whole generation batch)
                    # What ends a completion: "generation_config" = the model's EOS ids as verl reads
                    # them (generation_config.json, else config.json, else the tokenizer's EOS; for a

@@ -2,7 +2,7 @@
 
     queue of (prompt q, sample g)          slots (static: `slots` rows x one KV-cache length)
       ──► insert  freed slots take the next samples; their prompts are prefilled into those slots'
-                  cache rows, each distinct prompt once (`kv_cache.write_rows`)
+                  cache rows, each distinct prompt once (`kv_cache.write_row`)
       ──► decode  every busy slot advances one token per step at its own position, inside one jitted
                   loop, until enough slots have ended (EOS or budget)
       ──► harvest ended slots hand back their completions and are free again ──► insert ...
@@ -10,7 +10,8 @@
 The cost follows the tokens generated, not the longest row: a slot whose sample ends early takes the
 next one instead of idling to the end of the call. Once no more samples will come (`Session.close`)
 and the queue is empty, the busy rows are compacted into the smallest of a few decode widths that
-holds them (their cache rows copied), so the last long samples do not drag idle slots along. Slot
+holds them (their cache rows copied), so the last long samples do not drag idle slots along (only
+while a row may still decode enough tokens to repay the copy: short tails finish in place). Slot
 utilisation is tokens generated / rows computed (each decode step counts the width it ran at).
 
 Each sample's randomness comes from (key, prompt id, sample index) and the number of tokens it has
@@ -100,12 +101,15 @@ class Engine:
   """A pool of `slots` decode rows for one model and sampler config; `session(params, key)` runs it."""
 
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
-               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None):
+               prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
+               min_compact_steps: int = 64):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
-    slots are refilled promptly; once none wait, it returns when the busy rows fit the next smaller of `widths` (default
-    `decode_widths`; `(slots,)` never compacts) and moves them there."""
+    slots are refilled promptly; once none wait, it returns when the busy rows fit the next smaller of
+    `widths` (default `decode_widths`; `(slots,)` never compacts) and moves them there, as long as a
+    busy row may still decode `min_compact_steps` tokens (fewer do not repay the copy of the rows and
+    the compile of one more width: short responses finish at the width they have)."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -118,6 +122,7 @@ class Engine:
       raise ValueError(f"rollout.slots={slots} does not split over the {shards} data shards of the mesh "
                        f"(data x fsdp x expert of {dict(self.mesh.shape)})")
     self.round_fraction = round_fraction
+    self.min_compact_steps = min_compact_steps
     self.widths = sorted(set(widths or decode_widths(slots, shards)) | {slots})
     if any(w % shards or w > slots for w in self.widths):
       raise ValueError(f"decode widths {self.widths}: expected multiples of the {shards} data shards up to {slots}")
@@ -172,30 +177,46 @@ class Engine:
     return stack(rows, self.C), s.stats()
 
 
-# --- device programs: jitted once per model and sampler config, shared by every engine ----------
+# --- device programs: jitted once per model (decoding: and sampler config), shared by every engine --
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _prefill_slots(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, params, state: SlotState, key_data,
-                   prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_at_A) -> SlotState:
-  """Prefills the U distinct prompts and starts sample a in slot slot_A[a] from prompt src_A[a], with
-  the key of (prompt_id_A[a], sample_A[a]); slot ids out of range (padding) write nothing."""
-  A, P, C = src_A.shape[0], prompt_UP.shape[1], sc.max_new_tokens
-  P_cache = state.cache.size - C
+@functools.partial(jax.jit, static_argnums=(0,))
+def _prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP):
+  """The next-token logits [U, V] of U distinct prompts and their keys and values [L, U, K, P, H]: the
+  model's part of an insert, one program per (U, P) bucket, shared by every sampler of the model."""
   logits_U1V, (k_LUKPH, v_LUKPH) = model_lib.forward(
       model_cfg, params, prompt_UP, model_lib.positions(mask_UP), model_lib.causal_mask(mask_UP),
-      logits_from=P - 1, emit_kv=True)
-  take = lambda x: jnp.take(x, src_A, axis=1)
-  mask_AT = jnp.concatenate([jnp.zeros((A, P_cache - P), bool), mask_UP[src_A], jnp.zeros((A, C), bool)], axis=1)
-  cache = kvc.write_rows(state.cache, slot_A, P_cache - P, take(k_LUKPH), take(v_LUKPH), mask_AT)
-  key_A = jax.vmap(sample_key_data, in_axes=(None, 0, 0))(key_data, prompt_id_A, sample_A)
-  put = lambda x, v: x.at[slot_A].set(v, mode="drop")
+      logits_from=prompt_UP.shape[1] - 1, emit_kv=True)
+  return logits_U1V[:, -1], k_LUKPH, v_LUKPH
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKPH, mask_UP, src_S, slot_S,
+                   stop_at_S, n) -> SlotState:
+  """Starts sample a < n in slot slot_S[a] from prefilled prompt src_S[a] with key key_S[a]. The
+  arguments are slot-sized whatever the number of samples (entries a >= n: slot ids out of range),
+  and the cache rows are written one by one in place, so an insert compiles once per prefill shape
+  and costs the rows it writes."""
+  P, C = mask_UP.shape[1], state.tokens_SC.shape[1]
+  start = state.cache.size - C - P
+  mask_UT = jnp.pad(mask_UP, ((0, 0), (start, C)))
+
+  def write(a, cache):
+    u = src_S[a]
+    return kvc.write_row(cache, slot_S[a], start, k_LUKPH[:, u], v_LUKPH[:, u], mask_UT[u])
+
+  cache = jax.lax.fori_loop(0, n, write, state.cache)
+  put = lambda x, v: x.at[slot_S].set(v, mode="drop")
   return SlotState(
-      tokens_SC=put(state.tokens_SC, sc.pad_id), logp_SC=put(state.logp_SC, 0.0),
+      tokens_SC=put(state.tokens_SC, pad_id), logp_SC=put(state.logp_SC, 0.0),
       step_S=put(state.step_S, 0), done_S=put(state.done_S, False),
-      logits_SV=put(state.logits_SV, logits_U1V[src_A, -1]),
-      prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_A]),
-      key_S=put(state.key_S, key_A), stop_at_S=put(state.stop_at_S, stop_at_A), cache=cache)
+      logits_SV=put(state.logits_SV, logits_UV[src_S]),
+      prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_S]),
+      key_S=put(state.key_S, key_S), stop_at_S=put(state.stop_at_S, stop_at_S), cache=cache)
+
+
+_sample_keys = jax.jit(jax.vmap(lambda key_data, prompt_id, sample: sample_key_data(key_data, prompt_id, sample),
+                                in_axes=(None, 0, 0)))
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
@@ -268,6 +289,7 @@ class Session:
     self.state = engine.empty_state()
     self.queue: collections.deque[_Work] = collections.deque()
     self.slot_work: list[_Work | None] = [None] * engine.S  # One entry per row of the current width.
+    self.drawn = np.zeros(engine.S, np.int32)  # Tokens each row's sample had drawn at the last harvest.
     self.decode_steps = 0
     self.slot_steps = 0    # Rows computed: each decode step counts the width it ran at.
     self.generated = 0
@@ -317,17 +339,19 @@ class Session:
       return []
     if self.queue:  # Every slot is busy: return once a few have ended, to refill them.
       target = max(1, int(busy * e.round_fraction))
-    elif self.closed:  # The tail: the smallest width that holds the busy rows, until they fit the next.
+    elif self.closed and self._worth_compacting():
+      # The tail: the smallest width that holds the busy rows, until they fit the next.
       if e.width_for(busy) < self.width:
         self._resize(e.width_for(busy))
       smaller = [w for w in e.widths if w < busy]
       target = busy - smaller[-1] if smaller else busy
-    else:  # Still being fed (a stream): until all have ended, at the full width.
+    else:  # Still being fed (a stream), or a short tail: until all have ended, at this width.
       target = busy
     self.state, steps = _decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(e.C, jnp.int32))
     self.rounds += 1
     done_S, step_S, steps = sharding.fetch((self.state.done_S, self.state.step_S, steps))
+    self.drawn = np.array(step_S)
     self.decode_steps += int(steps)
     self.slot_steps += int(steps) * self.width
     ended = [s for s, w in enumerate(self.slot_work) if w is not None and done_S[s]]
@@ -346,6 +370,11 @@ class Session:
       self.slot_work[s] = None
     return out
 
+  def _worth_compacting(self) -> bool:
+    """Whether some busy row may still decode `min_compact_steps` tokens."""
+    busy = [s for s, w in enumerate(self.slot_work) if w is not None]
+    return self.e.C - int(self.drawn[busy].min()) >= self.e.min_compact_steps
+
   def _resize(self, width: int) -> None:
     """Moves the busy rows (cache included) into a pool of `width` rows, in slot order."""
     rows = [s for s, w in enumerate(self.slot_work) if w is not None]
@@ -353,6 +382,7 @@ class Session:
     rows_N[:len(rows)] = rows
     self.state = _move_rows(self.state, sharding.put(rows_N, self.rep), self.e.row_sharding)
     self.slot_work = [self.slot_work[s] for s in rows] + [None] * (width - len(rows))
+    self.drawn = np.concatenate([self.drawn[rows], np.zeros(width - len(rows), np.int32)])
     self.resizes += 1
 
   def _insert(self) -> None:
@@ -369,14 +399,14 @@ class Session:
     index = {pid: u for u, pid in enumerate(firsts)}
     uniq = list(firsts.values())
     U = next(b for b in _buckets(e.S) if b >= len(uniq))
-    A = next(b for b in _buckets(e.S) if b >= n)
     P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in uniq)), e.prompt_buckets)
     prompt_UP = np.zeros((U, P), np.int32)
     mask_UP = np.zeros((U, P), bool)
     for u, w in enumerate(uniq):
       prompt_UP[u], mask_UP[u] = w.prompt_P[-P:], w.mask_P[-P:]
     mask_UP[len(uniq):, -1] = True  # Padding rows: one real token, so their softmax is defined.
-    slot_A = np.full((A,), self.width, np.int32)  # Out of range: padding writes nothing.
+    A = self.width  # Slot-sized: one program whatever the number of samples started.
+    slot_A = np.full((A,), A, np.int32)  # Out of range: padding writes nothing.
     slot_A[:n] = free[:n]
     src_A, prompt_id_A, sample_A = np.zeros((3, A), np.int32)
     src_A[:n] = [index[w.prompt_id] for w in work]
@@ -384,10 +414,15 @@ class Session:
     sample_A[:n] = [w.sample for w in work]
     stop_A = np.full((A,), e.C + 1, np.int32)
     stop_A[:n] = [w.stop_at for w in work]
-    args = sharding.put((prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_A), self.rep)
-    self.state = _prefill_slots(e.model_cfg, e.sampler_cfg, self.params, self.state, self.key_data, *args)
+    prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_A = sharding.put(
+        (prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_A), self.rep)
+    prefilled = _prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
+    key_A = _sample_keys(self.key_data, prompt_id_A, sample_A)
+    self.state = _start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A, stop_A,
+                                jnp.asarray(n, jnp.int32))
     for s, w in zip(free[:n], work):
       self.slot_work[s] = w
+      self.drawn[s] = 0
 
   def stats(self) -> dict:
     return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,

@@ -56,15 +56,14 @@ def update(k_BKHS: jax.Array, v_BKSH: jax.Array, new_k_BKTH: jax.Array, new_v_BK
           v_BKSH.at[rows_B, :, index, :].set(new_v_BKTH[:, :, 0].astype(v_BKSH.dtype)))
 
 
-def write_rows(cache: KVCache, rows_A: jax.Array, start: int, k_LAKPH: jax.Array, v_LAKPH: jax.Array,
-               mask_AS: jax.Array) -> KVCache:
-  """Fills whole cache rows (a continuous batch's freed slots): keys and values of P positions at
-  slots [start, start + P) and the row's mask; rows_A out of range (padding) are dropped."""
-  P = k_LAKPH.shape[3]
-  k = [x.at[rows_A, :, :, start:start + P].set(new.swapaxes(2, 3).astype(x.dtype), mode="drop")
-       for x, new in zip(cache.k, k_LAKPH)]
-  v = [x.at[rows_A, :, start:start + P, :].set(new.astype(x.dtype), mode="drop") for x, new in zip(cache.v, v_LAKPH)]
-  return KVCache(k, v, cache.mask_BS.at[rows_A].set(mask_AS, mode="drop"))
+def write_row(cache: KVCache, row: jax.Array, start: int, k_LKPH: jax.Array, v_LKPH: jax.Array,
+              mask_S: jax.Array) -> KVCache:
+  """Fills one whole cache row (a continuous batch's freed slot) in place: keys and values of P
+  positions at slots [start, start + P) and the row's mask."""
+  k = [jax.lax.dynamic_update_slice(x, new.swapaxes(1, 2)[None].astype(x.dtype), (row, 0, 0, start))
+       for x, new in zip(cache.k, k_LKPH)]
+  v = [jax.lax.dynamic_update_slice(x, new[None].astype(x.dtype), (row, 0, start, 0)) for x, new in zip(cache.v, v_LKPH)]
+  return KVCache(k, v, jax.lax.dynamic_update_slice(cache.mask_BS, mask_S[None], (row, 0)))
 
 
 def write_mask_rows(cache: KVCache, write_B: jax.Array, index_B: jax.Array) -> KVCache:

@@ -1,4 +1,5 @@
 """Test setup: 8 host CPU devices (set before jax is imported), strict rank promotion."""
+import gc
 import os
 import shutil
 import tempfile
@@ -28,6 +29,15 @@ def tiny_tokenizer_dir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("tokenizer"))
   testing.build_tokenizer(path)
   return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_programs_after_each_module():
+  """A worker runs hundreds of tests: drop the compiled programs and arrays a module leaves behind, so
+  its memory stays that of one module (programs come back from the persistent cache when needed)."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 # --- CI: a skipped test is a failure unless it is allowed to skip there ---------------------------

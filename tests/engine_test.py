@@ -78,14 +78,16 @@ def test_compaction_keeps_the_samples_and_counts_the_rows_it_computes():
   """Once the queue is empty the busy rows move into smaller decode widths (their cache rows
   copied): the same tokens and log-probs as without compaction (greedy: the static sampler's), and
   slot-steps count the rows each step computed. By hand, 4 slots and samples of 1, 2, 3 and 10
-  tokens: widths 4, 3, 2, 1 run 1, 1, 1 and 7 steps, 16 rows for 16 tokens; one width runs 10 x 4."""
+  tokens: widths 4, 3, 2, 1 run 1, 1, 1 and 7 steps, 16 rows for 16 tokens; one width runs 10 x 4.
+  With min_compact_steps=10 the last move is skipped (the 10-token sample, 3 tokens drawn, may
+  draw 9 more of the 12): widths 4, 3, 2 run 1, 1, 8 steps, 4 + 3 + 16 = 23 rows."""
   tokens, mask = prompts(Q=4)  # Prompts of different lengths.
   stop_at_B = np.array([1, 2, 3, 10])
   sc = sampling.SamplerConfig(max_new_tokens=12, temperature=0.0, eos_ids=(1,))
   ref = jax.device_get(sampling.generate(CFG, sc, PARAMS, tokens, mask, jax.random.key(0), stop_at_B=stop_at_B))
   np.testing.assert_array_equal(ref.length_B, stop_at_B)
-  for widths, slot_steps in ((None, 16), ((4,), 40)):
-    e = engine.Engine(CFG, sc, slots=4, prompt_len=7, widths=widths)
+  for widths, min_steps, slot_steps in ((None, 0, 16), ((4,), 0, 40), (None, 10, 23)):
+    e = engine.Engine(CFG, sc, slots=4, prompt_len=7, widths=widths, min_compact_steps=min_steps)
     out, stats = e.generate(PARAMS, tokens, mask, 1, jax.random.key(0), stop_at_B)
     np.testing.assert_array_equal(out.tokens_BC, ref.tokens_BC)
     np.testing.assert_allclose(out.logp_BC, ref.logp_BC, atol=1e-5)
@@ -97,7 +99,7 @@ def test_compaction_keeps_the_samples_and_counts_the_rows_it_computes():
   sc = sampling.SamplerConfig(max_new_tokens=10, temperature=1.0, eos_ids=(5, 9), pad_id=0)  # As above: compiled once.
   tokens, mask = prompts()
   stop_at_B = np.random.default_rng(2).integers(1, 12, size=20)
-  outs = [engine.Engine(CFG, sc, slots=8, prompt_len=7, widths=w).generate(PARAMS, tokens, mask, 4, jax.random.key(1),
+  outs = [engine.Engine(CFG, sc, slots=8, prompt_len=7, widths=w, min_compact_steps=0).generate(PARAMS, tokens, mask, 4, jax.random.key(1),
                                                                           stop_at_B) for w in (None, (8,))]
   (a, stats), (b, _) = outs
   assert stats["resizes"] >= 3 and a.length_B.min() < a.length_B.max()
