@@ -66,7 +66,8 @@ def test_microbatch_accumulation_equals_full_batch_gradient():
   state = trainer.init(jax.random.key(0))
   objective = objectives.policy_gradient(CFG, objectives.PGConfig())
   counts = objective.counts(batch)
-  grad = jax.jit(jax.grad(lambda p, mb: objective.loss(p, mb, counts)[0]))  # Jitted: two programs, not hundreds of op-by-op ones.
+  # Jitted: two programs, not hundreds of op-by-op ones.
+  grad = jax.jit(jax.grad(lambda p, mb: objective.loss(p, mb, counts)[0]))
   full = grad(state.params, batch)
   micro = jax.jit(train_step.split_microbatches, static_argnums=1)(batch, 4)
   acc = jax.tree.map(jnp.zeros_like, full)
