@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+import time
 
 import pytest
 
@@ -38,11 +39,27 @@ def read_records(path):
   return out
 
 
+def finished_records(path, timeout_s=60.0):
+  """The records of a run's .wandb file once it holds the run's exit record: the file is written by
+  wandb's service process, which may still be flushing it when `finish()` has returned."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      records = read_records(path)
+    except Exception:  # A record being written: read again.
+      if time.monotonic() > deadline:
+        raise
+      records = []
+    if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+      return records
+    time.sleep(0.2)
+
+
 def read_run(run_dir):
   """(run id, config dict, {step: {name: value}}) of one offline run directory."""
   (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
   run_id, config, history = None, {}, {}
-  for r in read_records(path):
+  for r in finished_records(path):
     kind = r.WhichOneof("record_type")
     if kind == "run":
       run_id = r.run.run_id
