@@ -177,7 +177,7 @@ class Engine:
     return stack(rows, self.C), s.stats()
 
 
-# --- device programs: jitted once per model (decoding: and sampler config), shared by every engine --
+# --- device programs: jitted per model (a decode round: and sampler config), shared by every engine --
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -215,8 +215,7 @@ def _start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_L
       key_S=put(state.key_S, key_S), stop_at_S=put(state.stop_at_S, stop_at_S), cache=cache)
 
 
-_sample_keys = jax.jit(jax.vmap(lambda key_data, prompt_id, sample: sample_key_data(key_data, prompt_id, sample),
-                                in_axes=(None, 0, 0)))
+_sample_keys = jax.jit(jax.vmap(sample_key_data, in_axes=(None, 0, 0)))  # [A, 2] key data, one program per width.
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
