@@ -20,6 +20,7 @@ sampler's log-probs recorded then, so the clip bounds their off-policy ratio.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -232,9 +233,13 @@ class DAPO:
     minibatches = self.split(batch)
     C = batch.loss_mask_BC.shape[1]
     if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
-      M = self.trainer.microbatches_for(minibatches[0])
-      minibatches = [parts if min(p.loss_mask_BC.shape[1] for p in parts) < C else [mb] for mb, parts in (
-          (mb, adv_lib.bucketed_microbatches(mb, M, self.trainer.group_size, c.length_buckets)) for mb in minibatches)]
+      # A set micro-batch count is kept; auto (0) packs each bucket's rows to the token budget.
+      cut = functools.partial(adv_lib.bucketed_microbatches, num_microbatches=self.trainer.num_microbatches,
+                              group_size=self.trainer.group_size, buckets=c.length_buckets,
+                              max_tokens=self.trainer.microbatch_tokens,
+                              shards=sharding.batch_shards(self.trainer.mesh.shape))
+      minibatches = [parts if min(p.loss_mask_BC.shape[1] for p in parts) < C else [mb]
+                     for mb, parts in ((mb, cut(mb)) for mb in minibatches)]
     else:
       minibatches = [[mb] for mb in minibatches]
     for parts in [] if have_logprobs else minibatches:

@@ -38,8 +38,29 @@ def test_buckets_and_microbatches_by_hand():
   np.testing.assert_array_equal(mbs[1].mask_BT[:, 5:].sum(1), [3, 20, 24, 9])
 
 
+def test_token_budget_microbatches_by_hand():
+  """With no set count, each bucket packs its rows to the token budget (P=5 prompt tokens)."""
+  lengths = lambda mbs: [(mb.tokens_BT.shape, mb.mask_BT[:, 5:].sum(1).tolist()) for mb in mbs]
+  batch = long_tail_batch()  # Response lengths 3, 20, 2, 4, 24, 9, 1, 5.
+  # 64 tokens: bucket 8 takes 64 // 13 = 4 rows (1, 2, 3, 4); 5 waits for bucket 16 (3 rows of 21
+  # tokens: only 5, 9 there), then bucket 24 takes 2 rows of 29 tokens twice.
+  assert lengths(advantages.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=64)) == [
+      ((4, 13), [1, 2, 3, 4]), ((2, 29), [5, 9]), ((2, 29), [20, 24])]
+  # Whole groups of 2 (longest 20, 4, 24, 5): two of 26 tokens fit 64 at bucket 8.
+  assert lengths(advantages.bucketed_microbatches(batch, 0, 2, (8, 16, 24), max_tokens=64)) == [
+      ((4, 13), [2, 4, 1, 5]), ((2, 29), [3, 20]), ((2, 29), [24, 9])]
+  # 150 tokens: buckets 8 and 16 would take 11 and 7 rows, so all 8 wait for bucket 24 (5 rows of
+  # 29); its 3 leftovers go in power-of-two micro-batches, 2 + 1.
+  assert lengths(advantages.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=150)) == [
+      ((5, 29), [1, 2, 3, 4, 5]), ((2, 29), [9, 20]), ((1, 29), [24])]
+  # Two data shards: the budget is per shard, rows go in pairs.
+  assert lengths(advantages.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=26, shards=2)) == [
+      ((4, 13), [1, 2, 3, 4]), ((2, 21), [5, 9]), ((2, 29), [20, 24])]
+
+
 @pytest.mark.parametrize("share_prompt", [False, True])
-def test_bucketed_update_equals_the_padded_update(share_prompt):
+@pytest.mark.parametrize("max_tokens", [0, 64])  # A set count of micro-batches, or a token budget.
+def test_bucketed_update_equals_the_padded_update(share_prompt, max_tokens):
   batch = long_tail_batch()
   G = 2 if share_prompt else 0
   meshes = [sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])]
@@ -53,8 +74,11 @@ def test_bucketed_update_equals_the_padded_update(share_prompt):
     start = lambda: trainer.init(params=params0).replace(
         rollout_step=jax.device_put(jnp.int32(1), trainer.state_sharding.rollout_step))  # lr > 0
     s_pad, m_pad = jax.device_get(trainer.step(start(), trainer.put_batch(batch)))
-    parts = advantages.bucketed_microbatches(batch, 2, max(G, 1), advantages.length_buckets(24, 3))
-    assert max(p.loss_mask_BC.shape[1] for p in parts) == 24 and min(p.loss_mask_BC.shape[1] for p in parts) < 24
+    shards = sharding.batch_shards(mesh.shape)
+    parts = advantages.bucketed_microbatches(batch, 0 if max_tokens else 2, max(G, 1), advantages.length_buckets(24, 3),
+                                             max_tokens=max_tokens, shards=shards)
+    if shards == 1 or not max_tokens:  # (4 shards of 8 rows take all 4 groups in one micro-batch.)
+      assert max(p.loss_mask_BC.shape[1] for p in parts) == 24 and min(p.loss_mask_BC.shape[1] for p in parts) < 24
     s_b, m_b = jax.device_get(trainer.accumulate_step(start(), [trainer.put_batch(p) for p in parts]))
     for k in ("loss", "pg_loss", "grad_norm", "entropy", "num_tokens"):
       np.testing.assert_allclose(m_b[k], m_pad[k], rtol=1e-5, atol=1e-7, err_msg=k)
