@@ -32,7 +32,7 @@ import numpy as np
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
 from dapo_jax import metrics as metrics_lib
-from dapo_jax import sharding, streaming
+from dapo_jax import host_memory, sharding, streaming
 from dapo_jax.datatypes import Groups, RLBatch, ValueBatch
 
 
@@ -275,6 +275,7 @@ class DAPO:
     if self.critic_state is not None:
       self.critic_state = self.critic_state.replace(rollout_step=step)
     groups, stats, info = self.collect(step)
+    host_memory.release()  # The rollout's buffers, before the update allocates its own.
     c = self.cfg
     train_metrics, timing, adv, token_metrics = {}, {}, np.zeros((0,)), {}
     if groups is None:
@@ -297,6 +298,7 @@ class DAPO:
         timing["adv_s"] = time.perf_counter() - t0 - timing.get("update_critic_s", 0.0)
       train_metrics, update_timing = self.update(batch, have_logprobs=token_level)
       timing.update(update_timing)
+      host_memory.release()
     step_s = time.perf_counter() - t_step
     m = metrics_lib.step_metrics(
         groups, stats, info, train_metrics, timing, adv, step_s, max_new_tokens=self.rollout.sampler_cfg.max_new_tokens,
@@ -344,7 +346,9 @@ class DAPO:
   # --- the run -------------------------------------------------------------------------------
 
   def evaluate(self, params=None) -> dict:
-    return self.evaluator.run(self.state.params if params is None else params)
+    out = self.evaluator.run(self.state.params if params is None else params)
+    host_memory.release()
+    return out
 
   def run(self) -> dict:
     c = self.cfg
