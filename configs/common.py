@@ -152,9 +152,10 @@ def base() -> mlc.ConfigDict:
                  microbatch_tokens=2048,     # the fewest micro-batches of at most this many tokens
                                              # per data shard (the SFT warm start always uses auto)
                  share_prompt=True,          # a group's prompt runs through the model once (exact)
-                 length_buckets=8,           # micro-batches of groups sorted by length, each cut to the
-                                             # smallest of this many lengths (eighths of max_new_tokens)
-                                             # that holds it; 0 = pad every row to max_new_tokens
+                 length_buckets=8,           # micro-batches of groups sorted by length, each cut to one
+                                             # of this many lengths (eighths of max_new_tokens) and, with
+                                             # auto micro-batches, packed to microbatch_tokens at that
+                                             # length; 0 = pad every row to max_new_tokens
                  ckpt_every=5, keep_ckpts=3,
                  eval_every=5, log_samples_every=5,
                  max_bad_steps=5)            # stop after this many non-finite updates in a row
