@@ -353,6 +353,8 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
   order_n = np.argsort(longest_n, kind="stable")
   edges = sorted({b for b in buckets if b < C} | {C})
   bucket = lambda n: next(b for b in edges if b >= n)  # The shortest that holds n tokens.
+  if not num_microbatches and len(order_n) % shards:
+    num_microbatches = 1  # Groups that do not split over the shards: one micro-batch (as auto does).
   if num_microbatches:
     per_mb = len(order_n) // num_microbatches
     chunks = [order_n[m * per_mb:(m + 1) * per_mb] for m in range(num_microbatches)]

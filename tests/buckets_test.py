@@ -56,6 +56,9 @@ def test_token_budget_microbatches_by_hand():
   # Two data shards: the budget is per shard, rows go in pairs.
   assert lengths(advantages.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=26, shards=2)) == [
       ((4, 13), [1, 2, 3, 4]), ((2, 21), [5, 9]), ((2, 29), [20, 24])]
+  # 4 groups over 3 shards do not split: one micro-batch, as the auto count does.
+  assert [mb.tokens_BT.shape for mb in advantages.bucketed_microbatches(
+      batch, 0, 2, (8, 16, 24), max_tokens=26, shards=3)] == [(8, 29)]
 
 
 @pytest.mark.parametrize("share_prompt", [False, True])
