@@ -264,7 +264,13 @@ def _decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, 
   return state, steps
 
 
-_decode_params = jax.jit(model_lib.decode_params, static_argnums=(0,))
+_decode_layers = jax.jit(model_lib.decode_layers, static_argnums=(0,))
+
+
+def _decode_params(model_cfg: model_lib.ModelConfig, params) -> dict:
+  """`model.decode_params`, with only the per-layer weights made by a program (its outputs are new
+  arrays): the embedding and final norm are the params' own arrays where their dtype matches."""
+  return dict(layers=_decode_layers(model_cfg, params), **model_lib.decode_ends(model_cfg, params))
 _take_rows = jax.jit(lambda tokens_SC, logp_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A]))
 
 

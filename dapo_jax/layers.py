@@ -72,7 +72,7 @@ def weight_matmul(spec: str, x: jax.Array, w, cfg: ModelConfig) -> jax.Array:
   channel; only the matmul's operand-dtype cast of w_int8 is ever float."""
   if not isinstance(w, dict):
     return matmul(spec, x, w, cfg)
-  y = matmul(spec, x, w["int8"].astype(cfg.operand_dtype), cfg, jnp.float32)
+  y = matmul(spec, x, quant.cast_after(w["int8"], x, cfg.operand_dtype), cfg, jnp.float32)
   scale = w["scale"]
   return (y * scale.reshape((1,) * (y.ndim - scale.ndim) + scale.shape)).astype(cfg.dtype)
 

@@ -346,12 +346,17 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
 # slices a stacked weight or cache (a slice inside the loop is a copy on every token).
 
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
-  """Per-layer weights for `decode_step`: matrices in the matmul dtype, the rest in the compute dtype.
+  """Per-layer weights for `decode_step` (`decode_layers`) and the model's ends (`decode_ends`)."""
+  return dict(layers=decode_layers(cfg, params), **decode_ends(cfg, params))
+
+
+def decode_layers(cfg: ModelConfig, params: Params) -> list[dict]:
+  """Per-layer decode weights: matrices in the matmul dtype, the rest in the compute dtype.
 
   layers[l]: attn_norm, wqkv_DKJH (J = R + 2: the R query heads of KV group k, then its key and
   its value, so tensor parallelism splits K), bqkv_KJH (None without bias), wo_NHD, mlp_norm,
   w_gate_up_D2F, w_down_FD (an expert layer: router_DE and the stacked experts as they are): what
-  `layer` reads. Also embed_VD, final_scale_D and unembed_DV.
+  `layer` reads.
   An adapted tree (`lora`) on a float base decodes with its adapters merged in (each token then
   costs what the base model's does). On an int8 base the matrices stay int8 (fused like the float
   ones, dequantized inside each matmul) and the adapters unmerged (layers[l]["lora"], as `dense`
@@ -367,11 +372,19 @@ def decode_params(cfg: ModelConfig, params: Params) -> dict:
   layers = []
   for r, (start, stop, _) in enumerate(cfg.layer_runs):
     layers += _decode_layers(cfg, params[run_name(r)], stop - start, lora)
-  cast = lambda x: x.astype(cfg.dtype)
-  # A tied unembedding is transposed once here, so each token's logits are a plain [B,D]x[D,V] matmul.
-  unembed_DV = params["embed_VD"].T if cfg.tie_embeddings else params["unembed_DV"]
-  return dict(layers=layers, embed_VD=cast(params["embed_VD"]), final_scale_D=cast(params["final_norm"]["scale_D"]),
-              unembed_DV=unembed_DV.astype(cfg.operand_dtype))
+  return layers
+
+
+def decode_ends(cfg: ModelConfig, params: Params) -> dict:
+  """embed_VD and final_scale_D in the compute dtype, and an untied model's unembed_DV in the matmul
+  dtype (a tied one unembeds with embed_VD). Arrays already in their dtype are the params' own,
+  not copies (a tied 49K x 576 embedding is 113 MB in fp32)."""
+  if lora_lib.is_adapted(params):
+    params = params["base"]
+  ends = dict(embed_VD=params["embed_VD"].astype(cfg.dtype), final_scale_D=params["final_norm"]["scale_D"].astype(cfg.dtype))
+  if not cfg.tie_embeddings:
+    ends["unembed_DV"] = params["unembed_DV"].astype(cfg.operand_dtype)
+  return ends
 
 
 def _fuse(join_w, join_scale, *ws):
@@ -448,6 +461,9 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     ks.append(k_BKHS)
     vs.append(v_BKSH)
   x_BD = layers_lib.norm(cfg, x_BD, dparams["final_scale_D"])
-  logits_BV = layers_lib.matmul("BD,DV->BV", x_BD, dparams["unembed_DV"], cfg, jnp.float32)
+  if "unembed_DV" in dparams:
+    logits_BV = layers_lib.matmul("BD,DV->BV", x_BD, dparams["unembed_DV"], cfg, jnp.float32)
+  else:  # Tied: as fast as a stored transpose on CPU, without its copy of the embedding.
+    logits_BV = layers_lib.matmul("BD,VD->BV", x_BD, dparams["embed_VD"], cfg, jnp.float32)
   logits_BV = layers_lib.soft_cap(logits_BV, cfg.final_softcap)
   return logits_BV, cache.replace(k=ks, v=vs)

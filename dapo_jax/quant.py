@@ -37,6 +37,19 @@ def dequantize(w: dict, num_in: int, lead: int = 1) -> jax.Array:
   return w["int8"].astype(jnp.float32) * jnp.expand_dims(w["scale"], tuple(range(lead, lead + num_in)))
 
 
+def cast_after(w_int8: jax.Array, x: jax.Array, dtype) -> jax.Array:
+  """w_int8 cast to `dtype` for a matmul with x, as a value XLA can compute only once x exists.
+
+  A bare cast depends on the weight alone, so XLA hoists it out of the sampler's decode loop (and
+  schedules every layer's cast up front): the loop then holds a float copy of the whole base (425 MB
+  for SmolLM2-135M), the memory int8 storage was meant to save. Selecting between w_int8 and 0 on
+  a predicate of x's first element that holds for every float, NaN included (not x > inf), ties
+  the cast to x without changing a value, so one layer's float matrix is alive at a time.
+  """
+  keep = ~(x.reshape(-1)[0] > jnp.inf)
+  return jnp.where(keep, w_int8, jnp.zeros((), w_int8.dtype)).astype(dtype)
+
+
 def quantize_base(params: dict, kind: str = "int8") -> dict:
   """A parameter tree whose layer matrices are int8 (`kind` "int8") or unchanged (`kind` "")."""
   if kind not in KINDS:

@@ -21,7 +21,7 @@ def hwm():
 def live():
   import jax
   return sum(a.nbytes for a in jax.live_arrays()) / 2**30
-peak = [0.0]
+peak = [0.0, 0.0]  # [since the last phase end, whole run]
 def sampler():
   while True:
     peak[0] = max(peak[0], rss()); time.sleep(0.2)
@@ -40,13 +40,19 @@ def main():
   shutil.rmtree(wd, ignore_errors=True)
   with from_config.dapo(cfg, wd, sharding.make_mesh(cfg.mesh)) as d:
     report('built (params, trainer, rollout)')
-    if os.environ.get('TRIM') == '0':  # Undo the loop's host_memory.release calls.
-      from dapo_jax import host_memory
-      host_memory.release = lambda: False
+    from dapo_jax import host_memory
+    trim = os.environ.get('TRIM') != '0'  # TRIM=0: undo the loop's host_memory.release calls.
+    release = host_memory.release
+    def phase_end():  # The loop calls release after each rollout, update and evaluation.
+      print(f"  phase peak {peak[0]:.2f} GB (since the previous phase)", flush=True)
+      peak[1] = max(peak[1], peak[0]); peak[0] = rss()
+      return release() if trim else False
+    host_memory.release = phase_end
+    peak[1] = peak[0]; peak[0] = rss()
     for s in range(1, 4):
       m = d.step(s)[0]
       report(f'step {s} {m["timing_s/step"]:.1f}s gen {m["timing_s/gen"]:.1f} upd {m["timing_s/update_actor"]:.1f}')
-  print('sampled peak rss', round(peak[0], 2), 'hwm', round(hwm(), 2))
+  print('sampled peak rss', round(max(peak), 2), 'hwm', round(hwm(), 2))
 
 if __name__ == '__main__':
   main()
