@@ -81,6 +81,9 @@ def base() -> mlc.ConfigDict:
                                              # end (cost follows the tokens generated); "static": each
                                              # sampler call decodes until its longest row ends
                    slots=0,                  # continuous: decode slots of every engine call, rollout and evaluation (0 = the rows of a train batch, Q*G)
+                   prefill_tokens=2048,      # continuous: prompt tokens an insert prefills at once (a power
+                                             # of two of whole prompts, at least one); their keys and values
+                                             # for every layer exist at once beside the cache
                    rows_per_call=0,          # static: rows per sampler call (0 = the whole generation batch)
                    # What ends a completion: "generation_config" = the model's EOS ids as verl reads
                    # them (generation_config.json, else config.json, else the tokenizer's EOS; for a

@@ -188,6 +188,7 @@ def rollout_config(cfg) -> rollout_lib.RolloutConfig:
       max_prompt_len=cfg.data.max_prompt_len, prompt_buckets=tuple(cfg.data.prompt_buckets),
       chat_template=cfg.data.chat_template, rows_per_call=cfg.rollout.rows_per_call,
       engine=cfg.rollout.engine, slots=cfg.rollout.slots or cfg.dapo.prompts_per_step * cfg.rollout.group_size,
+      prefill_tokens=cfg.rollout.prefill_tokens,
       overlong_buffer=d.overlong_buffer, overlong_penalty=d.overlong_penalty, filter_metric=d.filter_metric)
 
 

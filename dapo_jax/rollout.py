@@ -39,6 +39,7 @@ class RolloutConfig:
   engine: str = "continuous"           # "continuous" (engine.Engine: slots refilled as samples end) or
                                        # "static" (one batch decodes until its longest row ends)
   slots: int = 0                       # continuous: decode slots (0 = the rows of one generation batch)
+  prefill_tokens: int = 2048           # continuous: prompt tokens prefilled at once (whole prompts, at least one)
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
@@ -106,7 +107,8 @@ class Rollout:
     k = (sampler_cfg, slots)
     if k not in self.engines:
       self.engines[k] = engine_lib.Engine(self.model_cfg, sampler_cfg, slots=slots, prompt_len=self.cfg.max_prompt_len,
-                                          prompt_buckets=self.buckets, mesh=self.mesh, **self.engine_options)
+                                          prompt_buckets=self.buckets, mesh=self.mesh,
+                                          prefill_tokens=self.cfg.prefill_tokens, **self.engine_options)
     return self.engines[k]
 
   def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None,

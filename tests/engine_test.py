@@ -55,6 +55,29 @@ def test_greedy_equals_the_static_sampler_for_any_number_of_slots():
     assert stats["samples"] == len(tokens) * G and stats["generated_tokens"] == ref.length_B.sum()
 
 
+def test_prefill_in_chunks_of_prefill_tokens_gives_the_same_samples(monkeypatch):
+  """16 slots, G=1: all five prompts start in one insert. With prefill_tokens=14 (two 7-token
+  prompts) they are prefilled two at a time, with 6 one at a time, and the samples do not change."""
+  tokens, mask = prompts()
+  sc = sampling.SamplerConfig(max_new_tokens=8, temperature=1.0, eos_ids=(5,))
+  widths = []
+  prefill = engine._prefill
+  monkeypatch.setattr(engine, "_prefill", lambda cfg, p, prompt_UP, mask_UP: widths.append(
+      int((np.asarray(mask_UP).sum(1) > 1).sum())) or prefill(cfg, p, prompt_UP, mask_UP))
+  outs = {}
+  for budget in (10_000, 14, 6):
+    widths.clear()
+    outs[budget] = engine.Engine(CFG, sc, slots=16, prompt_len=7, prefill_tokens=budget).generate(
+        PARAMS, tokens, mask, 1, jax.random.key(4))[0]
+    # Real prompts per prefill (padding rows hold one token): all, pairs, or one by one.
+    assert widths == {10_000: [5], 14: [2, 2, 1], 6: [1] * 5}[budget]
+  for budget in (14, 6):
+    np.testing.assert_array_equal(outs[budget].tokens_BC, outs[10_000].tokens_BC)
+    np.testing.assert_allclose(outs[budget].logp_BC, outs[10_000].logp_BC, atol=1e-5)
+  with pytest.raises(ValueError, match="rollout.prefill_tokens=0"):
+    engine.Engine(CFG, sc, slots=16, prompt_len=7, prefill_tokens=0)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_samples_depend_on_key_prompt_and_index_not_on_slots_and_logps_match_training(temperature):
   tokens, mask = prompts()

@@ -4,6 +4,8 @@ evaluation, no checkpoint), RSS sampled every 0.2 s. Run from the repository roo
   python docs/scripts/memory_phases.py ""     # full fine-tune
   python docs/scripts/memory_phases.py lora   # configs/smollm2_135m_arith.py:lora
   TRIM=0 python docs/scripts/memory_phases.py lora   # without returning freed memory between phases
+  RUN=1 python docs/scripts/memory_phases.py lora    # the whole loop for 2 steps: evaluations at 0
+                                                     # and 2, a checkpoint at 2
 """
 import os
 import shutil
@@ -34,8 +36,10 @@ def main():
   from dapo_jax import from_config, sharding
   report('imports')
   cfg = C.get_config('lora' if arg == 'lora' else None)
+  whole_run = os.environ.get('RUN') == '1'
   with cfg.unlocked():
-    cfg.train.update(eval_every=0, ckpt_every=0, num_steps=3)
+    cfg.train.update(eval_every=2 if whole_run else 0, ckpt_every=2 if whole_run else 0,
+                     num_steps=2 if whole_run else 3)
   wd = f'/tmp/memory_phases_{arg or "full"}'
   shutil.rmtree(wd, ignore_errors=True)
   with from_config.dapo(cfg, wd, sharding.make_mesh(cfg.mesh)) as d:
@@ -44,12 +48,17 @@ def main():
     trim = os.environ.get('TRIM') != '0'  # TRIM=0: undo the loop's host_memory.release calls.
     release = host_memory.release
     def phase_end():  # The loop calls release after each rollout, update and evaluation.
-      print(f"  phase peak {peak[0]:.2f} GB (since the previous phase)", flush=True)
+      caller = sys._getframe(1)  # loop.DAPO.step (after the rollout, after the update) or .evaluate
+      print(f"  phase peak {peak[0]:.2f} GB (since the previous phase; ended at {caller.f_code.co_name}:"
+            f"{caller.f_lineno})", flush=True)
       peak[1] = max(peak[1], peak[0]); peak[0] = rss()
       return release() if trim else False
     host_memory.release = phase_end
     peak[1] = peak[0]; peak[0] = rss()
-    for s in range(1, 4):
+    if whole_run:
+      d.run()
+      report('run (evaluations, checkpoint)')
+    for s in range(1, 1 if whole_run else 4):
       m = d.step(s)[0]
       report(f'step {s} {m["timing_s/step"]:.1f}s gen {m["timing_s/gen"]:.1f} upd {m["timing_s/update_actor"]:.1f}')
   print('sampled peak rss', round(max(peak), 2), 'hwm', round(hwm(), 2))
