@@ -31,7 +31,6 @@ def report(tag):
   print(f"{tag:40s} rss {rss():.2f} GB  hwm {hwm():.2f}  live {live():.2f} GB", flush=True)
 def main():
   threading.Thread(target=sampler, daemon=True).start()
-  import jax
   from configs import smollm2_135m_arith as C
   from dapo_jax import from_config, sharding
   report('imports')
