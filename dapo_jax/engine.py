@@ -277,6 +277,8 @@ def _decode_params(model_cfg: model_lib.ModelConfig, params) -> dict:
   """`model.decode_params`, with only the per-layer weights made by a program (its outputs are new
   arrays): the embedding and final norm are the params' own arrays where their dtype matches."""
   return dict(layers=_decode_layers(model_cfg, params), **model_lib.decode_ends(model_cfg, params))
+
+
 _take_rows = jax.jit(lambda tokens_SC, logp_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A]))
 
 
@@ -409,11 +411,10 @@ class Session:
       firsts.setdefault(w.prompt_id, w)
     P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in firsts.values())), self.e.prompt_buckets)
     chunk = 1 << (max(self.e.prefill_tokens // P, 1).bit_length() - 1)  # Prompts per prefill.
-    prompt_ids = list(firsts)
-    for c in range(0, len(prompt_ids), chunk):
-      ids = set(prompt_ids[c:c + chunk])
-      take = [i for i, w in enumerate(work) if w.prompt_id in ids]
-      self._start([work[i] for i in take], [free[i] for i in take], [firsts[pid] for pid in prompt_ids[c:c + chunk]])
+    part = {pid: u // chunk for u, pid in enumerate(firsts)}  # Each prompt's prefill.
+    for c in range(max(part.values()) + 1):
+      take = [a for a, w in enumerate(work) if part[w.prompt_id] == c]
+      self._start([work[a] for a in take], [free[a] for a in take], [w for pid, w in firsts.items() if part[pid] == c])
 
   def _start(self, work: list[_Work], slots: list[int], uniq: list[_Work]) -> None:
     """Prefills the distinct prompts `uniq` and starts `work[a]` (one of their samples) in slot `slots[a]`."""
