@@ -167,7 +167,9 @@ def base() -> mlc.ConfigDict:
   c.sft = dict(steps=0, batch_size=32, seq_len=128, lr=1e-3, warmup_steps=20, num_examples=20_000,
                target_acc=0.0,       # >0: stop early once greedy solves this fraction of a probe
                probe_size=256,       # training problems in that probe
-               probe_every=25)       # steps between probes
+               probe_every=25,       # steps between probes
+               ckpt_every=100,       # updates between checkpoints in WORKDIR/sft (a rerun resumes)
+               keep_ckpts=2)
   # SFT on conversation files (`launch.sft` with data.task="file"; steps, sizes and lr from `sft`).
   c.chat_sft = dict(assistant_only=True,     # loss on assistant turns only (False: every token)
                     packing=True,            # several conversations per sft.seq_len row
@@ -207,7 +209,7 @@ def preset(name: str) -> dict:
   """Model fields of a `ModelConfig` preset ('qwen3_8b', 'llama3_1_8b', 'gemma3_4b', ...)."""
   import dataclasses
 
-  from dapo_jax import model
+  from dapo_jax.model import transformer as model
   return dataclasses.asdict(getattr(model.ModelConfig, name)())
 
 

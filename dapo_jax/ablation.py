@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dapo_jax import from_config, loop, sharding
+from dapo_jax import from_config, sharding
 from dapo_jax import metrics as metrics_lib
 
 END_STEPS = 5  # "At the end" is the mean over a run's last rollout steps: one step's batch is small.
@@ -82,7 +82,7 @@ def run(stage_cfgs: Mapping[str, object], seeds: int, workdir: str, mesh=None) -
         print(f"{out}: finished, not re-run", flush=True)
         continue
       print(f"=== {stage}, seed {seed} -> {out}", flush=True)
-      loop.run(run_config(cfg, start, seed), out, mesh)
+      from_config.run(run_config(cfg, start, seed), out, mesh)
       if not finished(out, cfg.train.num_steps):
         raise Interrupted(f"{out} stopped before step {cfg.train.num_steps}; run the same command to resume")
   return report(workdir, list(stage_cfgs), seeds)

@@ -7,9 +7,7 @@ run jitted.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +36,6 @@ def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.nda
   return adv.astype(np.float32)
 
 
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
-
 # `dapo.adv_estimator`: group-relative (Eq. 9) and RLOO give one advantage per response; REINFORCE++
 # and GAE (PPO, with a value model) one per token, from the KL-shaped token rewards.
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "gae")
@@ -57,88 +53,7 @@ def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: boo
   raise ValueError(f"dapo.adv_estimator={estimator!r}; expected one of {ESTIMATORS}")
 
 
-def filter_values(metric: str, *, acc_QG: np.ndarray, score_QG: np.ndarray, reward_QG: np.ndarray) -> np.ndarray:
-  """The per-sample value dynamic sampling looks at (`dapo.filter_metric`), as verl names them.
-
-  acc: the scorer's correctness; score: the scorer's score alone; seq_reward: the reward that is
-  trained on (score + overlong penalty: verl's summed token-level scores); seq_final_reward: that
-  minus an in-reward KL penalty, which DAPO has none of, so it equals seq_reward here.
-  """
-  if metric == "acc":
-    return np.asarray(acc_QG)
-  if metric == "score":
-    return np.asarray(score_QG)
-  if metric in ("seq_reward", "seq_final_reward"):
-    return np.asarray(reward_QG)
-  raise ValueError(f"dapo.filter_metric={metric!r}; expected one of {FILTER_METRICS}")
-
-
-def keep_groups(values_QG: np.ndarray) -> np.ndarray:
-  """Dynamic sampling: keep a prompt iff its values differ (verl: population std > 0), or G == 1."""
-  v = np.asarray(values_QG, np.float64)
-  if v.shape[1] == 1:
-    return np.ones(v.shape[0], bool)
-  # max > min is std > 0 in exact arithmetic; np.std of equal floats can come out 1e-17, not 0.
-  return v.max(axis=1) > v.min(axis=1)
-
-
 # --- The train batch of a rollout step (host, pure) ---------------------------------------------
-
-class DynamicSamplingCapError(RuntimeError):
-  """Dynamic sampling reached `dapo.max_gen_batches` short of Q groups, with `dapo.on_cap="raise"`."""
-
-
-@dataclasses.dataclass
-class FillStats:
-  """What dynamic sampling saw in one rollout step (generated groups, before the filter)."""
-  gen_batches: int = 0
-  generated: int = 0
-  kept: int = 0
-  all_correct: int = 0
-  all_wrong: int = 0
-  acc_sum: float = 0.0        # sum over generated groups of their mean accuracy
-  cap_reached: bool = False
-
-
-def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, *, filter_groups: bool,
-               max_gen_batches: int, on_cap: str, carry_over: bool) -> tuple[Groups | None, Groups | None, FillStats]:
-  """Dynamic sampling (DAPO_SPEC §2.2): keeps groups whose `filter_QG` values differ, generating
-  batch after batch (`generate(i)` makes the i-th) until Q are kept or `max_gen_batches` were made.
-
-  Returns (batch, carry, stats): the first Q kept groups in arrival order (after any carried ones),
-  None if none was kept; `carry` holds the surplus when `carry_over` (else it is dropped), marked
-  `carried_Q` so that its π_old is the log-probs of the policy that sampled it. At the cap,
-  `on_cap="raise"` raises DynamicSamplingCapError and "train" returns what was kept.
-  """
-  kept = [carry] if carry is not None and len(carry) else []
-  n_kept = sum(len(k) for k in kept)
-  stats = FillStats()
-  while n_kept < Q:
-    if filter_groups and max_gen_batches > 0 and stats.gen_batches >= max_gen_batches:
-      if on_cap == "raise":
-        raise DynamicSamplingCapError(
-            f"dynamic sampling: {stats.gen_batches} generation batches (dapo.max_gen_batches) kept only "
-            f"{n_kept} of {Q} groups; the data is too easy or too hard")
-      stats.cap_reached = True
-      break
-    groups = generate(stats.gen_batches)
-    stats.gen_batches += 1
-    keep = keep_groups(groups.filter_QG) if filter_groups else np.ones(len(groups), bool)
-    stats.generated += len(groups)
-    stats.kept += int(keep.sum())
-    stats.acc_sum += float(groups.acc_QG.mean()) * len(groups)
-    stats.all_correct += int(groups.acc_QG.all(1).sum())
-    stats.all_wrong += int((~groups.acc_QG).all(1).sum())
-    if keep.any():
-      kept.append(groups.take(np.flatnonzero(keep)))
-      n_kept += int(keep.sum())
-  if not kept:
-    return None, None, stats
-  batch = Groups.concat(kept)
-  carry = None
-  if carry_over and len(batch) > Q:
-    carry = dataclasses.replace(batch.take(slice(Q, None)), carried_Q=np.ones(len(batch) - Q, bool))
-  return batch.take(slice(0, Q)), carry, stats
 
 
 def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: bool,
@@ -324,71 +239,3 @@ class AdaptiveKLController:
     error = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
     self.value *= 1.0 + error * n_steps / self.horizon
 
-
-def length_buckets(max_new_tokens: int, count: int = 8) -> tuple[int, ...]:
-  """Completion lengths a length-bucketed update compiles for: `count` steps up to C (rounded up
-  to multiples of 8), e.g. C=512 -> 64, 128, ..., 512."""
-  step = -(-max_new_tokens // count)
-  step = -(-step // 8) * 8
-  return tuple(sorted({min(step * i, max_new_tokens) for i in range(1, count + 1)}))
-
-
-def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int, buckets: Sequence[int], *,
-                          max_tokens: int = 0, shards: int = 1) -> list[RLBatch]:
-  """A mini-batch's micro-batches with their completion axis cut to a length bucket (host, pure).
-
-  Groups (`group_size` consecutive rows, never split) are sorted by their longest response. With
-  `num_microbatches` they are dealt into that many micro-batches of consecutive groups. With 0, each
-  bucket's micro-batches take as many groups per data shard as fit in `max_tokens` tokens per shard
-  at that bucket's length (short rows go many to a micro-batch, long ones few: one shape per bucket);
-  a bucket's leftover groups join the next bucket's, and the last bucket's leftovers form micro-batches
-  of power-of-two sizes: a few compiled shapes. Otherwise each micro-batch is cut to the smallest
-  bucket that holds its longest row. Rows keep all their tokens.
-  """
-  B, C = batch.loss_mask_BC.shape
-  P = batch.tokens_BT.shape[1] - C
-  G = max(group_size, 1)
-  length_B = batch.mask_BT[:, P:].sum(1)
-  longest_n = length_B.reshape(-1, G).max(1)
-  order_n = np.argsort(longest_n, kind="stable")
-  edges = sorted({b for b in buckets if b < C} | {C})
-  bucket = lambda n: next(b for b in edges if b >= n)  # The shortest that holds n tokens.
-  if not num_microbatches and len(order_n) % shards:
-    num_microbatches = 1  # Groups that do not split over the shards: one micro-batch (as auto does).
-  if num_microbatches:
-    per_mb = len(order_n) // num_microbatches
-    chunks = [order_n[m * per_mb:(m + 1) * per_mb] for m in range(num_microbatches)]
-    chunks = [(groups, bucket(int(longest_n[groups].max()))) for groups in chunks]
-  else:
-    chunks = _token_budget_chunks(order_n, longest_n[order_n], edges, P, G, max_tokens, shards)
-  out = []
-  for groups, Cb in chunks:
-    idx = (groups[:, None] * G + np.arange(G)[None]).reshape(-1)
-    out.append(RLBatch(tokens_BT=batch.tokens_BT[idx, :P + Cb], mask_BT=batch.mask_BT[idx, :P + Cb],
-                       loss_mask_BC=batch.loss_mask_BC[idx, :Cb], old_logp_BC=batch.old_logp_BC[idx, :Cb],
-                       adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb],
-                       behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx],
-                       adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb]))
-  return out
-
-
-def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edges: Sequence[int],
-                         P: int, G: int, max_tokens: int, shards: int) -> list[tuple[np.ndarray, int]]:
-  """(group indices, completion length) of micro-batches of whole groups per shard that fit
-  `max_tokens` per shard at their bucket's length; see `bucketed_microbatches`."""
-  chunks, pending, lo = [], sorted_n[:0], 0
-  for Cb in edges:
-    hi = int(np.searchsorted(longest_sorted_n, Cb, side="right"))
-    pending = np.concatenate([pending, sorted_n[lo:hi]])
-    lo = hi
-    per_mb = max(1, max_tokens // (G * (P + Cb))) * shards
-    full = len(pending) // per_mb * per_mb
-    chunks += [(pending[i:i + per_mb], Cb) for i in range(0, full, per_mb)]
-    pending = pending[full:]
-  size = 1 << max(len(pending) // shards, 1).bit_length()
-  while len(pending):  # Leftovers at the longest bucket: a few power-of-two shapes, largest first.
-    size //= 2
-    if len(pending) >= size * shards:
-      chunks.append((pending[:size * shards], edges[-1]))
-      pending = pending[size * shards:]
-  return chunks

@@ -1,11 +1,10 @@
 """Start-up checks of a config: every value that cannot work is refused, before anything is built,
-with one line naming the field and what is allowed (`ConfigError`). `from_config` runs them."""
+with one line naming the field and what is allowed (`ConfigError`). `from_config` runs them, once per launch."""
 from __future__ import annotations
 
 import functools
 import json
 import logging
-import math
 import os
 
 import jax
@@ -13,7 +12,9 @@ import jax
 from dapo_jax import advantages as adv_lib
 from dapo_jax import loss as loss_lib
 from dapo_jax import sharding
-from dapo_jax import tokenizer as tokenizer_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.rollout import rollout as rollout_lib
 
 
 class ConfigError(ValueError):
@@ -67,8 +68,7 @@ def validate(cfg, num_devices: int | None = None) -> None:
   for f in ("param_dtype", "dtype"):
     check(m[f] in _DTYPES, f"model.{f}", m[f], f"one of {_DTYPES}")
   check(m.matmul_dtype in ("",) + _DTYPES, "model.matmul_dtype", m.matmul_dtype, f"'' or one of {_DTYPES}")
-  from dapo_jax import from_config  # noqa: PLC0415 (the LoRA config's own checks)
-  from_config.lora_config(c)
+  lora_config(c)
   n("model.vocab_size", 0, integer=True)
   n("model.attn_chunk", 0, integer=True)
   if m.init in ("random", "sft"):
@@ -125,8 +125,8 @@ def validate(cfg, num_devices: int | None = None) -> None:
   check(c_dual == 0 or c_dual > 1, "dapo.clip_ratio_c", c_dual, "0 (off) or > 1 (dual clip)")
   check(d.loss_agg in _LOSS_AGG, "dapo.loss_agg", d.loss_agg, f"one of {_LOSS_AGG}")
   check(d.on_cap in ("train", "raise"), "dapo.on_cap", d.on_cap, "'train' or 'raise'")
-  check(d.filter_metric in adv_lib.FILTER_METRICS, "dapo.filter_metric", d.filter_metric,
-         f"one of {adv_lib.FILTER_METRICS}")
+  check(d.filter_metric in rollout_lib.FILTER_METRICS, "dapo.filter_metric", d.filter_metric,
+         f"one of {rollout_lib.FILTER_METRICS}")
   check(r.stop in tokenizer_lib.STOP_MODES, "rollout.stop", r.stop, f"one of {tokenizer_lib.STOP_MODES}")
   check(r.engine in ("continuous", "static"), "rollout.engine", r.engine, "'continuous' or 'static'")
   n("rollout.slots", 0, integer=True, allowed=">= 0 (0 = the rows of one generation batch)")
@@ -199,24 +199,10 @@ def validate(cfg, num_devices: int | None = None) -> None:
                       "max_position_embeddings=%d (%s/config.json)", P, C, P + C, limit, m.hf_dir)
 
   # Mesh against the devices, and the batch over its data shards.
-  sizes = {}
-  for a in sharding.MESH_AXES:
-    v = c.mesh.get(a, 1)
-    check(isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or v == -1), f"mesh.{a}", v,
-           "a positive size, or -1 for the rest of the devices")
-    sizes[a] = v
-  if list(sizes.values()).count(-1) > 1:
-    raise ConfigError(f"mesh={sizes}: at most one axis may be -1 (the rest of the devices)")
-  if num_devices is None:
-    num_devices = jax.device_count()
-  fixed = math.prod(v for v in sizes.values() if v != -1)
-  if -1 in sizes.values():
-    if num_devices % fixed:
-      raise ConfigError(f"mesh={sizes}: the fixed axes multiply to {fixed}, which does not divide the "
-                        f"{num_devices} devices")
-    sizes = {a: (num_devices // fixed if v == -1 else v) for a, v in sizes.items()}
-  elif fixed != num_devices:
-    raise ConfigError(f"mesh={sizes}: data*fsdp*expert*tensor = {fixed}, but there are {num_devices} devices")
+  try:
+    sizes = sharding.mesh_shape(dict(c.mesh), jax.device_count() if num_devices is None else num_devices)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   shards = sharding.batch_shards(sizes)
   if per_mb % shards:
     raise ConfigError(f"train.minibatches={mb}: {per_mb} rows per mini-batch do not split over the "
@@ -288,3 +274,17 @@ def validate_pairs(cfg, name: str) -> None:
     n("dpo.max_new_tokens", 1, integer=True)
   else:
     n("rm.margin", 0)
+
+
+def lora_config(cfg) -> lora_lib.LoraConfig | None:
+  """LoRA adapters on a frozen base (model.lora.rank > 0), or None: full fine-tuning."""
+  m = cfg.model
+  quant = m.get("base_quant", "")
+  if m.get("lora") is None or m.lora.rank == 0:
+    check(not quant, "model.base_quant", quant, "'' without LoRA (only a frozen base is quantized: set model.lora.rank)")
+    return None
+  try:
+    return lora_lib.LoraConfig(rank=m.lora.rank, alpha=m.lora.alpha, dropout=m.lora.dropout,
+                               targets=tuple(m.lora.targets), base_quant=quant)
+  except lora_lib.LoraError as e:
+    raise ConfigError(str(e)) from None

@@ -14,9 +14,10 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from dapo_jax import console, sampling
-from dapo_jax import data as data_lib
-from dapo_jax.rollout import Rollout
+from dapo_jax import console
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.rollout import sampling
+from dapo_jax.rollout.rollout import Rollout
 
 
 def majority_correct(acc_k: Sequence[bool], preds_k: Sequence[str]) -> bool:

@@ -19,22 +19,24 @@ import os
 import jax
 
 from dapo_jax import advantages as adv_lib
-from dapo_jax import checkpoint, evaluate, hf, loop, objectives, optim, sampling, sharding, train_step
-from dapo_jax import data as data_lib
-from dapo_jax import lora as lora_lib
+from dapo_jax import checkpoint, evaluate, loop, objectives, optim, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
-from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
-from dapo_jax import rollout as rollout_lib
-from dapo_jax import tokenizer as tokenizer_lib
 from dapo_jax.config_checks import (  # noqa: F401 (public)
   ConfigError,
   check,
   dataset_files,
+  lora_config,
   number,
   validate,
-  validate_pairs,  # noqa: F401 (public API of the launch boundary)
+  validate_pairs,
 )
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import transformer as model_lib
+from dapo_jax.rollout import rollout as rollout_lib
+from dapo_jax.rollout import sampling
 
 # Fields that are not in an HF config.json: they apply to a loaded model too.
 _RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk", "router_aux_coef",
@@ -71,7 +73,7 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
 
 def gguf_model_dir(cfg, workdir: str) -> str:
   """The HF directory converted from `model.gguf` (a .gguf path, or "smollm2"), made once per workdir."""
-  from dapo_jax import gguf
+  from dapo_jax.hf import gguf
   out = os.path.join(workdir, "model")
   if not os.path.exists(os.path.join(out, "model.safetensors")):
     path = gguf.smollm2_path() if cfg.model.gguf == "smollm2" else cfg.model.gguf
@@ -149,8 +151,8 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
   if init == "sft":
     sft_dir = os.path.join(workdir, "sft_model")
     if not os.path.exists(os.path.join(sft_dir, "model.safetensors")):
-      from dapo_jax import sft
-      params = sft.run(sft_config(cfg), model_cfg, tok, train_examples, mesh)
+      from dapo_jax.pipelines import sft
+      params = sft.run(sft_config(cfg), model_cfg, tok, train_examples, mesh, os.path.join(workdir, "sft"))
       if jax.process_index() == 0:
         hf.save(sft_dir, model_cfg, jax.device_get(params), tokenizer=tok)
     loaded_cfg, params = hf.load(sft_dir, **runtime_overrides(cfg))
@@ -212,7 +214,7 @@ def loop_config(cfg) -> loop.LoopConfig:
       reference=d.kl_coef > 0 or kl_in_reward(cfg), seed=cfg.seed, adv_estimator=d.adv_estimator,
       gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
-      length_buckets=adv_lib.length_buckets(cfg.rollout.max_new_tokens, t.length_buckets) if t.length_buckets else ())
+      length_buckets=train_step.length_buckets(cfg.rollout.max_new_tokens, t.length_buckets) if t.length_buckets else ())
 
 
 def kl_in_reward(cfg) -> bool:
@@ -230,10 +232,10 @@ def kl_controller(cfg):
   return adv_lib.FixedKLController(p.kl_coef)
 
 
-def critic(cfg, model_cfg: model_lib.ModelConfig, params, tok, mesh, group_size: int) -> loop.Critic:
+def critic(cfg, model_cfg: model_lib.ModelConfig, params, tok, mesh, group_size: int) -> ppo.Critic:
   """PPO's value model (`critic`): the policy's trunk with a zero scalar head, or a reward model's
   directory; its own Trainer (objectives.value_model) and optimizer on the policy's mesh."""
-  from dapo_jax import rm  # noqa: PLC0415
+  from dapo_jax.pipelines import rm  # noqa: PLC0415
   c = cfg.critic
   if c.init == "rm":
     path = c.model_dir or cfg.reward.fn.removeprefix("rm:")
@@ -248,13 +250,12 @@ def critic(cfg, model_cfg: model_lib.ModelConfig, params, tok, mesh, group_size:
   trainer_ = train_step.Trainer(critic_cfg, opt, mesh, objectives.value_model(critic_cfg, c.clip_range, group_size),
                                 num_microbatches=cfg.train.num_microbatches,
                                 microbatch_tokens=cfg.train.microbatch_tokens, head="scalar")
-  return loop.Critic(trainer=trainer_, values=trainer_.forward(objectives.completion_values(critic_cfg, group_size)),
-                     params=critic_params)
+  return ppo.Critic(trainer_, trainer_.forward(objectives.completion_values(critic_cfg, group_size)), critic_params)
 
 
 def sft_config(cfg):
   """The SFT warm start's `sft.SFTConfig`."""
-  from dapo_jax import sft  # noqa: PLC0415 (sft imports train_step; only SFT runs need it)
+  from dapo_jax.pipelines import sft  # noqa: PLC0415 (sft imports train_step; only SFT runs need it)
   s = cfg.sft
   if cfg.data.task != "arith":
     raise ConfigError("the SFT warm start needs reference solutions, which only data.task='arith' has; "
@@ -263,21 +264,8 @@ def sft_config(cfg):
                        warmup_steps=s.warmup_steps, num_examples=s.num_examples, target_acc=s.target_acc,
                        probe_size=s.probe_size, probe_every=s.probe_every, seed=cfg.seed,
                        chat_template=cfg.data.chat_template, solution_style=cfg.data.solution_style,
-                       microbatch_tokens=cfg.train.microbatch_tokens)
-
-
-def lora_config(cfg) -> lora_lib.LoraConfig | None:
-  """LoRA adapters on a frozen base (model.lora.rank > 0), or None: full fine-tuning."""
-  m = cfg.model
-  quant = m.get("base_quant", "")
-  if m.get("lora") is None or m.lora.rank == 0:
-    check(not quant, "model.base_quant", quant, "'' without LoRA (only a frozen base is quantized: set model.lora.rank)")
-    return None
-  try:
-    return lora_lib.LoraConfig(rank=m.lora.rank, alpha=m.lora.alpha, dropout=m.lora.dropout,
-                               targets=tuple(m.lora.targets), base_quant=quant)
-  except lora_lib.LoraError as e:
-    raise ConfigError(str(e)) from None
+                       microbatch_tokens=cfg.train.microbatch_tokens, ckpt_every=s.ckpt_every,
+                       keep_ckpts=s.keep_ckpts)
 
 
 def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_step.Trainer:
@@ -297,8 +285,8 @@ def evaluator(cfg, rollout: rollout_lib.Rollout, examples, progress: bool = Fals
 
 def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
   """Everything one DAPO run needs, built from its config (a context manager: see `loop.DAPO`)."""
+  validate(cfg)  # Once, before the mesh, any worker process, compile or generation.
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
-  validate(cfg)  # Before any worker process, compile or generation.
   os.makedirs(workdir, exist_ok=True)
   reward_ = reward(cfg)
   try:
@@ -329,6 +317,17 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     reward_.close()
     evaluator_.close()
     raise
+
+
+def run(cfg, workdir: str, mesh=None) -> dict:
+  """Trains with DAPO as the config `cfg` says; resumes from `workdir` if it holds a checkpoint.
+  Returns the last step's metrics."""
+  with dapo(cfg, workdir, mesh) as run_:
+    last = run_.run()
+  ev = {k: v for k, v in last.items() if k.startswith("val/")}
+  if ev:
+    print("Held-out after RL: " + metrics_lib.format_eval(ev), flush=True)
+  return last
 
 
 def restore_policy(cfg, workdir: str, mesh=None):
@@ -385,12 +384,12 @@ def _pair_fields(cfg, name: str) -> dict:
 
 
 def rm_config(cfg):
-  from dapo_jax import rm  # noqa: PLC0415
+  from dapo_jax.pipelines import rm  # noqa: PLC0415
   return rm.RMConfig(margin=cfg.rm.margin, **_pair_fields(cfg, "rm"))
 
 
 def dpo_config(cfg):
-  from dapo_jax import dpo  # noqa: PLC0415
+  from dapo_jax.pipelines import dpo  # noqa: PLC0415
   d = cfg.dpo
   return dpo.DPOTrainConfig(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
                             rpo_alpha=d.rpo_alpha, **_pair_fields(cfg, "dpo"))
@@ -398,24 +397,25 @@ def dpo_config(cfg):
 
 def preference_data(cfg, name: str):
   """(train pairs, held-out pairs) of the `rm` or `dpo` section's files."""
-  from dapo_jax import preference  # noqa: PLC0415
+  from dapo_jax.data import preference  # noqa: PLC0415
   s = cfg[name]
   load = lambda files: [p for f in files for p in preference.load_pairs(f)]
   return load(dataset_files(s, "train_files", name)), load(dataset_files(s, "eval_files", name))
 
 
 def chat_sft_config(cfg):
-  from dapo_jax import sft_chat  # noqa: PLC0415
+  from dapo_jax.pipelines import sft_chat  # noqa: PLC0415
   s, c = cfg.sft, cfg.chat_sft
   return sft_chat.ChatSFTConfig(steps=s.steps, batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr,
                                 warmup_steps=s.warmup_steps, assistant_only=c.assistant_only, packing=c.packing,
                                 chat_template=cfg.data.chat_template, eval_every=c.eval_every,
+                                ckpt_every=s.ckpt_every, keep_ckpts=s.keep_ckpts,
                                 microbatch_tokens=cfg.train.microbatch_tokens, seed=cfg.seed)
 
 
 def conversation_data(cfg):
   """(train, held-out) conversations of `data.train_files` (held out by prompt hash, or `data.eval_files`)."""
-  from dapo_jax import conversations  # noqa: PLC0415
+  from dapo_jax.data import conversations  # noqa: PLC0415
   check(any(cfg.data.train_files), "data.train_files", tuple(cfg.data.train_files), "at least one conversation file")
   n = functools.partial(number, cfg)
   for f in ("steps", "batch_size", "seq_len"):
@@ -430,6 +430,30 @@ def conversation_data(cfg):
   return train, []
 
 
+def run_sft(cfg, workdir: str, mesh=None):
+  """`launch.sft`: SFT on the arithmetic task's solutions (data.task="arith") or on conversation files
+  (data.task="file"), resuming from WORKDIR/sft. Returns (model_cfg, params, tokenizer)."""
+  mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+  from dapo_jax.pipelines import sft as sft_lib  # noqa: PLC0415
+  from dapo_jax.pipelines import sft_chat  # noqa: PLC0415
+  run_dir = os.path.join(workdir, "sft")
+  if cfg.data.task != "file":
+    train, _ = datasets(cfg)
+    tok = tokenizer(cfg, workdir, train)
+    model_cfg = model_config(cfg, ((len(tok) + 63) // 64) * 64)
+    return model_cfg, sft_lib.run(sft_config(cfg), model_cfg, tok, train, mesh, run_dir, lora=lora_config(cfg)), tok
+  train, held = conversation_data(cfg)
+  tok = chat_tokenizer(cfg, workdir, train)
+  if cfg.model.init == "hf":
+    model_cfg, params = hf.load(cfg.model.hf_dir, **runtime_overrides(cfg))
+  else:
+    model_cfg = model_config(cfg, ((len(tok) + 63) // 64) * 64)
+    params = model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
+  params, _ = sft_chat.train(chat_sft_config(cfg), model_cfg, params, tok, train, held, mesh, run_dir,
+                             source=",".join(f for f in cfg.data.train_files if f), lora=lora_config(cfg))
+  return model_cfg, params, tok
+
+
 def chat_tokenizer(cfg, workdir: str, convs):
   """`tokenizer.path` (or the HF model's), else a BPE trained on the conversations into WORKDIR/tokenizer."""
   path = cfg.tokenizer.path or (cfg.model.hf_dir if cfg.model.init == "hf" else "")
@@ -437,7 +461,7 @@ def chat_tokenizer(cfg, workdir: str, convs):
     return tokenizer_lib.load(path)
   path = os.path.join(workdir, "tokenizer")
   if not os.path.exists(os.path.join(path, "tokenizer.json")):
-    from dapo_jax import sft_chat  # noqa: PLC0415
+    from dapo_jax.pipelines import sft_chat  # noqa: PLC0415
     texts = sft_chat.corpus(convs[:5000]) + ["user", "assistant", "system"] * 10
     tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size)
   return tokenizer_lib.load(path)

@@ -1,14 +1,8 @@
 """The DAPO loop, the only module that knows the order of the steps (ARCHITECTURE.md data flow):
 
-  prompts -> rollout (generate, score) -> dynamic sampling (`advantages.fill_batch`)
-  -> advantages (`advantages.to_train_batch`) -> old log-probs -> Trainer.step x (epochs x
-  mini-batches) -> metrics -> checkpoint
-
-PPO (`adv_estimator="gae"`) adds a value model, trained beside the policy: after the rollout, the
-log-probs of the sampling policy and of the frozen reference, the KL-shaped token rewards
-(`advantages.kl_shaped_rewards`, β from the KL controller), the value model's values and GAE give
-per-token advantages and returns; then epochs x mini-batches of value updates (clipped value loss)
-and of policy updates. REINFORCE++ takes the same path without values.
+  prompts -> rollout (generate, score) -> dynamic sampling (`rollout.dynamic_sampling`)
+  -> advantages (`advantages.to_train_batch`; token-level ones and PPO's value model: `ppo`)
+  -> old log-probs -> Trainer.step x (epochs x mini-batches) -> metrics -> checkpoint
 
 π_old: the rollout policy's log-probs are recomputed by one training forward pass of the
 current params (as the reference does) rather than taken from the sampler, so both sides of the
@@ -24,16 +18,16 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
+from dapo_jax import host_memory, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
-from dapo_jax import host_memory, sharding, streaming
-from dapo_jax.datatypes import Groups, RLBatch, ValueBatch
+from dapo_jax.datatypes import Groups, RLBatch
+from dapo_jax.rollout import dynamic_sampling
 
 
 class TrainingError(RuntimeError):
@@ -73,16 +67,6 @@ class LoopConfig:
     return self.minibatches * self.ppo_epochs
 
 
-@dataclasses.dataclass(frozen=True)
-class Critic:
-  """PPO's value model: a `train_step.Trainer` of `objectives.value_model` (head="scalar", its own
-  optimizer and learning rate, on the policy's mesh), its jitted values pass
-  (`trainer.forward(objectives.completion_values(...))`) and its initial params."""
-  trainer: Any
-  values: Callable
-  params: Any
-
-
 class DAPO:
   """One run: `run()` executes it. A context manager: leaving it stops the reward workers, the
   metric writer and the checkpointer (`from_config.dapo(cfg, workdir, mesh)` builds one).
@@ -92,14 +76,13 @@ class DAPO:
 
   def __init__(self, cfg: LoopConfig, *, trainer, logprobs, rollout, evaluator, data_iter, params,
                workdir: str, keep_ckpts: int = 3, writer_cfg: metrics_lib.WriterConfig = metrics_lib.WriterConfig(),
-               run_config: dict | None = None, critic: Critic | None = None, kl_ctrl=None):
+               run_config: dict | None = None, critic: ppo.Critic | None = None, kl_ctrl=None):
     self.cfg, self.trainer, self.logprobs, self.rollout, self.evaluator = cfg, trainer, logprobs, rollout, evaluator
     self.data_iter = data_iter
     if cfg.adv_estimator == "gae" and critic is None:
       raise ValueError("adv_estimator='gae' needs a value model (critic)")
     self.critic, self.kl_ctrl = critic, kl_ctrl
     self.state = trainer.init(params=params)
-    self.critic_state = critic.trainer.init(params=critic.params) if critic is not None else None
     # Baselines with a KL term: the initial policy, resident on the mesh like the params.
     self.ref_params = trainer.reference_params(self.state.params) if cfg.reference else None
     self.carry: Groups | None = None
@@ -123,104 +106,27 @@ class DAPO:
 
   # --- one rollout step ----------------------------------------------------------------------
 
-  def collect(self, step: int) -> tuple[Groups | None, adv_lib.FillStats, dict]:
+  def collect(self, step: int) -> tuple[Groups | None, dynamic_sampling.FillStats, dict]:
     """Q groups for this step: streamed through the engine, or generation batches until dynamic
     sampling has Q groups (or its cap)."""
     c = self.cfg
+    step_key = jax.random.fold_in(self.key, step)
+    params = lambda: self.rollout.sampling_params(self.state.params)
     if c.streaming and jax.process_count() == 1:
-      return self.stream(step)
-    info = {"gen_s": 0.0, "reward_s": 0.0, "gen_tokens": 0, "texts": None, "first_groups": None}
-    params = []  # Placed for the sampler on first use: carried groups may fill the step alone.
-
-    def generate(i: int) -> Groups:
-      if not params:
-        params.append(self.rollout.sampling_params(self.state.params))
-      n = c.gen_prompts if c.dynamic_sampling else c.prompts_per_step
-      examples = self.data_iter.next_batch(n)
-      if self.rollout.cfg.engine == "continuous":  # Prompt number i*n+q of the step: as streaming samples it.
-        groups, gen_info = self.rollout.groups(params[0], examples, c.group_size, self.step_key(step),
-                                               first_prompt_id=i * n)
-      else:
-        key = jax.random.fold_in(jax.random.fold_in(self.key, step), i)
-        groups, gen_info = self.rollout.groups(params[0], examples, c.group_size, key)
-      for k in ("gen_s", "reward_s", "gen_tokens"):
-        info[k] += gen_info[k]
-      if info["texts"] is None:
-        info["texts"], info["first_groups"] = gen_info["texts"], groups
-      return groups
-
-    batch, self.carry, stats = adv_lib.fill_batch(
-        self.carry, generate, c.prompts_per_step, filter_groups=c.dynamic_sampling,
+      return dynamic_sampling.stream_groups(
+          self.rollout, params(), self.data_iter.next_batch, c.group_size, c.prompts_per_step,
+          jax.random.fold_in(step_key, 0), max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling
+          else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap)
+    batch, self.carry, stats, info = dynamic_sampling.fill_step(
+        self.rollout, params, self.data_iter.next_batch, self.carry, step_key, Q=c.prompts_per_step, G=c.group_size,
+        batch_prompts=c.gen_prompts if c.dynamic_sampling else c.prompts_per_step, filter_groups=c.dynamic_sampling,
         max_gen_batches=c.max_gen_batches, on_cap=c.on_cap, carry_over=c.carry_over)
     return batch, stats, info
-
-  def step_key(self, step: int):
-    """The key of a rollout step's samples (the engine derives each sample's from it)."""
-    return jax.random.fold_in(jax.random.fold_in(self.key, step), 0)
-
-  def stream(self, step: int):
-    c = self.cfg
-    return streaming.stream_groups(
-        self.rollout, self.rollout.sampling_params(self.state.params), self.data_iter.next_batch, c.group_size,
-        c.prompts_per_step, self.step_key(step), max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling
-        else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap)
 
   def split(self, batch):
     """The train batch's `minibatches` mini-batches (consecutive rows: whole groups)."""
     rows = batch.tokens_BT.shape[0] // self.cfg.minibatches
     return [jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch) for i in range(self.cfg.minibatches)]
-
-  def token_advantages(self, batch: RLBatch, groups: Groups) -> tuple[RLBatch, ValueBatch | None, dict]:
-    """REINFORCE++ / PPO: log-probs of the sampling policy and the reference, the KL-shaped token
-    rewards, values (GAE), per-token advantages and returns. Returns the batch with its log-probs
-    and `adv_BC` set, the value model's batch (None without one) and the step's metrics."""
-    c = self.cfg
-    placed = self.trainer.put_batch(batch.replace(behaviour_B=None))  # Forward passes read no flags.
-    logp_BC = sharding.fetch(self.logprobs(self.state.params, placed))
-    ref_BC = sharding.fetch(self.logprobs(self.ref_params, placed)) if self.ref_params is not None else logp_BC
-    values_BC = None
-    if self.critic is not None:
-      values_BC = sharding.fetch(self.critic.values(self.critic_state.params, placed))
-    mask_BC = batch.loss_mask_BC
-    # As `to_train_batch` completes a short step: groups repeated cyclically (their loss mask is empty).
-    score_B = np.resize(groups.score_QG, (c.prompts_per_step, c.group_size)).reshape(-1)
-    beta = self.kl_ctrl.value if self.kl_ctrl is not None else 0.0
-    rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
-        c.adv_estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=c.gamma,
-        lam=c.lam))
-    kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC)
-    real_B, m = mask_BC.any(1), mask_BC.astype(bool)
-    metrics = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": beta}
-    if real_B.any():  # verl's names: rewards are summed over each response's tokens.
-      for name, x in (("rewards", rewards_BC.sum(1)[real_B]), ("returns", returns_BC[m])) + (
-          (("values", values_BC[m]),) if values_BC is not None else ()):
-        metrics.update({f"critic/{name}/mean": float(x.mean()), f"critic/{name}/max": float(x.max()),
-                        f"critic/{name}/min": float(x.min())})
-    if values_BC is not None and m.any():  # As verl: the rollout's values against the returns.
-      err = returns_BC[m] - values_BC[m]
-      metrics["critic/vf_explained_var"] = float(1.0 - np.var(err) / (np.var(returns_BC[m]) + 1e-5))
-    if self.kl_ctrl is not None:
-      self.kl_ctrl.update(kl, n_steps=int(real_B.sum()))
-    # The ratio's π_old is the sampling policy's log-probs computed here (the update need not repeat them).
-    # Carried rows keep their sampling policy's log-probs.
-    old_BC = logp_BC if batch.behaviour_B is None else np.where(batch.behaviour_B[:, None], batch.old_logp_BC, logp_BC)
-    batch = batch.replace(old_logp_BC=old_BC, ref_logp_BC=ref_BC, adv_BC=np.asarray(adv_BC, np.float32))
-    value_batch = None
-    if self.critic is not None:
-      value_batch = ValueBatch(tokens_BT=batch.tokens_BT, mask_BT=batch.mask_BT, loss_mask_BC=mask_BC,
-                               old_values_BC=values_BC, returns_BC=np.asarray(returns_BC, np.float32))
-    return batch, value_batch, metrics
-
-  def update_critic(self, batch: ValueBatch) -> dict:
-    """Epochs x mini-batches of value-model updates (clipped value loss); mean metrics."""
-    t = self.critic.trainer
-    minibatches = self.split(batch)
-    all_metrics = []
-    for _ in range(self.cfg.ppo_epochs):
-      for mb in minibatches:
-        self.critic_state, m = t.step(self.critic_state, t.put_batch(mb))
-        all_metrics.append(m)
-    return metrics_lib.mean_updates(sharding.fetch(all_metrics))
 
   def update(self, batch: RLBatch, have_logprobs: bool = False) -> tuple[dict, dict]:
     """π_old (and reference) log-probs unless `have_logprobs`, then epochs x mini-batches of
@@ -234,7 +140,7 @@ class DAPO:
     C = batch.loss_mask_BC.shape[1]
     if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
       # A set micro-batch count is kept; auto (0) packs each bucket's rows to the token budget.
-      cut = functools.partial(adv_lib.bucketed_microbatches, num_microbatches=self.trainer.num_microbatches,
+      cut = functools.partial(train_step.bucketed_microbatches, num_microbatches=self.trainer.num_microbatches,
                               group_size=self.trainer.group_size, buckets=c.length_buckets,
                               max_tokens=self.trainer.microbatch_tokens,
                               shards=sharding.batch_shards(self.trainer.mesh.shape))
@@ -255,15 +161,7 @@ class DAPO:
           mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, placed)))
         parts[i] = mb
     t1 = time.perf_counter()
-    all_metrics = []
-    for _ in range(c.ppo_epochs):
-      for parts in minibatches:
-        placed = [self.trainer.put_batch(mb) for mb in parts]
-        if len(placed) > 1:
-          self.state, m = self.trainer.accumulate_step(self.state, placed)
-        else:
-          self.state, m = self.trainer.step(self.state, placed[0])
-        all_metrics.append(m)
+    self.state, all_metrics = self.trainer.updates(self.state, minibatches, c.ppo_epochs)
     all_metrics = sharding.fetch(all_metrics)  # One host sync for the whole step.
     timing = {"old_log_prob_s": t1 - t0, "update_actor_s": time.perf_counter() - t1}
     return metrics_lib.mean_updates(all_metrics), timing
@@ -272,8 +170,8 @@ class DAPO:
     """One rollout step: collect a filtered batch, update on it. Returns (metrics, rollout info)."""
     t_step = time.perf_counter()
     self.state = self.state.replace(rollout_step=step)  # Sets this step's learning rate.
-    if self.critic_state is not None:
-      self.critic_state = self.critic_state.replace(rollout_step=step)
+    if self.critic is not None:
+      self.critic.state = self.critic.state.replace(rollout_step=step)
     groups, stats, info = self.collect(step)
     host_memory.release()  # The rollout's buffers, before the update allocates its own.
     c = self.cfg
@@ -288,11 +186,15 @@ class DAPO:
       if token_level:
         self.ckpt.wait()  # The critic's update donates its state too.
         t0 = time.perf_counter()
-        batch, value_batch, token_metrics = self.token_advantages(batch, groups)
+        batch, value_batch, token_metrics = ppo.token_advantages(
+            batch, groups, estimator=c.adv_estimator, logprobs=self.logprobs, trainer=self.trainer,
+            params=self.state.params, ref_params=self.ref_params, critic=self.critic, kl_ctrl=self.kl_ctrl,
+            Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam)
         adv = batch.adv_BC[batch.loss_mask_BC]
         if value_batch is not None:
           t1 = time.perf_counter()
-          token_metrics.update({f"critic/{k}": v for k, v in self.update_critic(value_batch).items()
+          vm = self.critic.update(self.split(value_batch), c.ppo_epochs)
+          token_metrics.update({f"critic/{k}": v for k, v in vm.items()
                                 if k in ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")})
           timing["update_critic_s"] = time.perf_counter() - t1
         timing["adv_s"] = time.perf_counter() - t0 - timing.get("update_critic_s", 0.0)
@@ -317,19 +219,19 @@ class DAPO:
              "carry": self.carry.to_json() if self.carry is not None else None}
     if self.kl_ctrl is not None:
       extra["kl_coef"] = self.kl_ctrl.value
-    self.ckpt.save(next_step, self.state, extra, critic=self.critic_state)
+    self.ckpt.save(next_step, self.state, extra, critic=self.critic.state if self.critic is not None else None)
 
   def restore(self) -> int:
     abstract = ckpt_lib.abstract(self.state, self.trainer.state_sharding)
     abstract_critic = None
     if self.critic is not None:
-      abstract_critic = ckpt_lib.abstract(self.critic_state, self.critic.trainer.state_sharding)
+      abstract_critic = ckpt_lib.abstract(self.critic.state, self.critic.trainer.state_sharding)
     restored = self.ckpt.restore_latest(abstract, abstract_critic)  # The newest intact checkpoint.
     if restored is None:
       return 0
     step, self.state, extra = restored[:3]
     if self.critic is not None:
-      self.critic_state = restored[3]
+      self.critic.state = restored[3]
     if self.kl_ctrl is not None and "kl_coef" in extra:
       self.kl_ctrl.value = float(extra["kl_coef"])
     if extra["seed"] != self.cfg.seed:
@@ -394,13 +296,3 @@ class DAPO:
     self.writer.flush()
     return last
 
-
-def run(cfg, workdir: str, mesh=None) -> dict:
-  """Trains with DAPO as the config `cfg` says; resumes from `workdir` if it holds a checkpoint."""
-  from dapo_jax import from_config  # The launch boundary: the ConfigDict stops there.
-  with from_config.dapo(cfg, workdir, mesh) as dapo:
-    last = dapo.run()
-  ev = {k: v for k, v in last.items() if k.startswith("val/")}
-  if ev:
-    print("Held-out after RL: " + metrics_lib.format_eval(ev), flush=True)
-  return last

@@ -165,10 +165,28 @@ def format_eval(ev: Mapping[str, float]) -> str:
   return "  ".join(f"{k.removeprefix('val/acc/')} {v:.3f}" for k, v in ev.items())
 
 
+def token_level(rewards_BC, returns_BC, values_BC, mask_BC, *, kl: float, beta: float) -> dict:
+  """What the token-level estimators (REINFORCE++, PPO) log of a step, under verl's names: the KL to
+  the reference and its coefficient, the token rewards summed per response, returns, values and
+  the values' explained variance of the returns (`values_BC` None without a value model)."""
+  real_B, m = mask_BC.any(1), mask_BC.astype(bool)
+  out = {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": beta}
+  if real_B.any():
+    named = [("rewards", rewards_BC.sum(1)[real_B]), ("returns", returns_BC[m])]
+    named += [("values", values_BC[m])] if values_BC is not None else []
+    for name, x in named:
+      out.update({f"critic/{name}/mean": float(x.mean()), f"critic/{name}/max": float(x.max()),
+                  f"critic/{name}/min": float(x.min())})
+  if values_BC is not None and m.any():  # As verl: the rollout's values against the returns.
+    err = returns_BC[m] - values_BC[m]
+    out["critic/vf_explained_var"] = float(1.0 - np.var(err) / (np.var(returns_BC[m]) + 1e-5))
+  return out
+
+
 def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.ndarray, step_s: float, *,
                  max_new_tokens: int, group_size: int, reward, skipped: int, truncated_prompts: int) -> dict:
   """The metrics of one rollout step: the trained groups (`datatypes.Groups` or None), what
-  dynamic sampling saw (`advantages.FillStats`), generation `info`, the mean update metrics.
+  dynamic sampling saw (`dynamic_sampling.FillStats`), generation `info`, the mean update metrics.
   `rollout/samples` counts the responses generated (kept or not): runs that filter groups are
   compared with others at equal samples."""
   m = {f"actor/{k}": v for k, v in train.items() if k not in ("lr", "grad_norm", "num_tokens")}

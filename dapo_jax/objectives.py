@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from dapo_jax import loss as loss_lib
-from dapo_jax import model as model_lib
 from dapo_jax.datatypes import LMBatch, PackedLMBatch, PreferenceBatch, RLBatch, ValueBatch
+from dapo_jax.model import transformer as model_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +133,21 @@ def language_model(model_cfg: model_lib.ModelConfig) -> Objective:
 
 # --- RLHF pipelines: packed SFT, the reward model, DPO -------------------------------------------
 
+def target_mask(loss_mask_BT, segment_ids_BT):
+  """[B, T-1]: token t+1 is a target of the prediction at t (loss mask, same document, not padding).
+
+  Keeps the last token of one document from being trained to predict the first of the next.
+  """
+  seg = segment_ids_BT
+  return loss_mask_BT[:, 1:] & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+
+
 def _packed_logprobs(model_cfg: model_lib.ModelConfig, params, mb: PackedLMBatch):
   """(log p of each next token [B, T-1], its logits, the target mask [B, T-1]) of packed rows."""
-  from dapo_jax import conversations  # noqa: PLC0415 (host-side module; only its mask helpers run here)
   seg_BT = mb.segment_ids_BT
   logits_BTV = model_lib.forward(model_cfg, params, mb.tokens_BT[:, :-1], mb.positions_BT[:, :-1],
-                                 conversations.packed_attention_mask(seg_BT[:, :-1]))
-  target_BT = conversations.target_mask(mb.loss_mask_BT, seg_BT)
+                                 model_lib.packed_attention_mask(seg_BT[:, :-1]))
+  target_BT = target_mask(mb.loss_mask_BT, seg_BT)
   return loss_lib.token_logprobs(logits_BTV, mb.tokens_BT[:, 1:]), logits_BTV, target_BT
 
 
@@ -148,8 +156,7 @@ def packed_language_model(model_cfg: model_lib.ModelConfig) -> Objective:
   document, targets only inside a document, token mean over the whole mini-batch. Equals
   `language_model` on the same documents one per row."""
   def counts(batch: PackedLMBatch) -> dict:
-    from dapo_jax import conversations  # noqa: PLC0415
-    return {"num_tokens": jnp.sum(conversations.target_mask(batch.loss_mask_BT, batch.segment_ids_BT)
+    return {"num_tokens": jnp.sum(target_mask(batch.loss_mask_BT, batch.segment_ids_BT)
                                   .astype(jnp.float32))}
 
   def loss(params, mb: PackedLMBatch, counts: dict):
@@ -170,16 +177,6 @@ def packed_nll(model_cfg: model_lib.ModelConfig) -> Callable:
   return fn
 
 
-def last_token_scores(model_cfg: model_lib.ModelConfig, params, tokens_BT, mask_BT) -> jax.Array:
-  """Scalar-head output at each row's last real token [B] (fp32): a reward model's score of
-  prompt + response (what transformers' ...ForSequenceClassification returns for the row)."""
-  T = tokens_BT.shape[1]
-  values_BT = model_lib.forward(model_cfg, params, tokens_BT, model_lib.positions(mask_BT),
-                                model_lib.causal_mask(mask_BT), head="scalar")
-  last_B = jnp.max(jnp.where(mask_BT, jnp.arange(T)[None, :], 0), axis=1)
-  return jnp.take_along_axis(values_BT, last_B[:, None], axis=1)[:, 0]
-
-
 def _pair_weight(mb: PreferenceBatch, counts: dict) -> jax.Array:
   """This micro-batch's share of the mini-batch's pairs: per-micro-batch means then add up to the mean."""
   return (mb.tokens_BT.shape[0] // 2) / counts["num_pairs"]
@@ -193,7 +190,7 @@ def reward_model(model_cfg: model_lib.ModelConfig, margin: float = 0.0) -> Objec
   """The pairwise reward-model loss mean(-log σ(r_c - r_r - margin)) (`loss.pairwise_rm_loss`) on
   `PreferenceBatch` rows, r = the scalar head at the last real token; pairs stay in one micro-batch."""
   def loss(params, mb: PreferenceBatch, counts: dict):
-    r_B = last_token_scores(model_cfg, params, mb.tokens_BT, mb.mask_BT)
+    r_B = model_lib.last_token_scores(model_cfg, params, mb.tokens_BT, mb.mask_BT)
     margin_B = jnp.full(r_B[0::2].shape, margin, jnp.float32) if margin else None
     value, metrics = loss_lib.pairwise_rm_loss(r_B[0::2], r_B[1::2], margin_B)
     w = _pair_weight(mb, counts)
@@ -204,7 +201,7 @@ def reward_model(model_cfg: model_lib.ModelConfig, margin: float = 0.0) -> Objec
 
 def reward_scores(model_cfg: model_lib.ModelConfig) -> Callable:
   """(params, PreferenceBatch or any batch with tokens_BT / mask_BT) -> scores [B]."""
-  return lambda params, mb: last_token_scores(model_cfg, params, mb.tokens_BT, mb.mask_BT)
+  return lambda params, mb: model_lib.last_token_scores(model_cfg, params, mb.tokens_BT, mb.mask_BT)
 
 
 def response_logprobs(model_cfg: model_lib.ModelConfig, share_prompt: bool = True) -> Callable:
@@ -294,3 +291,4 @@ def value_model(model_cfg: model_lib.ModelConfig, clip_range: float, group_size:
                                num_tokens=counts["num_tokens"])
 
   return Objective(loss=loss, counts=counts, group_size=group_size)
+

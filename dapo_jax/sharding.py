@@ -46,25 +46,31 @@ ACT_RULES: Rules = (
 SAMPLING_PARAM_RULES: Rules = tuple((k, None if v == "fsdp" else v) for k, v in PARAM_RULES)
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, expert, tensor) mesh; one size may be -1 for "the rest of the devices"
-  (an axis the config leaves out has size 1)."""
-  devices = list(jax.devices() if devices is None else devices)
-  sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
-  unknown = [a for a, s in sizes.items() if s == -1]
+def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
+  """The (data, fsdp, expert, tensor) sizes of `mesh_cfg` on `num_devices` devices: one size may be
+  -1 for "the rest of the devices", an axis left out has size 1. Raises ValueError naming the mesh."""
+  sizes = {a: mesh_cfg.get(a, 1) for a in MESH_AXES}
+  for a, v in sizes.items():
+    if not isinstance(v, int) or isinstance(v, bool) or not (v >= 1 or v == -1):
+      raise ValueError(f"mesh.{a}={v!r}: expected a positive size, or -1 for the rest of the devices")
+  unknown = [a for a, v in sizes.items() if v == -1]
   if len(unknown) > 1:
-    raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
-  known = math.prod(s for s in sizes.values() if s != -1)
-  if any(s == 0 or s < -1 for s in sizes.values()):
-    raise ValueError(f"mesh: axis sizes must be positive or -1, got {sizes}")
+    raise ValueError(f"mesh={sizes}: at most one axis may be -1 (the rest of the devices)")
+  fixed = math.prod(v for v in sizes.values() if v != -1)
   if unknown:
-    if len(devices) % known:
-      raise ValueError(f"mesh: {len(devices)} devices do not divide into {sizes} "
-                       f"(the fixed axes multiply to {known})")
-    sizes[unknown[0]] = len(devices) // known
-  if math.prod(sizes.values()) != len(devices):
-    raise ValueError(f"mesh: data*fsdp*expert*tensor = {math.prod(sizes.values())} for {sizes}, "
-                     f"but there are {len(devices)} devices")
+    if num_devices % fixed:
+      raise ValueError(f"mesh={sizes}: the fixed axes multiply to {fixed}, which does not divide the "
+                       f"{num_devices} devices")
+    sizes[unknown[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ValueError(f"mesh={sizes}: data*fsdp*expert*tensor = {fixed}, but there are {num_devices} devices")
+  return sizes
+
+
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the (data, fsdp, expert, tensor) mesh of `mesh_shape(mesh_cfg, len(devices))`."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = mesh_shape({a: int(v) for a, v in mesh_cfg.items()}, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   try:
     dev_array = mesh_utils.create_device_mesh(shape, devices)

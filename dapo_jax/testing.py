@@ -8,7 +8,7 @@ import numpy as np
 
 
 def tiny_model_config(vocab_size: int = 128, **kw):
-  from dapo_jax import model as model_lib
+  from dapo_jax.model import transformer as model_lib
   defaults = dict(vocab_size=vocab_size, embed_dim=32, mlp_dim=64, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=8, qkv_bias=True, tie_embeddings=True)
   return model_lib.ModelConfig(**{**defaults, **kw})
@@ -25,7 +25,7 @@ def corpus(n: int = 2000, seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(path: str, vocab_size: int = 300, chat_template: bool = True):
-  from dapo_jax import tokenizer as tokenizer_lib
+  from dapo_jax.data import tokenizer as tokenizer_lib
   return tokenizer_lib.train_bpe(path, corpus(), vocab_size=vocab_size, chat_template=chat_template)
 
 
@@ -71,7 +71,7 @@ def sharp_params(cfg, seed: int = 0, scale: float = 8.0):
   """Random params with peaked next-token distributions, so greedy choices have clear margins."""
   import jax
 
-  from dapo_jax import model as model_lib
+  from dapo_jax.model import transformer as model_lib
   params = model_lib.init_params(cfg, jax.random.key(seed))
   params["embed_VD"] = params["embed_VD"] * scale
   return params

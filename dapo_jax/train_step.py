@@ -7,19 +7,21 @@ in the same micro-batches.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import lora as lora_lib
-from dapo_jax import model as model_lib
 from dapo_jax import optim, sharding
+from dapo_jax.datatypes import RLBatch
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import transformer as model_lib
 from dapo_jax.objectives import Objective
 
 
@@ -295,6 +297,17 @@ class Trainer:
       (loss, metrics), grads = acc
       return self._apply(state, loss, metrics, grads, counts)
 
+  def updates(self, state: TrainState, minibatches: list[list], epochs: int = 1) -> tuple[TrainState, list[dict]]:
+    """`epochs` passes over host `minibatches` (each a list of micro-batches: one is a plain step, several
+    accumulate into one update); the metrics of every update, still on device."""
+    out = []
+    for _ in range(epochs):
+      for parts in minibatches:
+        placed = [self.put_batch(mb) for mb in parts]
+        state, m = self.accumulate_step(state, placed) if len(placed) > 1 else self.step(state, placed[0])
+        out.append(m)
+    return state, out
+
   def lower_step(self, state, batch):
     """The step lowered for `state` and `batch` (arrays or `jax.ShapeDtypeStruct`s), as it runs."""
     with jax.set_mesh(self.mesh):
@@ -360,3 +373,72 @@ class Trainer:
 def _without_base(state: TrainState) -> TrainState:
   """A LoRA train state without its frozen base (what the step donates and returns)."""
   return state.replace(params={k: v for k, v in state.params.items() if k != "base"})
+
+
+def length_buckets(max_new_tokens: int, count: int = 8) -> tuple[int, ...]:
+  """Completion lengths a length-bucketed update compiles for: `count` steps up to C (rounded up
+  to multiples of 8), e.g. C=512 -> 64, 128, ..., 512."""
+  step = -(-max_new_tokens // count)
+  step = -(-step // 8) * 8
+  return tuple(sorted({min(step * i, max_new_tokens) for i in range(1, count + 1)}))
+
+
+def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int, buckets: Sequence[int], *,
+                          max_tokens: int = 0, shards: int = 1) -> list[RLBatch]:
+  """A mini-batch's micro-batches with their completion axis cut to a length bucket (host, pure).
+
+  Groups (`group_size` consecutive rows, never split) are sorted by their longest response. With
+  `num_microbatches` they are dealt into that many micro-batches of consecutive groups. With 0, each
+  bucket's micro-batches take as many groups per data shard as fit in `max_tokens` tokens per shard
+  at that bucket's length (short rows go many to a micro-batch, long ones few: one shape per bucket);
+  a bucket's leftover groups join the next bucket's, and the last bucket's leftovers form micro-batches
+  of power-of-two sizes: a few compiled shapes. Otherwise each micro-batch is cut to the smallest
+  bucket that holds its longest row. Rows keep all their tokens.
+  """
+  B, C = batch.loss_mask_BC.shape
+  P = batch.tokens_BT.shape[1] - C
+  G = max(group_size, 1)
+  length_B = batch.mask_BT[:, P:].sum(1)
+  longest_n = length_B.reshape(-1, G).max(1)
+  order_n = np.argsort(longest_n, kind="stable")
+  edges = sorted({b for b in buckets if b < C} | {C})
+  bucket = lambda n: next(b for b in edges if b >= n)  # The shortest that holds n tokens.
+  if not num_microbatches and len(order_n) % shards:
+    num_microbatches = 1  # Groups that do not split over the shards: one micro-batch (as auto does).
+  if num_microbatches:
+    per_mb = len(order_n) // num_microbatches
+    chunks = [order_n[m * per_mb:(m + 1) * per_mb] for m in range(num_microbatches)]
+    chunks = [(groups, bucket(int(longest_n[groups].max()))) for groups in chunks]
+  else:
+    chunks = _token_budget_chunks(order_n, longest_n[order_n], edges, P, G, max_tokens, shards)
+  out = []
+  for groups, Cb in chunks:
+    idx = (groups[:, None] * G + np.arange(G)[None]).reshape(-1)
+    out.append(RLBatch(tokens_BT=batch.tokens_BT[idx, :P + Cb], mask_BT=batch.mask_BT[idx, :P + Cb],
+                       loss_mask_BC=batch.loss_mask_BC[idx, :Cb], old_logp_BC=batch.old_logp_BC[idx, :Cb],
+                       adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb],
+                       behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx],
+                       adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb]))
+  return out
+
+
+def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edges: Sequence[int],
+                         P: int, G: int, max_tokens: int, shards: int) -> list[tuple[np.ndarray, int]]:
+  """(group indices, completion length) of micro-batches of whole groups per shard that fit
+  `max_tokens` per shard at their bucket's length; see `bucketed_microbatches`."""
+  chunks, pending, lo = [], sorted_n[:0], 0
+  for Cb in edges:
+    hi = int(np.searchsorted(longest_sorted_n, Cb, side="right"))
+    pending = np.concatenate([pending, sorted_n[lo:hi]])
+    lo = hi
+    per_mb = max(1, max_tokens // (G * (P + Cb))) * shards
+    full = len(pending) // per_mb * per_mb
+    chunks += [(pending[i:i + per_mb], Cb) for i in range(0, full, per_mb)]
+    pending = pending[full:]
+  size = 1 << max(len(pending) // shards, 1).bit_length()
+  while len(pending):  # Leftovers at the longest bucket: a few power-of-two shapes, largest first.
+    size //= 2
+    if len(pending) >= size * shards:
+      chunks.append((pending[:size * shards], edges[-1]))
+      pending = pending[size * shards:]
+  return chunks

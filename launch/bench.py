@@ -76,7 +76,9 @@ def matmul_peak(dtype="float32", n=2048, runs=5) -> float:
 def load_model(cfg):
   import jax
 
-  from dapo_jax import from_config, hf, model
+  from dapo_jax import from_config
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.model import transformer as model
   if _MODEL_DIR.value:
     mc, params = hf.load(_MODEL_DIR.value, **{**from_config.runtime_overrides(cfg), **numerics(cfg)})
   else:
@@ -89,7 +91,8 @@ def adapted(cfg, mc, params):
   """`params` as a run with `model.lora` holds them: the (int8) base and fresh adapters."""
   import jax
 
-  from dapo_jax import from_config, lora
+  from dapo_jax import from_config
+  from dapo_jax.model import lora
   lcfg = from_config.lora_config(cfg)
   return params if lcfg is None else lora.adapt(mc, lcfg, params, jax.random.key(1))
 
@@ -110,7 +113,8 @@ def bench_sampler(cfg, peak):
   import jax
   import numpy as np
 
-  from dapo_jax import sampling, sharding
+  from dapo_jax import sharding
+  from dapo_jax.rollout import sampling
   mc, params = load_model(cfg)
   params = adapted(cfg, mc, params)  # LoRA: each call decodes its int8 base unmerged or merges a float one.
   B, P, C = _BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
@@ -173,7 +177,8 @@ def bench_e2e(cfg, peak):
   """Seconds per DAPO rollout step on the peers' workload (8 x 8, 32-token prompts, 64 new tokens)."""
   import numpy as np
 
-  from dapo_jax import engine, from_config, sharding
+  from dapo_jax import from_config, sharding
+  from dapo_jax.rollout import engine
   if not (_MODEL_DIR.value and _PROMPTS.value):
     raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")
   tmp = tempfile.mkdtemp(prefix="dapo_bench_")

@@ -39,10 +39,16 @@ def default_workdir() -> str:
 
 
 def _user_errors():
-  from dapo_jax import advantages, checkpoint, data, from_config, gguf, hf, lora, loop, metrics, rewards, tokenizer
+  from dapo_jax import checkpoint, from_config, loop, metrics, rewards
+  from dapo_jax.data import prompts as data
+  from dapo_jax.data import tokenizer
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.hf import gguf
+  from dapo_jax.model import lora
+  from dapo_jax.rollout import dynamic_sampling
   return (data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
-          gguf.GGUFError, from_config.ConfigError, advantages.DynamicSamplingCapError,
+          gguf.GGUFError, from_config.ConfigError, dynamic_sampling.DynamicSamplingCapError,
           metrics.MetricsConfigError, lora.LoraError)
 
 

@@ -18,7 +18,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import dpo, from_config, hf, sharding, tokenizer
+  from dapo_jax import from_config, sharding
+  from dapo_jax.data import tokenizer
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.pipelines import dpo
   cfg = _CONFIG.value
   from_config.validate_pairs(cfg, "dpo")
   workdir = _WORKDIR.value or common.default_workdir()

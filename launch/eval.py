@@ -19,7 +19,10 @@ _K = flags.DEFINE_integer("k", None, "Samples per prompt (default: config eval.k
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import from_config, hf, rewards, rollout, sharding, tokenizer
+  from dapo_jax import from_config, rewards, sharding
+  from dapo_jax.data import tokenizer
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.rollout import rollout
   cfg = _CONFIG.value
   from_config.validate(cfg)
   mesh = sharding.make_mesh(cfg.mesh)

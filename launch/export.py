@@ -15,7 +15,8 @@ def main(argv):
   del argv
   import jax
 
-  from dapo_jax import console, from_config, hf
+  from dapo_jax import console, from_config
+  from dapo_jax.hf import convert as hf
   cfg = _CONFIG.value
   model_cfg, params, tok, step = from_config.restore_policy(cfg, _WORKDIR.value)
   num_bytes = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -13,17 +13,13 @@ _DEVICES = flags.DEFINE_integer("devices", None, "Device count, for meshes with 
 
 def main(argv):
   del argv
-  from dapo_jax import from_config, memory, sharding, train_step
-  from dapo_jax import lora as lora_lib
+  from dapo_jax import from_config, sharding, train_step
+  from dapo_jax.model import lora as lora_lib
+  from dapo_jax.model import memory
   cfg = _CONFIG.value
   lora = from_config.lora_config(cfg)
   mc = from_config.model_config(cfg, cfg.model.vocab_size or 1024)
-  shape = dict(cfg.mesh)
-  rest = _DEVICES.value or 128
-  fixed = 1
-  for v in shape.values():
-    fixed *= v if v > 0 else 1
-  shape = {k: (rest // fixed if v == -1 else v) for k, v in shape.items()}
+  shape = sharding.mesh_shape(dict(cfg.mesh), _DEVICES.value or 128)
   rows_per_update = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
   seq_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   num_microbatches = cfg.train.num_microbatches or train_step.auto_microbatches(

@@ -47,7 +47,11 @@ def policy_pairs() -> None:
   import jax
   import numpy as np
 
-  from dapo_jax import data, hf, preference, rewards, rollout, sampling, sharding, tokenizer
+  from dapo_jax import rewards, sharding
+  from dapo_jax.data import preference, tokenizer
+  from dapo_jax.data import prompts as data
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.rollout import rollout, sampling
   if not _MODEL_DIR.value:
     raise SystemExit("--model_dir=DIR is required for `policy_pairs`")
   examples = data.arith_examples(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value)
@@ -81,7 +85,7 @@ def main(argv):
   if argv[1] == "policy_pairs":
     return policy_pairs()
   if argv[1] == "arith_pairs":
-    from dapo_jax import preference
+    from dapo_jax.data import preference
     kinds = tuple(_KINDS.value or preference.ERROR_KINDS)
     unknown = [k for k in kinds if k not in preference.ERROR_KINDS]
     if unknown:
@@ -93,12 +97,13 @@ def main(argv):
     print(f"wrote {len(rows)} {_SPLIT.value} preference pairs to {_OUT.value}")
     return
   if argv[1] == "arith_sft":
-    from dapo_jax import preference, sft_chat
+    from dapo_jax.data import preference
+    from dapo_jax.pipelines import sft_chat
     rows = sft_chat.arith_conversation_rows(_NUM.value, split=_SPLIT.value, seed=_SEED.value, digits=_DIGITS.value)
     preference.write_jsonl(rows, _OUT.value)
     print(f"wrote {len(rows)} {_SPLIT.value} conversations to {_OUT.value}")
     return
-  from dapo_jax import gguf
+  from dapo_jax.hf import gguf
   path = gguf.smollm2_path() if argv[1] == "smollm2" else _GGUF.value
   if not path:
     raise SystemExit("--gguf=FILE is required for `gguf`")

@@ -30,7 +30,7 @@ _JSON = flags.DEFINE_bool("json", False, "One JSON object per completion instead
 
 def read_prompts(path: str, prompt_template: str):
   """(prompts, ground truths) of a file: examples with their answer, or plain prompts with None."""
-  from dapo_jax import data
+  from dapo_jax.data import prompts as data
   rows = data.read_rows(path)
   truth = lambda row: (row["reward_model"] if isinstance(row.get("reward_model"), dict) else row).get("ground_truth")
   has_truth = [isinstance(row, dict) and str(truth(row) or "").strip() != "" for row in rows]
@@ -56,7 +56,11 @@ def main(argv):
   common.init_distributed()
   import jax
 
-  from dapo_jax import console, data, from_config, hf, rewards, rollout, sharding, tokenizer
+  from dapo_jax import console, from_config, rewards, sharding
+  from dapo_jax.data import prompts as data
+  from dapo_jax.data import tokenizer
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.rollout import rollout
   cfg = _CONFIG.value
   from_config.validate(cfg)
   if bool(_PROMPT.value) == bool(_PROMPTS.value):

@@ -15,13 +15,13 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port (0: any free one; the URL is pr
 _TOKEN = flags.DEFINE_string("token", None, "Shared token (default: env DAPO_RM_TOKEN).")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Most responses scored in one model call.")
 _MAX_WAIT_MS = flags.DEFINE_float("max_wait_ms", 10.0, "How long a batch waits for more requests.")
-_SCORER = flags.DEFINE_string("scorer", "dapo_jax.rm:scorer",
+_SCORER = flags.DEFINE_string("scorer", "dapo_jax.rewards.model:scorer",
                               "'module:factory'; factory(model_dir) returns score_fn(prompts, responses).")
 
 
 def main(argv):
   del argv
-  from dapo_jax import rm_server
+  from dapo_jax.rewards import server as rm_server
   score_fn = rm_server.load_scorer(_SCORER.value, _MODEL_DIR.value)
   server = rm_server.RMServer(score_fn, _HOST.value, _PORT.value, _TOKEN.value, _MAX_BATCH.value,
                               _MAX_WAIT_MS.value)

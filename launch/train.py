@@ -15,12 +15,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs, samples (def
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import from_config, loop, sharding  # After distributed init.
-  cfg = _CONFIG.value
-  from_config.validate(cfg)  # Before the mesh is built: a mesh that does not fit is one line too.
+  from dapo_jax import from_config  # After distributed init.
   workdir = _WORKDIR.value or common.default_workdir()
   logging.info("workdir %s", workdir)
-  loop.run(cfg, workdir, sharding.make_mesh(cfg.mesh))
+  from_config.run(_CONFIG.value, workdir)  # Validates the config before it builds the mesh.
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 
 from dapo_jax import advantages
+from dapo_jax.rollout import dynamic_sampling
+from dapo_jax.rollout import rollout as rollout_lib
 
 
 def test_sanity_formula_g16_k1():
@@ -35,8 +37,8 @@ def test_equal_rewards_give_zero_and_single_sample_groups():
 
 def test_keep_groups_uses_correctness():
   acc = np.array([[1, 1, 1], [0, 0, 0], [1, 0, 0], [0, 1, 1]], bool)
-  np.testing.assert_array_equal(advantages.keep_groups(acc), [False, False, True, True])
-  np.testing.assert_array_equal(advantages.keep_groups(np.array([[True], [False]])), [True, True])
+  np.testing.assert_array_equal(dynamic_sampling.keep_groups(acc), [False, False, True, True])
+  np.testing.assert_array_equal(dynamic_sampling.keep_groups(np.array([[True], [False]])), [True, True])
 
 
 def test_filter_metrics_follow_verl():
@@ -46,16 +48,16 @@ def test_filter_metrics_follow_verl():
   penalty = np.array([[0.0, 0.0], [0.0, -2.0]])
   reward = score + penalty                          # [[1, .5], [-1, -1]]: what advantages use
   kw = dict(acc_QG=acc, score_QG=score, reward_QG=reward)
-  keep = {m: advantages.keep_groups(advantages.filter_values(m, **kw)).tolist() for m in advantages.FILTER_METRICS}
+  keep = {m: dynamic_sampling.keep_groups(rollout_lib.filter_values(m, **kw)).tolist() for m in rollout_lib.FILTER_METRICS}
   assert keep == {"acc": [False, True], "score": [True, True], "seq_reward": [True, False],
                   "seq_final_reward": [True, False]}
   with pytest.raises(ValueError, match="dapo.filter_metric='reward'"):
-    advantages.filter_values("reward", **kw)
+    rollout_lib.filter_values("reward", **kw)
 
 
 def test_keep_groups_of_equal_floats():
   """Equal non-representable floats are one value, whatever np.std's rounding says."""
   v = np.full((1, 3), 0.1)
   assert v.std(axis=1)[0] > 0   # The rounding that a std > 0 test would trip over.
-  assert not advantages.keep_groups(v)[0]
-  assert advantages.keep_groups(np.array([[0.1, 0.1, 0.1 + 1e-12]]))[0]
+  assert not dynamic_sampling.keep_groups(v)[0]
+  assert dynamic_sampling.keep_groups(np.array([[0.1, 0.1, 0.1 + 1e-12]]))[0]

@@ -1,5 +1,5 @@
 """The train batch of a rollout step on hand-made groups: dynamic sampling's refill, cap and
-carry-over (`advantages.fill_batch`), and the padded, masked batch (`advantages.to_train_batch`),
+carry-over (`dynamic_sampling.fill_batch`), and the padded, masked batch (`advantages.to_train_batch`),
 whose carried rows keep their sampling policy's log-probs as π_old."""
 import dataclasses
 import json
@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from dapo_jax import advantages
+from dapo_jax import advantages, train_step
 from dapo_jax.datatypes import Groups
+from dapo_jax.rollout import dynamic_sampling
 
 
 def make_groups(acc_rows, *, first_id=0, C=4, P=3, lengths=None, truncated=None):
@@ -42,7 +43,7 @@ def test_refill_keeps_mixed_groups_in_arrival_order_and_carries_the_surplus():
   b0 = make_groups([MIXED, RIGHT, MIXED, WRONG], first_id=0)      # keeps prompts 0, 2
   b1 = make_groups([WRONG, MIXED, MIXED, MIXED], first_id=10)     # keeps 11, 12, 13
   gen, calls = generator([b0, b1])
-  batch, carry, stats = advantages.fill_batch(None, gen, 3, filter_groups=True, max_gen_batches=5,
+  batch, carry, stats = dynamic_sampling.fill_batch(None, gen, 3, filter_groups=True, max_gen_batches=5,
                                               on_cap="raise", carry_over=True)
   assert calls == [0, 1]
   assert batch.prompt_QP[:, 0].tolist() == [0, 2, 11]
@@ -53,7 +54,7 @@ def test_refill_keeps_mixed_groups_in_arrival_order_and_carries_the_surplus():
   assert not stats.cap_reached
   # Without carry-over the surplus is dropped (the reference).
   gen, _ = generator([b0, b1])
-  _, carry, _ = advantages.fill_batch(None, gen, 3, filter_groups=True, max_gen_batches=5, on_cap="raise",
+  _, carry, _ = dynamic_sampling.fill_batch(None, gen, 3, filter_groups=True, max_gen_batches=5, on_cap="raise",
                                       carry_over=False)
   assert carry is None
 
@@ -61,12 +62,12 @@ def test_refill_keeps_mixed_groups_in_arrival_order_and_carries_the_surplus():
 def test_carried_groups_come_first_and_can_fill_a_step_alone():
   carry = make_groups([MIXED, MIXED], first_id=50)
   gen, calls = generator([make_groups([MIXED, MIXED], first_id=0)])
-  batch, rest, stats = advantages.fill_batch(carry, gen, 2, filter_groups=True, max_gen_batches=3,
+  batch, rest, stats = dynamic_sampling.fill_batch(carry, gen, 2, filter_groups=True, max_gen_batches=3,
                                              on_cap="raise", carry_over=True)
   assert calls == [] and stats.gen_batches == 0 and rest is None
   assert batch.prompt_QP[:, 0].tolist() == [50, 51]
   gen, calls = generator([make_groups([MIXED, MIXED], first_id=0)])
-  batch, rest, _ = advantages.fill_batch(carry.take(slice(0, 1)), gen, 2, filter_groups=True, max_gen_batches=3,
+  batch, rest, _ = dynamic_sampling.fill_batch(carry.take(slice(0, 1)), gen, 2, filter_groups=True, max_gen_batches=3,
                                          on_cap="raise", carry_over=True)
   assert calls == [0] and batch.prompt_QP[:, 0].tolist() == [50, 0] and rest.prompt_QP[:, 0].tolist() == [1]
 
@@ -74,23 +75,23 @@ def test_carried_groups_come_first_and_can_fill_a_step_alone():
 def test_cap_raises_or_trains_on_what_was_kept():
   batches = [make_groups([RIGHT, MIXED], first_id=10 * i) for i in range(3)]
   gen, calls = generator(batches)
-  with pytest.raises(advantages.DynamicSamplingCapError, match="2 generation batches .* kept only 2 of 4"):
-    advantages.fill_batch(None, gen, 4, filter_groups=True, max_gen_batches=2, on_cap="raise", carry_over=True)
+  with pytest.raises(dynamic_sampling.DynamicSamplingCapError, match="2 generation batches .* kept only 2 of 4"):
+    dynamic_sampling.fill_batch(None, gen, 4, filter_groups=True, max_gen_batches=2, on_cap="raise", carry_over=True)
   gen, calls = generator(batches)
-  batch, carry, stats = advantages.fill_batch(None, gen, 4, filter_groups=True, max_gen_batches=2,
+  batch, carry, stats = dynamic_sampling.fill_batch(None, gen, 4, filter_groups=True, max_gen_batches=2,
                                               on_cap="train", carry_over=True)
   assert calls == [0, 1] and stats.cap_reached and len(batch) == 2 and carry is None
   assert batch.prompt_QP[:, 0].tolist() == [1, 11]
   # Nothing kept at all: no batch.
   gen, _ = generator([make_groups([RIGHT, WRONG])] * 2)
-  batch, carry, stats = advantages.fill_batch(None, gen, 2, filter_groups=True, max_gen_batches=2,
+  batch, carry, stats = dynamic_sampling.fill_batch(None, gen, 2, filter_groups=True, max_gen_batches=2,
                                               on_cap="train", carry_over=True)
   assert batch is None and carry is None and stats.kept == 0
 
 
 def test_without_dynamic_sampling_every_group_is_kept_and_there_is_no_cap():
   gen, calls = generator([make_groups([RIGHT, WRONG, MIXED])])
-  batch, carry, stats = advantages.fill_batch(None, gen, 3, filter_groups=False, max_gen_batches=1,
+  batch, carry, stats = dynamic_sampling.fill_batch(None, gen, 3, filter_groups=False, max_gen_batches=1,
                                               on_cap="raise", carry_over=True)
   assert calls == [0] and len(batch) == 3 and carry is None and stats.kept == 3
 
@@ -99,7 +100,7 @@ def test_filter_on_score_differs_from_filter_on_accuracy():
   g = make_groups([RIGHT, MIXED])
   g.filter_QG = np.array([[1.0, 0.5], [1.0, 1.0]])  # e.g. equal correctness but unequal scores
   gen, _ = generator([g])
-  batch, _, _ = advantages.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
+  batch, _, _ = dynamic_sampling.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
                                       carry_over=False)
   assert batch.prompt_QP[:, 0].tolist() == [0]
 
@@ -140,11 +141,11 @@ def test_carried_groups_keep_their_sampling_log_probs_as_pi_old():
   `behaviour_B`), while fresh rows' π_old is left to the update (zeros, as without carry-over)."""
   b0 = make_groups([MIXED, MIXED, MIXED], first_id=0)
   gen, _ = generator([b0])
-  batch, carry, _ = advantages.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
+  batch, carry, _ = dynamic_sampling.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
                                           carry_over=True)
   assert not batch.carried_Q.any() and carry.carried_Q.tolist() == [True, True]
   gen, _ = generator([make_groups([MIXED, MIXED], first_id=10)])
-  batch, _, _ = advantages.fill_batch(carry.take(slice(0, 1)), gen, 2, filter_groups=True, max_gen_batches=1,
+  batch, _, _ = dynamic_sampling.fill_batch(carry.take(slice(0, 1)), gen, 2, filter_groups=True, max_gen_batches=1,
                                       on_cap="raise", carry_over=True)
   assert batch.prompt_QP[:, 0].tolist() == [1, 10] and batch.carried_Q.tolist() == [True, False]
   train, _ = advantages.to_train_batch(batch, 3, 3, norm_adv_by_std=True, overlong_filter=False)
@@ -153,7 +154,7 @@ def test_carried_groups_keep_their_sampling_log_probs_as_pi_old():
   assert train.behaviour_B.tolist() == [True, True, False, False, True, True]
   np.testing.assert_array_equal(train.old_logp_BC[:2], [[-1.5, -1.5, 0, 0]] * 2)
   assert not train.old_logp_BC[2:4].any()
-  parts = advantages.bucketed_microbatches(train, 3, 2, (2, 4))
+  parts = train_step.bucketed_microbatches(train, 3, 2, (2, 4))
   assert sorted(p.behaviour_B.tolist() for p in parts) == [[False, False], [True, True], [True, True]]
 
 
@@ -161,7 +162,7 @@ def test_without_carried_groups_the_batch_has_no_behaviour_rows():
   g = make_groups([MIXED, MIXED])
   g.logp_QGC = np.full_like(g.logp_QGC, -30.0)  # The sampler's log-probs are not read for fresh rows.
   gen, _ = generator([g])
-  batch, carry, _ = advantages.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
+  batch, carry, _ = dynamic_sampling.fill_batch(None, gen, 1, filter_groups=True, max_gen_batches=1, on_cap="raise",
                                           carry_over=False)
   train, _ = advantages.to_train_batch(batch, 1, 3, norm_adv_by_std=True, overlong_filter=False)
   assert carry is None and train.behaviour_B is None and not train.old_logp_BC.any()

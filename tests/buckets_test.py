@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import advantages, objectives, optim, sharding, testing, train_step
+from dapo_jax import objectives, optim, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 
 CFG = testing.tiny_model_config(vocab_size=64)
@@ -29,9 +29,9 @@ def long_tail_batch(Q=4, G=2, P=5, C=24, seed=0):
 
 
 def test_buckets_and_microbatches_by_hand():
-  assert advantages.length_buckets(512) == (64, 128, 192, 256, 320, 384, 448, 512)
-  assert advantages.length_buckets(32) == (8, 16, 24, 32)
-  mbs = advantages.bucketed_microbatches(long_tail_batch(), 2, 2, (8, 16, 24))
+  assert train_step.length_buckets(512) == (64, 128, 192, 256, 320, 384, 448, 512)
+  assert train_step.length_buckets(32) == (8, 16, 24, 32)
+  mbs = train_step.bucketed_microbatches(long_tail_batch(), 2, 2, (8, 16, 24))
   # Groups by longest response: [3, 20] -> 20, [2, 4] -> 4, [24, 9] -> 24, [1, 5] -> 5; sorted: 4, 5 | 20, 24.
   assert [mb.loss_mask_BC.shape[1] for mb in mbs] == [8, 24]
   np.testing.assert_array_equal(mbs[0].mask_BT[:, 5:].sum(1), [2, 4, 1, 5])
@@ -44,20 +44,20 @@ def test_token_budget_microbatches_by_hand():
   batch = long_tail_batch()  # Response lengths 3, 20, 2, 4, 24, 9, 1, 5.
   # 64 tokens: bucket 8 takes 64 // 13 = 4 rows (1, 2, 3, 4); 5 waits for bucket 16 (3 rows of 21
   # tokens: only 5, 9 there), then bucket 24 takes 2 rows of 29 tokens twice.
-  assert lengths(advantages.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=64)) == [
+  assert lengths(train_step.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=64)) == [
       ((4, 13), [1, 2, 3, 4]), ((2, 29), [5, 9]), ((2, 29), [20, 24])]
   # Whole groups of 2 (longest 20, 4, 24, 5): two of 26 tokens fit 64 at bucket 8.
-  assert lengths(advantages.bucketed_microbatches(batch, 0, 2, (8, 16, 24), max_tokens=64)) == [
+  assert lengths(train_step.bucketed_microbatches(batch, 0, 2, (8, 16, 24), max_tokens=64)) == [
       ((4, 13), [2, 4, 1, 5]), ((2, 29), [3, 20]), ((2, 29), [24, 9])]
   # 150 tokens: buckets 8 and 16 would take 11 and 7 rows, so all 8 wait for bucket 24 (5 rows of
   # 29); its 3 leftovers go in power-of-two micro-batches, 2 + 1.
-  assert lengths(advantages.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=150)) == [
+  assert lengths(train_step.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=150)) == [
       ((5, 29), [1, 2, 3, 4, 5]), ((2, 29), [9, 20]), ((1, 29), [24])]
   # Two data shards: the budget is per shard, rows go in pairs.
-  assert lengths(advantages.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=26, shards=2)) == [
+  assert lengths(train_step.bucketed_microbatches(batch, 0, 1, (8, 16, 24), max_tokens=26, shards=2)) == [
       ((4, 13), [1, 2, 3, 4]), ((2, 21), [5, 9]), ((2, 29), [20, 24])]
   # 4 groups over 3 shards do not split: one micro-batch, as the auto count does.
-  assert [mb.tokens_BT.shape for mb in advantages.bucketed_microbatches(
+  assert [mb.tokens_BT.shape for mb in train_step.bucketed_microbatches(
       batch, 0, 2, (8, 16, 24), max_tokens=26, shards=3)] == [(8, 29)]
 
 
@@ -78,7 +78,7 @@ def test_bucketed_update_equals_the_padded_update(share_prompt, max_tokens):
         rollout_step=jax.device_put(jnp.int32(1), trainer.state_sharding.rollout_step))  # lr > 0
     s_pad, m_pad = jax.device_get(trainer.step(start(), trainer.put_batch(batch)))
     shards = sharding.batch_shards(mesh.shape)
-    parts = advantages.bucketed_microbatches(batch, 0 if max_tokens else 2, max(G, 1), advantages.length_buckets(24, 3),
+    parts = train_step.bucketed_microbatches(batch, 0 if max_tokens else 2, max(G, 1), train_step.length_buckets(24, 3),
                                              max_tokens=max_tokens, shards=shards)
     if shards == 1 or not max_tokens:  # (4 shards of 8 rows take all 4 groups in one micro-batch.)
       assert max(p.loss_mask_BC.shape[1] for p in parts) == 24 and min(p.loss_mask_BC.shape[1] for p in parts) < 24

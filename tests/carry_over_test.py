@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import advantages, loop, metrics, model, objectives, optim, sampling, sharding, testing, train_step
+from dapo_jax import advantages, loop, metrics, objectives, optim, sharding, testing, train_step
 from dapo_jax.datatypes import Groups
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import dynamic_sampling, sampling
 
 CFG = testing.tiny_model_config(vocab_size=64)
 T = 0.7            # rollout temperature: the sampler and the train step both scale the logits by 1/T
@@ -98,11 +100,11 @@ def test_carried_group_ratio_is_against_its_sampling_policy(setup, tmp_path, min
   """One update (π_old = π_θ in the objective) and two (π_old recomputed by the loop): either way a
   carried row's ratio is exp(log π_B - log π_A(sampler)) and a fresh row's is 1."""
   _, params_b, sampled, logp_a_BC, trainers = setup
-  _, carry, _ = advantages.fill_batch(None, lambda i: sampled, 1, filter_groups=True, max_gen_batches=1,
+  _, carry, _ = dynamic_sampling.fill_batch(None, lambda i: sampled, 1, filter_groups=True, max_gen_batches=1,
                                       on_cap="raise", carry_over=True)
   # The next step: the carried group, then a fresh one (whose tokens do not matter to its π_old).
   fresh = sampled.take(slice(0, 1))
-  groups, _, _ = advantages.fill_batch(carry, lambda i: fresh, 2, filter_groups=True, max_gen_batches=1,
+  groups, _, _ = dynamic_sampling.fill_batch(carry, lambda i: fresh, 2, filter_groups=True, max_gen_batches=1,
                                        on_cap="raise", carry_over=True)
   assert groups.carried_Q.tolist() == [True, False]
   batch, _ = advantages.to_train_batch(groups, 2, P, norm_adv_by_std=True, overlong_filter=False)

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from configs import ablation
-from dapo_jax import from_config, model
+from dapo_jax import from_config
+from dapo_jax.model import transformer as model
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
@@ -28,7 +29,7 @@ def load(name, arg):
 @pytest.mark.parametrize("name,arg", ARGS)
 def test_config_builds_and_passes_startup_validation(name, arg):
   cfg = load(name, arg)
-  # The same check `loop.run` makes before building anything (pod meshes: on their 128 devices).
+  # The same check `from_config.run` makes before building anything (pod meshes: on their 128 devices).
   if arg and "mesh=" in arg and -1 not in cfg.mesh.values():  # The mesh's own device count.
     from_config.validate(cfg, num_devices=math.prod(cfg.mesh.values()))
   else:

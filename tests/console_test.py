@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import checkpoint, console, data, sft, sharding, testing
+from dapo_jax import checkpoint, console, sharding, testing
+from dapo_jax.data import prompts as data
+from dapo_jax.pipelines import sft
 
 
 class Clock:
@@ -88,7 +90,7 @@ def test_sft_prints_progress_with_loss(tmp_path, capsys):
   examples = data.arith_examples(40, digits=1, seed=0)
   model_cfg = testing.tiny_model_config(vocab_size=((len(tok) + 63) // 64) * 64)
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-  sft.run(sft.SFTConfig(steps=3, batch_size=2, seq_len=32), model_cfg, tok, examples, mesh)
+  sft.run(sft.SFTConfig(steps=3, batch_size=2, seq_len=32), model_cfg, tok, examples, mesh, str(tmp_path / "sft"))
   lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("SFT [")]
   assert lines[0].startswith("SFT [######..............] 1/3 step") and "loss" in lines[0]
   assert lines[-1].startswith("SFT [####################] 3/3 step") and "token acc" in lines[-1]

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import conversations as conv_lib
-from dapo_jax import loss, testing
-from dapo_jax import model as model_lib
-from dapo_jax import tokenizer as tokenizer_lib
-from dapo_jax.data import DataError
+from dapo_jax import loss, objectives, testing
+from dapo_jax.data import conversations as conv_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.data.prompts import DataError
+from dapo_jax.model import transformer as model_lib
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"},
         {"role": "assistant", "content": "Answer: 5"}, {"role": "user", "content": "And 4+4?"},
@@ -120,11 +120,11 @@ def test_pack_layout():
 
 def test_packed_attention_mask_against_loop():
   seg = np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]])
-  m = np.asarray(conv_lib.packed_attention_mask(seg))
+  m = np.asarray(model_lib.packed_attention_mask(seg))
   ref = np.array([[[seg[b, s] == seg[b, t] and seg[b, s] > 0 and s <= t for s in range(6)] for t in range(6)]
                   for b in range(2)])
   np.testing.assert_array_equal(m, ref)
-  tm = conv_lib.target_mask(np.ones((1, 6), bool), seg[:1])
+  tm = objectives.target_mask(np.ones((1, 6), bool), seg[:1])
   np.testing.assert_array_equal(tm, [[True, False, True, True, False]])
 
 
@@ -150,8 +150,8 @@ def test_packed_loss_equals_unpacked_loss(tok):
   packed = conv_lib.pack(docs, seq_len, pad_id=tok.pad_token_id)
   assert packed.tokens_BT.shape[0] < len(docs)   # Something really was packed together.
   p_sum, p_n = nll_sum(cfg, params, packed.tokens_BT, packed.positions_BT,
-                       conv_lib.packed_attention_mask(packed.segment_ids_BT),
-                       conv_lib.target_mask(packed.loss_mask_BT, packed.segment_ids_BT))
+                       model_lib.packed_attention_mask(packed.segment_ids_BT),
+                       objectives.target_mask(packed.loss_mask_BT, packed.segment_ids_BT))
   # Unpacked: one right-padded row per document, positions 0.., causal attention over real tokens.
   T = max(lengths)
   tokens = np.full((len(docs), T), tok.pad_token_id, np.int32)

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from dapo_jax import data, rewards
+from dapo_jax import rewards
+from dapo_jax.data import prompts as data
 
 AIME = os.path.join(os.path.dirname(__file__), "data", "aime-2024.parquet")  # 30 problems x 32, 30 KB
 

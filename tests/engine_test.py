@@ -6,20 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from dapo_jax import (
-  advantages,
-  data,
-  engine,
-  model,
-  objectives,
-  rewards,
-  rollout,
-  sampling,
-  sharding,
-  streaming,
-  testing,
-)
+from dapo_jax import objectives, rewards, sharding, testing
+from dapo_jax.data import prompts as data
 from dapo_jax.datatypes import RLBatch
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import dynamic_sampling, engine, rollout, sampling
 
 CFG = testing.tiny_model_config(vocab_size=64)
 PARAMS = testing.sharp_params(CFG, seed=2)
@@ -166,7 +157,7 @@ def test_prompts_longer_than_the_cache_are_refused():
 
 @pytest.fixture(scope="module")
 def arith_rollout(tiny_tokenizer_dir):
-  from dapo_jax import tokenizer
+  from dapo_jax.data import tokenizer
   tok = tokenizer.load(tiny_tokenizer_dir)
   cfg = testing.tiny_model_config(vocab_size=((len(tok) + 63) // 64) * 64)
   params = testing.sharp_params(cfg, seed=4, scale=2.0)
@@ -186,7 +177,7 @@ def test_streaming_keeps_the_groups_the_reference_keeps_and_stops_at_the_cap_ali
   def reference(Q, gen_prompts, max_gen_batches):
     it = iter(range(0, 10_000, gen_prompts))
     gen = lambda i: r.groups(params, examples[next(it):][:gen_prompts], G, key, first_prompt_id=i * gen_prompts)[0]
-    return advantages.fill_batch(None, gen, Q, filter_groups=True, max_gen_batches=max_gen_batches,
+    return dynamic_sampling.fill_batch(None, gen, Q, filter_groups=True, max_gen_batches=max_gen_batches,
                                  on_cap="train", carry_over=False)
 
   def streamed(Q, max_prompts):
@@ -195,7 +186,7 @@ def test_streaming_keeps_the_groups_the_reference_keeps_and_stops_at_the_cap_ali
     def next_examples(n):
       pos[0] += n
       return examples[pos[0] - n:pos[0]]
-    return streaming.stream_groups(r, params, next_examples, G, Q, key, max_prompts=max_prompts)
+    return dynamic_sampling.stream_groups(r, params, next_examples, G, Q, key, max_prompts=max_prompts)
 
   for Q, cap_batches in ((3, 8), (40, 2)):  # Filled; and cut short by the cap (16 prompts).
     ref, _, ref_stats = reference(Q, 8, cap_batches)
@@ -214,7 +205,8 @@ def test_streaming_keeps_the_groups_the_reference_keeps_and_stops_at_the_cap_ali
 
 def test_eval_of_the_aime_file_samples_its_960_rows_once(tiny_tokenizer_dir):
   """30 problems x 32 copies at k=1: one pass of 960 sampled rows gives avg/best/maj@32 per problem."""
-  from dapo_jax import evaluate, tokenizer
+  from dapo_jax import evaluate
+  from dapo_jax.data import tokenizer
   path = os.path.join(os.path.dirname(__file__), "data", "aime-2024.parquet")
   examples = data.load_file(path)
   assert len(examples) == 960

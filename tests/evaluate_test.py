@@ -34,7 +34,7 @@ class FakeRollout:
 
 
 def test_mean_best_and_majority_at_k_by_hand():
-  from dapo_jax.data import Example
+  from dapo_jax.data.prompts import Example
   exs = [Example(messages=[{"role": "user", "content": q}], ground_truth=gt) for q, gt in
          [("a", "1"), ("b", "2"), ("c", "3")]]
   answers = {"a": ["1", "0", "0", "1"], "b": ["0", "0", "9", "2"], "c": ["7", "7", "7", "7"]}
@@ -48,7 +48,7 @@ def test_mean_best_and_majority_at_k_by_hand():
 
 def test_identical_rows_are_one_problem_with_their_copies_as_samples():
   """AIME's layout: each problem repeated; k=1 over the copies gives avg/best/maj@copies per problem."""
-  from dapo_jax.data import Example
+  from dapo_jax.data.prompts import Example
   exs = [Example(messages=[{"role": "user", "content": q}], ground_truth=gt)
          for q, gt in [("a", "1"), ("b", "2")] for _ in range(3)]
   answers = {"a": ["1", "0", "1"], "b": ["0", "2", "3"]}

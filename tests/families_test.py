@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import hf, kv_cache, layers, model, sampling
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import kv_cache, layers
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import sampling
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 
 from configs import common
-from dapo_jax import from_config, gguf, hf, model, testing, tokenizer
+from dapo_jax import from_config, testing
+from dapo_jax.data import tokenizer
+from dapo_jax.hf import convert as hf
+from dapo_jax.hf import gguf
+from dapo_jax.model import transformer as model
 
 
 def small_model_dir(path, tok_dir=None):

@@ -14,7 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from configs import common
-from dapo_jax import data, from_config, hf, rewards
+from dapo_jax import from_config
+from dapo_jax.data import prompts as data
+from dapo_jax.hf import convert as hf
+from dapo_jax.rewards import clients as reward_clients
 
 FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -187,7 +190,7 @@ def test_random_reward_function_outputs(echo_reward, out):
   """A reward's output is normalised to {score: float, acc: bool, pred: str}, or the call raises an
   Exception, which the pool counts and scores as FAILURE (the run goes on)."""
   try:
-    got = rewards._call(echo_reward, repr(out), "1")
+    got = reward_clients._call(echo_reward, repr(out), "1")
   except Exception:
     return
   assert set(got) == {"score", "acc", "pred"}

@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from dapo_jax import gguf, hf
+from dapo_jax.hf import convert as hf
+from dapo_jax.hf import gguf
 from tests.launch_test import _byte_to_unicode
 
 torch = pytest.importorskip("torch")

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import hf, model
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import transformer as model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -37,14 +37,16 @@ def transformers_logits(model_dir, ids_BT):
 def our_logits(model_dir, ids_BT):
   import jax.numpy as jnp
 
-  from dapo_jax import hf, model
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.model import transformer as model
   cfg, params = hf.load(model_dir)
   return np.asarray(model.logits(cfg, params, jnp.asarray(ids_BT), jnp.ones(ids_BT.shape, bool)))
 
 
 def test_plan_prints_the_numbers_of_memory_plan():
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import from_config, memory, train_step
+  from dapo_jax import from_config, train_step
+  from dapo_jax.model import memory
   stdout = ok(launch("plan", f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:mesh=gpu16x8"))
   cfg = dapo_qwen2_5_32b.get_config("mesh=gpu16x8")
   mc = from_config.model_config(cfg, cfg.model.vocab_size or 1024)

@@ -8,9 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import (hf, layers, lora, model, objectives, optim, peft_format, quant, sampling, sharding, testing,
-                      train_step)
+from dapo_jax import objectives, optim, sharding, testing, train_step
 from dapo_jax.datatypes import LMBatch, PreferenceBatch, RLBatch
+from dapo_jax.hf import convert as hf
+from dapo_jax.hf import peft as peft_format
+from dapo_jax.model import layers, lora, quant
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import sampling
 
 CFG = testing.tiny_model_config(vocab_size=64)
 LCFG = lora.LoraConfig(rank=4, alpha=8.0)
@@ -389,7 +393,7 @@ def test_int8_decode_loop_never_holds_a_float_copy_of_the_base():
   """XLA hoists a loop-invariant cast out of a while loop: without `quant.cast_after` the engine's
   decode round held every layer's float matrices for its whole duration (its temp memory was the
   float base); with it, one layer's matrix at a time."""
-  from dapo_jax import engine
+  from dapo_jax.rollout import engine
   cfg = testing.tiny_model_config(vocab_size=64, embed_dim=128, mlp_dim=512, num_layers=4, head_dim=32)
   p = lora.adapt(cfg, lora.LoraConfig(rank=4, base_quant="int8"), base_params(cfg), jax.random.key(1))
   sc = sampling.SamplerConfig(max_new_tokens=8)

@@ -2,7 +2,8 @@
 import jax
 import pytest
 
-from dapo_jax import memory, testing
+from dapo_jax import testing
+from dapo_jax.model import memory
 
 
 def test_plan_by_hand():

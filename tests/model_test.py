@@ -4,7 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import kv_cache, layers, model, sampling, testing
+from dapo_jax import testing
+from dapo_jax.model import kv_cache, layers
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import sampling
 
 CFG = testing.tiny_model_config(vocab_size=40)
 PARAMS = model.init_params(CFG, jax.random.key(0))

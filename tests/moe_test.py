@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import hf, layers, loss, model, objectives, sampling, sharding, train_step
-from tests.families_test import (assert_close_on_real, assert_decode_and_shared_prompt_match_forward,
-                                 left_padded_batch, torch_logits)
+from dapo_jax import loss, objectives, sharding, train_step
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import layers
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import sampling
+from tests.families_test import (
+  assert_close_on_real,
+  assert_decode_and_shared_prompt_match_forward,
+  left_padded_batch,
+  torch_logits,
+)
 from tests.train_step_test import LINEAR_OPT, make_batch, one_device_mesh
 
 torch = pytest.importorskip("torch")
@@ -243,7 +251,8 @@ def test_sampler_on_the_expert_parallel_mesh_matches_one_device():
   sampling placements, equals one device's."""
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-  from dapo_jax import optim, rollout
+  from dapo_jax import optim
+  from dapo_jax.rollout import rollout
   cfg = dataclasses.replace(TINY, vocab_size=96)
   params = model.init_params(cfg, jax.random.key(3))
   rng = np.random.default_rng(0)

@@ -6,8 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from dapo_jax import loss, model, objectives, optim, sharding, testing, train_step
+from dapo_jax import loss, objectives, optim, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
+from dapo_jax.model import transformer as model
 
 CFG = testing.tiny_model_config(vocab_size=64)
 OPT = optim.OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)

@@ -16,7 +16,6 @@ from dapo_jax import (
   from_config,
   loss,
   metrics,
-  model,
   objectives,
   optim,
   sharding,
@@ -24,6 +23,7 @@ from dapo_jax import (
   train_step,
 )
 from dapo_jax.datatypes import RLBatch
+from dapo_jax.model import transformer as model
 
 CFG = testing.tiny_model_config(vocab_size=64)
 OPT = optim.OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0, grad_clip=0.0)

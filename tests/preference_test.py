@@ -6,9 +6,11 @@ import sys
 import numpy as np
 import pytest
 
-from dapo_jax import data, preference, rewards
-from dapo_jax import tokenizer as tokenizer_lib
-from dapo_jax.data import DataError
+from dapo_jax import rewards
+from dapo_jax.data import preference
+from dapo_jax.data import prompts as data
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.data.prompts import DataError
 
 USER = [{"role": "user", "content": "What is 2+3?"}]
 
@@ -194,7 +196,9 @@ def test_prepare_policy_pairs_cli(tmp_path, tiny_tokenizer_dir):
   right, every rejected one wrong."""
   import jax
 
-  from dapo_jax import hf, model, testing
+  from dapo_jax import testing
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.model import transformer as model
   tok = tokenizer_lib.load(tiny_tokenizer_dir)
   cfg = testing.tiny_model_config(((len(tok) + 63) // 64) * 64)
   model_dir = str(tmp_path / "policy")

@@ -3,7 +3,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import layers, lora, memory, model, quant, testing
+from dapo_jax import testing
+from dapo_jax.model import layers, lora, memory, quant
+from dapo_jax.model import transformer as model
 
 CFG = testing.tiny_model_config(vocab_size=64)
 

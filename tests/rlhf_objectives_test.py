@@ -5,8 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import conversations, loss, model, objectives, optim, sharding, testing, train_step
+from dapo_jax import loss, objectives, optim, sharding, testing, train_step
+from dapo_jax.data import conversations
 from dapo_jax.datatypes import LMBatch, PackedLMBatch, PreferenceBatch
+from dapo_jax.model import transformer as model
 
 V = 64
 

@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from dapo_jax import rewards, rm_server, testing
+from dapo_jax import rewards, testing
+from dapo_jax.rewards import server as rm_server
 
 PROMPTS = ["What is 12+30?", "What is 5+5?", "What is 1+1?"]
 RESPONSES = ["2+0=2, 1+3=4. Answer: 42", "Answer: 11", "Answer: 2"]

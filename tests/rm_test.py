@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import hf, model, objectives, testing
+from dapo_jax import testing
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import transformer as model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -47,7 +49,7 @@ def test_export_scores_like_transformers(tmp_path, arch, bias, tied):
                                       "llama": "LlamaForSequenceClassification"}[arch]]
   assert hf_cfg["num_labels"] == 1
   tokens, mask = _padded_rows(97)
-  ours = np.asarray(objectives.last_token_scores(cfg, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)))
+  ours = np.asarray(model.last_token_scores(cfg, params, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)))
   m = transformers.AutoModelForSequenceClassification.from_pretrained(out).float().eval()
   assert tuple(m.score.weight.shape) == (1, cfg.embed_dim)
   with torch.no_grad():
@@ -56,7 +58,7 @@ def test_export_scores_like_transformers(tmp_path, arch, bias, tied):
   # And back: load_scalar gives the same params.
   cfg2, params2 = hf.load_scalar(out)
   np.testing.assert_allclose(params2["score_D"], params["score_D"], rtol=1e-6)
-  again = objectives.last_token_scores(cfg2, params2, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask))
+  again = model.last_token_scores(cfg2, params2, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask))
   np.testing.assert_allclose(np.asarray(again), ours, rtol=1e-5, atol=1e-6)
 
 
@@ -73,8 +75,9 @@ def test_directory_without_score_head_fails_naming_it(tmp_path):
 
 
 def test_scorer_and_rm_reward_score_responses(tmp_path, tiny_tokenizer_dir):
-  from dapo_jax import rewards, rm
-  from dapo_jax import tokenizer as tokenizer_lib
+  from dapo_jax import rewards
+  from dapo_jax.data import tokenizer as tokenizer_lib
+  from dapo_jax.rewards import model as rm_model
   tok = tokenizer_lib.load(tiny_tokenizer_dir)
   cfg = testing.tiny_model_config(((len(tok) + 63) // 64) * 64)
   params = _scalar_params(cfg, 5)
@@ -88,8 +91,8 @@ def test_scorer_and_rm_reward_score_responses(tmp_path, tiny_tokenizer_dir):
     text = tokenizer_lib.render(tok, [{"role": "user", "content": p}])
     ids = tok(text, add_special_tokens=False)["input_ids"] + tok(r, add_special_tokens=False)["input_ids"]
     ids = jnp.asarray(ids + [tok.eos_token_id])[None]
-    want.append(float(objectives.last_token_scores(cfg, params, ids, jnp.ones_like(ids, bool))[0]))
-  score_fn = rm.scorer(out)
+    want.append(float(model.last_token_scores(cfg, params, ids, jnp.ones_like(ids, bool))[0]))
+  score_fn = rm_model.scorer(out)
   np.testing.assert_allclose(score_fn(prompts, responses), want, rtol=1e-5, atol=1e-6)
   reward = rewards.make_reward(f"rm:{out}")
   got = reward(responses, ["42", "15", "101"], prompts)
@@ -97,8 +100,8 @@ def test_scorer_and_rm_reward_score_responses(tmp_path, tiny_tokenizer_dir):
   assert [g["acc"] for g in got] == [w > 0 for w in want]
   assert reward.errors == reward.timeouts == 0
   # The same model behind the HTTP server (`launch.serve_rm`'s default scorer), on localhost.
-  from dapo_jax import rm_server
-  with rm_server.RMServer(rm_server.load_scorer("dapo_jax.rm:scorer", out)) as server:
+  from dapo_jax.rewards import server as rm_server
+  with rm_server.RMServer(rm_server.load_scorer("dapo_jax.rewards.model:scorer", out)) as server:
     remote = rewards.HTTPReward(server.url)(responses, ["42", "15", "101"], prompts)
   np.testing.assert_allclose([g["score"] for g in remote], want, rtol=1e-5, atol=1e-6)
   # Weighted with another reward that judges the prompt: the sum of the parts.
@@ -116,7 +119,7 @@ def test_rm_reward_spec_without_directory_fails():
 
 
 def test_pairwise_metrics_per_error_kind():
-  from dapo_jax import rm
+  from dapo_jax.pipelines import rm
   diff = [2.0, -1.0, 0.5, 3.0, -0.5]
   m = rm.pairwise_metrics(diff, ["sum", "sum", "carry", None, "carry"])
   assert m["accuracy"] == pytest.approx(3 / 5) and m["margin"] == pytest.approx(4.0 / 5)
@@ -132,8 +135,9 @@ def test_dapo_loop_trains_on_a_reward_model(tmp_path, tiny_tokenizer_dir):
   """configs/default.py with reward.fn=rm:DIR: the loop scores every rollout with the reward model
   (prompts included) and logs its scores."""
   from configs import common, default
-  from dapo_jax import from_config, metrics, rm
-  from dapo_jax import tokenizer as tokenizer_lib
+  from dapo_jax import from_config, metrics
+  from dapo_jax.data import tokenizer as tokenizer_lib
+  from dapo_jax.rewards import model as rm_model
   tok = tokenizer_lib.load(tiny_tokenizer_dir)
   rm_dir = str(tmp_path / "rm")
   rm_cfg = testing.tiny_model_config(((len(tok) + 63) // 64) * 64)
@@ -145,7 +149,7 @@ def test_dapo_loop_trains_on_a_reward_model(tmp_path, tiny_tokenizer_dir):
   cfg.data.num_eval = 0
   with from_config.dapo(cfg, str(tmp_path / "run")) as run:
     reward = run.rollout.reward
-    assert isinstance(reward, rm.RMReward)
+    assert isinstance(reward, rm_model.RMReward)
     calls = []
     score = reward.scorer
     def spy(prompts, responses):

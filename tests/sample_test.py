@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import checkpoint, from_config, hf, objectives, rewards, sharding, testing
-from dapo_jax import model as model_lib
-from dapo_jax import tokenizer as tokenizer_lib
+from dapo_jax import checkpoint, from_config, objectives, rewards, sharding, testing
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import transformer as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTICE = "PyTorch was not found"

@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import loss, model, sampling, testing
+from dapo_jax import loss, testing
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import sampling
 
 CFG = testing.tiny_model_config(vocab_size=50)
 PARAMS = testing.sharp_params(CFG, seed=3)

@@ -3,7 +3,10 @@ import jax
 import numpy as np
 import pytest
 
-from dapo_jax import data, sampling, sft, testing
+from dapo_jax import testing
+from dapo_jax.data import prompts as data
+from dapo_jax.pipelines import sft
+from dapo_jax.rollout import sampling
 
 CFG = testing.tiny_model_config(vocab_size=50)
 PARAMS = testing.sharp_params(CFG, seed=3)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import objectives, optim, rollout, sampling, sharding, testing, train_step
+from dapo_jax import objectives, optim, sharding, testing, train_step
+from dapo_jax.rollout import rollout, sampling
 
 
 def test_make_mesh_sizes_and_errors():

@@ -4,7 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from dapo_jax import testing, tokenizer
+from dapo_jax import testing
+from dapo_jax.data import tokenizer
 
 
 def test_chat_template_and_left_padding(tiny_tokenizer_dir):

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import loss, model, objectives, optim, sharding, testing, train_step
+from dapo_jax import loss, objectives, optim, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
+from dapo_jax.model import transformer as model
 
 CFG = testing.tiny_model_config(vocab_size=64, num_heads=4, num_kv_heads=2)
 OPT = optim.OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0)

@@ -17,7 +17,12 @@ def main():
   import numpy as np
 
   from configs import smollm2_135m_arith as C
-  from dapo_jax import from_config, hf, model, quant, rewards, sampling, tokenizer as tok_lib
+  from dapo_jax import from_config, rewards
+  from dapo_jax.data import tokenizer as tok_lib
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.model import quant
+  from dapo_jax.model import transformer as model
+  from dapo_jax.rollout import sampling
   cfg = C.get_config()
   workdir = "/tmp/int8_error"
   tok = from_config.tokenizer(cfg, workdir)

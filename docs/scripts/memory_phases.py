@@ -12,6 +12,7 @@ import shutil
 import sys
 import threading
 import time
+
 sys.path.insert(0, os.getcwd())
 arg = sys.argv[1]  # "" or "lora"
 def rss():

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import gguf, model
+from dapo_jax.hf import gguf
+from dapo_jax.model import transformer as model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
@@ -66,7 +67,7 @@ def test_logits_match_transformers(path, tmp_path):
   np.testing.assert_allclose(ours[m], theirs[m], atol=1e-4, rtol=1e-5)
   # And the HF directory we write loads back to the same logits.
   gguf.to_hf_dir(path, str(tmp_path / "smollm2"))
-  from dapo_jax import hf
+  from dapo_jax.hf import convert as hf
   cfg2, params2 = hf.load(str(tmp_path / "smollm2"))
   again = np.asarray(model.logits(cfg2, params2, jnp.asarray(tokens), jnp.asarray(mask)))
   np.testing.assert_allclose(again[m], ours[m], atol=1e-6)

@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import from_config, loop, metrics
+from dapo_jax import from_config, metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A toy reward with mixed correctness inside groups, so dynamic sampling keeps groups and the
@@ -28,7 +28,7 @@ def tiny_cfg(**train):
 
 def test_runlocal_loop_logs_checkpoints_and_resumes(tmp_path):
   workdir = str(tmp_path / "run")
-  last = loop.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=2), workdir)
+  last = from_config.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=2), workdir)
   assert math.isfinite(last["actor/pg_loss"]) and last["train/num_gen_batches"] >= 1
   recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   assert sorted(recs) == [0, 1, 2] and "val/acc/mean@2" in recs[0] and "val/acc/mean@2" in recs[2]
@@ -40,7 +40,7 @@ def test_runlocal_loop_logs_checkpoints_and_resumes(tmp_path):
   assert [e.step for e in acc.Scalars("actor/pg_loss")] == [1, 2]
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
   # Same command with more steps: resumes at step 2 and runs step 3 only.
-  last = loop.run(tiny_cfg(num_steps=3, ckpt_every=1, eval_every=0), workdir)
+  last = from_config.run(tiny_cfg(num_steps=3, ckpt_every=1, eval_every=0), workdir)
   recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   assert sorted(recs) == [0, 1, 2, 3]
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))

@@ -8,8 +8,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from dapo_jax import from_config, objectives, optim, sampling, sharding, train_step
+from dapo_jax import from_config, objectives, optim, sharding, train_step
 from dapo_jax.datatypes import RLBatch
+from dapo_jax.rollout import sampling
 
 config_name, mesh_name = sys.argv[1:3]
 cfg = importlib.import_module(f"configs.{config_name}").get_config(f"mesh={mesh_name}")
@@ -48,7 +49,7 @@ def lower(mc, T_prompt, C, rows, gen_rows, compile_it):
 
 
 def trainer_param_shapes(mc):
-  from dapo_jax import model
+  from dapo_jax.model import transformer as model
   return jax.eval_shape(lambda: model.init_params(mc, jax.random.key(0)))
 
 

@@ -45,7 +45,7 @@ def test_missing_dataset_is_one_line(tmp_path):
 
 def test_checkpoint_from_another_config_is_named(tmp_path):
   workdir = str(tmp_path)
-  loop.run(tiny_cfg(num_steps=1, ckpt_every=1, eval_every=0), workdir)
+  from_config.run(tiny_cfg(num_steps=1, ckpt_every=1, eval_every=0), workdir)
   cfg = tiny_cfg(num_steps=2, eval_every=0)
   cfg.model.mlp_dim = 96
   with pytest.raises(checkpoint.CheckpointMismatchError, match=r"w_down_FD has shape \(2, 64, 32\).*\(2, 96, 32\)"):
@@ -56,7 +56,7 @@ def test_checkpoint_from_another_config_is_named(tmp_path):
 def test_half_written_checkpoint_falls_back_to_the_last_intact_one(tmp_path, caplog):
   """A run checkpointed at steps 1 and 2 whose step-2 files were cut short resumes from step 1."""
   workdir = str(tmp_path)
-  loop.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
+  from_config.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
   step2 = os.path.join(workdir, "checkpoints", "2")
   for root, _, files in os.walk(os.path.join(step2, "state")):
     for f in files:  # What a copy or a write stopped half-way leaves.
@@ -103,7 +103,7 @@ def test_nonfinite_updates_stop_after_k_in_a_row(tmp_path):
   cfg = tiny_cfg(num_steps=10, ckpt_every=1, eval_every=0, max_bad_steps=2)
   cfg.reward.fn = "dapo_jax.testing:nan_reward"
   with pytest.raises(loop.TrainingError, match="2 updates in a row had a non-finite"):
-    loop.run(cfg, str(tmp_path))
+    from_config.run(cfg, str(tmp_path))
   assert not os.path.isdir(tmp_path / "checkpoints" / "1")  # The bad step is not checkpointed.
 
 

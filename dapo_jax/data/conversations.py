@@ -15,9 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
-from dapo_jax import data as data_lib
-from dapo_jax import tokenizer as tokenizer_lib
-from dapo_jax.data import DataError
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.data.prompts import DataError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,20 +196,3 @@ def pack(docs: Sequence[Document], seq_len: int, pad_id: int = 0, num_rows: int 
       t += n
   return PackedBatch(tokens, loss_mask, positions, segments)
 
-
-def packed_attention_mask(segment_ids_BT):
-  """[B, T, T] mask: query t sees key s iff s <= t and both are in the same (non-padding) document."""
-  import jax.numpy as jnp  # Only the attention mask is built on the accelerator.
-  seg_BT = jnp.asarray(segment_ids_BT)
-  T = seg_BT.shape[1]
-  same_BTS = (seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, None, :] > 0)
-  return same_BTS & jnp.tril(jnp.ones((T, T), bool))[None]
-
-
-def target_mask(loss_mask_BT, segment_ids_BT):
-  """[B, T-1]: token t+1 is a target of the prediction at t (loss mask, same document, not padding).
-
-  Keeps the last token of one document from being trained to predict the first of the next.
-  """
-  seg = segment_ids_BT
-  return loss_mask_BT[:, 1:] & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)

@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dapo_jax import kv_cache as kvc
-from dapo_jax import model as model_lib
-from dapo_jax import sampling, sharding
-from dapo_jax import tokenizer as tokenizer_lib
+from dapo_jax import sharding
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.model import kv_cache as kvc
+from dapo_jax.model import transformer as model_lib
+from dapo_jax.rollout import sampling
 
 
 @struct.dataclass

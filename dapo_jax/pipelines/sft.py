@@ -1,4 +1,4 @@
-"""Supervised warm start: packed language modelling on reference solutions, with the RL train step."""
+"""Supervised warm start: packed language modelling on reference solutions, through `fit.fit` (resumable)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import console, objectives, optim, train_step
-from dapo_jax import data as data_lib
-from dapo_jax import lora as lora_lib
-from dapo_jax import model as model_lib
-from dapo_jax import tokenizer as tokenizer_lib
+from dapo_jax import objectives, optim, train_step
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import LMBatch
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import transformer as model_lib
+from dapo_jax.pipelines import fit
 
 
 def pack(token_lists, seq_len: int, eos_id: int) -> np.ndarray:
@@ -70,12 +71,14 @@ class SFTConfig:
   chat_template: bool = True
   solution_style: str = "steps"    # data.arith_solution's style
   microbatch_tokens: int = 2048    # automatic micro-batches of at most this many tokens
+  ckpt_every: int = 100            # updates between checkpoints (0 = at the end only)
+  keep_ckpts: int = 2
 
 
-def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, params=None,
+def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, workdir: str, params=None,
         lora: lora_lib.LoraConfig | None = None):
-  """Returns SFT-trained params (random init unless `params` is given); with `lora`, adapters
-  trained on the frozen params (an adapted tree, see `lora`)."""
+  """Returns SFT-trained params (random init unless `params` is given), resuming from
+  WORKDIR/checkpoints; with `lora`, adapters trained on the frozen params (an adapted tree, see `lora`)."""
   texts = sft_texts(tok, examples[: s.num_examples], s.chat_template, s.solution_style)
   ids = tok(texts, add_special_tokens=False)["input_ids"]
   # Each example ends with the chat's end-of-turn token, which is what stops generation.
@@ -84,29 +87,42 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, par
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.language_model(model_cfg), num_microbatches=0,
                                microbatch_tokens=s.microbatch_tokens, lora=lora, seed=s.seed)
   state = trainer.init(jax.random.key(s.seed), params=params)
-  rng = np.random.default_rng(s.seed)
+  rows = sequential_draws(s.seed, len(chunks), s.batch_size)
+  ones = np.ones((s.batch_size, s.seq_len), bool)
+
+  def batch_at(step: int) -> LMBatch:
+    return LMBatch(tokens_BT=chunks[rows(step)], mask_BT=ones, loss_mask_BT=ones)
+
+  done = None
   if s.target_acc:
     # Stop once greedy decoding reproduces target_acc of a probe of training problems: a warm start
     # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
     probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style)
     probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
+
+    def done(n: int, params) -> str | None:
+      if n % s.probe_every:
+        return None
+      acc = float(probe_acc(params, *probe))
+      if acc < s.target_acc:
+        return None
+      return (f"greedy reproduces {acc:.1%} of {len(probe[0])} training problems "
+              f"(sft.target_acc={s.target_acc}); warm start done")
+
   logging.info("SFT: %d steps of %d x %d tokens from %d chunks", s.steps, s.batch_size, s.seq_len, len(chunks))
-  with console.Progress(s.steps, "SFT", unit="step") as progress:
-    for step in range(s.steps):
-      rows = chunks[rng.integers(0, len(chunks), size=s.batch_size)]
-      ones = np.ones_like(rows, bool)
-      batch = trainer.put_batch(LMBatch(tokens_BT=rows, mask_BT=ones, loss_mask_BT=ones))
-      state, metrics = trainer.step(state.replace(rollout_step=step), batch)
-      if progress.due():  # Fetching the metrics waits for the step: only for a printed line.
-        m = jax.device_get(metrics)
-        progress.update(1, loss=m["lm_loss"], token_acc=m["token_acc"])
-      else:
-        progress.update(1)
-      if s.target_acc and (step + 1) % s.probe_every == 0:
-        acc = float(probe_acc(state.params, *probe))
-        if acc >= s.target_acc:
-          progress.close()
-          console.say(f"SFT step {step + 1}: greedy reproduces {acc:.1%} of {len(probe[0])} training problems "
-                      f"(sft.target_acc={s.target_acc}); warm start done")
-          break
-  return state.params
+  fit_cfg = fit.FitConfig(steps=s.steps, ckpt_every=s.ckpt_every, keep_ckpts=s.keep_ckpts, seed=s.seed)
+  params, _ = fit.fit(fit_cfg, trainer, state, batch_at, workdir, label="SFT", prefix="sft",
+                      console_keys={"lm_loss": "loss", "token_acc": "token acc"}, done=done)
+  return params
+
+
+def sequential_draws(seed: int, n: int, k: int):
+  """step -> the step-th of consecutive draws of `k` indices of `n` from one generator seeded by
+  `seed` (with replacement): the same rows at a step whether or not the run resumed before it."""
+  rng, drawn = np.random.default_rng(seed), []
+
+  def at(step: int) -> np.ndarray:
+    while len(drawn) <= step:
+      drawn.append(rng.integers(0, n, size=k))
+    return drawn[step]
+  return at

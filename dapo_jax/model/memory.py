@@ -15,9 +15,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dapo_jax import lora as lora_lib
-from dapo_jax import model as model_lib
 from dapo_jax import sharding
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import transformer as model_lib
 
 ACCELERATORS_GB = {"H100-80GB": 80, "H200-141GB": 141, "TPU-v5p-95GB": 95, "TPU-v5e-16GB": 16}
 GB = 1e9

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import quant
 from dapo_jax import sharding
-from dapo_jax.model_config import ModelConfig
+from dapo_jax.model import quant
+from dapo_jax.model.config import ModelConfig
 
 
 def matmul(spec: str, x: jax.Array, w: jax.Array, cfg: ModelConfig, out_dtype=None) -> jax.Array:

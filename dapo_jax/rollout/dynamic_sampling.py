@@ -10,7 +10,7 @@ can still be needed, and ends with exactly Q kept groups, all sampled by the cur
 The prompts admitted are a prefix of the data order and each prompt's samples depend only on
 (step key, prompt number, sample index), so the kept groups do not depend on the number of slots
 or on timing; they are returned in prompt order. `dapo.streaming=False` restores the reference:
-whole generation batches, then the filter (`advantages.fill_batch`).
+whole generation batches, then the filter (`fill_batch`, below).
 """
 from __future__ import annotations
 
@@ -21,15 +21,105 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dapo_jax import advantages as adv_lib
-from dapo_jax import data as data_lib
-from dapo_jax import engine as engine_lib
+from dapo_jax.data import prompts as data_lib
 from dapo_jax.datatypes import Groups
-from dapo_jax.rollout import Rollout
+from dapo_jax.rollout import engine as engine_lib
+from dapo_jax.rollout.rollout import Rollout
+
+
+def keep_groups(values_QG: np.ndarray) -> np.ndarray:
+  """Dynamic sampling: keep a prompt iff its values differ (verl: population std > 0), or G == 1."""
+  v = np.asarray(values_QG, np.float64)
+  if v.shape[1] == 1:
+    return np.ones(v.shape[0], bool)
+  # max > min is std > 0 in exact arithmetic; np.std of equal floats can come out 1e-17, not 0.
+  return v.max(axis=1) > v.min(axis=1)
+
+
+class DynamicSamplingCapError(RuntimeError):
+  """Dynamic sampling reached `dapo.max_gen_batches` short of Q groups, with `dapo.on_cap="raise"`."""
 
 
 @dataclasses.dataclass
-class StreamStats(adv_lib.FillStats):
+class FillStats:
+  """What dynamic sampling saw in one rollout step (generated groups, before the filter)."""
+  gen_batches: int = 0
+  generated: int = 0
+  kept: int = 0
+  all_correct: int = 0
+  all_wrong: int = 0
+  acc_sum: float = 0.0        # sum over generated groups of their mean accuracy
+  cap_reached: bool = False
+
+
+def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, *, filter_groups: bool,
+               max_gen_batches: int, on_cap: str, carry_over: bool) -> tuple[Groups | None, Groups | None, FillStats]:
+  """Dynamic sampling (DAPO_SPEC §2.2): keeps groups whose `filter_QG` values differ, generating
+  batch after batch (`generate(i)` makes the i-th) until Q are kept or `max_gen_batches` were made.
+
+  Returns (batch, carry, stats): the first Q kept groups in arrival order (after any carried ones),
+  None if none was kept; `carry` holds the surplus when `carry_over` (else it is dropped), marked
+  `carried_Q` so that its π_old is the log-probs of the policy that sampled it. At the cap,
+  `on_cap="raise"` raises DynamicSamplingCapError and "train" returns what was kept.
+  """
+  kept = [carry] if carry is not None and len(carry) else []
+  n_kept = sum(len(k) for k in kept)
+  stats = FillStats()
+  while n_kept < Q:
+    if filter_groups and max_gen_batches > 0 and stats.gen_batches >= max_gen_batches:
+      if on_cap == "raise":
+        raise DynamicSamplingCapError(
+            f"dynamic sampling: {stats.gen_batches} generation batches (dapo.max_gen_batches) kept only "
+            f"{n_kept} of {Q} groups; the data is too easy or too hard")
+      stats.cap_reached = True
+      break
+    groups = generate(stats.gen_batches)
+    stats.gen_batches += 1
+    keep = keep_groups(groups.filter_QG) if filter_groups else np.ones(len(groups), bool)
+    stats.generated += len(groups)
+    stats.kept += int(keep.sum())
+    stats.acc_sum += float(groups.acc_QG.mean()) * len(groups)
+    stats.all_correct += int(groups.acc_QG.all(1).sum())
+    stats.all_wrong += int((~groups.acc_QG).all(1).sum())
+    if keep.any():
+      kept.append(groups.take(np.flatnonzero(keep)))
+      n_kept += int(keep.sum())
+  if not kept:
+    return None, None, stats
+  batch = Groups.concat(kept)
+  carry = None
+  if carry_over and len(batch) > Q:
+    carry = dataclasses.replace(batch.take(slice(Q, None)), carried_Q=np.ones(len(batch) - Q, bool))
+  return batch.take(slice(0, Q)), carry, stats
+
+
+
+def fill_step(rollout: Rollout, params: Callable[[], object], next_batch: Callable[[int], list], carry: Groups | None,
+              step_key, *, Q: int, G: int, batch_prompts: int, filter_groups: bool, max_gen_batches: int,
+              on_cap: str, carry_over: bool) -> tuple[Groups | None, Groups | None, FillStats, dict]:
+  """A rollout step of the reference: generation batches of `batch_prompts` prompts through
+  `fill_batch`. `params()` places the policy for the sampler on first use (carried groups may fill
+  the step alone). Returns (the step's groups, the next carry, stats, generation info)."""
+  info = {"gen_s": 0.0, "reward_s": 0.0, "gen_tokens": 0, "texts": None, "first_groups": None}
+  placed = []
+
+  def generate(i: int) -> Groups:
+    if not placed:
+      placed.append(params())
+    groups, gen_info = rollout.generation_batch(placed[0], next_batch(batch_prompts), G, step_key, i)
+    for k in ("gen_s", "reward_s", "gen_tokens"):
+      info[k] += gen_info[k]
+    if info["texts"] is None:
+      info["texts"], info["first_groups"] = gen_info["texts"], groups
+    return groups
+
+  batch, carry, stats = fill_batch(carry, generate, Q, filter_groups=filter_groups, max_gen_batches=max_gen_batches,
+                                   on_cap=on_cap, carry_over=carry_over)
+  return batch, carry, stats, info
+
+
+@dataclasses.dataclass
+class StreamStats(FillStats):
   """FillStats, plus what streaming adds."""
   admitted: int = 0            # prompts admitted into the engine this step
   max_in_flight: int = 0       # most groups admitted but not yet scored at one time
@@ -83,7 +173,7 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
         stats.all_wrong += int((~groups.acc_QG).all())
         if texts is None:
           texts = (group_texts, groups)
-        if not filter_groups or adv_lib.keep_groups(groups.filter_QG)[0]:
+        if not filter_groups or keep_groups(groups.filter_QG)[0]:
           kept[pid] = groups
           stats.kept += 1
 
@@ -121,7 +211,7 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
   stats.gen_batches = 1
   stats.cap_reached = bool(len(kept) < Q and max_prompts and stats.admitted >= max_prompts)
   if stats.cap_reached and on_cap == "raise":
-    raise adv_lib.DynamicSamplingCapError(
+    raise DynamicSamplingCapError(
         f"dynamic sampling: {stats.admitted} prompts (dapo.max_gen_batches x dapo.gen_prompts) kept only "
         f"{stats.kept} of {Q} groups; the data is too easy or too hard")
   s = session.stats()
@@ -155,3 +245,4 @@ def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, li
                        filter_QG=scored["filter"], logp_QGC=s.logp_BC[None], carried_Q=np.zeros(1, bool)),
                 scored["texts"], time.perf_counter() - t0))
   return out
+

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from dapo_jax import rewards
+from dapo_jax.rewards import clients as rewards
 
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")

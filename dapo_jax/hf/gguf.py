@@ -18,8 +18,9 @@ import os
 
 import numpy as np
 
-from dapo_jax import console, hf
-from dapo_jax import model as model_lib
+from dapo_jax import console
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import transformer as model_lib
 
 _LAYER_NAMES = {  # GGUF name -> HF name (inside model.layers.{i}.)
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -191,7 +192,7 @@ def tokenizer(path: str):
   """A `transformers` fast tokenizer rebuilt from the GGUF metadata (byte-level BPE)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-  from dapo_jax import tokenizer as tokenizer_lib
+  from dapo_jax.data import tokenizer as tokenizer_lib
   tokenizer_lib.quiet_transformers()
   from transformers import PreTrainedTokenizerFast
   reader = _reader(path)

@@ -11,18 +11,18 @@ so the pipeline reads them like any user data.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from typing import Sequence
 
 import jax
 import numpy as np
 
-from dapo_jax import conversations, metrics, objectives, optim, train_step
-from dapo_jax import data as data_lib
-from dapo_jax import lora as lora_lib
-from dapo_jax import model as model_lib
+from dapo_jax import objectives, optim, train_step
+from dapo_jax.data import conversations
+from dapo_jax.data import prompts as data_lib
 from dapo_jax.datatypes import PackedLMBatch
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import transformer as model_lib
+from dapo_jax.pipelines import fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,8 @@ class ChatSFTConfig:
   packing: bool = True           # several conversations per row (False: one per row)
   chat_template: bool = True
   eval_every: int = 100          # updates between held-out losses (0 = at the end only)
+  ckpt_every: int = 100          # updates between checkpoints (0 = at the end only)
+  keep_ckpts: int = 2
   microbatch_tokens: int = 2048  # automatic micro-batches of at most this many tokens
   seed: int = 0
 
@@ -103,27 +105,10 @@ def train(c: ChatSFTConfig, model_cfg: model_lib.ModelConfig, params, tok, train
     s = np.concatenate(out).sum(0)
     return {"val/sft/loss": float(s[0] / max(s[1], 1))}
 
-  writer = metrics.MetricWriter(workdir, enabled=jax.process_index() == 0)
-  try:
-    state = trainer.init(params=params)
-    ev = evaluate(state.params)
-    t0 = time.time()
-    for step in range(c.steps):
-      idx = np.random.default_rng([c.seed, step]).choice(n_rows, c.batch_size, replace=False)
-      batch = trainer.put_batch(jax.tree.map(lambda x: x[idx], data))
-      state, m = trainer.step(state.replace(rollout_step=step), batch)
-      done = step + 1
-      if done % 10 == 0 or done == c.steps:
-        m = {f"sft/{k}": float(v) for k, v in jax.device_get(m).items()}
-        writer.scalars(done, m)
-        metrics.console(done, c.steps, m | {"time_s": time.time() - t0},
-                        {"sft/lm_loss": "loss", "sft/token_acc": "token acc", "time_s": "s"})
-      if (c.eval_every and done % c.eval_every == 0) or done == c.steps:
-        ev = evaluate(state.params)
-        writer.scalars(done, ev)
-        if ev:
-          print(f"SFT update {done}: held-out loss {ev['val/sft/loss']:.4f}", flush=True)
-    logging.info("SFT done in %.0fs", time.time() - t0)
-    return state.params, ev
-  finally:
-    writer.close()
+  state = trainer.init(params=params)
+  choose = fit.seeded_choice(c.seed, n_rows, c.batch_size)
+  fit_cfg = fit.FitConfig(steps=c.steps, eval_every=c.eval_every, ckpt_every=c.ckpt_every,
+                          keep_ckpts=c.keep_ckpts, seed=c.seed)
+  return fit.fit(fit_cfg, trainer, state, lambda step: jax.tree.map(lambda x: x[choose(step)], data), workdir,
+                 evaluate=evaluate, label="SFT", prefix="sft", console_keys={"lm_loss": "loss", "token_acc": "token acc"},
+                 eval_line=lambda ev: f"held-out loss {ev['val/sft/loss']:.4f}")

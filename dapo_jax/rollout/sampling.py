@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dapo_jax import kv_cache as kvc
-from dapo_jax import model as model_lib
+from dapo_jax.model import kv_cache as kvc
+from dapo_jax.model import transformer as model_lib
 
 
 @dataclasses.dataclass(frozen=True)

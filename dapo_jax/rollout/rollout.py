@@ -19,15 +19,15 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from dapo_jax import advantages as adv_lib
-from dapo_jax import data as data_lib
-from dapo_jax import engine as engine_lib
-from dapo_jax import lora as lora_lib
-from dapo_jax import model as model_lib
 from dapo_jax import rewards as rewards_lib
-from dapo_jax import sampling, sharding
-from dapo_jax import tokenizer as tokenizer_lib
+from dapo_jax import sharding
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import Groups
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import transformer as model_lib
+from dapo_jax.rollout import engine as engine_lib
+from dapo_jax.rollout import sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class RolloutConfig:
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
-  filter_metric: str = "acc"           # what dynamic sampling compares (advantages.filter_values)
+  filter_metric: str = "acc"           # what dynamic sampling compares (filter_values)
 
 
 class Rollout:
@@ -179,7 +179,7 @@ class Rollout:
     raw_QG = np.array([r["score"] for r in results], np.float64).reshape(Q, G)
     score_QG = raw_QG + penalty.reshape(Q, G)
     acc_QG = np.array([r["acc"] for r in results], bool).reshape(Q, G)
-    filter_QG = adv_lib.filter_values(c.filter_metric, acc_QG=acc_QG, score_QG=raw_QG, reward_QG=score_QG)
+    filter_QG = filter_values(c.filter_metric, acc_QG=acc_QG, score_QG=raw_QG, reward_QG=score_QG)
     return {"score": score_QG, "acc": acc_QG, "filter": np.asarray(filter_QG, np.float64),
             "pred": [r["pred"] for r in results], "texts": texts}
 
@@ -206,3 +206,31 @@ class Rollout:
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info
+
+
+  def generation_batch(self, params, examples: Sequence[data_lib.Example], G: int, step_key,
+                       index: int) -> tuple[Groups, dict]:
+    """Generation batch `index` of a rollout step (`groups`). The engine samples prompt number
+    index * len(examples) + q of the step from the step's key, as streaming does; the static
+    sampler draws each batch from a key of its own."""
+    if self.cfg.engine == "continuous":
+      return self.groups(params, examples, G, jax.random.fold_in(step_key, 0), first_prompt_id=index * len(examples))
+    return self.groups(params, examples, G, jax.random.fold_in(step_key, index))
+
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def filter_values(metric: str, *, acc_QG: np.ndarray, score_QG: np.ndarray, reward_QG: np.ndarray) -> np.ndarray:
+  """The per-sample value dynamic sampling looks at (`dapo.filter_metric`), as verl names them.
+
+  acc: the scorer's correctness; score: the scorer's score alone; seq_reward: the reward that is
+  trained on (score + overlong penalty: verl's summed token-level scores); seq_final_reward: that
+  minus an in-reward KL penalty, which DAPO has none of, so it equals seq_reward here.
+  """
+  if metric == "acc":
+    return np.asarray(acc_QG)
+  if metric == "score":
+    return np.asarray(score_QG)
+  if metric in ("seq_reward", "seq_final_reward"):
+    return np.asarray(reward_QG)
+  raise ValueError(f"dapo.filter_metric={metric!r}; expected one of {FILTER_METRICS}")

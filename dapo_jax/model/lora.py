@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dapo_jax import quant, sharding
-from dapo_jax.model_config import ModelConfig
+from dapo_jax import sharding
+from dapo_jax.model import quant
+from dapo_jax.model.config import ModelConfig
 
 # PEFT target name -> (our weight, its HF module path inside a layer).
 TARGETS = {"q_proj": ("wq_DNH", "self_attn.q_proj"), "k_proj": ("wk_DKH", "self_attn.k_proj"),

@@ -1,5 +1,5 @@
-"""Host-side rewards: the DAPO-Math answer check, the soft overlong penalty, and a process pool
-that runs any reward function (named by import path) with a per-call timeout.
+"""Reward clients: a process pool that runs any reward function (named by import path) with a
+per-call timeout, a reward server over HTTP, and weighted combinations of rewards.
 
 Nothing here evaluates model text as code, and nothing imports jax at module level (`rm:DIR` imports
 the reward model when it is asked for).
@@ -10,81 +10,10 @@ import concurrent.futures as cf
 import importlib
 import logging
 import multiprocessing as mp
-import re
 import time
 from typing import Callable, Sequence
 
 RewardFn = Callable[[str, str], dict]
-
-# --- DAPO-Math scorer (DAPO_SPEC §4.3) -----------------------------------------------------------
-# The normaliser is the Minerva / lighteval one used by the reference scorer. Its brittleness
-# (a trailing period or markdown bold scores -1) is kept on purpose: parity, not improvement.
-
-_SUBSTITUTIONS = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
-)
-_REMOVED_EXPRESSIONS = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
-    "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
-    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;",
-    r",\!", "{,}", '"', "\\dots",
-)
-_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
-_WINDOW_CHARS = 300  # The reference looks only at the response's last 300 characters.
-
-
-def normalize_final_answer(answer: str) -> str:
-  """Minerva-style normalisation of a final answer string."""
-  answer = answer.split("=")[-1]
-  for before, after in _SUBSTITUTIONS:
-    answer = answer.replace(before, after)
-  for expr in _REMOVED_EXPRESSIONS:
-    answer = answer.replace(expr, "")
-  answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)      # keep the first $...$
-  answer = re.sub(r"(\\text\{)(.*?)(\})", "\\2", answer)
-  answer = re.sub(r"(\\textbf\{)(.*?)(\})", "\\2", answer)
-  answer = re.sub(r"(\\overline\{)(.*?)(\})", "\\2", answer)
-  answer = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", answer)
-  answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)    # \fracab -> \frac{a}{b}
-  answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)            # \sqrta -> \sqrt{a}
-  answer = answer.replace("$", "")
-  if answer.replace(",", "").isdigit():
-    answer = answer.replace(",", "")
-  return answer.strip()
-
-
-def math_dapo(response: str, ground_truth: str) -> dict:
-  """DAPO-Math reward: +1 if the last `Answer:` line in the last 300 characters matches, else -1."""
-  matches = _ANSWER_RE.findall(response[-_WINDOW_CHARS:])
-  pred = normalize_final_answer(matches[-1] if matches else "[INVALID]")
-  acc = pred == normalize_final_answer(ground_truth)
-  return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
-
-
-def math_verify(response: str, ground_truth: str) -> dict:
-  """Symbolic equivalence with the optional `math-verify` package (run it in the pool, which times out)."""
-  from math_verify import parse, verify  # Optional dependency.
-  gold = parse(ground_truth, parsing_timeout=None)
-  pred = parse(response[-_WINDOW_CHARS:], parsing_timeout=None)
-  acc = bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
-  return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": str(pred[-1]) if pred else "[INVALID]"}
-
-
-def overlong_penalty(length: int, max_len: int, buffer_len: int, penalty_factor: float) -> float:
-  """Soft overlong punishment (paper Eq. 13): 0 up to max_len - buffer_len, then linear to -penalty.
-
-  `length` counts completion tokens including the EOS. Generation is capped at `max_len`, so the
-  value never goes below -penalty_factor.
-  """
-  if buffer_len <= 0 or penalty_factor == 0:
-    return 0.0
-  if max_len < buffer_len:
-    raise ValueError(f"overlong buffer {buffer_len} is longer than max_len {max_len}")
-  exceed = length - (max_len - buffer_len)
-  return max(min(-exceed / buffer_len * penalty_factor, 0.0), -penalty_factor)
-
 
 # --- reward functions by import path, in a pool ------------------------------------------------
 
@@ -356,15 +285,15 @@ def parse_weighted(items: Sequence[str]) -> list[tuple[str, float]]:
 
 def make_reward(spec: str, timeout_s: float = 10.0, workers: int = 2, **http_kw):
   """One reward from its spec: an http(s):// URL is a reward server, rm:DIR a reward model scored in
-  this process on the accelerator (`rm.RMReward`), anything else a function path (a process pool)."""
+  this process on the accelerator (`rewards.model.RMReward`), anything else a function path (a process pool)."""
   if spec.startswith(("http://", "https://")):
     return HTTPReward(spec, timeout_s=timeout_s, **http_kw)
   if spec.startswith("rm:"):
     model_dir = spec[len("rm:"):]
     if not model_dir:
       raise RewardConfigError(f"reward {spec!r}: expected rm:DIR, a reward-model directory written by launch.rm")
-    from dapo_jax import rm  # noqa: PLC0415 (jax: only a run with a reward model imports it here)
-    return rm.RMReward(model_dir)
+    from dapo_jax.rewards import model  # noqa: PLC0415 (jax: only a run with a reward model imports it)
+    return model.RMReward(model_dir)
   return RewardPool(spec, timeout_s, workers)
 
 

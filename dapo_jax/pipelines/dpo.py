@@ -18,13 +18,14 @@ import dataclasses
 import numpy as np
 
 from dapo_jax import evaluate as evaluate_lib
-from dapo_jax import model as model_lib
-from dapo_jax import lora as lora_lib
-from dapo_jax import objectives, optim, rm, train_step
+from dapo_jax import objectives, optim, train_step
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import transformer as model_lib
+from dapo_jax.pipelines import fit, pairs
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOTrainConfig(rm.PairTrainConfig):
+class DPOTrainConfig(pairs.PairTrainConfig):
   beta: float = 0.1              # β of the implicit reward
   loss_type: str = "sigmoid"     # sigmoid (DPO) | ipo
   label_smoothing: float = 0.0   # conservative DPO's ε (sigmoid only)
@@ -53,18 +54,18 @@ def train(c: DPOTrainConfig, model_cfg: model_lib.ModelConfig, params, tok, trai
   logprobs = trainer.forward(objectives.response_logprobs(model_cfg))
   params = trainer.place(params)
   ref = trainer.reference_params(params)
-  data = rm.pair_rows(tok, train_pairs, c)
-  data = data.replace(ref_logp_B=rm.chunked(logprobs, trainer, ref, data, c.batch_pairs).astype(np.float32))
+  data = pairs.pair_rows(tok, train_pairs, c)
+  data = data.replace(ref_logp_B=pairs.chunked(logprobs, trainer, ref, data, c.batch_pairs).astype(np.float32))
   held = None
   if eval_pairs:
-    held = rm.pair_rows(tok, eval_pairs, c)
-    held = held.replace(ref_logp_B=rm.chunked(logprobs, trainer, ref, held, c.batch_pairs).astype(np.float32))
+    held = pairs.pair_rows(tok, eval_pairs, c)
+    held = held.replace(ref_logp_B=pairs.chunked(logprobs, trainer, ref, held, c.batch_pairs).astype(np.float32))
   del ref  # Every reference log-prob is computed: free its memory.
 
   def evaluate(p) -> dict:
     out = {}
     if held is not None:
-      logp = rm.chunked(logprobs, trainer, p, held, c.batch_pairs)
+      logp = pairs.chunked(logprobs, trainer, p, held, c.batch_pairs)
       r = c.beta * (logp - held.ref_logp_B)
       out.update({"val/dpo/rewards/accuracies": float(np.mean(r[0::2] > r[1::2])),
                   "val/dpo/rewards/margins": float(np.mean(r[0::2] - r[1::2])),
@@ -74,5 +75,6 @@ def train(c: DPOTrainConfig, model_cfg: model_lib.ModelConfig, params, tok, trai
       out.update(evaluator.run(p))
     return out
 
-  return rm.fit_pairs(c, trainer, params, data, workdir, evaluate, "dpo",
-                      {"loss": "loss", "rewards/accuracies": "acc", "rewards/margins": "margin"})
+  state = trainer.init(params=params)
+  return fit.fit(c.fit_config(), trainer, state, pairs.batches(data, c), workdir, evaluate=evaluate, label="dpo",
+                 prefix="dpo", console_keys={"loss": "loss", "rewards/accuracies": "acc", "rewards/margins": "margin"})

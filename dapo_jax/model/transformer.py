@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dapo_jax import kv_cache as kvc
-from dapo_jax import layers as layers_lib
-from dapo_jax import lora as lora_lib
-from dapo_jax import quant, sharding
-from dapo_jax.model_config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
+from dapo_jax import sharding
+from dapo_jax.model import kv_cache as kvc
+from dapo_jax.model import layers as layers_lib
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import quant
+from dapo_jax.model.config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
 
 Params = Any
 def _param(module: nn.Module, name: str, shape, init, cfg: ModelConfig):
@@ -467,3 +468,20 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     logits_BV = layers_lib.matmul("BD,VD->BV", x_BD, dparams["embed_VD"], cfg, jnp.float32)
   logits_BV = layers_lib.soft_cap(logits_BV, cfg.final_softcap)
   return logits_BV, cache.replace(k=ks, v=vs)
+
+
+def last_token_scores(model_cfg: ModelConfig, params: Params, tokens_BT, mask_BT) -> jax.Array:
+  """Scalar-head output at each row's last real token [B] (fp32): a reward model's score of
+  prompt + response (what transformers' ...ForSequenceClassification returns for the row)."""
+  T = tokens_BT.shape[1]
+  values_BT = forward(model_cfg, params, tokens_BT, positions(mask_BT), causal_mask(mask_BT), head="scalar")
+  last_B = jnp.max(jnp.where(mask_BT, jnp.arange(T)[None, :], 0), axis=1)
+  return jnp.take_along_axis(values_BT, last_B[:, None], axis=1)[:, 0]
+
+
+def packed_attention_mask(segment_ids_BT):
+  """[B, T, T] mask: query t sees key s iff s <= t and both are in the same (non-padding) document."""
+  seg_BT = jnp.asarray(segment_ids_BT)
+  T = seg_BT.shape[1]
+  same_BTS = (seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, None, :] > 0)
+  return same_BTS & jnp.tril(jnp.ones((T, T), bool))[None]

@@ -16,9 +16,9 @@ from typing import Sequence
 
 import numpy as np
 
-from dapo_jax import data as data_lib
-from dapo_jax import tokenizer as tokenizer_lib
-from dapo_jax.data import DataError
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.data.prompts import DataError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,68 @@
+"""The token-level estimators' part of a rollout step (REINFORCE++, and PPO with its value model).
+
+After the rollout: the log-probs of the sampling policy and of the frozen reference, the KL-shaped
+token rewards (`advantages.kl_shaped_rewards`, β from the KL controller), the value model's values
+and GAE give per-token advantages and returns (`token_advantages`); the value model then trains on
+the returns (`Critic.update`: epochs x mini-batches of the clipped value loss), beside the policy.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from dapo_jax import advantages as adv_lib
+from dapo_jax import metrics as metrics_lib
+from dapo_jax import sharding, train_step
+from dapo_jax.datatypes import Groups, RLBatch, ValueBatch
+
+
+class Critic:
+  """PPO's value model: a `train_step.Trainer` of `objectives.value_model` (head="scalar", its own
+  optimizer and learning rate, on the policy's mesh), its jitted values pass
+  (`trainer.forward(objectives.completion_values(...))`) and its train state."""
+
+  def __init__(self, trainer: train_step.Trainer, values: Callable, params: Any):
+    self.trainer, self._values = trainer, values
+    self.state = trainer.init(params=params)
+
+  def values(self, placed_batch) -> np.ndarray:
+    """Values of a placed batch's completion tokens [B, C] (fp32, on the host)."""
+    return sharding.fetch(self._values(self.state.params, placed_batch))
+
+  def update(self, minibatches: list[ValueBatch], epochs: int) -> dict:
+    """Epochs x mini-batches of value-model updates; the mean metrics."""
+    self.state, m = self.trainer.updates(self.state, [[mb] for mb in minibatches], epochs)
+    return metrics_lib.mean_updates(sharding.fetch(m))
+
+
+def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs: Callable, trainer, params,
+                     ref_params, critic: Critic | None, kl_ctrl, Q: int, G: int, gamma: float,
+                     lam: float) -> tuple[RLBatch, ValueBatch | None, dict]:
+  """Log-probs of the sampling policy and the reference, the KL-shaped token rewards, values (GAE),
+  per-token advantages and returns of `batch` (Q groups of G rows). Returns the batch with its
+  log-probs and `adv_BC` set, the value model's batch (None without one) and the step's metrics;
+  updates the adaptive KL controller."""
+  placed = trainer.put_batch(batch.replace(behaviour_B=None))  # Forward passes read no flags.
+  logp_BC = sharding.fetch(logprobs(params, placed))
+  ref_BC = sharding.fetch(logprobs(ref_params, placed)) if ref_params is not None else logp_BC
+  values_BC = critic.values(placed) if critic is not None else None
+  mask_BC = batch.loss_mask_BC
+  # As `to_train_batch` completes a short step: groups repeated cyclically (their loss mask is empty).
+  score_B = np.resize(groups.score_QG, (Q, G)).reshape(-1)
+  beta = kl_ctrl.value if kl_ctrl is not None else 0.0
+  rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
+      estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=gamma, lam=lam))
+  kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC)
+  metrics = metrics_lib.token_level(rewards_BC, returns_BC, values_BC, mask_BC, kl=kl, beta=beta)
+  if kl_ctrl is not None:
+    kl_ctrl.update(kl, n_steps=int(mask_BC.any(1).sum()))
+  # The ratio's π_old is the sampling policy's log-probs computed here (the update need not repeat
+  # them); carried rows keep their sampling policy's log-probs.
+  old_BC = logp_BC if batch.behaviour_B is None else np.where(batch.behaviour_B[:, None], batch.old_logp_BC, logp_BC)
+  batch = batch.replace(old_logp_BC=old_BC, ref_logp_BC=ref_BC, adv_BC=np.asarray(adv_BC, np.float32))
+  value_batch = None
+  if critic is not None:
+    value_batch = ValueBatch(tokens_BT=batch.tokens_BT, mask_BT=batch.mask_BT, loss_mask_BC=mask_BC,
+                             old_values_BC=values_BC, returns_BC=np.asarray(returns_BC, np.float32))
+  return batch, value_batch, metrics

@@ -1,0 +1,16 @@
+"""Rewards, free of jax (reward-pool workers import this face): the rule checks (`rules`), clients
+that run any reward with a timeout (`clients`: a process pool, HTTP, weighted combinations), the
+reward-model scorer (`model`, imported only for rm:DIR) and the RM server (`server`)."""
+from dapo_jax.rewards.clients import (
+                                      FAILURE,
+                                      CombinedReward,
+                                      HTTPReward,
+                                      RewardConfigError,
+                                      RewardFn,
+                                      RewardPool,
+                                      combine,
+                                      make_reward,
+                                      parse_weighted,
+                                      resolve,
+)
+from dapo_jax.rewards.rules import math_dapo, math_verify, normalize_final_answer, overlong_penalty
