@@ -58,6 +58,16 @@ class Groups:
   def __len__(self) -> int:
     return len(self.prompt_QP)
 
+  @classmethod
+  def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG) -> "Groups":
+    """Q prompts' groups from their Q*G sampled rows (`sampling.Samples`, group-major) and scores."""
+    Q, (B, C) = len(prompt_QP), samples.tokens_BC.shape
+    G = B // Q
+    return cls(prompt_QP=prompt_QP, prompt_mask_QP=prompt_mask_QP, tokens_QGC=samples.tokens_BC.reshape(Q, G, C),
+               mask_QGC=samples.mask_BC.reshape(Q, G, C), length_QG=samples.length_B.reshape(Q, G),
+               truncated_QG=samples.truncated_B.reshape(Q, G), score_QG=score_QG, acc_QG=acc_QG, filter_QG=filter_QG,
+               logp_QGC=samples.logp_BC.reshape(Q, G, C), carried_Q=np.zeros(Q, bool))
+
   def take(self, idx) -> "Groups":
     return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
 

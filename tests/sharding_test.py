@@ -12,12 +12,12 @@ def test_make_mesh_sizes_and_errors():
   n = len(jax.devices())
   mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   assert dict(mesh.shape) == {"data": 1, "fsdp": n, "expert": 1, "tensor": 1}
-  with pytest.raises(ValueError, match=r"data\*fsdp\*expert\*tensor = 3 .* but there are"):
+  with pytest.raises(ValueError, match=r"data\*fsdp\*expert\*tensor = 3, but there are"):
     sharding.make_mesh({"data": 3, "fsdp": 1, "tensor": 1})
   with pytest.raises(ValueError, match="at most one axis may be -1"):
     sharding.make_mesh({"data": -1, "fsdp": -1, "tensor": 1})
   if n % 3:
-    with pytest.raises(ValueError, match=f"{n} devices do not divide"):
+    with pytest.raises(ValueError, match=f"the fixed axes multiply to 3, which does not divide the {n} devices"):
       sharding.make_mesh({"data": 3, "fsdp": -1, "tensor": 1})
 
 

@@ -65,7 +65,8 @@ def fit(c: FitConfig, trainer: train_step.Trainer, state: train_step.TrainState,
         writer.scalars(0, last_eval)
         print(f"{label} before training: {eval_line(last_eval)}", flush=True)
     step = start
-    with ckpt_lib.StopRequest() as stop, console.Progress(c.steps - start, label, unit="step") as progress:
+    with ckpt_lib.StopRequest() as stop, console.Progress(
+        c.steps - start, label, unit="step", enabled=start < c.steps and not finished) as progress:
       for step in range(start, c.steps if not finished else start):
         state, m = trainer.step(state.replace(rollout_step=step), trainer.put_batch(batch_at(step)))
         n = step + 1

@@ -237,12 +237,10 @@ def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, li
   for g in groups:
     t0 = time.perf_counter()
     s = g["samples"]
-    G, C = s.tokens_BC.shape
+    G = s.tokens_BC.shape[0]
     scored = rollout.score([g["example"]], s, G)
-    out.append((Groups(prompt_QP=g["prompt"][None], prompt_mask_QP=g["mask"][None],
-                       tokens_QGC=s.tokens_BC[None], mask_QGC=s.mask_BC[None], length_QG=s.length_B[None],
-                       truncated_QG=s.truncated_B[None], score_QG=scored["score"], acc_QG=scored["acc"],
-                       filter_QG=scored["filter"], logp_QGC=s.logp_BC[None], carried_Q=np.zeros(1, bool)),
-                scored["texts"], time.perf_counter() - t0))
+    groups = Groups.from_samples(g["prompt"][None], g["mask"][None], s, scored["score"], scored["acc"],
+                                 scored["filter"])
+    out.append((groups, scored["texts"], time.perf_counter() - t0))
   return out
 

@@ -196,13 +196,8 @@ class Rollout:
     rows = slice(jax.process_index() * len(examples) * G, (jax.process_index() + 1) * len(examples) * G)
     local = self.score(examples, jax.tree.map(lambda x: x[rows], samples), G)
     t2 = time.perf_counter()
-    Q, C = len(prompt_QP), self.sampler_cfg.max_new_tokens
-    groups = Groups(prompt_QP=prompt_QP, prompt_mask_QP=pmask_QP,
-                    tokens_QGC=samples.tokens_BC.reshape(Q, G, C), mask_QGC=samples.mask_BC.reshape(Q, G, C),
-                    length_QG=samples.length_B.reshape(Q, G), truncated_QG=samples.truncated_B.reshape(Q, G),
-                    score_QG=sharding.gather_hosts(local["score"]), acc_QG=sharding.gather_hosts(local["acc"]),
-                    filter_QG=sharding.gather_hosts(local["filter"]), logp_QGC=samples.logp_BC.reshape(Q, G, C),
-                    carried_Q=np.zeros(Q, bool))
+    groups = Groups.from_samples(prompt_QP, pmask_QP, samples, sharding.gather_hosts(local["score"]),
+                                 sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]))
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info

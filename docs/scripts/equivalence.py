@@ -21,7 +21,7 @@ def digest(tree) -> dict:
   return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
 
 
-def fingerprint(workdir: str) -> dict:
+def tiny_rl_config(**overrides):
   cfg = default.get_config()
   cfg.model.init = "random"
   cfg.dapo.update(prompts_per_step=4, gen_prompts=6, max_gen_batches=2)
@@ -29,6 +29,27 @@ def fingerprint(workdir: str) -> dict:
   cfg.train.update(num_steps=2, ckpt_every=0, eval_every=0, log_samples_every=0)
   cfg.data.num_eval = 8
   cfg.reward.fn = "dapo_jax.testing:length_reward"  # mixed groups from a random policy: real updates
+  for k, v in overrides.items():
+    group, field = k.split("__")
+    cfg[group][field] = v
+  return cfg
+
+
+def two_steps(workdir: str, name: str, **overrides) -> dict:
+  """Two DAPO steps of a variant (the reference's static path, PPO): the trained params and losses."""
+  out = {}
+  with from_config.dapo(tiny_rl_config(**overrides), workdir) as run:
+    for step in range(2):
+      m, _ = run.step(step)
+      out[f"{name}_step{step}_loss"] = np.float64(m.get("actor/pg_loss", np.nan))
+      if "critic/vf_loss" in m:
+        out[f"{name}_step{step}_vf_loss"] = np.float64(m["critic/vf_loss"])
+    out.update({name + k: v for k, v in digest(run.state.params).items()})
+  return out
+
+
+def fingerprint(workdir: str) -> dict:
+  cfg = tiny_rl_config()
   out = {}
   mesh = sharding.make_mesh(cfg.mesh)
   with from_config.dapo(cfg, workdir, mesh) as run:
@@ -73,6 +94,10 @@ if __name__ == "__main__":
   with tempfile.TemporaryDirectory() as d:
     fp = {}
     fp.update(fingerprint(os.path.join(d, "rl")))
+    fp.update(two_steps(os.path.join(d, "static"), "static", rollout__engine="static", dapo__streaming=False,
+                        train__length_buckets=0))
+    fp.update(two_steps(os.path.join(d, "ppo"), "ppo", dapo__adv_estimator="gae", ppo__kl_coef=0.05,
+                        dapo__streaming=False))
     fp.update(sft_fingerprint(os.path.join(d, "sft")))
   np.savez(a.out, **fp)
   print(f"{len(fp)} arrays, sha256 {hashlib.sha256(b''.join(np.ascontiguousarray(v).tobytes() for v in fp.values())).hexdigest()[:16]}")
