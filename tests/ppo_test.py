@@ -204,10 +204,10 @@ def test_ppo_loop_trains_the_value_model_and_resumes_it_exactly(tmp_path):
   metrics and the final policy and value-model params exactly (the critic and β round-trip)."""
   ref_dir, dir_ = str(tmp_path / "ref"), str(tmp_path / "resumed")
   with from_config.dapo(ppo_cfg(num_steps=3, ckpt_every=1), ref_dir) as run:
-    critic0 = jax.device_get(run.critic_state.params)
+    critic0 = jax.device_get(run.critic.state.params)
     beta0 = run.kl_ctrl.value
     run.run()
-    ref_state, ref_critic = jax.device_get((run.state.params, run.critic_state.params))
+    ref_state, ref_critic = jax.device_get((run.state.params, run.critic.state.params))
     ref_beta = run.kl_ctrl.value
   assert os.path.isdir(os.path.join(ref_dir, "checkpoints", "2", "critic"))
   assert np.abs(ref_critic["score_D"] - critic0["score_D"]).max() > 1e-3  # score_D starts at zero
@@ -226,7 +226,7 @@ def test_ppo_loop_trains_the_value_model_and_resumes_it_exactly(tmp_path):
   open(os.path.join(dir_, "metrics.jsonl"), "w").writelines(lines[:-1])
   with from_config.dapo(ppo_cfg(num_steps=3, ckpt_every=1), dir_) as run:
     run.run()
-    got_state, got_critic = jax.device_get((run.state.params, run.critic_state.params))
+    got_state, got_critic = jax.device_get((run.state.params, run.critic.state.params))
     assert run.kl_ctrl.value == ref_beta
   got = metrics.read_jsonl(os.path.join(dir_, "metrics.jsonl"))
   for k, v in ref[3].items():
