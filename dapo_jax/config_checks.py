@@ -164,6 +164,10 @@ def validate(cfg, num_devices: int | None = None) -> None:
   if per_mb is None or per_mb % (micro or 1):
     raise ConfigError(f"train batch of {Q} prompts x {G} = {rows} rows does not split into "
                       f"train.minibatches={mb} x train.num_microbatches={micro}")
+  if t.share_prompt and per_mb % G:  # Rows would be scored against the next group's prompt.
+    raise ConfigError(f"train.share_prompt needs whole groups per mini-batch: train.minibatches={mb} splits "
+                      f"{rows} rows into mini-batches of {per_mb}, not a multiple of rollout.group_size={G} "
+                      "(change train.minibatches, or set train.share_prompt=False)")
   if t.share_prompt and micro and (per_mb // micro) % G:
     raise ConfigError(f"train.share_prompt needs whole groups per micro-batch: {per_mb // micro} rows "
                       f"per micro-batch is not a multiple of rollout.group_size={G} "

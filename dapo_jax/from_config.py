@@ -71,6 +71,17 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
   return train, evals[: d.num_eval] if d.num_eval else evals
 
 
+def user_prompt(cfg, question: str):
+  """A question typed by a person, put as the run's training prompts were (`launch.sample`): the
+  arithmetic task's instruction and worked examples, or a file task's `data.prompt_template`."""
+  d = cfg.data
+  if d.task == "arith":
+    kw = dict(template=d.prompt_template) if d.prompt_template else {}
+    return data_lib.arith_prompt(question, seed=cfg.seed, digits=d.digits, ops=d.ops, digits_b=d.digits_b,
+                                 heldout_fraction=d.heldout_fraction, fewshot=d.fewshot, **kw)
+  return d.prompt_template.format(problem=question) if d.prompt_template else question
+
+
 def gguf_model_dir(cfg, workdir: str) -> str:
   """The HF directory converted from `model.gguf` (a .gguf path, or "smollm2"), made once per workdir."""
   from dapo_jax.hf import gguf
@@ -198,7 +209,8 @@ def pg_config(cfg) -> objectives.PGConfig:
   d, t = cfg.dapo, cfg.train
   return objectives.PGConfig(
       eps_low=d.eps_low, eps_high=d.eps_high, clip_ratio_c=d.clip_ratio_c if d.clip_ratio_c > 0 else None,
-      loss_agg=d.loss_agg, verl_microbatch_weighting=d.verl_microbatch_weighting,
+      loss_agg=d.loss_agg, norm_len=cfg.rollout.max_new_tokens,
+      verl_microbatch_weighting=d.verl_microbatch_weighting,
       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,  # greedy: unscaled
       kl_coef=d.kl_coef, kl_estimator=d.kl_estimator, old_is_current=t.minibatches * t.ppo_epochs == 1,
       group_size=cfg.rollout.group_size if t.share_prompt else 0)

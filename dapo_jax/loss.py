@@ -124,7 +124,8 @@ def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_hig
   old_logp_BC = jax.lax.stop_gradient(old_logp_BC)
   adv = adv_B[:, None] if adv_BC is None else adv_BC  # [B, 1] broadcasts over the tokens
   adv = jax.lax.stop_gradient(adv).astype(logp_BC.dtype)
-  ratio_BC = jnp.exp(logp_BC - old_logp_BC)
+  # As verl: the log-ratio is clamped before exp, so one wild token cannot make the loss inf / NaN.
+  ratio_BC = jnp.exp(jnp.clip(logp_BC - old_logp_BC, -20.0, 20.0))
   loss_BC, high, low, dual = clipped_surrogate(ratio_BC, adv, eps_low, eps_high, clip_ratio_c)
   pg_loss = aggregate(loss_BC, mask_BC, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
   tok_mean = lambda x: masked_mean(x.astype(jnp.float32), mask_BC, num_tokens)

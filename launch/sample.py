@@ -18,7 +18,9 @@ from launch import common
 _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is sampled.")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Sample this HF model directory instead.")
-_PROMPT = flags.DEFINE_string("prompt", None, "One prompt (a user turn).")
+_PROMPT = flags.DEFINE_string("prompt", None, "One question, put as the run's training prompts were (the task's "
+                              "instruction and worked examples; --raw: as typed).")
+_RAW = flags.DEFINE_bool("raw", False, "Send --prompt as typed: one user turn, no task instruction.")
 _GROUND_TRUTH = flags.DEFINE_string("ground_truth", None, "The answer to --prompt, to score the completions.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "A .jsonl/.parquet file of prompts (a batch).")
 _K = flags.DEFINE_integer("k", 1, "Completions per prompt.")
@@ -68,7 +70,8 @@ def main(argv):
   if _PROMPTS.value:  # Before the model loads: a bad file fails at once.
     prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template)
   else:
-    prompts, truths = [_PROMPT.value], [_GROUND_TRUTH.value]
+    prompts = [_PROMPT.value if _RAW.value else from_config.user_prompt(cfg, _PROMPT.value)]
+    truths = [_GROUND_TRUTH.value]
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
     model_cfg, params = hf.load(_MODEL_DIR.value, **from_config.runtime_overrides(cfg))

@@ -61,18 +61,20 @@ def test_token_budget_microbatches_by_hand():
       batch, 0, 2, (8, 16, 24), max_tokens=26, shards=3)] == [(8, 29)]
 
 
-@pytest.mark.parametrize("share_prompt", [False, True])
-@pytest.mark.parametrize("max_tokens", [0, 64])  # A set count of micro-batches, or a token budget.
-def test_bucketed_update_equals_the_padded_update(share_prompt, max_tokens):
+@pytest.mark.parametrize("share_prompt,max_tokens,agg", [  # max_tokens: a set count of micro-batches, or a budget.
+    (False, 0, "token_mean"), (True, 0, "token_mean"), (False, 64, "token_mean"), (True, 64, "token_mean"),
+    # Dr.GRPO divides each row's sum by the completion budget, which a bucket must not shorten.
+    (True, 64, "seq_mean_token_sum_norm"), (False, 0, "seq_mean_token_sum_norm")])
+def test_bucketed_update_equals_the_padded_update(share_prompt, max_tokens, agg):
   batch = long_tail_batch()
   G = 2 if share_prompt else 0
+  pg = objectives.PGConfig(group_size=G, loss_agg=agg, norm_len=24, kl_coef=0.1)
   meshes = [sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])]
   if len(jax.devices()) >= 8:
     meshes.append(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
   results = []
   for mesh in meshes:
-    trainer = train_step.Trainer(CFG, OPT, mesh, objectives.policy_gradient(CFG, objectives.PGConfig(group_size=G)),
-                                 num_microbatches=2)
+    trainer = train_step.Trainer(CFG, OPT, mesh, objectives.policy_gradient(CFG, pg), num_microbatches=2)
     params0 = jax.device_get(trainer.init(jax.random.key(0)).params)
     start = lambda: trainer.init(params=params0).replace(
         rollout_step=jax.device_put(jnp.int32(1), trainer.state_sharding.rollout_step))  # lr > 0
@@ -83,13 +85,27 @@ def test_bucketed_update_equals_the_padded_update(share_prompt, max_tokens):
     if shards == 1 or not max_tokens:  # (4 shards of 8 rows take all 4 groups in one micro-batch.)
       assert max(p.loss_mask_BC.shape[1] for p in parts) == 24 and min(p.loss_mask_BC.shape[1] for p in parts) < 24
     s_b, m_b = jax.device_get(trainer.accumulate_step(start(), [trainer.put_batch(p) for p in parts]))
-    for k in ("loss", "pg_loss", "grad_norm", "entropy", "num_tokens"):
+    for k in ("loss", "pg_loss", "kl_loss", "grad_norm", "entropy", "num_tokens"):
       np.testing.assert_allclose(m_b[k], m_pad[k], rtol=1e-5, atol=1e-7, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_b.params, s_pad.params)
     assert int(s_b.step) == int(s_pad.step) == 1
     results.append(s_b.params)
   if len(results) > 1:
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), *results)
+
+
+def test_sum_norm_without_the_budget_weighs_bucketed_rows_by_their_bucket():
+  """The control of the test above: each micro-batch's own padded length as C (what `norm_len=0`
+  means) gives a bucketed loss that is not the padded one."""
+  batch = long_tail_batch()
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  pg = objectives.PGConfig(loss_agg="seq_mean_token_sum_norm", norm_len=0)
+  trainer = train_step.Trainer(CFG, OPT, mesh, objectives.policy_gradient(CFG, pg), num_microbatches=2)
+  state = trainer.init(jax.random.key(0))
+  _, m_pad = jax.device_get(trainer.step(state, trainer.put_batch(batch)))
+  parts = train_step.bucketed_microbatches(batch, 2, 1, train_step.length_buckets(24, 3))
+  _, m_b = jax.device_get(trainer.accumulate_step(trainer.init(jax.random.key(0)), [trainer.put_batch(p) for p in parts]))
+  assert abs(float(m_b["pg_loss"]) - float(m_pad["pg_loss"])) > 1e-3 * abs(float(m_pad["pg_loss"]))
 
 
 def test_an_update_with_no_loss_tokens_moves_nothing():

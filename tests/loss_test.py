@@ -98,6 +98,22 @@ def test_zero_gradient_where_clip_binds():
   assert (grad[~mask] == 0).all()  # Masked tokens get no gradient.
 
 
+def test_a_wild_log_ratio_is_clamped_before_exp():
+  """A token whose log-ratio is 100 (exp overflows fp32) gives a finite loss and finite gradients: the
+  log-ratio is clamped to ±20 before exp, as verl does."""
+  logp = jnp.asarray([[-1.0, 99.0, -2.0]])
+  old = jnp.asarray([[-1.2, -1.0, -2.1]])
+  mask = jnp.ones((1, 3), bool)
+  for adv in (1.0, -1.0):
+    f = lambda lp: loss.policy_loss(lp, old, jnp.asarray([adv]), mask, eps_low=0.2, eps_high=0.28,
+                                    clip_ratio_c=None)[0]
+    value, grad = jax.value_and_grad(f)(logp)
+    assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()
+    if adv < 0:  # Unclipped for A < 0 without the dual clip: -A·e^20 / 3 tokens.
+      np.testing.assert_allclose(float(value), (-adv * (np.exp(-1.0 + 1.2) + np.exp(20.0) + np.exp(0.1))) / 3,
+                                 rtol=1e-5)
+
+
 def test_token_mean_and_seq_mean_differ_with_unequal_lengths():
   logp, old, adv, mask = case()
   kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH)

@@ -121,7 +121,8 @@ def test_workdir_checkpoint_one_prompt(tmp_path):
   res = sample([f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal", f"--workdir={workdir}",
                 "--prompt=What is 38+46?", "--ground_truth=84", "--k=3", "--max_new_tokens=5"])
   lines = res.stdout.splitlines()
-  assert lines[0] == "prompt 1/1: 'What is 38+46?'  (ground truth '84')"
+  # The question as the arithmetic task trains on it: with its instruction.
+  assert lines[0] == "prompt 1/1: 'What is 38+46? End with: Answer: <number>'  (ground truth '84')"
   samples = [line for line in lines if line.startswith("  ")]
   assert [s.split(":", 1)[0] for s in samples] == ["  1", "  2", "  3"]
   acc = []
@@ -141,3 +142,17 @@ def test_bad_prompts_file_is_one_line(tmp_path, model_dir):
   assert res.returncode == 1
   assert res.stderr.strip().splitlines()[-1] == f"error: {bad}: row 0: field 'prompt' must be a non-empty " \
                                                 "string, or a list of messages with a ground truth"
+
+
+@pytest.mark.parametrize("config", ["default", "smollm2_135m_arith"])
+def test_a_typed_question_is_put_as_the_training_prompts_are(config):
+  """`launch.sample --prompt=...` asks the model what it trained on: the task's instruction template
+  and worked examples around the question (a bare question is a prompt it never saw)."""
+  import importlib
+  cfg = importlib.import_module(f"configs.{config}").get_config()
+  train, _ = from_config.datasets(cfg)
+  ex = train[0]
+  question = "What is " + ex.messages[-1]["content"].split("What is ")[1].split("?")[0] + "?"
+  asked = from_config.user_prompt(cfg, question)
+  assert asked.messages == ex.messages
+  assert asked.messages[-1]["content"] != question

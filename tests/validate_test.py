@@ -140,6 +140,20 @@ def test_share_prompt_needs_whole_groups_per_microbatch():
   from_config.validate(c, num_devices=2)
 
 
+def test_share_prompt_needs_whole_groups_per_minibatch_with_auto_microbatches():
+  """Shared prompts and a mini-batch that cuts a group: rows would be scored against the next
+  group's prompt (or, with length buckets, fail in a reshape). The auto micro-batch count (0) too."""
+  c = base()
+  c.rollout.group_size, c.dapo.prompts_per_step, c.dapo.gen_prompts = 4, 3, 3  # 12 rows
+  c.train.update(minibatches=2, num_microbatches=0)                           # of 6: groups of 4 cut
+  with pytest.raises(from_config.ConfigError) as e:
+    from_config.validate(c, num_devices=2)
+  assert "train.share_prompt needs whole groups per mini-batch: train.minibatches=2" in str(e.value)
+  assert "rollout.group_size=4" in str(e.value)
+  c.train.share_prompt = False
+  from_config.validate(c, num_devices=2)
+
+
 def test_sft_needs_the_arith_task():
   c = base()
   c.model.init = "sft"

@@ -137,13 +137,8 @@ def arith_examples(n: int, *, split: str = "train", seed: int = 0, digits: int =
   """
   if split not in ("train", "heldout"):
     raise ValueError(f"split={split!r}; expected 'train' or 'heldout'")
-  shots: tuple[dict, ...] = ()
-  if fewshot:
-    for ex in arith_examples(fewshot, split="train", seed=seed + 10_000, digits=digits, ops=ops,
-                             heldout_fraction=heldout_fraction, template=template, digits_b=digits_b):
-      expr = ex.messages[0]["content"].split("What is ")[1].split("?")[0]
-      shots += (ex.messages[0], {"role": "assistant", "content": f"{expr} = {ex.ground_truth}.\nAnswer: "
-                                                                 f"{ex.ground_truth}"})
+  shots = _arith_shots(fewshot, seed=seed, digits=digits, ops=ops, heldout_fraction=heldout_fraction,
+                       template=template, digits_b=digits_b)
   rng = np.random.default_rng([seed, digits, len(ops), 0 if split == "train" else 1] + ([digits_b] if digits_b else []))
   out, seen, tries = [], set(), 0
   while len(out) < n:
@@ -161,6 +156,28 @@ def arith_examples(n: int, *, split: str = "train", seed: int = 0, digits: int =
     out.append(Example(messages=shots + ({"role": "user", "content": template.format(problem=problem)},),
                        ground_truth=str(value), data_source="arith", index=len(out)))
   return out
+
+
+def _arith_shots(fewshot: int, **task) -> tuple[dict, ...]:
+  """The worked examples (user question, assistant answer) put before each question."""
+  shots: tuple[dict, ...] = ()
+  if fewshot:
+    task = dict(task, seed=task["seed"] + 10_000)
+    for ex in arith_examples(fewshot, split="train", **task):
+      expr = ex.messages[0]["content"].split("What is ")[1].split("?")[0]
+      shots += (ex.messages[0], {"role": "assistant", "content": f"{expr} = {ex.ground_truth}.\nAnswer: "
+                                                                 f"{ex.ground_truth}"})
+  return shots
+
+
+def arith_prompt(question: str, *, seed: int = 0, digits: int = 2, ops: str = "+", heldout_fraction: float = 0.1,
+                 template: str = ARITH_INSTRUCTION, digits_b: int = 0, fewshot: int = 0) -> Example:
+  """A question typed by a person ("What is 38+46?") as the arithmetic task's training prompts put
+  it: the same instruction template and worked examples (no ground truth)."""
+  shots = _arith_shots(fewshot, seed=seed, digits=digits, ops=ops, heldout_fraction=heldout_fraction,
+                       template=template, digits_b=digits_b)
+  return Example(messages=shots + ({"role": "user", "content": template.format(problem=question)},),
+                 ground_truth="", data_source="arith")
 
 
 def arith_solution(ex: Example, style: str = "steps") -> str:
