@@ -1,6 +1,6 @@
 """Sample completions from a checkpoint (or a Hugging Face model directory) and score them.
 
-  python -m launch.sample --workdir=runs/default --prompt="What is 38+46?"
+  python -m launch.sample --workdir=runs/default --prompt="What is 38+46?" --temperature=0
   python -m launch.sample --workdir=runs/default --prompt="What is 38+46?" --ground_truth=84 --k=4
   python -m launch.sample --model_dir=/ckpt/model --prompts=aime-2024.parquet --k=4 --temperature=0.7
 
