@@ -111,6 +111,7 @@ def base() -> mlc.ConfigDict:
                                              # their π_old is the sampling policy's log-probs
                 eps_low=0.2, eps_high=0.28,  # decoupled clip (Eq. 10)
                 clip_ratio_c=10.0,           # dual clip for A<0; 0 = off
+                policy_loss="vanilla",       # vanilla (the decoupled clip) | gspo | cispo | gpg (verl's names)
                 loss_agg="token_mean",       # token_mean | seq_mean_token_{mean,sum,sum_norm} |
                                              # seq_sum_token_sum_norm (verl's "seq-mean-token-sum-norm")
                 # True: each micro-batch's loss is its own token mean weighted by its share of the

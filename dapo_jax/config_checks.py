@@ -124,6 +124,8 @@ def validate(cfg, num_devices: int | None = None) -> None:
   c_dual = n("dapo.clip_ratio_c", 0)
   check(c_dual == 0 or c_dual > 1, "dapo.clip_ratio_c", c_dual, "0 (off) or > 1 (dual clip)")
   check(d.loss_agg in _LOSS_AGG, "dapo.loss_agg", d.loss_agg, f"one of {_LOSS_AGG}")
+  check(d.policy_loss in loss_lib.POLICY_LOSSES, "dapo.policy_loss", d.policy_loss,
+        f"one of {loss_lib.POLICY_LOSSES}")
   check(d.on_cap in ("train", "raise"), "dapo.on_cap", d.on_cap, "'train' or 'raise'")
   check(d.filter_metric in rollout_lib.FILTER_METRICS, "dapo.filter_metric", d.filter_metric,
          f"one of {rollout_lib.FILTER_METRICS}")

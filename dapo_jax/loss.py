@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
              "seq_sum_token_sum_norm")
+# Policy losses by verl's registry names (`policy_loss(mode=...)`).
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg")
 
 
 def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -109,24 +111,51 @@ def kl_penalty(logp_BC, ref_logp_BC, estimator: str = "k3") -> jax.Array:
 def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_high: float,
                 clip_ratio_c: float | None = None, agg: str = "token_mean", num_tokens=None,
                 num_seqs=None, norm_len: int | None = None, ref_logp_BC=None, kl_coef: float = 0.0,
-                kl_estimator: str = "k3", adv_BC=None):
-  """The DAPO policy loss (what is minimised) and its metrics.
+                kl_estimator: str = "k3", adv_BC=None, mode: str = "vanilla"):
+  """The policy loss (what is minimised) and its metrics; `mode` is one of POLICY_LOSSES, with
+  verl's meaning:
+
+  vanilla: the decoupled clip of DAPO (Eq. 10), per token, with the dual clip `clip_ratio_c`.
+  gspo:    GSPO (arXiv 2507.18071): one ratio per response, s_i = exp(mean_t log r_i,t), clipped to
+           [1-ε_low, 1+ε_high] (the paper's ranges are 3e-4 / 4e-4) and applied to every token with
+           the token's own gradient (log s_i,t = sg[log s_i] + log π - sg[log π]; capped at 10 as
+           verl does). Pair it with agg="seq_mean_token_mean", the paper's sequence mean.
+  cispo:   CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(r, 1-ε_low, 1+ε_high))·A·log π: the
+           importance weight is clipped, never the gradient, so every token keeps its gradient.
+  gpg:     GPG (arXiv 2504.02546): -A·log π, no ratio at all.
 
   logp_BC: log π_θ of the sampled tokens (differentiated); old_logp_BC: log π_old (constant);
   adv_B: one advantage per response, or adv_BC: one per token (PPO's GAE), which replaces it;
   mask_BC: tokens that count in the loss.
   Metrics are token means with the same denominators, so micro-batch metrics sum to the total.
-  verl's names mean verl's quantities: pg_clipfrac (either PPO clip binds), ppo_kl (mean of
-  log π_old - log π_θ) and pg_clipfrac_lower (the dual clip binds, A < 0 and ratio > c). The PPO
-  clip per side is ours: pg_clipfrac_eps_high (A > 0, ratio > 1+ε_high) and pg_clipfrac_eps_low
-  (A < 0, ratio < 1-ε_low).
+  verl's names mean verl's quantities: pg_clipfrac (either PPO clip binds; cispo: the weight is
+  clipped), ppo_kl (mean of log π_old - log π_θ) and pg_clipfrac_lower (the dual clip binds, A < 0
+  and ratio > c). The PPO clip per side is ours: pg_clipfrac_eps_high (A > 0, ratio > 1+ε_high) and
+  pg_clipfrac_eps_low (A < 0, ratio < 1-ε_low).
   """
+  if mode not in POLICY_LOSSES:
+    raise ValueError(f"policy loss {mode!r}; expected one of {POLICY_LOSSES}")
   old_logp_BC = jax.lax.stop_gradient(old_logp_BC)
   adv = adv_B[:, None] if adv_BC is None else adv_BC  # [B, 1] broadcasts over the tokens
   adv = jax.lax.stop_gradient(adv).astype(logp_BC.dtype)
   # As verl: the log-ratio is clamped before exp, so one wild token cannot make the loss inf / NaN.
-  ratio_BC = jnp.exp(jnp.clip(logp_BC - old_logp_BC, -20.0, 20.0))
-  loss_BC, high, low, dual = clipped_surrogate(ratio_BC, adv, eps_low, eps_high, clip_ratio_c)
+  log_ratio_BC = jnp.clip(logp_BC - old_logp_BC, -20.0, 20.0)
+  ratio_BC = jnp.exp(log_ratio_BC)
+  none = jnp.zeros(logp_BC.shape, bool)
+  high = low = dual = none
+  if mode == "vanilla":
+    loss_BC, high, low, dual = clipped_surrogate(ratio_BC, adv, eps_low, eps_high, clip_ratio_c)
+  elif mode == "gspo":
+    m = mask_BC.astype(logp_BC.dtype)
+    log_seq_B1 = jnp.sum((logp_BC - old_logp_BC) * m, -1, keepdims=True) / jnp.maximum(jnp.sum(m, -1, keepdims=True), 1)
+    log_s_BC = jnp.minimum(logp_BC - jax.lax.stop_gradient(logp_BC) + jax.lax.stop_gradient(log_seq_B1), 10.0)
+    loss_BC, high, low, _ = clipped_surrogate(jnp.exp(log_s_BC), adv, eps_low, eps_high, None)
+  elif mode == "cispo":
+    weight_BC = jax.lax.stop_gradient(jnp.clip(ratio_BC, 1.0 - eps_low, 1.0 + eps_high))
+    loss_BC = -weight_BC * adv * logp_BC
+    high, low = ratio_BC > 1.0 + eps_high, ratio_BC < 1.0 - eps_low
+  else:  # gpg
+    loss_BC = -adv * logp_BC
   pg_loss = aggregate(loss_BC, mask_BC, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
   tok_mean = lambda x: masked_mean(x.astype(jnp.float32), mask_BC, num_tokens)
   metrics = {

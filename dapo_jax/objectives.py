@@ -35,6 +35,7 @@ class PGConfig:
   eps_high: float = 0.28
   clip_ratio_c: float | None = 10.0         # dual clip for A < 0; None = off
   loss_agg: str = "token_mean"
+  policy_loss: str = "vanilla"              # loss.POLICY_LOSSES: vanilla | gspo | cispo | gpg
   norm_len: int = 0                         # C of the *_token_sum_norm aggregations: the completion
                                             # budget (rollout.max_new_tokens), never a length bucket's
                                             # width; 0 = each micro-batch's padded length
@@ -102,7 +103,8 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
     value, metrics = loss_lib.policy_loss(
         logp_BC, old_logp_BC, mb.adv_B, mb.loss_mask_BC, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         clip_ratio_c=cfg.clip_ratio_c, agg=cfg.loss_agg, ref_logp_BC=mb.ref_logp_BC, kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, norm_len=cfg.norm_len or None, **denoms)
+        kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, norm_len=cfg.norm_len or None, mode=cfg.policy_loss,
+        **denoms)
     metrics = jax.tree.map(lambda m: m * weight, metrics)
     metrics["entropy"] = loss_lib.masked_mean(loss_lib.entropy(jax.lax.stop_gradient(z_BCV)),
                                               mb.loss_mask_BC, denoms["num_tokens"]) * weight

@@ -221,3 +221,55 @@ def test_metric_names_follow_verl():
   assert float(m["pg_clipfrac_eps_low"]) == pytest.approx(1 / 8)
   assert float(m["pg_clipfrac_eps_high"]) == pytest.approx(1 / 8)
   assert float(m["pg_clipfrac"]) == pytest.approx(2 / 8)   # verl: pg_losses2 > pg_losses1, both sides
+
+
+# --- the registry's other modes, each against a float64 loop written from its paper --------------
+
+def np_mode_reference(mode, logp, old, adv, mask, eps_low, eps_high):
+  """(token-mean loss, d loss / d logp) of gspo / cispo / gpg, token by token."""
+  B, T = logp.shape
+  m = mask.astype(float)
+  L, g = np.zeros((B, T)), np.zeros((B, T))
+  for i in range(B):
+    n = m[i].sum()
+    s = np.exp(((logp[i] - old[i]) * m[i]).sum() / max(n, 1))  # GSPO: the response's geometric-mean ratio
+    for t in range(T):
+      a, r = adv[i], np.exp(logp[i, t] - old[i, t])
+      if mode == "gspo":  # max(-A·s, -A·clip(s)); the token's gradient is d(-A·s·π/sg[π]) = -A·s.
+        clipped = (a > 0 and s > 1 + eps_high) or (a < 0 and s < 1 - eps_low)
+        L[i, t] = -a * (min(max(s, 1 - eps_low), 1 + eps_high) if clipped else s)
+        g[i, t] = 0.0 if clipped else -a * s
+      elif mode == "cispo":  # -sg(clip(r))·A·log π: every token keeps a gradient.
+        w = min(max(r, 1 - eps_low), 1 + eps_high)
+        L[i, t], g[i, t] = -w * a * logp[i, t], -w * a
+      else:  # gpg
+        L[i, t], g[i, t] = -a * logp[i, t], -a
+  W = m / m.sum()
+  return (L * W).sum(), g * W
+
+
+@pytest.mark.parametrize("mode", ["gspo", "cispo", "gpg"])
+def test_policy_loss_modes_match_their_formulas(mode):
+  logp, old, adv, mask = case()
+  eps_low, eps_high = (3e-4, 4e-4) if mode == "gspo" else (EPS_LOW, EPS_HIGH)
+  if mode == "gspo":  # Sequence ratios around GSPO's narrow band: rows 0 (A > 0) and 2 (A < 0) clipped.
+    old = logp - np.array([[2e-3], [1e-4], [-2e-3], [-2e-3]]) * np.ones((1, logp.shape[1]))
+  want, want_grad = np_mode_reference(mode, logp, old, adv, mask, eps_low, eps_high)
+  with jax.enable_x64(True):
+    f = lambda lp: loss.policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), eps_low=eps_low,
+                                    eps_high=eps_high, mode=mode)[0]
+    got, grad = jax.value_and_grad(f)(jnp.asarray(logp))
+  np.testing.assert_allclose(float(got), want, rtol=1e-10)
+  np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-9, atol=1e-12)
+  if mode == "gspo":  # A clipped response's tokens get no gradient; the others' all get one.
+    g = np.asarray(grad)
+    assert (g[[0, 2]] == 0).all() and (g[1][mask[1]] != 0).all() and (g[3][mask[3]] != 0).all()
+  if mode == "cispo":  # Where PPO would zero the gradient (ratio 15, A < 0), CISPO keeps it.
+    assert np.asarray(grad)[1, 5] != 0
+
+
+def test_an_unknown_policy_loss_is_named():
+  logp, old, adv, mask = case()
+  with pytest.raises(ValueError, match="policy loss 'ppo2'"):
+    loss.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), eps_low=0.2,
+                     eps_high=0.2, mode="ppo2")

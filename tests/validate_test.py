@@ -100,6 +100,7 @@ BAD = [
     ("data.missing_answer", "drop", "data.missing_answer='drop': expected 'error' or 'skip'"),
     ("data.heldout_fraction", 1.0, "data.heldout_fraction=1.0: expected > 0 and < 1"),
     ("tokenizer.vocab_size", 0, "tokenizer.vocab_size=0: expected >= 1"),
+    ("dapo.policy_loss", "ppo2", "dapo.policy_loss='ppo2': expected one of ('vanilla', 'gspo', 'cispo', 'gpg')"),
     ("mesh.tensor", 0, "mesh.tensor=0: expected a positive size, or -1 for the rest of the devices"),
     ("mesh.data", -1, "at most one axis may be -1"),
     ("mesh.tensor", 3, "the fixed axes multiply to 3, which does not divide the 8 devices"),
