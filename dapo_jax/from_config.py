@@ -113,6 +113,11 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
   return tokenizer_lib.load(path)
 
 
+def padded_vocab(tok) -> int:
+  """The vocabulary of a model built here for `tok`: rounded up to 64 (tidy shapes, room for tensor sharding)."""
+  return ((len(tok) + 63) // 64) * 64
+
+
 def model_config(cfg, vocab_size: int) -> model_lib.ModelConfig:
   fields = {k: cfg.model[k] for k in _MODEL_FIELDS if k in cfg.model}  # Family fields default.
   v = cfg.model.vocab_size or vocab_size
@@ -154,7 +159,7 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
     model_cfg, params = hf.load(path, **runtime_overrides(cfg))
     tokenizer_lib.check_vocab(tok, model_cfg.vocab_size, f"{path}/config.json")
     return model_cfg, params
-  vocab = ((len(tok) + 63) // 64) * 64  # Round up: tidy shapes, room for tensor sharding.
+  vocab = padded_vocab(tok)
   model_cfg = model_config(cfg, vocab)
   tokenizer_lib.check_vocab(tok, model_cfg.vocab_size, f"model.vocab_size={cfg.model.vocab_size}")
   if init == "random":
@@ -370,7 +375,7 @@ def trained_model(cfg, workdir: str):
   tok = tokenizer_lib.load(tok_dir)
   if cfg.model.init == "sft":
     return tok, hf.load_config(os.path.join(workdir, "sft_model"), **runtime_overrides(cfg))
-  return tok, model_config(cfg, ((len(tok) + 63) // 64) * 64)
+  return tok, model_config(cfg, padded_vocab(tok))
 
 
 # --- RLHF pipelines: the reward, chat SFT, the reward model, DPO ---------------------------------
@@ -452,14 +457,14 @@ def run_sft(cfg, workdir: str, mesh=None):
   if cfg.data.task != "file":
     train, _ = datasets(cfg)
     tok = tokenizer(cfg, workdir, train)
-    model_cfg = model_config(cfg, ((len(tok) + 63) // 64) * 64)
+    model_cfg = model_config(cfg, padded_vocab(tok))
     return model_cfg, sft_lib.run(sft_config(cfg), model_cfg, tok, train, mesh, run_dir, lora=lora_config(cfg)), tok
   train, held = conversation_data(cfg)
   tok = chat_tokenizer(cfg, workdir, train)
   if cfg.model.init == "hf":
     model_cfg, params = hf.load(cfg.model.hf_dir, **runtime_overrides(cfg))
   else:
-    model_cfg = model_config(cfg, ((len(tok) + 63) // 64) * 64)
+    model_cfg = model_config(cfg, padded_vocab(tok))
     params = model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
   params, _ = sft_chat.train(chat_sft_config(cfg), model_cfg, params, tok, train, held, mesh, run_dir,
                              source=",".join(f for f in cfg.data.train_files if f), lora=lora_config(cfg))

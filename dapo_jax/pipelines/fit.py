@@ -64,7 +64,6 @@ def fit(c: FitConfig, trainer: train_step.Trainer, state: train_step.TrainState,
       if last_eval:
         writer.scalars(0, last_eval)
         print(f"{label} before training: {eval_line(last_eval)}", flush=True)
-    step = start
     with ckpt_lib.StopRequest() as stop, console.Progress(
         c.steps - start, label, unit="step", enabled=start < c.steps and not finished) as progress:
       for step in range(start, c.steps if not finished else start):
