@@ -49,6 +49,12 @@ class SlotState:
   key_S: jax.Array         # uint32 key data of each slot's sample
   stop_at_S: jax.Array     # forced EOS as token stop_at (benchmarks' length hook); C + 1 = never
   cache: kvc.KVCache
+  # Episodes: tokens_SC[s, step:force_end_S[s]] are an observation's tokens, fed (not sampled)
+  # one per decode step beside the other slots' sampling; policy_SC marks the sampled ones; the
+  # current turn ends at EOS or once the sample has drawn turn_end_S tokens.
+  policy_SC: jax.Array     # bool: the token was sampled by the policy
+  force_end_S: jax.Array
+  turn_end_S: jax.Array
 
 
 @dataclasses.dataclass
@@ -60,6 +66,9 @@ class Finished:
   logp_C: np.ndarray
   length: int
   truncated: bool          # no EOS within the budget
+  policy_C: np.ndarray | None = None   # episodes: the tokens the policy sampled (the rest: observations)
+  reward: dict | None = None           # episodes: the environment's final reward
+  turns: int = 1
 
 
 @dataclasses.dataclass
@@ -69,6 +78,8 @@ class _Work:
   prompt_P: np.ndarray
   mask_P: np.ndarray
   stop_at: int
+  paused: bool = False             # episodes: waiting for its environment
+  last: Finished | None = None     # episodes: the episode so far, at its last turn's end
 
 
 def _buckets(n: int) -> list[int]:
@@ -103,7 +114,7 @@ class Engine:
 
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
                prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
-               min_compact_steps: int = 64, prefill_tokens: int = 2048):
+               min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
@@ -128,6 +139,9 @@ class Engine:
     if prefill_tokens < 1:
       raise ValueError(f"rollout.prefill_tokens={prefill_tokens}: expected a positive number of prompt tokens")
     self.prefill_tokens = prefill_tokens
+    # Episodes: the sampler's max_new_tokens is the whole episode after the prompt (policy and
+    # observation tokens); one policy turn draws at most turn_tokens of them (0 = no per-turn limit).
+    self.turn_tokens = min(turn_tokens or self.C, self.C)
     self.round_fraction = round_fraction
     self.min_compact_steps = min_compact_steps
     self.widths = sorted(set(widths or decode_widths(slots, shards)) | {slots})
@@ -151,23 +165,27 @@ class Engine:
                       logp_SC=jnp.zeros((S, C), jnp.float32), step_S=jnp.zeros((S,), jnp.int32),
                       done_S=jnp.ones((S,), bool), logits_SV=jnp.zeros((S, cfg.vocab_size), jnp.float32),
                       prompt_len_S=jnp.zeros((S,), jnp.int32), key_S=jnp.zeros((S, 2), jnp.uint32),
-                      stop_at_S=jnp.full((S,), C + 1, jnp.int32), cache=cache)
+                      stop_at_S=jnp.full((S,), C + 1, jnp.int32), cache=cache,
+                      policy_SC=jnp.zeros((S, C), bool), force_end_S=jnp.zeros((S,), jnp.int32),
+                      turn_end_S=jnp.full((S,), C, jnp.int32))
     return jax.device_put(state, self.row_sharding)
 
   # --- the host loop -------------------------------------------------------------------------
 
-  def session(self, params, key) -> "Session":
-    return Session(self, params, key)
+  def session(self, params, key, episodes=None) -> "Session":
+    return Session(self, params, key, episodes)
 
   def generate(self, params, prompt_QP: np.ndarray, prompt_mask_QP: np.ndarray, G, key,
-               stop_at_B: np.ndarray | None = None, on_samples=None, first_prompt_id: int = 0
+               stop_at_B: np.ndarray | None = None, on_samples=None, first_prompt_id: int = 0, episodes=None
                ) -> tuple[sampling.Samples, dict]:
     """G samples of each prompt as host arrays, prompt-major (rows qG..qG+G-1 for prompt q: the
     layout of `sampling.generate`), and the session's statistics. G may differ per prompt (a list);
     `on_samples(n)` hears of every n samples that end (progress). Prompt q is prompt number
-    first_prompt_id + q of `key`'s samples (`sample_key_data`)."""
+    first_prompt_id + q of `key`'s samples (`sample_key_data`). With `episodes` (a driver whose
+    examples are registered under those prompt numbers) every sample is an episode; the stats then
+    hold each row's reward (`episode_rewards`)."""
     counts = [G] * len(prompt_QP) if np.isscalar(G) else list(G)
-    s = self.session(params, key)
+    s = self.session(params, key, episodes)
     first = np.cumsum([0] + counts)
     for q, n in enumerate(counts):
       s.add([first_prompt_id + q], prompt_QP[q:q + 1], prompt_mask_QP[q:q + 1], n,
@@ -181,7 +199,11 @@ class Engine:
       if on_samples and ended:
         on_samples(len(ended))
     rows = [out[(first_prompt_id + q, g)] for q, n in enumerate(counts) for g in range(n)]
-    return stack(rows, self.C), s.stats()
+    stats = s.stats()
+    if episodes is not None:  # Each episode's reward, in row order.
+      stats["episode_rewards"] = [r.reward for r in rows]
+      stats["turns"] = [r.turns for r in rows]
+    return stack(rows, self.C), stats
 
 
 # --- device programs: jitted per model (a decode round: and sampler config), shared by every engine --
@@ -199,7 +221,7 @@ def _prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP):
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
 def _start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKPH, mask_UP, src_S, slot_S,
-                   stop_at_S, n) -> SlotState:
+                   stop_at_S, turn_end_S, n) -> SlotState:
   """Starts sample a < n in slot slot_S[a] from prefilled prompt src_S[a] with key key_S[a]. The
   arguments are slot-sized whatever the number of samples (entries a >= n: slot ids out of range),
   and the cache rows are written one by one in place, so an insert compiles once per prefill shape
@@ -219,7 +241,9 @@ def _start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_L
       step_S=put(state.step_S, 0), done_S=put(state.done_S, False),
       logits_SV=put(state.logits_SV, logits_UV[src_S]),
       prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_S]),
-      key_S=put(state.key_S, key_S), stop_at_S=put(state.stop_at_S, stop_at_S), cache=cache)
+      key_S=put(state.key_S, key_S), stop_at_S=put(state.stop_at_S, stop_at_S), cache=cache,
+      policy_SC=put(state.policy_SC, False), force_end_S=put(state.force_end_S, 0),
+      turn_end_S=put(state.turn_end_S, turn_end_S))
 
 
 _sample_keys = jax.jit(jax.vmap(sample_key_data, in_axes=(None, 0, 0)))  # [A, 2] key data, one program per width.
@@ -256,15 +280,19 @@ def _decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, 
     running_S = ~s.done_S
     forced_S = s.step_S == s.stop_at_S - 1
     tok_S = jnp.where(forced_S, eos[0], tok_S)
+    observed_S = s.step_S < s.force_end_S  # An observation's token: fed, not sampled.
+    tok_S = jnp.where(observed_S, s.tokens_SC[rows_S, jnp.minimum(s.step_S, C - 1)], tok_S)
+    logp_S = jnp.where(observed_S, 0.0, logp_S)
     tok_S = jnp.where(running_S, tok_S, sc.pad_id)
     col_S = jnp.where(running_S, s.step_S, C)  # Out of range: ended rows write nothing.
     tokens_SC = s.tokens_SC.at[rows_S, col_S].set(tok_S, mode="drop")
     logp_SC = s.logp_SC.at[rows_S, col_S].set(logp_S, mode="drop")
-    ended_S = running_S & (jnp.isin(tok_S, eos) | (s.step_S + 1 >= C))
+    policy_SC = s.policy_SC.at[rows_S, col_S].set(~observed_S, mode="drop")
+    ended_S = running_S & ~observed_S & (jnp.isin(tok_S, eos) | (s.step_S + 1 >= jnp.minimum(s.turn_end_S, C)))
     index_S = jnp.minimum(P + s.step_S, P + C - 1)
     cache = kvc.write_mask_rows(s.cache, running_S, index_S)
     logits_SV, cache = model_lib.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
-    return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, step_S=s.step_S + running_S,
+    return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, policy_SC=policy_SC, step_S=s.step_S + running_S,
                             done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)
 
   steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
@@ -280,22 +308,47 @@ def _decode_params(model_cfg: model_lib.ModelConfig, params) -> dict:
   return dict(layers=_decode_layers(model_cfg, params), **model_lib.decode_ends(model_cfg, params))
 
 
-_take_rows = jax.jit(lambda tokens_SC, logp_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A]))
+_take_rows = jax.jit(lambda tokens_SC, logp_SC, policy_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A],
+                                                                    policy_SC[rows_A]))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _resume(state: SlotState, slot, obs_N, n, turn_tokens) -> SlotState:
+  """Slot `slot` continues its episode: the observation obs_N[:n] is written after the tokens it
+  has drawn, to be fed through the decode loop (`force_end_S`); its next turn may draw
+  `turn_tokens` tokens after that. One program per observation bucket N."""
+  C = state.tokens_SC.shape[1]
+  step = state.step_S[slot]
+  cols_N = jnp.where(jnp.arange(obs_N.shape[0]) < n, step + jnp.arange(obs_N.shape[0]), C)
+  return state.replace(tokens_SC=state.tokens_SC.at[slot, cols_N].set(obs_N, mode="drop"),
+                       force_end_S=state.force_end_S.at[slot].set(step + n),
+                       turn_end_S=state.turn_end_S.at[slot].set(step + n + turn_tokens),
+                       done_S=state.done_S.at[slot].set(False))
 
 
 def stack(rows: list[Finished], C: int) -> sampling.Samples:
   length_B = np.array([r.length for r in rows], np.int32)
+  mask_BC = np.arange(C)[None, :] < length_B[:, None]
+  policy_BC = None if rows[0].policy_C is None else np.stack([r.policy_C for r in rows]) & mask_BC
   return sampling.Samples(tokens_BC=np.stack([r.tokens_C for r in rows]), logp_BC=np.stack([r.logp_C for r in rows]),
-                          mask_BC=np.arange(C)[None, :] < length_B[:, None], length_B=length_B,
-                          truncated_B=np.array([r.truncated for r in rows], bool))
+                          mask_BC=mask_BC, length_B=length_B, truncated_B=np.array([r.truncated for r in rows], bool),
+                          policy_BC=policy_BC)
 
 
 class Session:
   """One use of the engine with fixed params and key: `add` queues samples, `step` runs one round
   (insert, compact once closed, decode, harvest) and returns the samples that ended in it."""
 
-  def __init__(self, engine: Engine, params, key):
+  def __init__(self, engine: Engine, params, key, episodes=None):
+    """`episodes` (an `episodes.EpisodeDriver`) makes every sample an episode: a slot whose turn ends
+    keeps its row while the driver runs the environment, then continues with the observation's
+    tokens or ends; `step` returns whole episodes."""
     self.e = engine
+    self.episodes = episodes
+    self.turn_end0 = sharding.put(np.full((engine.S,), engine.turn_tokens, np.int32), sharding.replicated(engine.mesh))
+    self.turn_start: dict[tuple[int, int], int] = {}  # Episodes: where each one's current turn began.
+    self.turns: dict[tuple[int, int], int] = {}
+    self.paused = 0
     self.params = params
     self.dparams = _decode_params(engine.model_cfg, params)
     self.rep = sharding.replicated(engine.mesh)
@@ -347,11 +400,20 @@ class Session:
 
   def step(self) -> list[Finished]:
     e = self.e
+    finished = self._continue_episodes() if self.episodes else []
     self._insert()
     busy = self.in_flight
     if not busy:
-      return []
-    if self.queue:  # Every slot is busy: return once a few have ended, to refill them.
+      return finished
+    running = busy - self.paused
+    if self.episodes and not running:  # Every busy slot waits for its environment.
+      self.episodes.wait()
+      return finished
+    max_steps = e.C
+    if self.episodes:  # Return at every turn's end (its environment starts), and now and then
+      target = 1       # while environments work, to resume their slots.
+      max_steps = self.episodes.poll_steps if self.paused else e.C
+    elif self.queue:  # Every slot is busy: return once a few have ended, to refill them.
       target = max(1, int(busy * e.round_fraction))
     elif self.closed and self._worth_compacting():
       # The tail: the smallest width that holds the busy rows, until they fit the next.
@@ -362,26 +424,71 @@ class Session:
     else:  # Still being fed (a stream), or a short tail: until all have ended, at this width.
       target = busy
     self.state, steps = _decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
-                                      jnp.asarray(target, jnp.int32), jnp.asarray(e.C, jnp.int32))
+                                      jnp.asarray(target, jnp.int32), jnp.asarray(max_steps, jnp.int32))
     self.rounds += 1
     done_S, step_S, steps = sharding.fetch((self.state.done_S, self.state.step_S, steps))
     self.drawn = np.array(step_S)
     self.decode_steps += int(steps)
     self.slot_steps += int(steps) * self.width
-    ended = [s for s, w in enumerate(self.slot_work) if w is not None and done_S[s]]
+    ended = [s for s, w in enumerate(self.slot_work) if w is not None and done_S[s] and not w.paused]
     if not ended:
-      return []
-    rows_A = np.zeros(next(b for b in _buckets(self.width) if b >= len(ended)), np.int32)  # Few shapes.
-    rows_A[:len(ended)] = ended
-    tokens, logp = sharding.fetch(_take_rows(self.state.tokens_SC, self.state.logp_SC, sharding.put(rows_A, self.rep)))
-    out = []
+      return finished
+    tokens, logp, policy = self._rows(ended)
     eos = set(e.eos)
     for i, s in enumerate(ended):
       w, n = self.slot_work[s], int(step_S[s])
+      f = Finished(w.prompt_id, w.sample, tokens[i], logp[i], n, truncated=int(tokens[i][n - 1]) not in eos,
+                   policy_C=policy[i] if self.episodes else None)
+      if self.episodes:  # A turn ended: the environment answers while the other slots decode.
+        key = (w.prompt_id, w.sample)
+        start = self.turn_start.get(key, 0)
+        w.paused, w.last = True, f
+        self.paused += 1
+        self.episodes.submit(key, f.tokens_C[start:n], ended_by_eos=not f.truncated, turn=self.turns.get(key, 1))
+        continue
       self.generated += n
       self.samples += 1
-      out.append(Finished(w.prompt_id, w.sample, tokens[i], logp[i], n, truncated=int(tokens[i][n - 1]) not in eos))
+      finished.append(f)
       self.slot_work[s] = None
+    return finished
+
+  def _rows(self, rows: list[int]):
+    """Host copies of the token, log-prob and policy-mask rows of these slots."""
+    rows_A = np.zeros(next(b for b in _buckets(self.width) if b >= len(rows)), np.int32)  # Few shapes.
+    rows_A[:len(rows)] = rows
+    return sharding.fetch(_take_rows(self.state.tokens_SC, self.state.logp_SC, self.state.policy_SC,
+                                     sharding.put(rows_A, self.rep)))
+
+  def _continue_episodes(self) -> list[Finished]:
+    """Applies the environments' answers: a paused slot continues with the observation's tokens,
+    or its episode ends (done, the turn limit, or no room left for the observation and a reply)."""
+    out = []
+    for key, obs_tokens, reward in self.episodes.ready():
+      s = next(s for s, w in enumerate(self.slot_work) if w is not None and (w.prompt_id, w.sample) == key)
+      w = self.slot_work[s]
+      f = w.last
+      room = self.e.C - f.length
+      if obs_tokens is not None and len(obs_tokens) < room:
+        N = next(b for b in _buckets(self.e.C) if b >= len(obs_tokens))
+        obs_N = np.zeros(N, np.int32)
+        obs_N[:len(obs_tokens)] = obs_tokens
+        self.state = _resume(self.state, *sharding.put((np.int32(s), obs_N, np.int32(len(obs_tokens)),
+                                                        np.int32(self.e.turn_tokens)), self.rep))
+        self.turn_start[key] = f.length + len(obs_tokens)
+        self.turns[key] = self.turns.get(key, 1) + 1
+        w.paused = False
+        self.paused -= 1
+        continue
+      if obs_tokens is not None:  # No room: the episode is cut, like a completion at its budget.
+        reward = self.episodes.cut(key, "max_episode_tokens")
+        f.truncated = True
+      f.reward, f.turns = reward, self.turns.pop(key, 1)
+      self.turn_start.pop(key, None)
+      self.generated += f.length
+      self.samples += 1
+      self.paused -= 1
+      self.slot_work[s] = None
+      out.append(f)
     return out
 
   def _worth_compacting(self) -> bool:
@@ -443,7 +550,7 @@ class Session:
     prefilled = _prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
     key_A = _sample_keys(self.key_data, prompt_id_A, sample_A)
     self.state = _start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A, stop_A,
-                                jnp.asarray(n, jnp.int32))
+                                self.turn_end0, jnp.asarray(n, jnp.int32))
     for s, w in zip(slots, work):
       self.slot_work[s] = w
       self.drawn[s] = 0

@@ -45,6 +45,7 @@ class Samples:
   mask_BC: jax.Array       # bool: tokens up to and including the first EOS
   length_B: jax.Array      # int32 number of completion tokens (EOS included)
   truncated_B: jax.Array   # bool: no EOS within the budget
+  policy_BC: jax.Array | None = None   # episodes: tokens the policy sampled (None: all of mask_BC)
 
 
 @struct.dataclass

@@ -1,0 +1,72 @@
+"""The environment interface: what an episode's other side implements.
+
+    messages = env.reset(example)                # the prompt, as chat messages
+    obs, reward, info = env.step(assistant_text) # after each policy turn
+        obs:    messages to append (a tool result, a user reply), or None: the episode is over
+        reward: the final reward, {"score", "acc", "pred"} (a float is a score), when obs is None
+        info:   anything to log (str/number values)
+
+One instance per episode (the runner builds `Class(**rollout.env_args)` for each), so an environment
+keeps its episode's state in `self`. Before `reset` the runner sets `env.tokenizer` (the policy's
+tokenizer: tool environments read its chat template's format). `env.tools` lists the tool schemas the
+prompt is rendered with (the chat template's own `tools=` support); None renders no tools.
+
+Environments are host Python and free of jax: `step` runs in a worker thread while the engine keeps
+decoding the other slots, with a timeout; one that raises, hangs or returns garbage ends its episode
+with the failure reward and is counted (`env/errors`, `env/timeouts`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+
+@dataclasses.dataclass
+class StepResult:
+  observation: list[dict] | None   # messages appended to the episode; None: the episode ends
+  reward: dict | None = None       # {"score", "acc", "pred"} once the episode ends
+  info: dict = dataclasses.field(default_factory=dict)
+
+
+class Env:
+  """Base class of environments: override `reset` and `step`."""
+  tokenizer = None                 # set by the runner before `reset`
+  tools: list[dict] | None = None  # JSON schemas of the tools the prompt offers
+
+  def reset(self, example) -> list[dict]:
+    """The episode's first messages; by default the example's own (`data.Example.messages`)."""
+    return list(example.messages)
+
+  def step(self, assistant_text: str):
+    """(observation messages or None when done, reward or None, info) after one policy turn."""
+    raise NotImplementedError
+
+  def close(self) -> None:
+    """Releases the episode's resources (a sandbox, a connection); called once it ends."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  name: str
+  arguments: dict
+
+
+@dataclasses.dataclass
+class Tool:
+  """A function the policy may call: a JSON schema (name, description, parameters) and the call.
+
+  `fn(**arguments) -> str` is the result shown to the policy (anything else is json-encoded)."""
+  name: str
+  description: str
+  parameters: dict   # JSON schema of the arguments: {"type": "object", "properties": {...}, "required": [...]}
+  fn: Callable[..., Any]
+
+  def schema(self) -> dict:
+    """The OpenAI / transformers function schema that chat templates render."""
+    return {"type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+  def __call__(self, arguments: dict) -> str:
+    out = self.fn(**arguments)
+    return out if isinstance(out, str) else json.dumps(out)

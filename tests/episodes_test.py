@@ -1,0 +1,150 @@
+"""Episodes on the engine: environments answer between turns; token-in/token-out.
+
+The reference for log-probs is the teacher-forced forward of the whole episode (prompt, policy
+turns and observations as one sequence): the engine's recorded log-probs of the policy's tokens
+must equal it, and the observations' tokens must be exactly the template's rendering of them.
+"""
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from dapo_jax import testing
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.envs import base as env_lib
+from dapo_jax.envs import render
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import engine, episodes, sampling
+
+
+class Countdown(env_lib.Env):
+  """Answers `turns - 1` times with a user message, then ends with score = the turn count."""
+  turns = 3
+
+  def reset(self, example):
+    self.n = 0
+    return [{"role": "user", "content": "count"}]
+
+  def step(self, text):
+    self.n += 1
+    if self.n < self.turns:
+      return [{"role": "user", "content": f"again {self.n}"}], None, {"seen_chars": len(text)}
+    return None, {"score": float(self.n), "acc": True, "pred": text}, {}
+
+
+class Sleepy(Countdown):
+  """Sleeps before each answer: the other slots must keep decoding meanwhile."""
+  turns = 2
+
+  def step(self, text):
+    time.sleep(0.5)
+    return super().step(text)
+
+
+class Raises(Countdown):
+  def step(self, text):
+    raise RuntimeError("broken environment")
+
+
+class Hangs(Countdown):
+  release = threading.Event()
+
+  def step(self, text):
+    self.release.wait(10)
+    return super().step(text)
+
+
+class Garbage(Countdown):
+  def step(self, text):
+    return "not an observation"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer_dir):
+  return tokenizer_lib.load(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def setup(tok):
+  cfg = testing.tiny_model_config(vocab_size=320)
+  params = testing.sharp_params(cfg, seed=3, scale=2.0)
+  return cfg, params
+
+
+def run(tok, setup, env_cls, *, Q=2, G=3, C=64, turn_tokens=6, slots=4, timeout_s=5.0, max_turns=4, seed=0):
+  cfg, params = setup
+  # Half the vocabulary ends a turn, so a random model's turns are a few tokens long.
+  eos = tuple(range(3, 160))
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=eos)
+  driver = episodes.EpisodeDriver(tok, env_cls, episodes.EpisodeConfig(max_turns=max_turns, timeout_s=timeout_s,
+                                                                      poll_steps=2), eos_ids=eos)
+  messages, _ = driver.prompt(None)
+  for q in range(Q):
+    driver.register(q, None)
+  text = tokenizer_lib.render(tok, messages)
+  prompt_QP, mask_QP = tokenizer_lib.encode_left_padded(tok, [text] * Q, 16)
+  eng = engine.Engine(cfg, sc, slots=slots, prompt_len=16, turn_tokens=turn_tokens)
+  samples, stats = eng.generate(params, prompt_QP, mask_QP, G, jax.random.key(seed), episodes=driver)
+  driver.close()
+  return samples, stats, driver, (prompt_QP, mask_QP)
+
+
+def test_recorded_logprobs_equal_the_teacher_forced_episode_and_observations_are_masked(tok, setup):
+  samples, stats, driver, (prompt_QP, mask_QP) = run(tok, setup, Countdown)
+  cfg, params = setup
+  G = 3
+  full = [r for r in stats["episode_rewards"] if r["pred"] != "[TURN_TOKENS]"]
+  assert len(full) >= 3, stats["episode_rewards"]   # Most episodes play all three turns.
+  prompt_BP = np.repeat(prompt_QP, G, 0)
+  tokens_BT = np.concatenate([prompt_BP, samples.tokens_BC], 1)
+  mask_BT = np.concatenate([np.repeat(mask_QP, G, 0), samples.mask_BC], 1)
+  logits = np.asarray(model.logits(cfg, params, tokens_BT, mask_BT), np.float64)
+  logp_BTV = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  P = prompt_BP.shape[1]
+  checked = 0
+  for b, reward in enumerate(stats["episode_rewards"]):
+    n = int(samples.length_B[b])
+    policy = samples.policy_BC[b, :n]
+    pos = np.arange(n)[policy]
+    ref = logp_BTV[b, P - 1 + pos, samples.tokens_BC[b, pos]]
+    np.testing.assert_allclose(samples.logp_BC[b, pos], ref, atol=1e-5)
+    if reward["score"] == 3.0:   # Three turns: two observations, each exactly the template's tokens.
+      checked += 1
+      gaps = np.flatnonzero(np.diff(policy.astype(int)) == -1) + 1  # Where observations start.
+      assert len(gaps) == 2
+      for i, start in enumerate(gaps):
+        end = start + np.argmax(policy[start:])
+        want = render.observation_tokens(tok, [{"role": "user", "content": f"again {i + 1}"}],
+                                         ended_with=tok.decode(samples.tokens_BC[b, start - 1:start]))
+        np.testing.assert_array_equal(samples.tokens_BC[b, start:end], want)
+        assert (samples.logp_BC[b, start:end] == 0).all()
+  assert checked >= 1
+  assert stats["turns"].count(3) == checked
+
+
+def test_a_slow_environment_does_not_stall_the_other_slots(tok, setup):
+  """While episodes wait 0.5 s for their environment, the other slots decode: the whole run takes
+  far less than the sum of the waits, which a loop waiting for every call would add up."""
+  t0 = time.perf_counter()
+  samples, stats, driver, _ = run(tok, setup, Sleepy, Q=4, G=4, slots=8)
+  wall = time.perf_counter() - t0
+  waits = 0.5 * driver.counts["turns"]
+  assert driver.counts["turns"] >= 16
+  assert wall < 0.6 * waits, (wall, waits)
+
+
+@pytest.mark.parametrize("env_cls,counter,pred", [(Raises, "errors", "[ENV_ERROR]"),
+                                                  (Garbage, "errors", "[ENV_ERROR]"),
+                                                  (Hangs, "timeouts", "[ENV_TIMEOUT]")])
+def test_a_failing_environment_ends_its_episodes_with_the_failure_reward(tok, setup, env_cls, counter, pred):
+  Hangs.release.clear()
+  try:
+    samples, stats, driver, _ = run(tok, setup, env_cls, Q=1, G=2, slots=2, timeout_s=0.5)
+  finally:
+    Hangs.release.set()  # The hung threads finish.
+  assert [r["pred"] for r in stats["episode_rewards"]] == [pred, pred]
+  assert all(r["score"] == -1.0 and not r["acc"] for r in stats["episode_rewards"])
+  assert driver.metrics()[f"env/{counter}"] == 2
