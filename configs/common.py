@@ -92,7 +92,17 @@ def base() -> mlc.ConfigDict:
                    # "chat" here: the tasks below are chat-templated and an instruct model ends its
                    # turn with <|im_end|>; the default job's own tokenizer has no
                    # generation_config.json. The paper recipe sets "generation_config" (reference).
-                   stop="chat")
+                   stop="chat",
+                   # Episodes (docs/environments.md): `env` ("module:Class", an envs.Env; "" = single
+                   # turn) builds each episode's prompt, answers between policy turns and gives the
+                   # reward (reward.fn is then unused); env_args: JSON keyword arguments of the class.
+                   # max_new_tokens is then one turn's budget; max_episode_tokens the whole context
+                   # (prompt, turns and observations; 0 = data.max_prompt_len + max_turns x
+                   # max_new_tokens).
+                   env="", env_args="{}", max_turns=4, max_episode_tokens=0,
+                   env_timeout_s=30.0,       # one environment step; a hung one ends its episode
+                   env_workers=8,            # environment steps running at once (threads)
+                   env_failure_score=-1.0)   # the reward of an episode whose environment failed or was cut
   c.dapo = dict(prompts_per_step=512,        # Q, prompts in a train batch
                 gen_prompts=1536,            # prompts per generation batch (3x for dynamic sampling)
                 dynamic_sampling=True,       # drop groups whose correctness is all equal (Eq. 11)

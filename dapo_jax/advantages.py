@@ -77,7 +77,7 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   prompt_BP = np.repeat(groups.prompt_QP[:, -P:], G, axis=0)
   pmask_BP = np.repeat(groups.prompt_mask_QP[:, -P:], G, axis=0)
   cmask_BC = groups.mask_QGC.reshape(-1, C)
-  loss_mask_BC = cmask_BC & np.repeat(real_Q, G)[:, None]
+  loss_mask_BC = groups.policy_QGC.reshape(-1, C) & np.repeat(real_Q, G)[:, None]  # Episodes: not observations.
   if overlong_filter:
     loss_mask_BC &= ~groups.truncated_QG.reshape(-1, 1)
   old_logp_BC, behaviour_B = np.zeros(cmask_BC.shape, np.float32), None

@@ -93,8 +93,10 @@ def validate(cfg, num_devices: int | None = None) -> None:
     n("data.heldout_fraction", 0, 1, lo_open=True, hi_open=True)
   check(c.data.missing_answer in ("error", "skip"), "data.missing_answer", c.data.missing_answer,
          "'error' or 'skip'")
-  check(c.data.solution_style in ("steps", "direct"), "data.solution_style", c.data.solution_style,
-         "'steps' or 'direct'")
+  check(c.data.solution_style in ("steps", "direct", "tool"), "data.solution_style", c.data.solution_style,
+         "'steps', 'direct' or 'tool' (calculator episodes: rollout.env='dapo_jax.envs.tasks:CalculatorArith')")
+  check(c.data.solution_style != "tool" or r.env, "data.solution_style", c.data.solution_style,
+        "'steps' or 'direct' without rollout.env ('tool' writes calculator episodes)")
   P = n("data.max_prompt_len", 1, integer=True)
   for b in c.data.prompt_buckets:
     check(isinstance(b, int) and 1 <= b <= P, "data.prompt_buckets", tuple(c.data.prompt_buckets),
@@ -132,6 +134,18 @@ def validate(cfg, num_devices: int | None = None) -> None:
   check(r.stop in tokenizer_lib.STOP_MODES, "rollout.stop", r.stop, f"one of {tokenizer_lib.STOP_MODES}")
   check(r.engine in ("continuous", "static"), "rollout.engine", r.engine, "'continuous' or 'static'")
   n("rollout.slots", 0, integer=True, allowed=">= 0 (0 = the rows of one generation batch)")
+  if r.env:  # Episodes: the budgets, and the continuous engine they run on.
+    turns = n("rollout.max_turns", 1, integer=True)
+    n("rollout.env_timeout_s", 0, lo_open=True)
+    n("rollout.env_workers", 1, integer=True)
+    n("rollout.env_failure_score", None)
+    least = c.data.max_prompt_len + r.max_new_tokens
+    E = r.max_episode_tokens
+    check(E == 0 or (isinstance(E, int) and E > least), "rollout.max_episode_tokens", E,
+          f"0 (= data.max_prompt_len + rollout.max_turns x rollout.max_new_tokens = "
+          f"{c.data.max_prompt_len + turns * r.max_new_tokens}) or more than data.max_prompt_len + "
+          f"rollout.max_new_tokens = {least}")
+    check(r.engine == "continuous", "rollout.engine", r.engine, "'continuous' when rollout.env is set")
   n("train.length_buckets", 0, integer=True, allowed=">= 0 (0 = every row padded to rollout.max_new_tokens)")
   check(d.kl_estimator in ("k1", "k3"), "dapo.kl_estimator", d.kl_estimator, "'k1' or 'k3'")
   n("dapo.kl_coef", 0)

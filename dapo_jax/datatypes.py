@@ -54,6 +54,11 @@ class Groups:
   filter_QG: np.ndarray      # what dynamic sampling compares within a group (`dapo.filter_metric`)
   logp_QGC: np.ndarray       # fp32 log-probs of the tokens under the sampling (behaviour) policy
   carried_Q: np.ndarray      # bool: sampled in an earlier rollout step (carry-over); π_old is logp_QGC
+  policy_QGC: np.ndarray | None = None  # episodes: the tokens the policy sampled (None: all of mask_QGC)
+
+  def __post_init__(self):
+    if self.policy_QGC is None:
+      self.policy_QGC = self.mask_QGC
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
@@ -66,7 +71,8 @@ class Groups:
     return cls(prompt_QP=prompt_QP, prompt_mask_QP=prompt_mask_QP, tokens_QGC=samples.tokens_BC.reshape(Q, G, C),
                mask_QGC=samples.mask_BC.reshape(Q, G, C), length_QG=samples.length_B.reshape(Q, G),
                truncated_QG=samples.truncated_B.reshape(Q, G), score_QG=score_QG, acc_QG=acc_QG, filter_QG=filter_QG,
-               logp_QGC=samples.logp_BC.reshape(Q, G, C), carried_Q=np.zeros(Q, bool))
+               logp_QGC=samples.logp_BC.reshape(Q, G, C), carried_Q=np.zeros(Q, bool),
+               policy_QGC=None if samples.policy_BC is None else samples.policy_BC.reshape(Q, G, C))
 
   def take(self, idx) -> "Groups":
     return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
@@ -83,6 +89,8 @@ class Groups:
   def from_json(d: dict) -> "Groups":
     """Inverse of `to_json`. Groups saved before the behaviour log-probs were kept have none: they
     come back as not carried (logp zeros), so their π_old is recomputed by the current policy."""
+    if "policy_QGC" not in d:  # Saved before episodes: every completion token is the policy's.
+      d = dict(d, policy_QGC=d["mask_QGC"], dtypes=dict(d["dtypes"], policy_QGC="bool"))
     if "logp_QGC" not in d:
       d = dict(d, logp_QGC=np.zeros(np.shape(d["tokens_QGC"]), np.float32),
                carried_Q=np.zeros(len(d["prompt_QP"]), bool),

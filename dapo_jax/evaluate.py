@@ -78,7 +78,10 @@ class Evaluator:
       texts, samples = self._continuous(params, counts, key, sampler_cfg)
     else:
       texts, samples = self._static(params, counts, key, sampler_cfg)
-    res = r.call_reward(texts, [ex for ex, n in zip(self.problems, counts) for _ in range(n)], self.reward)
+    if getattr(r, "episodes", None) is not None:  # Episodes: their environments' rewards.
+      res = self.episode_rewards
+    else:
+      res = r.call_reward(texts, [ex for ex, n in zip(self.problems, counts) for _ in range(n)], self.reward)
     first = np.cumsum([0] + counts)
     acc = [np.array([x["acc"] for x in res[first[q]:first[q + 1]]], bool) for q in range(len(counts))]
     preds = [[x["pred"] for x in res[first[q]:first[q + 1]]] for q in range(len(counts))]
@@ -89,7 +92,12 @@ class Evaluator:
     prompt_QP, mask_QP = r.encode(self.problems)
     eng = r.engine(sampler_cfg, max(self.rows * self.k, 1))
     bar = console.Progress(sum(counts), "eval", unit="sample", enabled=self.progress)
-    samples, stats = eng.generate(params, prompt_QP, mask_QP, counts, key, on_samples=bar.update)
+    episodes = getattr(r, "episodes", None)
+    if episodes is not None:
+      for q, ex in enumerate(self.problems):
+        episodes.register(q, ex)
+    samples, stats = eng.generate(params, prompt_QP, mask_QP, counts, key, on_samples=bar.update, episodes=episodes)
+    self.episode_rewards = stats.get("episode_rewards")
     bar.close()
     self.sampled_rows += stats["samples"]
     return r.decode(samples), samples

@@ -33,8 +33,10 @@ from dapo_jax.config_checks import (  # noqa: F401 (public)
 )
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.envs import base as env_lib
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import rollout as rollout_lib
 from dapo_jax.rollout import sampling
 
@@ -108,9 +110,23 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
               else (lambda ex: f"Answer: {ex.ground_truth}"))
     texts = [" ".join(m["content"] for m in ex.messages) + "\n" + answer(ex) for ex in corpus_examples[:5000]]
     texts += ["user", "assistant", "system"] * 10
-    tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size)
+    template = True
+    if cfg.rollout.env:  # Episodes: a template with tools, and its text (tool calls, results) in the corpus.
+      template = tokenizer_lib.CHATML_TOOLS_TEMPLATE
+      tools = _corpus_tools(cfg, corpus_examples[0])
+      texts += [tokenizer_lib.render_template(template, ex.messages, tools=tools) + answer(ex)
+                + f"\n<tool_response>\n{ex.ground_truth}\n</tool_response>" for ex in corpus_examples[:2000]]
+    tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size, chat_template=template)
     logging.info("trained a %d-token BPE tokenizer into %s", cfg.tokenizer.vocab_size, path)
   return tokenizer_lib.load(path)
+
+
+def _corpus_tools(cfg, example) -> list[dict] | None:
+  """The tool schemas the environment's prompts show, for the tokenizer's corpus."""
+  make_env, _ = episodes(cfg)
+  env = make_env()
+  env.reset(example)
+  return env.tools
 
 
 def padded_vocab(tok) -> int:
@@ -187,10 +203,28 @@ def model_dir(cfg, workdir: str) -> str:
   return ""
 
 
+def completion_len(cfg) -> int:
+  """C, the completion positions of a row: rollout.max_new_tokens, or with an environment the
+  episode's budget after the prompt (policy turns and observations)."""
+  r = cfg.rollout
+  if not r.env:
+    return r.max_new_tokens
+  return (r.max_episode_tokens or cfg.data.max_prompt_len + r.max_turns * r.max_new_tokens) - cfg.data.max_prompt_len
+
+
+def episodes(cfg):
+  """(environment factory, EpisodeConfig) of `rollout.env`, or (None, None) for single turns."""
+  r = cfg.rollout
+  if not r.env:
+    return None, None
+  return env_lib.resolve(r.env, r.env_args), episodes_lib.EpisodeConfig(
+      max_turns=r.max_turns, timeout_s=r.env_timeout_s, workers=r.env_workers, failure_score=r.env_failure_score)
+
+
 def sampler_config(cfg, tok, source_dir: str = "") -> sampling.SamplerConfig:
   r = cfg.rollout
   return sampling.SamplerConfig(
-      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+      max_new_tokens=completion_len(cfg), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       eos_ids=tokenizer_lib.stop_ids(tok, source_dir, r.stop), pad_id=tok.pad_token_id)
 
 
@@ -206,7 +240,7 @@ def rollout_config(cfg) -> rollout_lib.RolloutConfig:
       max_prompt_len=cfg.data.max_prompt_len, prompt_buckets=tuple(cfg.data.prompt_buckets),
       chat_template=cfg.data.chat_template, rows_per_call=cfg.rollout.rows_per_call,
       engine=cfg.rollout.engine, slots=cfg.rollout.slots or cfg.dapo.prompts_per_step * cfg.rollout.group_size,
-      prefill_tokens=cfg.rollout.prefill_tokens,
+      prefill_tokens=cfg.rollout.prefill_tokens, turn_tokens=cfg.rollout.max_new_tokens if cfg.rollout.env else 0,
       overlong_buffer=d.overlong_buffer, overlong_penalty=d.overlong_penalty, filter_metric=d.filter_metric)
 
 
@@ -214,7 +248,7 @@ def pg_config(cfg) -> objectives.PGConfig:
   d, t = cfg.dapo, cfg.train
   return objectives.PGConfig(
       eps_low=d.eps_low, eps_high=d.eps_high, clip_ratio_c=d.clip_ratio_c if d.clip_ratio_c > 0 else None,
-      loss_agg=d.loss_agg, policy_loss=d.policy_loss, norm_len=cfg.rollout.max_new_tokens,
+      loss_agg=d.loss_agg, policy_loss=d.policy_loss, norm_len=completion_len(cfg),
       verl_microbatch_weighting=d.verl_microbatch_weighting,
       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,  # greedy: unscaled
       kl_coef=d.kl_coef, kl_estimator=d.kl_estimator, old_is_current=t.minibatches * t.ppo_epochs == 1,
@@ -231,7 +265,7 @@ def loop_config(cfg) -> loop.LoopConfig:
       reference=d.kl_coef > 0 or kl_in_reward(cfg), seed=cfg.seed, adv_estimator=d.adv_estimator,
       gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
-      length_buckets=train_step.length_buckets(cfg.rollout.max_new_tokens, t.length_buckets) if t.length_buckets else ())
+      length_buckets=train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else ())
 
 
 def kl_in_reward(cfg) -> bool:
@@ -316,7 +350,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     trainer_ = trainer(cfg, model_cfg, mesh, objectives.policy_gradient(model_cfg, pg))
     logprobs = trainer_.forward(objectives.completion_logprobs(model_cfg, pg.temperature, pg.group_size))
     rollout = rollout_lib.Rollout(tok, model_cfg, mesh, rollout_config(cfg),
-                                  sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_)
+                                  sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_, *episodes(cfg))
     data_iter = data_lib.PromptIterator(train, seed=cfg.seed, process_index=jax.process_index(),
                                         process_count=jax.process_count())
     critic_ = critic(cfg, model_cfg, params, tok, mesh, pg.group_size) if cfg.dapo.adv_estimator == "gae" else None

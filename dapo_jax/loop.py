@@ -173,6 +173,8 @@ class DAPO:
     if self.critic is not None:
       self.critic.state = self.critic.state.replace(rollout_step=step)
     groups, stats, info = self.collect(step)
+    if self.rollout.episodes is not None:
+      info["env"] = self.rollout.episodes.metrics()
     host_memory.release()  # The rollout's buffers, before the update allocates its own.
     c = self.cfg
     train_metrics, timing, adv, token_metrics = {}, {}, np.zeros((0,)), {}

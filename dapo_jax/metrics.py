@@ -223,6 +223,7 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
       "timing_s/old_log_prob": timing.get("old_log_prob_s", 0.0),
       "timing_s/update_actor": timing.get("update_actor_s", 0.0), "timing_s/step": step_s,
       "perf/throughput": info["gen_tokens"] / max(step_s, 1e-9)})
+  m.update(info.get("env", {}))  # Episodes: environment errors, timeouts, turns (`episodes.EpisodeDriver`).
   return m
 
 

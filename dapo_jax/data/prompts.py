@@ -190,6 +190,8 @@ def arith_solution(ex: Example, style: str = "steps") -> str:
   if style == "direct":
     return f"Answer: {ex.ground_truth}"
   expr = ex.messages[-1]["content"].split("What is ")[1].split("?")[0]
+  if style == "tool":  # The first turn of a calculator episode (envs.tasks): the call, as the template writes it.
+    return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expr
   if "+" not in expr:
     return f"Answer: {ex.ground_truth}"
   a, b = expr.split("+")

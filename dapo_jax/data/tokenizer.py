@@ -78,14 +78,23 @@ def check_vocab(tok, vocab_size: int, model_source: str) -> None:
                          f"embedding rows of the model ({model_source}); use the model's own tokenizer")
 
 
-def render(tok, messages: Sequence[dict], use_chat_template: bool = True, source: str = "") -> str:
+def render(tok, messages: Sequence[dict], use_chat_template: bool = True, source: str = "", tools=None) -> str:
   """The text the model sees for one conversation, ending where the assistant starts."""
   if not use_chat_template:
     return "\n".join(m["content"] for m in messages)
   if not getattr(tok, "chat_template", None):
     raise TokenizerError(f"tokenizer {tok.name_or_path or source!r} has no chat template, but "
                          "data.chat_template=True; set --config.data.chat_template=False to use plain text")
-  return tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+  kw = {"tools": tools} if tools else {}  # JSON schemas the template renders (an environment's tools).
+  return tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **kw)
+
+
+def render_template(template: str, messages: Sequence[dict], tools=None) -> str:
+  """A chat template rendered without a tokenizer (for the corpus a tokenizer is trained on)."""
+  import jinja2  # noqa: PLC0415
+  env = jinja2.Environment()
+  env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+  return env.from_string(template).render(messages=list(messages), tools=tools, add_generation_prompt=True)
 
 
 def encode_left_padded(tok, texts: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,12 +178,30 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# ChatML with tools, in the Qwen2.5 convention (envs.tool_formats "qwen"): the tools listed in a system
+# turn, calls as <tool_call> JSON in the assistant's turn, results in <tool_response> in a user turn.
+# Compact, for the small models trained here; without tools it renders as CHATML_TEMPLATE.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n"
+    "{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "{{ f.name }}({{ f.parameters.properties.keys() | join(', ') }}): {{ f.description }}\n{% endfor %}"
+    "Call a tool as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}\n{% endif %}"
+    "{% for call in message.tool_calls %}{% set c = call.function if call.function is defined else call %}"
+    "<tool_call>\n{\"name\": \"{{ c.name }}\", \"arguments\": "
+    "{% if c.arguments is string %}{{ c.arguments }}{% else %}{{ c.arguments | tojson }}{% endif %}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Qwen2's pre-tokenizer: digits are split one by one, which arithmetic needs.
 _QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def train_bpe(path: str, texts: Sequence[str], vocab_size: int = 512, chat_template: bool = True):
+def train_bpe(path: str, texts: Sequence[str], vocab_size: int = 512, chat_template: bool | str = True):
   """Trains a byte-level BPE tokenizer on `texts` (offline) and saves it as a HF tokenizer dir."""
   from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
   from transformers import PreTrainedTokenizerFast
@@ -192,8 +219,8 @@ def train_bpe(path: str, texts: Sequence[str], vocab_size: int = 512, chat_templ
       tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
       additional_special_tokens=["<|im_start|>", "<|endoftext|>"], padding_side="left",
       clean_up_tokenization_spaces=False)
-  if chat_template:
-    hf_tok.chat_template = CHATML_TEMPLATE
+  if chat_template:  # True: CHATML_TEMPLATE; a string: that template.
+    hf_tok.chat_template = chat_template if isinstance(chat_template, str) else CHATML_TEMPLATE
   os.makedirs(path, exist_ok=True)
   hf_tok.save_pretrained(path)
   return hf_tok

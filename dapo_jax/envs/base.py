@@ -18,6 +18,7 @@ with the failure reward and is counted (`env/errors`, `env/timeouts`).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from typing import Any, Callable
 
@@ -44,6 +45,29 @@ class Env:
 
   def close(self) -> None:
     """Releases the episode's resources (a sandbox, a connection); called once it ends."""
+
+
+def resolve(path: str, args: str | dict = "{}") -> Callable[[], Env]:
+  """'package.module:Class' and its JSON keyword arguments -> a factory of fresh environments; fails
+  at start-up naming the path."""
+  field = "rollout.env"
+  if ":" not in path:
+    raise ValueError(f"{field}={path!r} must look like 'package.module:Class'")
+  module_name, name = path.split(":", 1)
+  try:
+    cls = getattr(importlib.import_module(module_name), name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"{field}={path!r}: cannot import it ({e})") from None
+  try:
+    kwargs = json.loads(args) if isinstance(args, str) else dict(args)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"rollout.env_args={args!r} is not a JSON object ({e})") from None
+  if not isinstance(kwargs, dict):
+    raise ValueError(f"rollout.env_args={args!r} is not a JSON object")
+  env = cls(**kwargs)  # Once now: wrong arguments fail at start, not in a worker.
+  if not (hasattr(env, "reset") and hasattr(env, "step")):
+    raise ValueError(f"{field}={path!r} is not an environment (it needs reset(example) and step(text))")
+  return lambda: cls(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

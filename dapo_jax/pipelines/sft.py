@@ -26,14 +26,27 @@ def pack(token_lists, seq_len: int, eos_id: int) -> np.ndarray:
 
 
 def sft_texts(tok, examples, chat_template: bool, style: str = "steps") -> list[str]:
+  """Prompt + reference solution. "tool": the whole calculator episode (`envs.tasks`): the call,
+  the calculator's result in the template's tool role, the answer."""
+  if style == "tool":
+    from dapo_jax.envs import tasks  # noqa: PLC0415
+    return [tasks.calculator_episode_text(tok, ex) for ex in examples]
   return [tokenizer_lib.render(tok, ex.messages, chat_template) + data_lib.arith_solution(ex, style)
           for ex in examples]
 
 
+def _prompt_text(tok, ex, chat_template: bool, style: str) -> str:
+  if style == "tool":
+    from dapo_jax.envs import tasks  # noqa: PLC0415
+    return tokenizer_lib.render(tok, ex.messages, chat_template, tools=tasks.calculator_schemas())
+  return tokenizer_lib.render(tok, ex.messages, chat_template)
+
+
 def probe_batch(tok, examples, chat_template: bool, style: str = "steps") -> tuple[np.ndarray, ...]:
   """Rows of prompt + reference solution + EOS, tokenized as generation sees them (prompt and
-  completion apart), left-padded: (tokens [B, T], mask [B, T], completion mask [B, T])."""
-  prompts = tok([tokenizer_lib.render(tok, ex.messages, chat_template) for ex in examples],
+  completion apart), left-padded: (tokens [B, T], mask [B, T], completion mask [B, T]). For a
+  calculator episode ("tool"), the solution is its first turn: the call."""
+  prompts = tok([_prompt_text(tok, ex, chat_template, style) for ex in examples],
                 add_special_tokens=False)["input_ids"]
   completions = tok([data_lib.arith_solution(ex, style) for ex in examples], add_special_tokens=False)["input_ids"]
   rows = [(p, c + [tok.eos_token_id]) for p, c in zip(prompts, completions)]

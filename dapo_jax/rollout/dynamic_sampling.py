@@ -135,7 +135,7 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
   cap; then it returns what was kept, `stats.cap_reached`, or raises with `on_cap="raise"`). `next_examples(n)` gives the next n
   prompts in data order. One process: with several, the loop uses whole generation batches."""
   eng = rollout.engine(rollout.sampler_cfg, Q * G)
-  session = eng.session(params, key)
+  session = eng.session(params, key, rollout.episodes)
   stats = StreamStats()
   pending: dict[int, dict] = {}     # prompt number -> its prompt, examples and ended samples
   kept: dict[int, Groups] = {}
@@ -151,6 +151,8 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
     ids = list(range(stats.admitted, stats.admitted + len(prompt_QP)))
     for i, pid in enumerate(ids):
       pending[pid] = {"prompt": prompt_QP[i], "mask": mask_QP[i], "samples": {}, "example": examples[i]}
+      if rollout.episodes is not None:
+        rollout.episodes.register(pid, examples[i])
     stop = rollout.length_hook(len(ids) * G) if rollout.length_hook else None
     session.add(ids, prompt_QP, mask_QP, G, stop)
     stats.admitted += len(ids)
@@ -228,7 +230,7 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
 def _group(entry: dict, G: int, C: int) -> dict:
   rows = [entry["samples"][g] for g in range(G)]
   return {"example": entry["example"], "prompt": entry["prompt"], "mask": entry["mask"],
-          "samples": engine_lib.stack(rows, C)}
+          "samples": engine_lib.stack(rows, C), "rewards": None if rows[0].policy_C is None else [r.reward for r in rows]}
 
 
 def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, list[str], float]]:
@@ -238,7 +240,7 @@ def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, li
     t0 = time.perf_counter()
     s = g["samples"]
     G = s.tokens_BC.shape[0]
-    scored = rollout.score([g["example"]], s, G)
+    scored = rollout.score([g["example"]], s, G, g["rewards"])
     groups = Groups.from_samples(g["prompt"][None], g["mask"][None], s, scored["score"], scored["acc"],
                                  scored["filter"])
     out.append((groups, scored["texts"], time.perf_counter() - t0))

@@ -27,6 +27,7 @@ from dapo_jax.datatypes import Groups
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import engine as engine_lib
+from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import sampling
 
 
@@ -44,15 +45,25 @@ class RolloutConfig:
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
   filter_metric: str = "acc"           # what dynamic sampling compares (filter_values)
+  turn_tokens: int = 0                 # episodes: tokens one policy turn may draw (0 = the whole budget)
 
 
 class Rollout:
   """Samples and scores completions of a policy whose params live on `mesh`."""
 
   def __init__(self, tok, model_cfg: model_lib.ModelConfig, mesh, cfg: RolloutConfig,
-               sampler_cfg: sampling.SamplerConfig, reward=None):
+               sampler_cfg: sampling.SamplerConfig, reward=None, env=None,
+               episode_cfg: episodes_lib.EpisodeConfig | None = None):
+    """`env` (a class or factory of `envs.Env`) makes every sample an episode: the environment builds
+    the prompt, answers between turns and gives the reward (`reward` is then unused); the sampler's
+    max_new_tokens is the episode's budget after the prompt, `cfg.turn_tokens` one turn's."""
     self.tok, self.model_cfg, self.mesh, self.cfg = tok, model_cfg, mesh, cfg
     self.sampler_cfg, self.reward = sampler_cfg, reward
+    self.episodes = None if env is None else episodes_lib.EpisodeDriver(
+        tok, env, episode_cfg or episodes_lib.EpisodeConfig(), eos_ids=sampler_cfg.eos_ids)
+    if self.episodes is not None and (cfg.engine != "continuous" or jax.process_count() > 1):
+      raise ValueError("rollout.env: episodes run on the continuous engine (rollout.engine='continuous') "
+                       "in one process")
     self.buckets = sorted(cfg.prompt_buckets or [cfg.max_prompt_len])
     self.truncated_prompts = 0  # training prompts (`groups`) that lost their beginning to max_prompt_len
     self.engines: dict = {}     # one continuous-batching engine per (sampler config, slots)
@@ -85,7 +96,10 @@ class Rollout:
 
   def render(self, prompt: data_lib.Example | str) -> str:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt.messages
-    return tokenizer_lib.render(self.tok, messages, self.cfg.chat_template)
+    tools = None
+    if self.episodes is not None and not isinstance(prompt, str):  # The environment sets the scene.
+      messages, tools = self.episodes.prompt(prompt)
+    return tokenizer_lib.render(self.tok, messages, self.cfg.chat_template, tools=tools)
 
   def prompt_len(self, prompt_mask_QP: np.ndarray) -> int:
     """The smallest compiled prompt length (bucket) that holds every prompt of the batch."""
@@ -108,25 +122,32 @@ class Rollout:
     if k not in self.engines:
       self.engines[k] = engine_lib.Engine(self.model_cfg, sampler_cfg, slots=slots, prompt_len=self.cfg.max_prompt_len,
                                           prompt_buckets=self.buckets, mesh=self.mesh,
-                                          prefill_tokens=self.cfg.prefill_tokens, **self.engine_options)
+                                          prefill_tokens=self.cfg.prefill_tokens, turn_tokens=self.cfg.turn_tokens,
+                                          **self.engine_options)
     return self.engines[k]
 
   def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None,
-               first_prompt_id: int = 0):
+               first_prompt_id: int = 0, examples=None):
     """G samples per prompt as host arrays (`sampling.Samples`); prompt q's samples are rows
-    qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair.
-    Continuous engine: prompt q's samples come from (key, first_prompt_id + q, sample index)."""
+    qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair
+    (episodes: of `examples`). Continuous engine: prompt q's samples come from (key,
+    first_prompt_id + q, sample index). Episodes: `last_stats["episode_rewards"]` has their rewards."""
     # A mixture of experts runs its experts on the mesh, which its layers read from the context.
     with jax.set_mesh(self.mesh) if self.model_cfg.moe else contextlib.nullcontext():
-      return self._generate(params, prompts, G, key, sampler_cfg, first_prompt_id)
+      return self._generate(params, prompts, G, key, sampler_cfg, first_prompt_id, examples)
 
-  def _generate(self, params, prompts, G, key, sampler_cfg, first_prompt_id):
+  def _generate(self, params, prompts, G, key, sampler_cfg, first_prompt_id, examples=None):
     sampler_cfg = sampler_cfg or self.sampler_cfg
     prompt_QP, prompt_mask_QP = prompts if isinstance(prompts, tuple) else self.encode(prompts)
     stop_at_B = self.length_hook(len(prompt_QP) * G) if self.length_hook else None
     if self.cfg.engine == "continuous":
+      driver = None
+      if self.episodes is not None:
+        driver = self.episodes
+        for q, ex in enumerate(examples if isinstance(prompts, tuple) else prompts):
+          driver.register(first_prompt_id + q, ex)
       samples, self.last_stats = self.engine(sampler_cfg, len(prompt_QP) * G).generate(
-          params, prompt_QP, prompt_mask_QP, G, key, stop_at_B, first_prompt_id=first_prompt_id)
+          params, prompt_QP, prompt_mask_QP, G, key, stop_at_B, first_prompt_id=first_prompt_id, episodes=driver)
       return samples
     P = self.prompt_len(prompt_mask_QP)
     prompt_QP, prompt_mask_QP = prompt_QP[:, -P:], prompt_mask_QP[:, -P:]
@@ -167,14 +188,16 @@ class Rollout:
       return reward(texts, gts, prompts=[ex.messages[-1]["content"] for ex in examples])
     return reward(texts, gts)
 
-  def score(self, examples: Sequence[data_lib.Example], samples, G: int) -> dict:
-    """Rewards of the rows of `examples` x G: correctness + overlong penalty, and the filter values."""
+  def score(self, examples: Sequence[data_lib.Example], samples, G: int, rewards=None) -> dict:
+    """Rewards of the rows of `examples` x G: correctness + overlong penalty, and the filter values.
+    Episodes bring their environments' `rewards`; their overlong penalty counts the policy's tokens."""
     texts = self.decode(samples)
-    results = self.call_reward(texts, [ex for ex in examples for _ in range(G)])
+    results = rewards if rewards is not None else self.call_reward(texts, [ex for ex in examples for _ in range(G)])
     c = self.cfg
+    lengths = samples.length_B if samples.policy_BC is None else samples.policy_BC.sum(1)
     penalty = np.array([rewards_lib.overlong_penalty(int(n), self.sampler_cfg.max_new_tokens,
                                                      c.overlong_buffer, c.overlong_penalty)
-                        for n in samples.length_B])
+                        for n in lengths])
     Q = len(examples)
     raw_QG = np.array([r["score"] for r in results], np.float64).reshape(Q, G)
     score_QG = raw_QG + penalty.reshape(Q, G)
@@ -191,10 +214,10 @@ class Rollout:
     self.truncated_prompts += truncated
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
-    samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id)
+    samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id, examples=examples)
     t1 = time.perf_counter()
     rows = slice(jax.process_index() * len(examples) * G, (jax.process_index() + 1) * len(examples) * G)
-    local = self.score(examples, jax.tree.map(lambda x: x[rows], samples), G)
+    local = self.score(examples, jax.tree.map(lambda x: x[rows], samples), G, self.last_stats.get("episode_rewards"))
     t2 = time.perf_counter()
     groups = Groups.from_samples(prompt_QP, pmask_QP, samples, sharding.gather_hosts(local["score"]),
                                  sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]))
