@@ -4,6 +4,7 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
   python -m launch.bench sampler --model_dir=DIR --batch=64 --prompt_len=32 --new_tokens=64
   python -m launch.bench train   --model_dir=DIR --batch=64 --seq_len=96
   python -m launch.bench e2e     --model_dir=DIR --prompts=prompts_32tok.jsonl   # 8 prompts x 8 samples
+  python -m launch.bench episodes --tool_ms=50    # 3-turn episodes, environment latency vs a turn-synchronous loop
 
 DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
 Without --model_dir the config's model is built with random weights.
@@ -42,6 +43,7 @@ _WIDTHS = flags.DEFINE_enum("widths", "thirds", ["thirds", "pow2", "off"], "e2e,
                             "powers of two and three times powers of two, powers of two only, or never compact).")
 _ROUND_FRACTION = flags.DEFINE_float("round_fraction", 0.0, "e2e, continuous engine: a decode round returns to "
                                      "refill slots once this fraction of the busy slots ended (0 = the first).")
+_TOOL_MS = flags.DEFINE_float("tool_ms", 50.0, "episodes: mean environment latency (log-normal, sigma 1), ms.")
 _MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = the config's "
                                     "model.matmul_dtype, or else the compute dtype).")
 
@@ -234,6 +236,75 @@ def bench_e2e(cfg, peak):
           **({"widths": _WIDTHS.value, "round_fraction": _ROUND_FRACTION.value} if cfg.rollout.engine == "continuous" else {})}
 
 
+class LatencyEnv:
+  """The episode workload's environment: `turns` policy turns; each step sleeps a latency drawn from
+  a log-normal distribution (sigma 1) with mean `mean_ms`, as tools and sandboxes answer."""
+  turns, mean_ms = 3, 50.0
+
+  def __init__(self):
+    import numpy as np
+    self.rng, self.n = np.random.default_rng(), 0
+
+  def reset(self, example):
+    return [{"role": "user", "content": "go"}]
+
+  def step(self, text):
+    import numpy as np
+    self.n += 1
+    time.sleep(min(self.rng.lognormal(np.log(self.mean_ms / 1000) - 0.5, 1.0), 5.0))
+    if self.n < self.turns:
+      return [{"role": "user", "content": f"observation {self.n}"}], None, {}
+    return None, {"score": 1.0, "acc": True, "pred": ""}, {}
+
+  def close(self):
+    pass
+
+
+def bench_episodes(cfg, peak):
+  """Episodes with environment latency: the engine (slots keep decoding while environments work)
+  against the turn-synchronous loop (every busy slot's turn ends, then all its environment calls,
+  the batch idle), interleaved A B A B on the same random model and workload."""
+  import jax
+  import numpy as np
+
+  from dapo_jax import testing
+  from dapo_jax.data import tokenizer as tokenizer_lib
+  from dapo_jax.model import transformer as model_lib
+  from dapo_jax.rollout import engine, episodes, sampling
+  del peak
+  tmp = tempfile.mkdtemp(prefix="dapo_bench_")
+  tok = testing.build_tokenizer(tmp)
+  mc = model_lib.ModelConfig(**{**dataclasses.asdict(testing.tiny_model_config(512)), "embed_dim": 128,
+                                "mlp_dim": 384, "num_layers": 4, "head_dim": 32})
+  params = model_lib.init_params(mc, jax.random.key(0))
+  LatencyEnv.mean_ms = _TOOL_MS.value
+  Q, G, C = _NUM_PROMPTS.value, _GROUP.value, _NEW_TOKENS.value
+  eos = tuple(range(3, 3 + 512 // 16))  # One token in 16 ends a turn: turns of ~16 tokens.
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=eos)
+  text = tokenizer_lib.render(tok, LatencyEnv().reset(None))
+  prompt_QP, mask_QP = tokenizer_lib.encode_left_padded(tok, [text] * Q, 16)
+  eng = engine.Engine(mc, sc, slots=_SLOTS.value or Q * G, prompt_len=16, turn_tokens=C // 3)
+  out = {"overlapped": [], "barrier": []}
+  for run in range(_RUNS.value + 1):
+    for mode in out:
+      driver = episodes.EpisodeDriver(tok, LatencyEnv, episodes.EpisodeConfig(
+          max_turns=LatencyEnv.turns, workers=Q * G, barrier=mode == "barrier"), eos_ids=eos)
+      for q in range(Q):
+        driver.register(q, None)
+      t0 = time.perf_counter()
+      _, stats = eng.generate(params, prompt_QP, mask_QP, G, jax.random.key(run), episodes=driver)
+      driver.close()
+      if run:  # The first run compiles.
+        out[mode].append({"s": time.perf_counter() - t0, "util": stats["slot_utilisation"],
+                          "turns": float(np.mean(stats["turns"]))})
+  med = lambda mode, k: statistics.median(r[k] for r in out[mode])
+  return {"bench": "episodes", "episodes": Q * G, "tool_ms_mean": _TOOL_MS.value, "turns": LatencyEnv.turns,
+          "overlapped_s": med("overlapped", "s"), "barrier_s": med("barrier", "s"),
+          "speedup": med("barrier", "s") / med("overlapped", "s"),
+          "slot_utilisation": {m: med(m, "util") for m in out}, "mean_turns": {m: med(m, "turns") for m in out},
+          "runs_s": {m: [r["s"] for r in out[m]] for m in out}}
+
+
 class LengthHook:
   """The long-tail workload: response lengths drawn per generation call from a log-normal
   distribution (sigma 1) with mean `mean`, capped at `cap`; the n-th call draws the same lengths
@@ -251,14 +322,15 @@ class LengthHook:
 
 
 def main(argv):
-  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e"):
-    raise SystemExit("usage: python -m launch.bench sampler|train|e2e [flags]")
+  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e", "episodes"):
+    raise SystemExit("usage: python -m launch.bench sampler|train|e2e|episodes [flags]")
   import jax
   cfg = _CONFIG.value
   dtypes = numerics(cfg)
   operand_dtype = dtypes["matmul_dtype"] or dtypes["dtype"]
   peak = matmul_peak(operand_dtype)
-  result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e}[argv[1]](cfg, peak)
+  result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e,
+            "episodes": bench_episodes}[argv[1]](cfg, peak)
   result.update(matmul_peak_flops_per_s=peak, matmul_dtype=operand_dtype, backend=jax.default_backend(),
                 devices=jax.device_count(), model_dir=_MODEL_DIR.value)
   print(json.dumps(result))

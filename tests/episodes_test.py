@@ -148,3 +148,30 @@ def test_a_failing_environment_ends_its_episodes_with_the_failure_reward(tok, se
   assert [r["pred"] for r in stats["episode_rewards"]] == [pred, pred]
   assert all(r["score"] == -1.0 and not r["acc"] for r in stats["episode_rewards"])
   assert driver.metrics()[f"env/{counter}"] == 2
+
+
+def test_streamed_episode_groups_train_on_the_policy_tokens_only(tok, setup):
+  """Through `Rollout` and streaming dynamic sampling: the environment's reward is the score, and
+  the train batch's loss mask is the policy's tokens (observations and padding out)."""
+  from dapo_jax import advantages, sharding
+  from dapo_jax.data import prompts as data
+  from dapo_jax.rollout import dynamic_sampling, rollout as rollout_lib
+  cfg, params = setup
+  eos = tuple(range(3, 160))
+  sc = sampling.SamplerConfig(max_new_tokens=48, temperature=1.0, eos_ids=eos)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  r = rollout_lib.Rollout(tok, cfg, mesh, rollout_lib.RolloutConfig(max_prompt_len=16, turn_tokens=6, slots=4,
+                                                                    filter_metric="score"),
+                          sc, env=Countdown, episode_cfg=episodes.EpisodeConfig(max_turns=4, poll_steps=2))
+  examples = [data.Example(messages=[{"role": "user", "content": "x"}], ground_truth="", data_source="t", index=i)
+              for i in range(8)]
+  it = iter(examples)
+  groups, stats, info = dynamic_sampling.stream_groups(r, params, lambda n: [next(it) for _ in range(n)], 3, 2,
+                                                       jax.random.key(1), filter_groups=False)
+  r.episodes.close()
+  assert len(groups) == 2
+  assert set(np.unique(groups.score_QG)) <= {3.0, -1.0}   # Three turns played, or a turn cut at its budget.
+  assert (groups.policy_QGC <= groups.mask_QGC).all() and (groups.policy_QGC < groups.mask_QGC).any()
+  batch, _ = advantages.to_train_batch(groups, 2, 16, norm_adv_by_std=True, overlong_filter=False)
+  np.testing.assert_array_equal(batch.loss_mask_BC, groups.policy_QGC.reshape(6, -1))
+  np.testing.assert_array_equal(batch.mask_BT[:, 16:], groups.mask_QGC.reshape(6, -1))

@@ -400,7 +400,11 @@ class Session:
 
   def step(self) -> list[Finished]:
     e = self.e
-    finished = self._continue_episodes() if self.episodes else []
+    finished = []
+    if self.episodes and self.episodes.cfg.barrier and self.paused and self.in_flight == self.paused:
+      self.episodes.wait_all()  # The turn-synchronous reference: the whole batch waits.
+    if self.episodes and not (self.episodes.cfg.barrier and self.in_flight > self.paused):
+      finished = self._continue_episodes()
     self._insert()
     busy = self.in_flight
     if not busy:

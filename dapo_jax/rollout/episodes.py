@@ -36,6 +36,9 @@ class EpisodeConfig:
   workers: int = 8                # environment steps running at once
   failure_score: float = -1.0     # the reward of an episode whose environment failed or was cut
   poll_steps: int = 8             # decode steps between looks at the environments while they work
+  # True: the reference loop of turn-synchronous systems, for benchmarks: no slot continues until
+  # every busy slot's turn has ended and every environment has answered (the batch idles meanwhile).
+  barrier: bool = False
 
 
 def failure(why: str, score: float) -> dict:
@@ -187,6 +190,13 @@ class EpisodeDriver:
     deadline = min(d for _, d in self.calls.values())
     cf.wait([f for f, _ in self.calls.values()], timeout=max(deadline - time.monotonic(), 0.0) + 1e-3,
             return_when=cf.FIRST_COMPLETED)
+
+  def wait_all(self) -> None:
+    """Blocks until every running environment step ends or times out."""
+    while self.calls:
+      self.wait()
+      if all(f.done() for f, _ in self.calls.values()) or time.monotonic() > min(d for _, d in self.calls.values()):
+        return
 
   @property
   def poll_steps(self) -> int:
