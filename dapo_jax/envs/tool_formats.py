@@ -258,9 +258,9 @@ def gemma_tools_text(tools: Sequence[dict]) -> str:
   """Google's Gemma 3 function-calling convention: the tools as Python signatures, calls in
   ```tool_code```, results in ```tool_output```."""
   stubs = "\n\n".join(_python_stub(t) for t in tools)
-  return ("You can call the Python functions below. To call one, write a ```tool_code``` block holding the "
-          "call with keyword arguments, like ```tool_code\nname(arg=value)\n```, and nothing after it. Its "
-          "result comes back in a ```tool_output``` block; use it to call more functions or to answer.\n\n"
+  return ("You can call the Python functions below. To call one, write the call, with keyword arguments, "
+          "in a tool_code block and stop there:\n```tool_code\nname(arg=value)\n```\nIts result comes back "
+          "in a tool_output block; use it to call more functions or to answer.\n\n"
           f"```python\n{stubs}\n```")
 
 
