@@ -17,9 +17,9 @@ from configs import default
 def get_config(arg=None):
   c = default.get_config(arg)
   c.tokenizer.vocab_size = 448
-  c.data.update(task="arith", digits=4, ops="*", max_prompt_len=80, num_eval=200, solution_style="tool")
+  c.data.update(task="arith", digits=4, ops="*", max_prompt_len=96, num_eval=200, solution_style="tool")
   c.rollout.update(env="dapo_jax.envs.tasks:CalculatorArith", env_args="{}", max_turns=3, max_new_tokens=40,
-                   max_episode_tokens=80 + 96, env_timeout_s=10.0)
+                   max_episode_tokens=96 + 96, env_timeout_s=10.0)
   c.dapo.update(overlong_buffer=8)
   c.sft.update(steps=800, target_acc=0.2, seq_len=256, batch_size=16)
   return c

@@ -1,22 +1,14 @@
-"""The calculator task: a safe calculator, scripted episodes, and the SFT reference episode that the
-environment itself accepts (its call parses, its answer scores)."""
-import pytest
-
+"""The calculator task: scripted episodes, and the SFT reference episode that the template and the
+environment agree on (its call parses, its result renders as the text that follows, its answer scores)."""
 from dapo_jax.data import prompts as data
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import render, tasks
+from dapo_jax.rollout import episodes
 
 
-@pytest.mark.parametrize("expr,want", [("4821*7302", str(4821 * 7302)), ("(2+3)*4", "20"), ("7/2", "3.5"),
-                                       ("-3**2", "-9"), ("10//3", "3")])
-def test_calculator_computes(expr, want):
-  assert tasks.calculate(expr) == want
-
-
-@pytest.mark.parametrize("expr", ["__import__('os').system('true')", "().__class__", "9**999999", "1/0",
-                                  "x", "1+" * 300 + "1", "open('/etc/passwd')"])
-def test_calculator_refuses_what_is_not_small_arithmetic(expr):
-  assert tasks.calculate(expr).startswith("error")
+def step(env, text):
+  """(observation, reward, info), as the episode driver reads a step's result."""
+  return episodes.unpack_step(env.step(text))
 
 
 def example():
@@ -28,10 +20,10 @@ def test_a_call_then_an_answer_is_a_correct_episode():
   expr = ex.messages[-1]["content"].split("What is ")[1].split("?")[0]
   env = tasks.CalculatorArith()
   env.reset(ex)
-  obs, reward, info = env.step(data.arith_solution(ex, "tool"))
+  obs, reward, info = step(env, data.arith_solution(ex, "tool"))
   assert reward is None and obs == [{"role": "tool", "name": "calculator", "content": str(eval(expr))}]
   assert info["tool_calls"] == 1
-  obs, reward, _ = env.step(f"Answer: {obs[0]['content']}")
+  obs, reward, _ = step(env, f"Answer: {obs[0]['content']}")
   assert obs is None and reward["acc"] and reward["score"] == 1.0
 
 
@@ -39,13 +31,13 @@ def test_without_the_tool_a_call_is_answered_with_an_error_and_malformed_calls_a
   ex = example()
   env = tasks.CalculatorArith(use_tool=False)
   env.reset(ex)
-  obs, _, info = env.step(data.arith_solution(ex, "tool"))
+  obs, _, info = step(env, data.arith_solution(ex, "tool"))
   assert obs[0]["content"].startswith("error: no tool") and info["tool_errors"] == 1
   env = tasks.CalculatorArith()
   env.reset(ex)
-  obs, _, info = env.step('<tool_call>\n{"name": "calculator", "arguments": \n</tool_call>')
-  assert obs[0]["content"].startswith("error: malformed") and info["tool_errors"] == 1
-  obs, reward, _ = env.step("Answer: 12")
+  obs, _, info = step(env, '<tool_call>\n{"name": "calculator", "arguments": \n</tool_call>')
+  assert "is not valid JSON" in obs[0]["content"] and info["tool_errors"] == 1
+  obs, reward, _ = step(env, "Answer: 12")
   assert obs is None and not reward["acc"]
 
 
@@ -67,8 +59,8 @@ def test_the_reference_episode_is_what_the_template_and_the_environment_agree_on
           {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}]}],
       tools=env.tools, tokenize=False)
   assert rendered == prompt + call + tok.eos_token + "\n"
-  obs, _, _ = env.step(call)
+  obs, _, _ = step(env, call)
   rest = text[len(prompt) + len(call):]
   assert rest.startswith(tok.eos_token + render.observation_text(tok, obs, ended_with=tok.eos_token))
-  _, reward, _ = env.step(text.rsplit("\n", 1)[-1])
+  _, reward, _ = step(env, text.rsplit("\n", 1)[-1])
   assert reward["acc"]
