@@ -129,7 +129,7 @@ def test_render_then_parse_round_trips(fmt):
 
 @pytest.mark.parametrize("fmt", tf.FORMATS)
 def test_text_without_a_call_is_an_answer(fmt):
-  for text in ("The product is 35203142.\nAnswer: 35203142", "", "Answer: \\boxed{42}"):
+  for text in ("The product is 35202942.\nAnswer: 35202942", "", "Answer: \\boxed{42}"):
     assert tf.parse_tool_calls(text, fmt) == []
 
 
@@ -151,7 +151,7 @@ def test_gemma_variants():
 
 
 def test_calls_while_thinking_are_not_calls():
-  text = "<think>\nMaybe " + tf.render_tool_calls([CALC], "qwen") + "? No.\n</think>\n\nAnswer: 35203142"
+  text = "<think>\nMaybe " + tf.render_tool_calls([CALC], "qwen") + "? No.\n</think>\n\nAnswer: 35202942"
   assert tf.parse_tool_calls(text, "qwen") == []
 
 
@@ -214,22 +214,22 @@ def test_assistant_message_keeps_the_text_and_omits_empty_tool_calls():
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_results_render_in_the_tool_role(family):
   fmt, tok = FORMAT[family], tokenizer(family)
-  obs = tf.tool_result_messages([CALC, CALC], ["35203142", "error: boom"], fmt)
+  obs = tf.tool_result_messages([CALC, CALC], ["35202942", "error: boom"], fmt)
   assert all(isinstance(m["content"], str) for m in obs)  # what the engine accepts (render_lib.check_messages)
   render_lib.check_messages(obs)
   _, tools = prompt_of(family)
   text = render_lib.observation_text(tok, obs, ended_with=FAMILIES[family][2],
                                  tools=tools if family in NATIVE else None)
   expected = {
-      "qwen2_5": "\n<|im_start|>user\n<tool_response>\n35203142\n</tool_response>\n<tool_response>\nerror: boom\n"
+      "qwen2_5": "\n<|im_start|>user\n<tool_response>\n35202942\n</tool_response>\n<tool_response>\nerror: boom\n"
                  "</tool_response><|im_end|>\n<|im_start|>assistant\n",
-      "qwen3": "\n<|im_start|>user\n<tool_response>\n35203142\n</tool_response>\n<tool_response>\nerror: boom\n"
+      "qwen3": "\n<|im_start|>user\n<tool_response>\n35202942\n</tool_response>\n<tool_response>\nerror: boom\n"
                "</tool_response><|im_end|>\n<|im_start|>assistant\n",
       # Llama 3.1's template writes a string result with tojson (a string is iterable in Jinja).
-      "llama3_1": '<|start_header_id|>ipython<|end_header_id|>\n\n"35203142"<|eot_id|>'
+      "llama3_1": '<|start_header_id|>ipython<|end_header_id|>\n\n"35202942"<|eot_id|>'
                   '<|start_header_id|>ipython<|end_header_id|>\n\n"error: boom"<|eot_id|>'
                   "<|start_header_id|>assistant<|end_header_id|>\n\n",
-      "gemma3": "\n<start_of_turn>user\n```tool_output\n35203142\n```\n```tool_output\nerror: boom\n```<end_of_turn>\n"
+      "gemma3": "\n<start_of_turn>user\n```tool_output\n35202942\n```\n```tool_output\nerror: boom\n```<end_of_turn>\n"
                 "<start_of_turn>model\n",
   }[family]
   assert text == expected
