@@ -112,7 +112,8 @@ def test_generic_format_puts_the_tools_in_the_system_message():
   tools = [calculator_tool().schema()]
   out = tf.prompt_messages([{"role": "user", "content": "hi"}], tools, "none")
   assert out[0]["role"] == "system" and "<tools>" in out[0]["content"] and "<tool_call>" in out[0]["content"]
-  out = tf.prompt_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools, "none")
+  out = tf.prompt_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools,
+                           "none")
   assert out[0]["content"].startswith("Be brief.\n\n# Tools") and len(out) == 2
   assert tf.prompt_messages([{"role": "user", "content": "hi"}], None, "gemma") == [{"role": "user", "content": "hi"}]
 

@@ -19,8 +19,7 @@ import math
 import operator
 from typing import Callable, Sequence
 
-from dapo_jax.envs import base
-from dapo_jax.envs import tool_formats
+from dapo_jax.envs import base, tool_formats
 
 # --- the calculator --------------------------------------------------------------------------------
 

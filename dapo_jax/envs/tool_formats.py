@@ -1,10 +1,10 @@
-"""Tool-call formats per chat-template family: how the policy writes a call, and how results come back.
+r"""Tool-call formats per chat-template family: how the policy writes a call, and how results come back.
 
-  format  the policy's call (what the template shows it)              a result (the message the env returns)
-  qwen    <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>  role "tool" (Qwen2.5/Qwen3 wrap it in <tool_response>)
-  llama3  {"name": ..., "parameters": {...}}, maybe after <|python_tag|>  role "tool" (Llama 3.1+ renders an ipython turn)
-  gemma   ```tool_code\\nname(arg=value)\\n```                           a user turn of ```tool_output\\n...\\n``` blocks
-  none    as qwen, the tools described in a system message                a user turn of <tool_response> blocks
+  format  the policy's call (what the template shows it)        a result (the message the env returns)
+  qwen    <tool_call>\n{"name": .., "arguments": {..}}\n</tool_call>  role "tool" (the template: <tool_response>)
+  llama3  {"name": .., "parameters": {..}}, maybe after <|python_tag|>  role "tool" (the template: an ipython turn)
+  gemma   ```tool_code\nname(arg=value)\n```                          a user turn of ```tool_output``` blocks
+  none    as qwen, the tools described in a system message           a user turn of <tool_response> blocks
 
 qwen and llama3 templates render `tools=` themselves; gemma (Gemma 3's template has no tool support:
 Google's documented convention is plain-text prompting, as in the gemma-cookbook function-calling
