@@ -26,6 +26,9 @@ FAMILIES = {
 }
 FORMAT = {"qwen2_5": "qwen", "qwen3": "qwen", "llama3_1": "llama3", "gemma3": "gemma"}
 NATIVE = ("qwen2_5", "qwen3", "llama3_1")  # templates that render `tools=` themselves
+GENERATION_HEADER = {"qwen2_5": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n",
+                     "llama3_1": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                     "gemma3": "<start_of_turn>model\n"}
 
 CALC = ToolCall("calculator", {"expression": "4821*7302"})
 SEARCH = ToolCall("search", {"query": "Zürich \"old town\"", "k": 3, "exact": True, "tags": ["a", "b"],
@@ -103,9 +106,7 @@ def test_the_prompt_describes_the_tools(family):
     assert '"expression"' in text and '"required"' in text
   else:
     assert "def calculator(expression: str):" in text and "```tool_code" in text
-  assert text.endswith({"qwen2_5": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n",
-                        "llama3_1": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-                        "gemma3": "<start_of_turn>model\n"}[family])
+  assert text.endswith(GENERATION_HEADER[family])
 
 
 def test_generic_format_puts_the_tools_in_the_system_message():
@@ -274,3 +275,31 @@ def test_json_arguments_render_as_the_templates_tojson():
   # The templates' `tojson` is json.dumps(ensure_ascii=False): the rendered call keeps "ü" as is.
   text = tf.render_tool_calls([SEARCH], "qwen")
   assert json.dumps(SEARCH.arguments, ensure_ascii=False) in text and "Zürich" in text
+
+
+# --- ToolEnv through each real template: the prompt, the policy's call, the observation's text ----------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tool_env_episode_through_the_real_template(family):
+  from dapo_jax.data.prompts import Example
+  from dapo_jax.envs.tool_env import ToolEnv
+  tok, fmt, eot = tokenizer(family), FORMAT[family], FAMILIES[family][2]
+  env = ToolEnv()
+  env.tokenizer = tok
+  example = Example(messages=({"role": "user", "content": "What is 4821*7302? End with: Answer: <number>"},),
+                    ground_truth="35202942")
+  messages = env.reset(example)
+  assert env.fmt == fmt and (env.tools is not None) == (family in NATIVE)
+  kw = {"tools": env.tools} if env.tools else {}
+  prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+  assert "calculator" in prompt
+  if family == "gemma3":  # Gemma 3's template ignores tools=: the text in the prompt is all there is.
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                   tools=[calculator_tool().schema()]) == prompt
+  # The policy writes the call as the template shows it (the engine hands over the text before its EOS).
+  out = env.step(generated_part(family, [CALC]))
+  assert out.reward is None and out.info["tool_calls"] == 1
+  text = render_lib.observation_text(tok, out.observation, ended_with=eot, tools=env.tools)
+  assert "35202942" in text and text.endswith(GENERATION_HEADER[family])
+  out = env.step("The product is 35202942.\nAnswer: 35202942")
+  assert out.observation is None and out.reward["acc"]
