@@ -5,8 +5,8 @@ learn to call it with the right expression and copy the result into its answer:
 
     user:       What is 4821*7302? End with: Answer: <number>     (the tools in a system turn)
     assistant:  <tool_call>{"name": "calculator", "arguments": {"expression": "4821*7302"}}</tool_call>
-    tool:       35203142
-    assistant:  Answer: 35203142
+    tool:       35202942
+    assistant:  Answer: 35202942
 """
 from __future__ import annotations
 

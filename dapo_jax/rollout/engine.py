@@ -410,8 +410,9 @@ class Session:
     if not busy:
       return finished
     running = busy - self.paused
-    if self.episodes and not running:  # Every busy slot waits for its environment.
-      self.episodes.wait()
+    if self.episodes and not running:  # Every busy slot waits for its environment: hand back
+      if not finished:                   # what has ended first, then wait.
+        self.episodes.wait()
       return finished
     max_steps = e.C
     if self.episodes:  # Return at every turn's end (its environment starts), and now and then
