@@ -195,3 +195,35 @@ def test_streamed_episode_groups_train_on_the_policy_tokens_only(tok, setup):
   batch, _ = advantages.to_train_batch(groups, 2, 16, norm_adv_by_std=True, overlong_filter=False)
   np.testing.assert_array_equal(batch.loss_mask_BC, groups.policy_QGC.reshape(6, -1))
   np.testing.assert_array_equal(batch.mask_BT[:, 16:], groups.mask_QGC.reshape(6, -1))
+
+
+def test_guess_the_number_on_the_engine_answers_each_guess_with_its_hint(tok, setup):
+  """Feedback between turns: every observation the engine appended is the hint for the guess the
+  policy made in the turn before it (higher / lower / a request for a number)."""
+  from dapo_jax.envs import games
+  cfg, params = setup
+  eos = tuple(range(3, 160))
+  sc = sampling.SamplerConfig(max_new_tokens=96, temperature=1.0, eos_ids=eos)
+  examples = games.guess_number_examples(2, seed=0, max_guesses=4)
+  driver = episodes.EpisodeDriver(tok, lambda: games.GuessNumberEnv(max_guesses=4),
+                                  episodes.EpisodeConfig(max_turns=4, poll_steps=2), eos_ids=eos)
+  prompts = []
+  for q, ex in enumerate(examples):
+    driver.register(q, ex)
+    prompts.append(tokenizer_lib.render(tok, driver.prompt(ex)[0]))
+  prompt_QP, mask_QP = tokenizer_lib.encode_left_padded(tok, prompts, 64)
+  samples, stats = engine.Engine(cfg, sc, slots=4, prompt_len=64, turn_tokens=8).generate(
+      params, prompt_QP, mask_QP, 2, jax.random.key(0), episodes=driver)
+  driver.close()
+  hints = 0
+  for b in range(4):
+    secret = int(examples[b // 2].ground_truth)
+    n, policy = int(samples.length_B[b]), samples.policy_BC[b]
+    runs = np.flatnonzero(np.diff(np.r_[0, policy[:n].astype(int), 0]))  # Starts and ends of policy turns.
+    turns = list(zip(runs[::2], runs[1::2]))
+    for (s0, e0), (s1, _) in zip(turns, turns[1:]):
+      guess = games.last_integer(tok.decode(samples.tokens_BC[b, s0:e0 - 1]))
+      want = "Answer with one integer." if guess is None else "higher" if secret > guess else "lower"
+      assert want in tok.decode(samples.tokens_BC[b, e0:s1]), (guess, secret)
+      hints += 1
+  assert hints >= 4 and max(stats["turns"]) >= 3
