@@ -5,7 +5,6 @@ turns and observations as one sequence): the engine's recorded log-probs of the 
 must equal it, and the observations' tokens must be exactly the template's rendering of them.
 """
 import threading
-import time
 
 import jax
 import numpy as np
@@ -175,7 +174,8 @@ def test_streamed_episode_groups_train_on_the_policy_tokens_only(tok, setup):
   the train batch's loss mask is the policy's tokens (observations and padding out)."""
   from dapo_jax import advantages, sharding
   from dapo_jax.data import prompts as data
-  from dapo_jax.rollout import dynamic_sampling, rollout as rollout_lib
+  from dapo_jax.rollout import dynamic_sampling
+  from dapo_jax.rollout import rollout as rollout_lib
   cfg, params = setup
   eos = tuple(range(3, 160))
   sc = sampling.SamplerConfig(max_new_tokens=48, temperature=1.0, eos_ids=eos)

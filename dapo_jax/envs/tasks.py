@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
-from dapo_jax.envs import render
-from dapo_jax.envs import tool_env
+from dapo_jax.envs import render, tool_env
 
 
 def calculator_schemas() -> list[dict]:

@@ -230,7 +230,8 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
 def _group(entry: dict, G: int, C: int) -> dict:
   rows = [entry["samples"][g] for g in range(G)]
   return {"example": entry["example"], "prompt": entry["prompt"], "mask": entry["mask"],
-          "samples": engine_lib.stack(rows, C), "rewards": None if rows[0].policy_C is None else [r.reward for r in rows]}
+          "samples": engine_lib.stack(rows, C),
+          "rewards": None if rows[0].policy_C is None else [r.reward for r in rows]}  # Episodes' own.
 
 
 def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, list[str], float]]:
