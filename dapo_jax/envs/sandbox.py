@@ -43,9 +43,9 @@ SLOTS = 1000
 HIDDEN_DIRS = ("/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv", "/lost+found")
 DEVICES = ("null", "zero", "full", "random", "urandom")
 TOOLS = ("unshare", "setpriv", "prlimit", "mount", "umount", "pivot_root", "timeout", "cp", "chown", "sh")
+# The program's whole environment (python -I ignores PYTHON* variables anyway).
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-        "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class SandboxError(RuntimeError):
@@ -79,6 +79,7 @@ class Result:
   truncated: bool = False        # stdout or stderr ran past output_bytes
   wall_s: float = 0.0
   mode: str = "namespaces"
+  uid: int | None = None         # the uid it ran as (namespaces mode)
 
   @property
   def ok(self) -> bool:
@@ -256,8 +257,7 @@ def run(argv: list[str], *, stdin: str = "", limits: Limits = Limits(), files: d
       return _run_unsandboxed(argv, host_dir, limits)
     os.makedirs(os.path.join(host_dir, "root"))
     slot = _Slot()
-    result = _run_sandboxed(argv, host_dir, slot.uid, limits)
-    return result
+    return _run_sandboxed(argv, host_dir, slot.uid, limits)
   finally:
     if slot is not None:
       _reap(slot.uid)
@@ -289,7 +289,7 @@ def _run_sandboxed(argv: list[str], host_dir: str, uid: int, limits: Limits) -> 
     if result.timed_out:
       raise SandboxError(f"the sandbox took more than wall_s={limits.wall_s} to start")
     raise SandboxError("the sandbox could not be built: " + " | ".join(status[-6:] or [result.stderr[-500:]]))
-  last = status[-1]
+  result.uid, last = uid, status[-1]
   if last.startswith("exit "):  # The shell reports a death by signal N as 128+N.
     code = int(last.split()[1])
     if code > 128 and code - 128 < signal.NSIG:
