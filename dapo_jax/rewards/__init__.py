@@ -14,3 +14,4 @@ from dapo_jax.rewards.clients import (
                                       resolve,
 )
 from dapo_jax.rewards.rules import math_dapo, math_verify, normalize_final_answer, overlong_penalty
+from dapo_jax.rewards.code import python_tests

@@ -1,0 +1,68 @@
+"""Code rewards: a response passes when its program passes the task's tests, run in the sandbox.
+
+    reward.fn = "dapo_jax.rewards:python_tests"
+    ground_truth = json.dumps({"prompt": "def add(a, b):\\n", "test": "def check(candidate): ...",
+                               "entry_point": "add"})          # HumanEval's row fields
+
+The program is the response's last fenced ```python block when it has one (a whole program), else
+`prompt + response` (a completion, as HumanEval scores it). It runs with the tests and
+`check(<entry_point>)` appended, in `dapo_jax.envs.sandbox` (namespaces, own uid, limits). Free of jax.
+
+Sandbox mode: $DAPO_SANDBOX ("namespaces", the default, or "none" for trusted code only), which
+`set_sandbox` sets, so the reward pool's worker processes, started later, inherit it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from dapo_jax.envs import sandbox
+
+LIMITS = sandbox.Limits(cpu_s=5, wall_s=10, memory_mb=1024, processes=32, output_bytes=16384)
+_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_PRED_CHARS = 200
+
+
+def set_sandbox(mode: str) -> None:
+  """Selects the sandbox for code rewards in this process and the processes it starts later."""
+  if mode not in sandbox.MODES:
+    raise ValueError(f"reward.sandbox={mode!r}; expected one of {sandbox.MODES}")
+  os.environ["DAPO_SANDBOX"] = mode
+  if mode != "none":
+    sandbox.check_available()  # A host that cannot sandbox fails at start-up, saying why.
+
+
+def extract_program(response: str, prompt: str) -> str:
+  """The last fenced python block (a bare ``` block if none is tagged), else `prompt + response`."""
+  blocks = _FENCE.findall(response)
+  tagged = [code for lang, code in blocks if lang]
+  if tagged or blocks:
+    return (tagged or [code for _, code in blocks])[-1]
+  return prompt + response
+
+
+def build_program(response: str, task: dict) -> str:
+  """The program, the task's tests and the call that runs them, as one file."""
+  program = extract_program(response, task.get("prompt") or "")
+  return f"{program}\n\n{task['test']}\n\ncheck({task['entry_point']})\n"
+
+
+def python_tests(response: str, ground_truth: str) -> dict:
+  """+1 when the program passes `check(entry_point)` (exit status 0), else -1."""
+  try:
+    task = json.loads(ground_truth)
+    missing = [k for k in ("test", "entry_point") if not isinstance(task.get(k), str)]
+  except (json.JSONDecodeError, AttributeError) as e:
+    raise ValueError(f"python_tests: ground_truth is not a JSON object ({e}): {ground_truth[:200]!r}") from None
+  if missing:
+    raise ValueError(f"python_tests: ground_truth lacks {missing}: {ground_truth[:200]!r}")
+  result = sandbox.run_python(build_program(response, task), limits=LIMITS)
+  if result.ok:
+    return {"score": 1.0, "acc": True, "pred": "passed"}
+  if result.timed_out:
+    return {"score": -1.0, "acc": False, "pred": "timeout"}
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  why = lines[-1].strip() if lines else (f"signal {result.killed_by_signal}" if result.killed_by_signal
+                                         else f"exit {result.exit_code}")
+  return {"score": -1.0, "acc": False, "pred": f"failed: {why}"[:_PRED_CHARS]}
