@@ -5,8 +5,8 @@
                                "entry_point": "add"})          # HumanEval's row fields
 
 The program is the response's last fenced ```python block when it has one (a whole program), else
-`prompt + response` (a completion, as HumanEval scores it). It runs with the tests and
-`check(<entry_point>)` appended, in `dapo_jax.envs.sandbox` (namespaces, own uid, limits). Free of jax.
+`prompt + response` (a completion, as HumanEval scores it). The program, then the tests, then
+`check(<entry_point>)` run in `dapo_jax.envs.sandbox` (namespaces, own uid, limits). Free of jax.
 
 Sandbox mode: $DAPO_SANDBOX ("namespaces", the default, or "none" for trusted code only), which
 `set_sandbox` sets, so the reward pool's worker processes, started later, inherit it.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 
 from dapo_jax.envs import sandbox
 
@@ -42,10 +43,40 @@ def extract_program(response: str, prompt: str) -> str:
   return prompt + response
 
 
-def build_program(response: str, task: dict) -> str:
-  """The program, the task's tests and the call that runs them, as one file."""
+# Runs the program, then the tests, then `check`, in one namespace named "solution" (so `if __name__ ==
+# "__main__":` blocks stay quiet, as in HumanEval's harness) with the program's prints dropped. A pass
+# is the nonce (read from stdin) printed after `check` returns; an early `sys.exit(0)` or `os._exit(0)`
+# in the program, which would end the process with status 0, then counts as a failure.
+_HARNESS = """\
+import os, sys, traceback
+def _main():
+  nonce = sys.stdin.readline().strip()
+  real_stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
+  scope = {"__name__": "solution"}
+  try:
+    for name in ("solution.py", "test.py"):
+      with open(name) as f:
+        exec(compile(f.read(), name, "exec"), scope)
+    scope["check"](scope[%r])
+  except BaseException:
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
+  real_stdout.write("\\n" + nonce + "\\n")
+  real_stdout.flush()
+  os._exit(0)
+_main()
+"""
+
+
+def run_tests(response: str, task: dict, limits: sandbox.Limits | None = None) -> tuple[bool, sandbox.Result]:
+  """Runs the response's program, the task's tests and `check(entry_point)` in the sandbox; (passed, result)."""
   program = extract_program(response, task.get("prompt") or "")
-  return f"{program}\n\n{task['test']}\n\ncheck({task['entry_point']})\n"
+  nonce = secrets.token_hex(16)
+  result = sandbox.run_python(_HARNESS % task["entry_point"], stdin=nonce + "\n", limits=limits or LIMITS,
+                              files={"solution.py": program, "test.py": task["test"]})
+  passed = result.ok and result.stdout.rstrip("\n").rsplit("\n", 1)[-1] == nonce
+  return passed, result
 
 
 def python_tests(response: str, ground_truth: str) -> dict:
@@ -57,12 +88,12 @@ def python_tests(response: str, ground_truth: str) -> dict:
     raise ValueError(f"python_tests: ground_truth is not a JSON object ({e}): {ground_truth[:200]!r}") from None
   if missing:
     raise ValueError(f"python_tests: ground_truth lacks {missing}: {ground_truth[:200]!r}")
-  result = sandbox.run_python(build_program(response, task), limits=LIMITS)
-  if result.ok:
+  passed, result = run_tests(response, task)
+  if passed:
     return {"score": 1.0, "acc": True, "pred": "passed"}
   if result.timed_out:
     return {"score": -1.0, "acc": False, "pred": "timeout"}
   lines = [line for line in result.stderr.splitlines() if line.strip()]
   why = lines[-1].strip() if lines else (f"signal {result.killed_by_signal}" if result.killed_by_signal
-                                         else f"exit {result.exit_code}")
+                                         else f"exit {result.exit_code} before the tests ended")
   return {"score": -1.0, "acc": False, "pred": f"failed: {why}"[:_PRED_CHARS]}
