@@ -327,3 +327,16 @@ def test_unsandboxed_mode_warns_and_still_limits(caplog, monkeypatch):
   monkeypatch.setenv("DAPO_SANDBOX", "chroot")
   with pytest.raises(ValueError, match="DAPO_SANDBOX"):
     run_python("print(3)")
+
+
+def test_check_available_says_what_is_missing(monkeypatch):
+  monkeypatch.setattr(sandbox, "_available", None)
+  monkeypatch.setattr(sandbox, "TOOLS", sandbox.TOOLS + ("no-such-tool",))
+  with pytest.raises(RuntimeError, match=r"missing programs \['no-such-tool'\].*DAPO_SANDBOX=none"):
+    sandbox.check_available()
+  monkeypatch.setattr(sandbox, "_available", None)
+  monkeypatch.setattr(sandbox, "TOOLS", sandbox.TOOLS[:-1])
+  monkeypatch.setattr(sandbox, "UID_BASE", 0)  # root's uid is in that range.
+  with pytest.raises(RuntimeError, match="DAPO_SANDBOX_UID_BASE"):
+    sandbox.check_available()
+  monkeypatch.setattr(sandbox, "_available", None)

@@ -54,7 +54,7 @@ class SandboxError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-  cpu_s: float = 5          # CPU seconds per process (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)
+  cpu_s: float = 5          # CPU seconds per process, whole (RLIMIT_CPU; SIGXCPU, SIGKILL a second later)
   wall_s: float = 10        # wall-clock seconds for the whole run
   memory_mb: int = 512      # address space per process (RLIMIT_AS)
   processes: int = 32       # processes and threads of the sandbox's uid (RLIMIT_NPROC)
@@ -133,13 +133,16 @@ def processes_of_uid(uid: int) -> list[int]:
 # --- the sandbox script ----------------------------------------------------------------------------
 
 def _interpreter() -> str:
-  return os.path.realpath(sys.executable or shutil.which("python3") or "/usr/bin/python3")
+  """This process's python (a venv's, with its site-packages), else python3 on PATH."""
+  if sys.executable and os.path.isabs(sys.executable) and os.path.exists(sys.executable):
+    return sys.executable
+  return os.path.realpath(shutil.which("python3") or "/usr/bin/python3")
 
 
 def _readable_paths(python: str) -> list[str]:
   """Directories the program must read that a hidden dir may cover: the interpreter and its stdlib."""
   paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-  paths.add(os.path.dirname(python))
+  paths |= {os.path.dirname(python), os.path.dirname(os.path.realpath(python))}
   hidden = lambda p: any(p == h or p.startswith(h + "/") for h in HIDDEN_DIRS)
   return sorted(p for p in paths if hidden(p) and os.path.isdir(p))
 
@@ -155,20 +158,17 @@ def _script(host_dir: str, uid: int, limits: Limits, argv: list[str], readable: 
       f"mount --bind / {new}",
       f"mount -o remount,bind,ro,nosuid,nodev {new}",
   ]
-  for d in HIDDEN_DIRS:
-    if os.path.isdir(d) and not os.path.islink(d):
-      lines.append(f"mount -t tmpfs -o size=1m,mode=755,nosuid,nodev hidden {new}{q(d)}")
-  for p in readable:  # Bound back read-only inside the hidden dirs (before those become read-only).
+  size = f"size={limits.disk_mb}m"
+  # /tmp, the working directory: its own tmpfs, filled before anything is bound inside it.
+  lines += [f"mount -t tmpfs -o {size},mode=700,uid={uid},gid={uid},nosuid,nodev work {new}/tmp",
+            f"cp -R {q(os.path.join(host_dir, 'in'))}/. {new}/tmp/", f"chown -R {uid}:{uid} {new}/tmp"]
+  hidden = [d for d in HIDDEN_DIRS if d != "/tmp" and os.path.isdir(d) and not os.path.islink(d)]
+  lines += [f"mount -t tmpfs -o size=1m,mode=755,nosuid,nodev hidden {new}{q(d)}" for d in hidden]
+  for p in readable:  # Bound back read-only inside the hidden dirs, before those become read-only.
     lines += [f"mkdir -p {new}{q(p)}", f"mount --bind {q(p)} {new}{q(p)}",
               f"mount -o remount,bind,ro,nosuid,nodev {new}{q(p)}"]
-  for d in HIDDEN_DIRS:
-    if os.path.isdir(d) and not os.path.islink(d) and d != "/tmp":
-      lines.append(f"mount -o remount,ro,nosuid,nodev {new}{q(d)}")
-  size = f"size={limits.disk_mb}m"
+  lines += [f"mount -o remount,ro,nosuid,nodev {new}{q(d)}" for d in hidden]
   lines += [
-      f"mount -t tmpfs -o {size},mode=700,uid={uid},gid={uid},nosuid,nodev work {new}/tmp",
-      f"cp -R {q(os.path.join(host_dir, 'in'))}/. {new}/tmp/",
-      f"chown -R {uid}:{uid} {new}/tmp",
       f"mount -t proc -o nosuid,nodev,noexec proc {new}/proc",
       f"mount -t tmpfs -o size=1m,mode=755,nosuid dev {new}/dev",
   ]
@@ -228,7 +228,9 @@ def default_mode() -> str:
 
 def run_python(source: str, *, stdin: str = "", limits: Limits = Limits(), files: dict[str, str] | None = None,
                sandbox: str | None = None) -> Result:
-  """Runs `source` as main.py (with `files` beside it) under `python3 -I` in a fresh sandbox."""
+  """Runs `source` as main.py (with `files` beside it) under `python3 -I` in a fresh sandbox.
+
+  -I leaves the script's directory off sys.path: main.py reads its files with open(), or adds "."."""
   files = dict(files or {}, **{"main.py": source})
   return run([_interpreter(), "-I", "-B", "main.py"], stdin=stdin, limits=limits, files=files, sandbox=sandbox)
 
@@ -397,6 +399,11 @@ def _why_unavailable() -> str:
     return f"missing programs {missing} (util-linux and coreutils provide them)"
   if os.geteuid() != 0:
     return f"it must run as root (uid 0) to build namespaces and switch uids; this process is uid {os.geteuid()}"
+  import pwd
+  taken = [u.pw_name for u in pwd.getpwall() if UID_BASE <= u.pw_uid < UID_BASE + SLOTS]
+  if taken:
+    return (f"users {taken} have uids in the sandbox's range {UID_BASE}..{UID_BASE + SLOTS - 1}; "
+            "set DAPO_SANDBOX_UID_BASE to a free range")
   try:
     r = run_python("import socket; print('ok')", limits=Limits(cpu_s=5, wall_s=20), sandbox="namespaces")
   except SandboxError as e:
