@@ -11,8 +11,7 @@ import pytest
 from dapo_jax.data import code_tasks, prompts
 from dapo_jax.envs import python_tool as python_tool_lib
 from dapo_jax.envs import sandbox
-from dapo_jax.rewards import clients
-from dapo_jax.rewards import code
+from dapo_jax.rewards import clients, code
 
 HUMANEVAL_IDS = ("HumanEval/0", "HumanEval/10", "HumanEval/38", "HumanEval/53", "HumanEval/129")
 

@@ -101,12 +101,15 @@ TEMPLATES = (
               "    return max({lo}, min({hi}, x))\n",
               lambda c, x: max(c["lo"], min(c["hi"], x)), lambda r, c: (r.randint(-80, 80),)),
     _Template("fizzbuzz", ("fizzbuzz", "fizz_buzz", "say_number"),
-              lambda r: {"p": (p := r.randint(2, 5)), "q": r.choice([q for q in range(3, 8) if math.gcd(p, q) == 1]),
-                         "a": r.choice(["Fizz", "Foo", "Ping", "Tick"]), "b": r.choice(["Buzz", "Bar", "Pong", "Tock"])},
+              lambda r: {"p": (p := r.randint(2, 5)),
+                         "q": r.choice([q for q in range(3, 8) if math.gcd(p, q) == 1]),  # "only by q" happens
+                         "a": r.choice(["Fizz", "Foo", "Ping", "Tick"]),
+                         "b": r.choice(["Buzz", "Bar", "Pong", "Tock"])},
               "(n: int) -> str",
               "Return '{a}{b}' if n is divisible by both {p} and {q}, '{a}' if only by {p}, '{b}' if only "
               "by {q}, and str(n) otherwise.",
-              "    if n % {p} == 0 and n % {q} == 0:\n        return '{a}{b}'\n    if n % {p} == 0:\n        return '{a}'\n"
+              "    if n % {p} == 0 and n % {q} == 0:\n        return '{a}{b}'\n"
+              "    if n % {p} == 0:\n        return '{a}'\n"
               "    if n % {q} == 0:\n        return '{b}'\n    return str(n)\n",
               lambda c, n: (c["a"] + c["b"] if n % c["p"] == 0 and n % c["q"] == 0 else c["a"] if n % c["p"] == 0
                             else c["b"] if n % c["q"] == 0 else str(n)),
@@ -121,7 +124,8 @@ TEMPLATES = (
               lambda r: {"fn": r.choice(["max", "min"]), "arg": r.choice(_ARGS)},
               "({arg}: list[int]) -> list[int]",
               "Return the list whose i-th element is the {fn} of {arg}[0], ..., {arg}[i].",
-              "    out = []\n    for x in {arg}:\n        out.append(x if not out else {fn}(out[-1], x))\n    return out\n",
+              "    out = []\n    for x in {arg}:\n        out.append(x if not out else {fn}(out[-1], x))\n"
+              "    return out\n",
               lambda c, xs: [(max if c["fn"] == "max" else min)(xs[:i + 1]) for i in range(len(xs))],
               lambda r, c: (_ints(r),)),
     _Template("count_above", ("count_above", "how_many_above", "count_greater"),
