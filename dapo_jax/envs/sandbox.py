@@ -88,7 +88,7 @@ class Result:
 
 # --- uid slots: one per running sandbox, across threads and processes ----------------------------
 
-_LOCK_DIR = os.path.join(tempfile.gettempdir(), "dapo_sandbox_slots")
+_LOCK_DIR = os.path.join(tempfile.gettempdir(), "dapo-sandbox-slots")
 
 
 class _Slot:
