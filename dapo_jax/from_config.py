@@ -419,6 +419,10 @@ def reward(cfg):
   a function path (process pool), http(s)://HOST:PORT (an RM server) or rm:DIR (a reward model
   in this process, on the accelerator)."""
   r = cfg.reward
+  mode = r.get("sandbox", "namespaces")
+  if mode != "namespaces" or any("python_tests" in f for f in (r.fn, *(r.get("fns") or ()))):
+    from dapo_jax.rewards import code  # noqa: PLC0415
+    code.set_sandbox(mode)  # A host that cannot sandbox fails here, saying what is missing.
   fns = tuple(f for f in (r.get("fns") or ()) if f)
   if fns:
     return rewards_lib.CombinedReward(rewards_lib.parse_weighted(fns), r.timeout_s, r.workers)
