@@ -35,8 +35,10 @@ def assert_no_processes_left(result: sandbox.Result) -> None:
 
 @pytest.fixture
 def visible_dir():
-  """A host directory the sandbox can see (read-only): under the working directory, not /tmp."""
-  path = tempfile.mkdtemp(prefix=".sandbox_test_", dir=os.getcwd())
+  """A host directory the sandbox can see (read-only): under /opt, outside the hidden directories
+  (a checkout may itself live under one of them, e.g. a CI clone in /tmp)."""
+  os.makedirs("/opt", exist_ok=True)
+  path = tempfile.mkdtemp(prefix=".sandbox_test_", dir="/opt")
   os.chmod(path, 0o755)
   yield path
   shutil.rmtree(path, ignore_errors=True)
