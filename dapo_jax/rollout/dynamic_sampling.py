@@ -132,8 +132,9 @@ def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Seque
                   Q: int, key, *, max_prompts: int = 0, filter_groups: bool = True, on_cap: str = "train",
                   admit_chunk: int = 1) -> tuple[Groups | None, StreamStats, dict]:
   """Samples and scores prompts until Q groups are kept, or `max_prompts` were admitted (0 = no
-  cap; then it returns what was kept, `stats.cap_reached`, or raises with `on_cap="raise"`). `next_examples(n)` gives the next n
-  prompts in data order. One process: with several, the loop uses whole generation batches."""
+  cap; then it returns what was kept, `stats.cap_reached`, or raises with `on_cap="raise"`).
+  `next_examples(n)` gives the next n prompts in data order. One process: with several, the loop
+  uses whole generation batches."""
   eng = rollout.engine(rollout.sampler_cfg, Q * G)
   session = eng.session(params, key, rollout.episodes)
   stats = StreamStats()

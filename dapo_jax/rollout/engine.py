@@ -55,6 +55,9 @@ class SlotState:
   policy_SC: jax.Array     # bool: the token was sampled by the policy
   force_end_S: jax.Array
   turn_end_S: jax.Array
+  # Per-request sampling (`SamplerConfig.per_request`, a server): each slot's temperature and top-p.
+  temperature_S: jax.Array
+  top_p_S: jax.Array
 
 
 @dataclasses.dataclass
@@ -78,6 +81,10 @@ class _Work:
   prompt_P: np.ndarray
   mask_P: np.ndarray
   stop_at: int
+  key_id: int                      # the sample's key is (session key, key_id, sample)
+  max_tokens: int                  # the sample (an episode: each turn) draws at most this many tokens
+  temperature: float
+  top_p: float
   paused: bool = False             # episodes: waiting for its environment
   last: Finished | None = None     # episodes: the episode so far, at its last turn's end
 
@@ -114,7 +121,7 @@ class Engine:
 
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
                prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
-               min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0):
+               min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0, round_steps: int = 0):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
@@ -124,7 +131,9 @@ class Engine:
     the compile of one more width: short responses finish at the width they have).
     An insert prefills its distinct prompts in chunks of a power of two of them, at most
     `prefill_tokens` prompt tokens (at least one prompt): a prefill's keys and values for every
-    layer exist at once beside the cache (64 SmolLM2 prompts of 192 tokens: 0.57 GB in fp32)."""
+    layer exist at once beside the cache (64 SmolLM2 prompts of 192 tokens: 0.57 GB in fp32).
+    `round_steps` > 0 (a server) returns to the host whenever a sample ends and at least every
+    `round_steps` tokens, so new requests join and streams advance while others decode."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -143,6 +152,7 @@ class Engine:
     # observation tokens); one policy turn draws at most turn_tokens of them (0 = no per-turn limit).
     self.turn_tokens = min(turn_tokens or self.C, self.C)
     self.round_fraction = round_fraction
+    self.round_steps = round_steps
     self.min_compact_steps = min_compact_steps
     self.widths = sorted(set(widths or decode_widths(slots, shards)) | {slots})
     if any(w % shards or w > slots for w in self.widths):
@@ -167,7 +177,9 @@ class Engine:
                       prompt_len_S=jnp.zeros((S,), jnp.int32), key_S=jnp.zeros((S, 2), jnp.uint32),
                       stop_at_S=jnp.full((S,), C + 1, jnp.int32), cache=cache,
                       policy_SC=jnp.zeros((S, C), bool), force_end_S=jnp.zeros((S,), jnp.int32),
-                      turn_end_S=jnp.full((S,), C, jnp.int32))
+                      turn_end_S=jnp.full((S,), C, jnp.int32),
+                      temperature_S=jnp.full((S,), self.sampler_cfg.temperature, jnp.float32),
+                      top_p_S=jnp.full((S,), self.sampler_cfg.top_p, jnp.float32))
     return jax.device_put(state, self.row_sharding)
 
   # --- the host loop -------------------------------------------------------------------------
@@ -221,7 +233,7 @@ def _prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP):
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
 def _start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKPH, mask_UP, src_S, slot_S,
-                   stop_at_S, turn_end_S, n) -> SlotState:
+                   stop_at_S, turn_end_S, temperature_S, top_p_S, n) -> SlotState:
   """Starts sample a < n in slot slot_S[a] from prefilled prompt src_S[a] with key key_S[a]. The
   arguments are slot-sized whatever the number of samples (entries a >= n: slot ids out of range),
   and the cache rows are written one by one in place, so an insert compiles once per prefill shape
@@ -243,7 +255,8 @@ def _start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_L
       prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_S]),
       key_S=put(state.key_S, key_S), stop_at_S=put(state.stop_at_S, stop_at_S), cache=cache,
       policy_SC=put(state.policy_SC, False), force_end_S=put(state.force_end_S, 0),
-      turn_end_S=put(state.turn_end_S, turn_end_S))
+      turn_end_S=put(state.turn_end_S, turn_end_S), temperature_S=put(state.temperature_S, temperature_S),
+      top_p_S=put(state.top_p_S, top_p_S))
 
 
 _sample_keys = jax.jit(jax.vmap(sample_key_data, in_axes=(None, 0, 0)))  # [A, 2] key data, one program per width.
@@ -276,7 +289,10 @@ def _decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, 
     i, s = carry
     keys = jax.random.wrap_key_data(s.key_S)
     u_S = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(keys, s.step_S)
-    tok_S, logp_S = sampling.choose(s.logits_SV, u_S, sc)
+    if sc.per_request:
+      tok_S, logp_S = sampling.choose_rows(s.logits_SV, u_S, s.temperature_S, s.top_p_S, sc.top_k)
+    else:
+      tok_S, logp_S = sampling.choose(s.logits_SV, u_S, sc)
     running_S = ~s.done_S
     forced_S = s.step_S == s.stop_at_S - 1
     tok_S = jnp.where(forced_S, eos[0], tok_S)
@@ -307,6 +323,8 @@ def _decode_params(model_cfg: model_lib.ModelConfig, params) -> dict:
   arrays): the embedding and final norm are the params' own arrays where their dtype matches."""
   return dict(layers=_decode_layers(model_cfg, params), **model_lib.decode_ends(model_cfg, params))
 
+
+_end_rows = jax.jit(lambda state, end_S: state.replace(done_S=state.done_S | end_S), donate_argnums=(0,))
 
 _take_rows = jax.jit(lambda tokens_SC, logp_SC, policy_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A],
                                                                     policy_SC[rows_A]))
@@ -345,7 +363,6 @@ class Session:
     tokens or ends; `step` returns whole episodes."""
     self.e = engine
     self.episodes = episodes
-    self.turn_end0 = sharding.put(np.full((engine.S,), engine.turn_tokens, np.int32), sharding.replicated(engine.mesh))
     self.turn_start: dict[tuple[int, int], int] = {}  # Episodes: where each one's current turn began.
     self.turns: dict[tuple[int, int], int] = {}
     self.paused = 0
@@ -377,8 +394,12 @@ class Session:
   def width(self) -> int:
     return len(self.slot_work)
 
-  def add(self, prompt_ids, prompt_QP, prompt_mask_QP, G: int, stop_at_B=None) -> None:
-    """Queues G samples of each prompt (prompt_QP left-padded to the engine's prompt length)."""
+  def add(self, prompt_ids, prompt_QP, prompt_mask_QP, G: int, stop_at_B=None, *, key_ids=None,
+          max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None) -> None:
+    """Queues G samples of each prompt (prompt_QP left-padded to the engine's prompt length).
+    Sample g of prompt q draws from key (session key, key_ids[q], g) (default: its prompt id) and at
+    most `max_tokens` tokens (default: the turn budget); `temperature` and `top_p` apply to an
+    engine whose sampler is `per_request` (default: the sampler's)."""
     if self.closed:
       raise RuntimeError("samples added to a closed engine session")
     P = self.e.P
@@ -387,10 +408,43 @@ class Session:
     pad = P - prompt_QP.shape[1]
     prompt_QP = np.pad(np.asarray(prompt_QP, np.int32), ((0, 0), (pad, 0)))
     prompt_mask_QP = np.pad(np.asarray(prompt_mask_QP, bool), ((0, 0), (pad, 0)))
+    sc = self.e.sampler_cfg
+    if not sc.per_request and (temperature, top_p) != (None, None):
+      raise ValueError("per-sample temperature or top_p needs an engine whose sampler is per_request")
+    budget = self.e.turn_tokens if max_tokens is None else min(int(max_tokens), self.e.turn_tokens)
+    temperature = sc.temperature if temperature is None else float(temperature)
+    top_p = sc.top_p if top_p is None else float(top_p)
     for q, pid in enumerate(prompt_ids):
+      key_id = int(pid if key_ids is None else key_ids[q])
       for g in range(G):
         stop = self.e.C + 1 if stop_at_B is None else int(stop_at_B[q * G + g])
-        self.queue.append(_Work(int(pid), g, prompt_QP[q], prompt_mask_QP[q], stop))
+        self.queue.append(_Work(int(pid), g, prompt_QP[q], prompt_mask_QP[q], stop, key_id, budget, temperature,
+                                top_p))
+
+  def cancel(self, prompt_id: int, sample: int | None = None) -> list[int]:
+    """Drops the queued samples of `prompt_id` (or its one `sample`) and ends the running ones: the
+    next `step` returns them as they stand (a client that went away, a stop string). Returns the
+    samples dropped from the queue (they never started)."""
+    hit = lambda w: w.prompt_id == prompt_id and sample in (None, w.sample)
+    dropped = [w.sample for w in self.queue if hit(w)]
+    self.queue = collections.deque(w for w in self.queue if not hit(w))
+    rows = [s for s, w in enumerate(self.slot_work) if w is not None and hit(w) and not w.paused]
+    if rows:
+      end_S = np.zeros(self.width, bool)
+      end_S[rows] = True
+      self.state = _end_rows(self.state, sharding.put(end_S, self.rep))
+    return dropped
+
+  def progress(self) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """(tokens, log-probs) drawn so far by each running sample, keyed (prompt id, sample), as of the
+    last round (streaming)."""
+    rows = [s for s, w in enumerate(self.slot_work) if w is not None]
+    if not rows:
+      return {}
+    tokens, logp, _ = self._rows(rows)
+    n = self.drawn
+    return {(self.slot_work[s].prompt_id, self.slot_work[s].sample): (tokens[i][:n[s]], logp[i][:n[s]])
+            for i, s in enumerate(rows)}
 
   def close(self) -> None:
     """No more samples will be added. From then on, once the queue is empty, the busy rows move into
@@ -415,7 +469,9 @@ class Session:
         self.episodes.wait()
       return finished
     max_steps = e.C
-    if self.episodes:  # Return at every turn's end (its environment starts), and now and then
+    if e.round_steps:  # A server: back whenever a sample ends, and every round_steps tokens.
+      target, max_steps = 1, e.round_steps
+    elif self.episodes:  # Return at every turn's end (its environment starts), and now and then
       target = 1       # while environments work, to resume their slots.
       max_steps = self.episodes.poll_steps if self.paused else e.C
     elif self.queue:  # Every slot is busy: return once a few have ended, to refill them.
@@ -544,18 +600,23 @@ class Session:
     A = self.width  # Slot-sized: one program whatever the number of samples started.
     slot_A = np.full((A,), A, np.int32)  # Out of range: padding writes nothing.
     slot_A[:n] = slots
-    src_A, prompt_id_A, sample_A = np.zeros((3, A), np.int32)
+    src_A, key_id_A, sample_A = np.zeros((3, A), np.int32)
     src_A[:n] = [index[w.prompt_id] for w in work]
-    prompt_id_A[:n] = [w.prompt_id for w in work]
+    key_id_A[:n] = [w.key_id for w in work]
     sample_A[:n] = [w.sample for w in work]
-    stop_A = np.full((A,), e.C + 1, np.int32)
+    stop_A, turn_end_A = np.full((2, A), e.C + 1, np.int32)
     stop_A[:n] = [w.stop_at for w in work]
-    prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_A = sharding.put(
-        (prompt_UP, mask_UP, src_A, slot_A, prompt_id_A, sample_A, stop_A), self.rep)
+    turn_end_A[:n] = [w.max_tokens for w in work]
+    temperature_A, top_p_A = np.ones((2, A), np.float32)
+    temperature_A[:n] = [w.temperature for w in work]
+    top_p_A[:n] = [w.top_p for w in work]
+    arrays = sharding.put((prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A, stop_A, turn_end_A, temperature_A,
+                           top_p_A), self.rep)
+    prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A = arrays[:6]
     prefilled = _prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
-    key_A = _sample_keys(self.key_data, prompt_id_A, sample_A)
-    self.state = _start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A, stop_A,
-                                self.turn_end0, jnp.asarray(n, jnp.int32))
+    key_A = _sample_keys(self.key_data, key_id_A, sample_A)
+    self.state = _start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A,
+                                *arrays[6:], jnp.asarray(n, jnp.int32))
     for s, w in zip(slots, work):
       self.slot_work[s] = w
       self.drawn[s] = 0

@@ -25,6 +25,7 @@ class SamplerConfig:
   top_k: int = 0                  # keep the k most likely tokens; 0 = off
   eos_ids: tuple[int, ...] = ()   # a row stops at the first of any of these
   pad_id: int = 0                 # written after a row has stopped
+  per_request: bool = False       # the engine's rows carry their own temperature and top-p (a server)
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -117,6 +118,33 @@ def choose(logits_BV: jax.Array, u_B: jax.Array, cfg: SamplerConfig) -> tuple[ja
       logq_BV = jax.nn.log_softmax(truncate(z_BV, cfg.top_k, cfg.top_p), axis=-1)
     tok_B = sample_inverse_cdf(logq_BV, u_B)
   tok_B = tok_B.astype(jnp.int32)
+  return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
+
+
+def choose_rows(logits_BV: jax.Array, u_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
+                top_k: int = 0) -> tuple[jax.Array, jax.Array]:
+  """`choose` with each row's own temperature (0 = greedy) and top-p, as a server's requests ask:
+  row b gets exactly what `choose` gives with SamplerConfig(temperature_B[b], top_p_B[b], top_k).
+  The nucleus sort runs only when some row truncates."""
+  greedy_B1 = (temperature_B == 0.0)[:, None]
+  z_BV = logits_BV.astype(jnp.float32)
+  z_BV = jnp.where(greedy_B1, z_BV, z_BV / jnp.where(greedy_B1, 1.0, temperature_B[:, None]))
+  logp_BV = jax.nn.log_softmax(z_BV, axis=-1)
+
+  def truncated(z_BV):
+    neg_inf = jnp.array(-jnp.inf, z_BV.dtype)
+    if top_k and top_k < z_BV.shape[-1]:
+      z_BV = jnp.where(z_BV < jax.lax.top_k(z_BV, top_k)[0][:, -1:], neg_inf, z_BV)
+    sorted_BV = jnp.sort(z_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    keep_BV = (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p_B[:, None]
+    threshold_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    z_BV = jnp.where((z_BV < threshold_B1) & (top_p_B[:, None] < 1.0), neg_inf, z_BV)
+    return jax.nn.log_softmax(z_BV, axis=-1)
+
+  truncates = jnp.any(top_p_B < 1.0) | (top_k > 0)
+  logq_BV = jax.lax.cond(truncates, truncated, lambda _: logp_BV, z_BV)
+  tok_B = jnp.where(greedy_B1[:, 0], jnp.argmax(z_BV, axis=-1), sample_inverse_cdf(logq_BV, u_B)).astype(jnp.int32)
   return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
 
 
