@@ -9,13 +9,14 @@ that summing micro-batch losses gives exactly the loss of the whole mini-batch (
 """
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+AGG_MODES = ("token_mean", "token_sum", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
              "seq_sum_token_sum_norm")
-# Policy losses by verl's registry names (`policy_loss(mode=...)`).
-POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg")
 
 
 def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -46,32 +47,33 @@ def aggregate(loss_BC: jax.Array, mask_BC: jax.Array, agg: str = "token_mean", *
   """Reduces per-token losses to a scalar (paper Eq. 12 for token_mean); i = rows, C = norm_len.
 
   token_mean:               Σ_i Σ_t L·m / Σ_i Σ_t m        (DAPO; over the whole mini-batch)
+  token_sum:                Σ_i Σ_t L·m                     (verl's "token-sum")
   seq_mean_token_mean:      mean_i (Σ_t L·m / Σ_t m)        (GRPO, sample level)
   seq_mean_token_sum:       mean_i Σ_t L·m
-  seq_mean_token_sum_norm:  mean_i Σ_t L·m / C              (Dr.GRPO, as TRL's `dr_grpo`)
-  seq_sum_token_sum_norm:   Σ_i Σ_t L·m / C                 (verl's agg_loss "seq-mean-token-sum-norm")
-  C defaults to the padded completion length (max_new_tokens). Sequence means count the rows with
-  at least one loss token. verl's "seq-mean-token-sum-norm" sums over rows instead of averaging
-  them, so its loss, and its gradient before clipping, is larger by a factor of the row count
-  (which changes how often grad clipping binds); `seq_sum_token_sum_norm` is that formula over the
-  whole mini-batch. verl applies it per micro-batch and averages micro-batches and data-parallel
-  ranks, so its effective scale is 1 / (micro-batches x ranks) of this sum; with
-  `verl_microbatch_weighting` the train step applies the micro-batch part of that average.
+  seq_mean_token_sum_norm:  mean_i Σ_t L·m / C              (Dr.GRPO; TRL's `dr_grpo`, verl's
+                                                             "seq-mean-token-sum-norm" since 2026-02-26)
+  seq_sum_token_sum_norm:   Σ_i Σ_t L·m / C                 (verl's "seq-mean-token-sum-norm" before)
+  C is the completion budget (rollout.max_new_tokens, which the objective passes), never a length
+  bucket's width; without `norm_len` it is the padded length. Sequence means count the rows with at
+  least one loss token. The old verl formula sums over rows instead of averaging them, so its loss
+  is larger by a factor of the row count (which changes how often grad clipping binds).
   """
   mask = mask_BC.astype(jnp.float32)
   if agg == "token_mean":
     return masked_mean(loss_BC, mask_BC, num_tokens)
   if agg not in AGG_MODES:
     raise ValueError(f"loss aggregation {agg!r}; expected one of {AGG_MODES}")
-  seqs = num_seqs_with_tokens(mask_BC) if num_seqs is None else num_seqs
   seq_sum_B = jnp.sum(loss_BC * mask, axis=-1)
+  if agg == "token_sum":  # Sums need no global denominator: micro-batches add up.
+    return jnp.sum(seq_sum_B)
+  seqs = num_seqs_with_tokens(mask_BC) if num_seqs is None else num_seqs
   if agg == "seq_mean_token_mean":
     seq_B = seq_sum_B / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
   elif agg == "seq_mean_token_sum":
     seq_B = seq_sum_B
   else:
     seq_B = seq_sum_B / float(norm_len or loss_BC.shape[-1])
-    if agg == "seq_sum_token_sum_norm":  # A sum needs no global denominator: micro-batches add up.
+    if agg == "seq_sum_token_sum_norm":
       return jnp.sum(seq_B)
   return jnp.sum(seq_B) / jnp.maximum(seqs, 1.0)
 
@@ -108,71 +110,460 @@ def kl_penalty(logp_BC, ref_logp_BC, estimator: str = "k3") -> jax.Array:
   raise ValueError(f"kl estimator {estimator!r}; expected 'k1' or 'k3'")
 
 
+# --- The policy-loss registry (verl's core_algos names and semantics) -----------------------------
+
+class Terms(NamedTuple):
+  """What every policy loss reads; all [B, C], constants except logp."""
+  logp: jax.Array        # log π_θ, differentiated
+  old: jax.Array         # log π_old
+  adv: jax.Array         # advantage per token (a response's advantage on each of its tokens)
+  mask: jax.Array        # float loss mask
+  log_ratio: jax.Array   # log π_θ - log π_old, clamped to ±20 as verl does before exp
+  ratio: jax.Array       # exp(log_ratio)
+  w: jax.Array           # is_weights_BC (ones when None), multiplied into the per-token loss
+
+
+class Knobs(NamedTuple):
+  eps_low: float
+  eps_high: float
+  clip_ratio_c: float | None
+  tau_pos: float
+  tau_neg: float
+  clip_cov_ratio: float
+  clip_cov_lb: float
+  clip_cov_ub: float
+  kl_cov_ratio: float
+  ppo_kl_coef: float
+  dro_beta: float | None
+
+
+sg = jax.lax.stop_gradient
+
+
+def _token_mean(x_BC, t: Terms):
+  """Mean over this micro-batch's loss tokens (verl's masked_mean; selections are per micro-batch)."""
+  return jnp.sum(x_BC * t.mask) / jnp.maximum(jnp.sum(t.mask), 1.0)
+
+
+def _largest(score_BC, eligible_BC, k):
+  """Marks the k (a traced count) highest scores among the eligible entries."""
+  s = jnp.where(eligible_BC, score_BC, -jnp.inf).reshape(-1)
+  order = jnp.argsort(-s)
+  rank = jnp.zeros(s.shape, jnp.int32).at[order].set(jnp.arange(s.size, dtype=jnp.int32))
+  return (rank.reshape(score_BC.shape) < k) & eligible_BC
+
+
+def vanilla(t: Terms, k: Knobs):
+  """PPO's clip with DAPO's decoupled ranges (Eq. 10) and the dual clip c for A < 0."""
+  loss, high, low, dual = clipped_surrogate(t.ratio, t.adv, k.eps_low, k.eps_high, k.clip_ratio_c)
+  return loss * t.w, {"pg_clipfrac": high | low, "pg_clipfrac_lower": dual, "pg_clipfrac_eps_high": high,
+                      "pg_clipfrac_eps_low": low, "ppo_kl": -t.log_ratio}
+
+
+def _dppo(t: Terms, k: Knobs, valid_BC):
+  """DPPO's shared form: -A·sg(min(r, c))·log π on the tokens inside the divergence bound."""
+  c = 20.0 if k.clip_ratio_c is None else k.clip_ratio_c  # verl's default truncation
+  valid = sg(valid_BC.astype(t.logp.dtype))
+  loss = -t.adv * sg(jnp.minimum(t.ratio, c)) * t.logp * valid
+  return loss * t.w, {"pg_clipfrac": 1.0 - valid, "pg_clipfrac_lower": (t.ratio > c) * valid,
+                      "ppo_kl": -t.log_ratio}
+
+
+def dppo_tv(t: Terms, k: Knobs):
+  """DPPO-Binary-TV (arXiv 2602.04879): a token counts while π - π_old stays within ε_high (A > 0)
+  or above -ε_low (A ≤ 0); ε are probability differences here, not ratio ranges."""
+  diff = jnp.exp(t.logp) - jnp.exp(t.old)
+  return _dppo(t, k, jnp.where(t.adv > 0, diff <= k.eps_high, diff >= -k.eps_low))
+
+
+def dppo_kl(t: Terms, k: Knobs):
+  """DPPO-Binary-KL: the bound is on the KL of the Bernoulli (this token, any other) distributions,
+  D = p_old·log(p_old/p) + (1-p_old)·log((1-p_old)/(1-p)) ≤ ε_high (A > 0) or ε_low (A ≤ 0); a token
+  whose probability moved against its advantage (A > 0 and p ≤ p_old, or A ≤ 0 and p ≥ p_old) always counts."""
+  p, p_old = jnp.exp(t.logp), jnp.exp(t.old)
+  d = p_old * (t.old - t.logp) + (1.0 - p_old) * jnp.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+  return _dppo(t, k, jnp.where(t.adv > 0, (d <= k.eps_high) | (p <= p_old), (d <= k.eps_low) | (p >= p_old)))
+
+
+def gspo(t: Terms, k: Knobs):
+  """GSPO (arXiv 2507.18071): one ratio per response, s_i = exp(mean_t log r_i,t), clipped to
+  [1-ε_low, 1+ε_high] (the paper: 3e-4 / 4e-4) and applied to every token with the token's own
+  gradient (log s_i,t = sg[log s_i] + log π - sg[log π], capped at 10 as verl does)."""
+  log_r = t.logp - t.old  # verl: not clamped; the sequence ratio is capped instead
+  log_seq_B1 = jnp.sum(log_r * t.mask, -1, keepdims=True) / jnp.maximum(jnp.sum(t.mask, -1, keepdims=True), 1.0)
+  s = jnp.exp(jnp.minimum(t.logp - sg(t.logp) + sg(log_seq_B1), 10.0))
+  loss, high, low, _ = clipped_surrogate(s, t.adv, k.eps_low, k.eps_high, None)
+  return loss * t.w, {"pg_clipfrac": high | low, "pg_clipfrac_lower": jnp.zeros_like(t.logp), "ppo_kl": -log_r}
+
+
+def sapo(t: Terms, k: Knobs):
+  """SAPO (arXiv 2511.20347): a soft gate instead of the clip, f(r) = σ(τ·(r - 1))·4/τ with
+  τ = tau_pos for A > 0 and tau_neg otherwise; L = -f(r)·A."""
+  tau = jnp.where(t.adv > 0, k.tau_pos, k.tau_neg)
+  gate = jax.nn.sigmoid(tau * (t.ratio - 1.0)) * (4.0 / tau)
+  zero = jnp.zeros_like(t.logp)
+  return -gate * t.adv * t.w, {"pg_clipfrac": zero, "pg_clipfrac_lower": zero, "ppo_kl": -t.log_ratio}
+
+
+def gpg(t: Terms, k: Knobs):
+  """GPG (arXiv 2504.02546): -A·log π, no ratio at all."""
+  del k
+  return -t.adv * t.logp * t.w, {}
+
+
+def reinforce(t: Terms, k: Knobs):
+  """REINFORCE, verl's bypass-mode loss: -A·log π·w with w the rollout-correction weights (pass
+  them as is_weights_BC), old_logp_BC the rollout's log-probs (ppo_kl then reads the mismatch)."""
+  del k
+  return -t.adv * t.logp * t.w, {"ppo_kl": -t.log_ratio}
+
+
+def clip_cov(t: Terms, k: Knobs):
+  """Clip-Cov (Cui et al. 2025, arXiv 2505.22617): PPO's clip, and the gradient of a few tokens
+  PPO left unclipped whose covariance (A - mean A)·(log π - mean log π) lies in (lb, ub) is cut:
+  at most max(⌊clip_cov_ratio·tokens⌋, 1) of them, counted per micro-batch as verl does."""
+  r = jnp.exp(jnp.clip(t.logp - t.old, -20.0, 20.0))
+  l1 = -t.adv * r
+  l2 = -t.adv * jnp.clip(r, 1.0 - k.eps_low, 1.0 + k.eps_high)
+  on = t.mask > 0
+  cov = (t.adv - _token_mean(t.adv, t)) * sg(t.logp - _token_mean(t.logp, t))
+  eligible = on & ~(l2 > l1) & (cov > k.clip_cov_lb) & (cov < k.clip_cov_ub)
+  cut = _largest(cov, eligible, jnp.maximum(jnp.floor(k.clip_cov_ratio * jnp.sum(t.mask)), 1.0))
+  loss = jnp.maximum(l1, l2) * (1.0 - cut)
+  return loss * t.w, {"pg_clipfrac": cut, "ppo_kl": -t.log_ratio}
+
+
+def kl_cov(t: Terms, k: Knobs):
+  """KL-Cov (Cui et al. 2025): -A·r, plus ppo_kl_coef·|log r| on the max(⌊kl_cov_ratio·tokens⌋, 1)
+  tokens of the largest covariance (A - mean A)·(log π - mean log π). ppo_kl is verl's: the mean |log r|."""
+  log_r = t.logp - t.old
+  on = t.mask > 0
+  cov = (t.adv - _token_mean(t.adv, t)) * sg(t.logp - _token_mean(t.logp, t))
+  top = _largest(cov, on, jnp.maximum(jnp.floor(k.kl_cov_ratio * jnp.sum(t.mask)), 1.0))
+  loss = -t.adv * jnp.exp(jnp.clip(log_r, -20.0, 20.0)) + jnp.where(top, k.ppo_kl_coef * jnp.abs(log_r), 0.0)
+  return loss * t.w, {"ppo_kl": jnp.abs(log_r)}
+
+
+def geo_mean(t: Terms, k: Knobs):
+  """GMPO (arXiv 2507.20673): the response's ratio is the geometric mean of its token ratios, each
+  clipped in log space to [-ε_low, ε_high] on the side that limits the update (sign of A); the loss
+  -mean_t(A)·exp(mean_t clipped log r) is one value per response, averaged over responses. Weights
+  enter as their geometric mean over the response, as in verl."""
+  log_r = jnp.clip(t.logp - t.old, -20.0, 20.0)
+  sign = jnp.sign(t.adv)
+  clamped = jnp.clip(log_r, -k.eps_low, k.eps_high)
+  log_min = sign * jnp.minimum(sign * log_r, sign * clamped)
+  n_B1 = jnp.sum(t.mask, -1, keepdims=True) + 1e-8
+  ratio_B1 = jnp.exp(jnp.sum(log_min * t.mask, -1, keepdims=True) / n_B1)
+  adv_B1 = jnp.sum(t.adv * t.mask, -1, keepdims=True) / n_B1
+  w_B1 = jnp.exp(jnp.sum(jnp.log(t.w + 1e-10) * t.mask, -1, keepdims=True) / n_B1)
+  # One loss per response, on each of its tokens: the sequence mean of token means is their mean.
+  loss = jnp.broadcast_to(-adv_B1 * ratio_B1 * w_B1, t.logp.shape)
+  clipped = log_r != clamped
+  return loss, {"pg_clipfrac": clipped & (t.adv > 0), "pg_clipfrac_lower": clipped & (t.adv < 0),
+                "ppo_kl": -log_r}
+
+
+def dro(t: Terms, k: Knobs):
+  """DRO (verl's docs/algo/dro.md): -(A·log π - β/2·(log π - log π_old)²), a quadratic penalty on
+  the log-ratio instead of a clip; β = dro_beta > 0."""
+  if k.dro_beta is None or k.dro_beta <= 0:
+    raise ValueError(f"dro_beta={k.dro_beta}: policy loss 'dro' needs a positive dro_beta")
+  log_r = t.logp - t.old
+  return -(t.logp * t.adv - 0.5 * k.dro_beta * jnp.square(log_r)) * t.w, {"ppo_kl": -log_r}
+
+
+def cispo(t: Terms, k: Knobs):
+  """CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(r, 1-ε_low, 1+ε_high))·A·log π: the importance
+  weight is clipped, never the gradient, so every token keeps its gradient."""
+  clipped = jnp.clip(t.ratio, 1.0 - k.eps_low, 1.0 + k.eps_high)
+  return -sg(clipped) * t.adv * t.logp * t.w, {"pg_clipfrac": t.ratio != clipped,
+                                                 "pg_clipfrac_lower": jnp.zeros_like(t.logp),
+                                                 "ppo_kl": -t.log_ratio}
+
+
+# `dapo.policy_loss` / `policy_loss(mode=...)`: verl's registry names, and "reinforce" (bypass mode).
+POLICY_LOSS_FNS = {"vanilla": vanilla, "gspo": gspo, "sapo": sapo, "gpg": gpg, "clip_cov": clip_cov,
+                   "kl_cov": kl_cov, "geo_mean": geo_mean, "dro": dro, "cispo": cispo, "dppo_tv": dppo_tv,
+                   "dppo_kl": dppo_kl, "reinforce": reinforce}
+POLICY_LOSSES = tuple(POLICY_LOSS_FNS)
+# verl aggregates these at the sequence level whatever loss_agg_mode says (geo_mean: a mean over
+# responses, which this aggregation of one value per response gives).
+FIXED_AGG = {"gspo": "seq_mean_token_mean", "sapo": "seq_mean_token_mean", "geo_mean": "seq_mean_token_mean"}
+
+
 def policy_loss(logp_BC, old_logp_BC, adv_B, mask_BC, *, eps_low: float, eps_high: float,
                 clip_ratio_c: float | None = None, agg: str = "token_mean", num_tokens=None,
                 num_seqs=None, norm_len: int | None = None, ref_logp_BC=None, kl_coef: float = 0.0,
-                kl_estimator: str = "k3", adv_BC=None, mode: str = "vanilla"):
-  """The policy loss (what is minimised) and its metrics; `mode` is one of POLICY_LOSSES, with
-  verl's meaning:
-
-  vanilla: the decoupled clip of DAPO (Eq. 10), per token, with the dual clip `clip_ratio_c`.
-  gspo:    GSPO (arXiv 2507.18071): one ratio per response, s_i = exp(mean_t log r_i,t), clipped to
-           [1-ε_low, 1+ε_high] (the paper's ranges are 3e-4 / 4e-4) and applied to every token with
-           the token's own gradient (log s_i,t = sg[log s_i] + log π - sg[log π]; capped at 10 as
-           verl does). Pair it with agg="seq_mean_token_mean", the paper's sequence mean.
-  cispo:   CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clip(r, 1-ε_low, 1+ε_high))·A·log π: the
-           importance weight is clipped, never the gradient, so every token keeps its gradient.
-  gpg:     GPG (arXiv 2504.02546): -A·log π, no ratio at all.
+                kl_estimator: str = "k3", adv_BC=None, mode: str = "vanilla", is_weights_BC=None,
+                tau_pos: float = 1.0, tau_neg: float = 1.05, clip_cov_ratio: float = 0.0002,
+                clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, kl_cov_ratio: float = 0.0002,
+                ppo_kl_coef: float = 0.1, dro_beta: float | None = None):
+  """The policy loss (what is minimised) and its metrics; `mode` is one of POLICY_LOSSES with
+  verl's meaning (each mode's function above says what it computes; docs/losses.md has the table).
 
   logp_BC: log π_θ of the sampled tokens (differentiated); old_logp_BC: log π_old (constant);
   adv_B: one advantage per response, or adv_BC: one per token (PPO's GAE), which replaces it;
-  mask_BC: tokens that count in the loss.
-  Metrics are token means with the same denominators, so micro-batch metrics sum to the total.
-  verl's names mean verl's quantities: pg_clipfrac (either PPO clip binds; cispo: the weight is
-  clipped), ppo_kl (mean of log π_old - log π_θ) and pg_clipfrac_lower (the dual clip binds, A < 0
-  and ratio > c). The PPO clip per side is ours: pg_clipfrac_eps_high (A > 0, ratio > 1+ε_high) and
-  pg_clipfrac_eps_low (A < 0, ratio < 1-ε_low).
+  mask_BC: tokens that count in the loss; is_weights_BC: rollout-correction weights
+  (`rollout_correction`), constants multiplying the per-token loss before aggregation.
+  eps_low / eps_high are verl's clip_ratio_low / high (dppo: divergence bounds); clip_ratio_c is
+  the dual clip (vanilla) or the truncation of the ratio (dppo, None = 20).
+  gspo, sapo and geo_mean aggregate per sequence whatever `agg` says, as verl does.
+  Metrics are verl's names without "actor/" (pg_clipfrac, ppo_kl, pg_clipfrac_lower: those the
+  mode reports in verl) plus pg_loss; vanilla adds pg_clipfrac_eps_high / _eps_low (each side of
+  the clip). Token metrics use the loss's token denominator, so micro-batch metrics sum to the total.
   """
-  if mode not in POLICY_LOSSES:
+  if mode not in POLICY_LOSS_FNS:
     raise ValueError(f"policy loss {mode!r}; expected one of {POLICY_LOSSES}")
-  old_logp_BC = jax.lax.stop_gradient(old_logp_BC)
-  adv = adv_B[:, None] if adv_BC is None else adv_BC  # [B, 1] broadcasts over the tokens
-  adv = jax.lax.stop_gradient(adv).astype(logp_BC.dtype)
+  old_logp_BC = sg(old_logp_BC)
+  adv = adv_B[:, None] if adv_BC is None else adv_BC
+  adv = jnp.broadcast_to(sg(adv).astype(logp_BC.dtype), logp_BC.shape)
   # As verl: the log-ratio is clamped before exp, so one wild token cannot make the loss inf / NaN.
   log_ratio_BC = jnp.clip(logp_BC - old_logp_BC, -20.0, 20.0)
-  ratio_BC = jnp.exp(log_ratio_BC)
-  none = jnp.zeros(logp_BC.shape, bool)
-  high = low = dual = none
-  if mode == "vanilla":
-    loss_BC, high, low, dual = clipped_surrogate(ratio_BC, adv, eps_low, eps_high, clip_ratio_c)
-  elif mode == "gspo":
-    m = mask_BC.astype(logp_BC.dtype)
-    log_seq_B1 = jnp.sum((logp_BC - old_logp_BC) * m, -1, keepdims=True) / jnp.maximum(jnp.sum(m, -1, keepdims=True), 1)
-    log_s_BC = jnp.minimum(logp_BC - jax.lax.stop_gradient(logp_BC) + jax.lax.stop_gradient(log_seq_B1), 10.0)
-    loss_BC, high, low, _ = clipped_surrogate(jnp.exp(log_s_BC), adv, eps_low, eps_high, None)
-  elif mode == "cispo":
-    weight_BC = jax.lax.stop_gradient(jnp.clip(ratio_BC, 1.0 - eps_low, 1.0 + eps_high))
-    loss_BC = -weight_BC * adv * logp_BC
-    high, low = ratio_BC > 1.0 + eps_high, ratio_BC < 1.0 - eps_low
-  else:  # gpg
-    loss_BC = -adv * logp_BC
-  pg_loss = aggregate(loss_BC, mask_BC, agg, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
-  tok_mean = lambda x: masked_mean(x.astype(jnp.float32), mask_BC, num_tokens)
-  metrics = {
-      "pg_loss": pg_loss,
-      "pg_clipfrac": tok_mean(high | low),
-      "pg_clipfrac_lower": tok_mean(dual),   # verl's name for the dual-clip fraction
-      "pg_clipfrac_eps_high": tok_mean(high),
-      "pg_clipfrac_eps_low": tok_mean(low),
-      "ppo_kl": tok_mean(jax.lax.stop_gradient(old_logp_BC - logp_BC)),
-  }
+  w = jnp.ones_like(logp_BC) if is_weights_BC is None else sg(jnp.asarray(is_weights_BC, logp_BC.dtype))
+  terms = Terms(logp=logp_BC, old=old_logp_BC, adv=adv, mask=mask_BC.astype(logp_BC.dtype),
+                log_ratio=log_ratio_BC, ratio=jnp.exp(log_ratio_BC), w=w)
+  knobs = Knobs(eps_low, eps_high, clip_ratio_c, tau_pos, tau_neg, clip_cov_ratio, clip_cov_lb, clip_cov_ub,
+                kl_cov_ratio, ppo_kl_coef, dro_beta)
+  loss_BC, token_metrics = POLICY_LOSS_FNS[mode](terms, knobs)
+  pg_loss = aggregate(loss_BC, mask_BC, FIXED_AGG.get(mode, agg), num_tokens=num_tokens, num_seqs=num_seqs,
+                      norm_len=norm_len)
+  metrics = {"pg_loss": pg_loss}
+  for name, x_BC in token_metrics.items():
+    metrics[name] = masked_mean(sg(x_BC).astype(jnp.float32), mask_BC, num_tokens)
   loss = pg_loss
   if kl_coef:
-    kl = aggregate(kl_penalty(logp_BC, jax.lax.stop_gradient(ref_logp_BC), kl_estimator), mask_BC, agg,
+    kl = aggregate(kl_penalty(logp_BC, sg(ref_logp_BC), kl_estimator), mask_BC, agg,
                    num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
     metrics["kl_loss"] = kl
     loss = loss + kl_coef * kl
   return loss, metrics
+
+
+# --- Rollout correction: the sampler's log-probs against the trainer's (verl's rollout_corr_helper) --
+
+ROLLOUT_IS = ("token", "sequence")
+ROLLOUT_RS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+SAFETY_BOUND = 20.0  # log-ratios are clamped to ±20 before exp, as verl does
+
+
+def _bounds(spec, field: str, *, k1: bool = True) -> tuple[float, float | None]:
+  """(upper, lower or None) of a threshold: a number, or "lower_upper"; one line naming the field if bad."""
+  if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+    raise ValueError(f"{field}={spec!r}: expected a number or a 'lower_upper' string")
+  text = str(spec).strip()
+  if "_" in text and not k1:
+    raise ValueError(f"{field}={spec!r}: a k2 / k3 option takes one upper bound")
+  try:
+    lower, upper = (float(v) for v in text.split("_", 1)) if "_" in text else (None, float(text))
+  except ValueError:
+    raise ValueError(f"{field}={spec!r}: expected a number or a 'lower_upper' string") from None
+  if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+    raise ValueError(f"{field}={spec!r}: expected 0 < lower <= upper")
+  return upper, lower
+
+
+def _rs_options(rollout_rs: str, rollout_rs_threshold) -> dict[str, tuple[float, float | None]]:
+  """{option: (upper, lower)} of a comma-separated rollout_rs and its thresholds (one, or one each)."""
+  options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
+  bad = [o for o in options if o not in ROLLOUT_RS]
+  if not options or bad:
+    raise ValueError(f"rollout_rs={rollout_rs!r}: expected comma-separated options from {ROLLOUT_RS}")
+  if rollout_rs_threshold is None:
+    raise ValueError("rollout_rs_threshold=None: rejection sampling (rollout_rs) needs a threshold")
+  specs = [s.strip() for s in str(rollout_rs_threshold).split(",") if s.strip()]
+  if len(specs) not in (1, len(options)):
+    raise ValueError(f"rollout_rs_threshold={rollout_rs_threshold!r}: expected one threshold or {len(options)}")
+  specs = specs * len(options) if len(specs) == 1 else specs
+  out = {}
+  for o, s in zip(options, specs):
+    upper, lower = _bounds(s, "rollout_rs_threshold", k1=o.endswith("k1"))
+    out[o] = (upper, 1.0 / upper if lower is None and o.endswith("k1") else lower)
+  return out
+
+
+class _Rows(NamedTuple):
+  """Reductions over the masked tokens and over the rows with tokens (padding rows never count)."""
+  m: jax.Array       # float mask [B, C]
+  rows: jax.Array    # float [B]: the row has a token
+
+  def tok_mean(self, x_BC):
+    return jnp.sum(x_BC * self.m) / (jnp.sum(self.m) + 1e-8)
+
+  def tok_max(self, x_BC):
+    return jnp.max(jnp.where(self.m > 0, x_BC, -jnp.inf))
+
+  def tok_min(self, x_BC):
+    return jnp.min(jnp.where(self.m > 0, x_BC, jnp.inf))
+
+  def per_row_mean(self, x_BC):
+    return jnp.sum(x_BC * self.m, -1) / (jnp.sum(self.m, -1) + 1e-8)
+
+  def row_mean(self, x_B):
+    return jnp.sum(x_B * self.rows) / jnp.maximum(jnp.sum(self.rows), 1.0)
+
+  def row_max(self, x_B):
+    return jnp.max(jnp.where(self.rows > 0, x_B, -jnp.inf))
+
+  def row_min(self, x_B):
+    return jnp.min(jnp.where(self.rows > 0, x_B, jnp.inf))
+
+  def row_std(self, x_B):  # unbiased, 0 for one row (torch's std)
+    n = jnp.sum(self.rows)
+    var = jnp.sum(jnp.square(x_B - self.row_mean(x_B)) * self.rows) / jnp.maximum(n - 1.0, 1.0)
+    return jnp.where(n > 1, jnp.sqrt(var), 0.0)
+
+  def clamped_std(self, x_BC, lo, hi):  # verl's std of a statistic clamped to its bounds
+    c = jnp.clip(x_BC, lo, hi)
+    var = self.tok_mean(jnp.square(c)) - jnp.square(self.tok_mean(c))
+    return jnp.where(jnp.sum(self.m) > 1, jnp.sqrt(jnp.maximum(var, 0.0)), 0.0)
+
+
+def _is_weights(log_ratio_BC, r: _Rows, level: str, threshold, batch_normalize: bool):
+  """Truncated (TIS: min(w, upper)) or masked (IcePop: 0 outside [lower, upper]) importance weights
+  π_train / π_rollout per token or per sequence (the product over its tokens), and verl's metrics."""
+  upper, lower = _bounds(threshold, "rollout_is_threshold")
+  if level == "token":
+    stat_for_metrics = log_ratio_BC
+    raw = jnp.exp(jnp.clip(log_ratio_BC, -SAFETY_BOUND, SAFETY_BOUND)) * r.m
+  else:
+    stat_for_metrics = jnp.sum(log_ratio_BC * r.m, -1)  # log of the sequence's weight
+    raw = jnp.exp(jnp.clip(stat_for_metrics, -SAFETY_BOUND, SAFETY_BOUND))[:, None] * r.m
+  w = jnp.minimum(raw, upper) if lower is None else jnp.where((raw >= lower) & (raw <= upper), raw, 0.0)
+  low = 1.0 / upper if lower is None else lower
+  f = lambda x: x.astype(r.m.dtype)
+  m = {"rollout_is_mean": r.tok_mean(w)}
+  if level == "sequence":
+    m["rollout_is_max"] = jnp.exp(jnp.minimum(r.row_max(stat_for_metrics), SAFETY_BOUND))
+    m["rollout_is_min"] = jnp.exp(r.row_min(stat_for_metrics))
+    m["rollout_is_ratio_fraction_high"] = r.row_mean(f(stat_for_metrics > math.log(upper)))
+    m["rollout_is_ratio_fraction_low"] = r.row_mean(f(stat_for_metrics < math.log(low)))
+  else:
+    m["rollout_is_ratio_fraction_high"] = r.tok_mean(f(raw > upper))
+    m["rollout_is_ratio_fraction_low"] = r.tok_mean(f(raw < low))
+    m["rollout_is_max"], m["rollout_is_min"] = r.tok_max(w), r.tok_min(w)
+  m["rollout_is_std"] = r.clamped_std(w, 0.0, upper)
+  wc = jnp.clip(w, 0.0, upper)
+  m["rollout_is_eff_sample_size"] = 1.0 / r.tok_mean(jnp.square(wc / (r.tok_mean(wc) + 1e-8)))
+  seq_B, raw_seq_B = r.per_row_mean(w), r.per_row_mean(raw)
+  m.update({"rollout_is_seq_mean": r.row_mean(seq_B), "rollout_is_seq_std": r.row_std(seq_B),
+            "rollout_is_seq_max": r.row_max(seq_B), "rollout_is_seq_min": r.row_min(seq_B),
+            "rollout_is_seq_max_deviation": r.row_max(jnp.abs(seq_B - 1.0)),
+            "rollout_is_seq_fraction_high": r.row_mean(f(raw_seq_B > upper)),
+            "rollout_is_seq_fraction_low": r.row_mean(f(raw_seq_B < low))})
+  if lower is not None:
+    m["rollout_is_oob_ratio"] = r.tok_mean(f((raw < lower) | (raw > upper)))
+  w = jax.lax.stop_gradient(w)
+  if batch_normalize:  # Mean 1 over this batch's tokens (token) or sequences (sequence).
+    mean = r.tok_mean(w) if level == "token" else r.row_mean(seq_B)
+    ok = mean > 1e-8
+    w = jnp.where(ok, w / jnp.where(ok, mean, 1.0), w)
+    m["rollout_is_batch_norm_factor"] = jnp.where(ok, mean, 1.0)
+  return w, m
+
+
+def _rejection(log_ratio_BC, r: _Rows, options: dict):
+  """The keep mask of every rejection option (all must pass) and verl's per-option metrics."""
+  lr = jnp.clip(log_ratio_BC, -SAFETY_BOUND, SAFETY_BOUND)
+  token_stats = {"k1": -lr, "k2": 0.5 * jnp.square(lr), "k3": jnp.exp(lr) - 1.0 - lr}
+  f = lambda x: x.astype(r.m.dtype)
+  on = r.m > 0
+  keep_all = jnp.ones_like(r.m)
+  m = {}
+  for option, (upper, lower) in options.items():
+    level, k = option.rsplit("_", 1)
+    stat = token_stats[k]
+    hi, lo = (math.log(upper), math.log(lower)) if k == "k1" else (upper, 0.0)
+    if level != "token":
+      if level == "seq_sum":
+        seq_B = jnp.sum(stat * r.m, -1)
+      elif level == "seq_mean":
+        seq_B = r.per_row_mean(stat)
+      else:  # seq_max
+        seq_B = jnp.where(r.rows > 0, jnp.max(jnp.where(on, stat, -jnp.inf), -1), 0.0)
+      stat = jnp.broadcast_to(seq_B[:, None], r.m.shape)
+    else:
+      seq_B = r.per_row_mean(stat)
+    keep = (stat <= hi) & ((stat >= lo) if k == "k1" else True)
+    p = f"rollout_rs_{option}"
+    m[f"{p}_mean"] = r.tok_mean(stat)
+    if level == "token":
+      m[f"{p}_max"], m[f"{p}_min"] = r.tok_max(stat), r.tok_min(stat)
+      m[f"{p}_fraction_high"] = r.tok_mean(f(stat > hi))
+      m[f"{p}_fraction_low"] = r.tok_mean(f(stat < lo)) if k == "k1" else jnp.zeros(())
+    else:
+      m[f"{p}_max"], m[f"{p}_min"] = r.row_max(seq_B), r.row_min(seq_B)
+      m[f"{p}_fraction_high"] = r.row_mean(f(seq_B > hi))
+      m[f"{p}_fraction_low"] = r.row_mean(f(seq_B < lo)) if k == "k1" else jnp.zeros(())
+    m[f"{p}_std"] = r.clamped_std(stat, lo, hi)
+    m.update({f"{p}_seq_mean": r.row_mean(seq_B), f"{p}_seq_std": r.row_std(seq_B),
+              f"{p}_seq_max": r.row_max(seq_B), f"{p}_seq_min": r.row_min(seq_B),
+              f"{p}_seq_max_deviation": r.row_max(jnp.abs(seq_B)),
+              f"{p}_seq_fraction_high": r.row_mean(f(seq_B > hi))})
+    if k == "k1":
+      m[f"{p}_seq_fraction_low"] = r.row_mean(f(seq_B < lo))
+    m[f"{p}_masked_fraction"] = r.tok_mean(1.0 - f(keep))
+    m[f"{p}_seq_masked_fraction"] = r.row_mean(f(jnp.any(~keep & on, -1)))
+    keep_all = keep_all * f(keep)
+  m["rollout_rs_masked_fraction"] = r.tok_mean(1.0 - keep_all)
+  m["rollout_rs_seq_masked_fraction"] = r.row_mean(f(jnp.any((keep_all < 0.5) & on, -1)))
+  return keep_all > 0.5, m
+
+
+def mismatch_metrics(train_logp_BC, rollout_logp_BC, mask_BC) -> dict:
+  """verl's off-policy diagnostics (compute_offpolicy_metrics) between the trainer's log-probs and
+  the sampler's: KL(π_rollout || π_train) as k1 (`kl`) and k3 (`k3_kl`), perplexities, χ²."""
+  dtype = jnp.promote_types(jnp.asarray(train_logp_BC).dtype, jnp.float32)  # fp32, or fp64 under x64
+  r = _Rows(mask_BC.astype(dtype), jnp.any(mask_BC, -1).astype(dtype))
+  train, rollout = (jnp.asarray(x, dtype) for x in (train_logp_BC, rollout_logp_BC))
+  lr = jnp.clip(train - rollout, -SAFETY_BOUND, SAFETY_BOUND)
+  mean_train_B, mean_rollout_B = r.per_row_mean(train), r.per_row_mean(rollout)
+  diff_B = mean_rollout_B - mean_train_B
+  return {"training_ppl": r.row_mean(jnp.exp(-mean_train_B)), "training_log_ppl": r.row_mean(-mean_train_B),
+          "kl": r.tok_mean(rollout - train), "k3_kl": r.tok_mean(jnp.exp(lr) - lr - 1.0),
+          "rollout_ppl": r.row_mean(jnp.exp(-mean_rollout_B)), "rollout_log_ppl": r.row_mean(-mean_rollout_B),
+          "log_ppl_diff": r.row_mean(diff_B), "log_ppl_abs_diff": r.row_mean(jnp.abs(diff_B)),
+          "log_ppl_diff_max": r.row_max(diff_B), "log_ppl_diff_min": r.row_min(diff_B),
+          "ppl_ratio": r.row_mean(jnp.exp(diff_B)), "chi2_token": r.tok_mean(jnp.exp(2.0 * lr)) - 1.0,
+          "chi2_seq": r.row_mean(jnp.exp(2.0 * jnp.clip(jnp.sum((train - rollout) * r.m, -1), -SAFETY_BOUND,
+                                                       SAFETY_BOUND))) - 1.0}
+
+
+def rollout_correction(old_logp_BC, rollout_logp_BC, mask_BC, *, rollout_is: str | None = None,
+                       rollout_is_threshold=2.0, rollout_is_batch_normalize: bool = False,
+                       rollout_rs: str | None = None, rollout_rs_threshold=None):
+  """verl's rollout correction (compute_rollout_correction_and_rejection_mask, docs/algo/rollout_corr.md)
+  between the trainer's log-probs (old_logp_BC: π_old; in bypass mode the current policy's) and
+  the sampler's: (is_weights_BC or None, keep_mask_BC, metrics named "rollout_corr/<verl's key>").
+
+  rollout_is: None | "token" | "sequence": weights w = π_train/π_rollout per token or per response
+  (the product of its tokens'), with rollout_is_threshold a number (TIS: min(w, upper)) or
+  "lower_upper" (IcePop: 0 outside the band); rollout_is_batch_normalize: mean 1 over this batch.
+  rollout_rs: comma-separated rejections (all must pass), each a level and an estimator of the
+  divergence k1 = -log w, k2 = ½(log w)², k3 = w - 1 - log w: token_k*, seq_sum_k* (sum over the
+  response), seq_mean_k*, seq_max_k{2,3}; rollout_rs_threshold: one bound or one per option (k1:
+  "lower_upper" on the ratio, or an upper u meaning [1/u, u]). Rejected tokens leave keep_mask_BC.
+  Sequence statistics are over the rows with tokens (verl also counts empty rows in some of them).
+  """
+  if rollout_is is not None and rollout_is not in ROLLOUT_IS:
+    raise ValueError(f"rollout_is={rollout_is!r}: expected None or one of {ROLLOUT_IS}")
+  options = _rs_options(rollout_rs, rollout_rs_threshold) if rollout_rs is not None else {}
+  dtype = jnp.promote_types(jnp.asarray(old_logp_BC).dtype, jnp.float32)  # fp32, or fp64 under x64
+  r = _Rows(mask_BC.astype(dtype), jnp.any(mask_BC, -1).astype(dtype))
+  old = jax.lax.stop_gradient(jnp.asarray(old_logp_BC, dtype))
+  log_ratio_BC = old - jnp.asarray(rollout_logp_BC, dtype)
+  metrics, weights_BC, keep_BC = {}, None, jnp.asarray(mask_BC, bool)
+  if rollout_is is not None and rollout_is_threshold is not None:
+    weights_BC, is_metrics = _is_weights(log_ratio_BC, r, rollout_is, rollout_is_threshold,
+                                         rollout_is_batch_normalize)
+    metrics.update(is_metrics)
+  if options:
+    keep_rs_BC, rs_metrics = _rejection(log_ratio_BC, r, options)
+    keep_BC = keep_BC & keep_rs_BC
+    metrics.update(rs_metrics)
+  metrics.update(mismatch_metrics(old, rollout_logp_BC, mask_BC))
+  return weights_BC, keep_BC, {f"rollout_corr/{k}": v for k, v in metrics.items()}
 
 
 # --- RLHF losses: value (PPO critic), DPO, pairwise reward model -------------------------------

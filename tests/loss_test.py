@@ -40,6 +40,8 @@ def np_reference(logp, old, adv, mask, agg, clip_c, norm_len=None):
     W = np.array([m[i] / max(m[i].sum(), 1) for i in range(B)]) / len(rows)
   elif agg == "seq_mean_token_sum":
     W = m / len(rows)
+  elif agg == "token_sum":
+    W = m
   elif agg == "seq_mean_token_sum_norm":
     W = m / (norm_len or T) / len(rows)
   else:  # seq_sum_token_sum_norm: verl's agg_loss sums the rows' token sums, then divides by T.
@@ -178,12 +180,13 @@ def verl_agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=None):
     return seq_sum[has].sum() / has.sum()
   if mode == "seq-mean-token-mean":
     return (seq_sum / (m.sum(-1) + 1e-8))[has].sum() / has.sum()
-  return seq_sum.sum() / (loss_scale_factor or loss_mat.shape[-1])   # seq-mean-token-sum-norm
+  # seq-mean-token-sum-norm: a mean over rows since verl's change of 2026-02-26 (a sum before).
+  return seq_sum[has].sum() / has.sum() / (loss_scale_factor or loss_mat.shape[-1])
 
 
 @pytest.mark.parametrize("ours,verl", [("token_mean", "token-mean"), ("seq_mean_token_sum", "seq-mean-token-sum"),
                                        ("seq_mean_token_mean", "seq-mean-token-mean"),
-                                       ("seq_sum_token_sum_norm", "seq-mean-token-sum-norm")])
+                                       ("seq_mean_token_sum_norm", "seq-mean-token-sum-norm")])
 def test_aggregations_match_verl_agg_loss(ours, verl):
   rng = np.random.default_rng(1)
   L = rng.normal(size=(5, 7))
@@ -195,8 +198,9 @@ def test_aggregations_match_verl_agg_loss(ours, verl):
   assert got20 == pytest.approx(verl_agg_loss(L, mask, verl, loss_scale_factor=20), rel=1e-7)
 
 
-def test_dr_grpo_norm_is_the_verl_sum_over_rows_with_tokens():
-  """Ours (TRL's dr_grpo) averages the rows that verl's variant sums: a factor of the row count."""
+def test_dr_grpo_norm_is_the_old_verl_sum_over_rows_with_tokens():
+  """Ours (TRL's dr_grpo, verl's today) averages the rows that verl's variant before 2026-02-26 summed:
+  a factor of the row count."""
   logp, old, adv, mask = case()
   kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH)
   mean = float(loss.policy_loss(logp, old, adv, mask, agg="seq_mean_token_sum_norm", **kw)[0])
@@ -244,7 +248,10 @@ def np_mode_reference(mode, logp, old, adv, mask, eps_low, eps_high):
         L[i, t], g[i, t] = -w * a * logp[i, t], -w * a
       else:  # gpg
         L[i, t], g[i, t] = -a * logp[i, t], -a
-  W = m / m.sum()
+  if mode == "gspo":  # verl's GSPO is a sequence mean of token means, whatever the aggregation.
+    W = np.array([m[i] / max(m[i].sum(), 1) for i in range(B)]) / (m.sum(1) > 0).sum()
+  else:
+    W = m / m.sum()
   return (L * W).sum(), g * W
 
 

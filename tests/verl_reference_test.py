@@ -1,0 +1,287 @@
+"""Our losses, corrections and estimators against verl's own functions.
+
+verl's source (tests/data/verl/*.py.txt, verbatim at the commit in tests/data/verl/COMMIT) is read
+with `ast`: only the functions compared here and the helpers they call are executed, with verl's
+registry decorators dropped and its config objects replaced by the stand-ins below, in torch float64.
+Inputs are random, with every clip, truncation and mask binding somewhere.
+"""
+import __future__
+
+import ast
+import collections
+import math
+import pathlib
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dapo_jax import loss
+
+torch = pytest.importorskip("torch")
+
+DATA = pathlib.Path(__file__).parent / "data" / "verl"
+
+
+def extract(filename: str, names: tuple[str, ...], namespace: dict) -> dict:
+  """Executes the named top-level functions and assignments of a verl file in `namespace`."""
+  tree = ast.parse((DATA / filename).read_text())
+  picked, found = [], set()
+  for node in tree.body:
+    if isinstance(node, ast.FunctionDef) and node.name in names:
+      node.decorator_list = []  # verl's registries and @deprecated
+      picked.append(node)
+      found.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      hit = {t.id for t in targets if isinstance(t, ast.Name)} & set(names)
+      if hit:
+        picked.append(node)
+        found |= hit
+  assert found == set(names), set(names) - found
+  code = compile(ast.Module(body=picked, type_ignores=[]), str(DATA / filename), "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True)
+  exec(code, namespace)  # noqa: S102 - verl's own source, stored with the tests
+  return namespace
+
+
+class Config(dict):
+  """verl's ActorConfig / AlgoConfig / policy_loss config: attributes, .get and global_batch_info."""
+
+  def __getattr__(self, name):
+    try:
+      return self[name]
+    except KeyError:
+      raise AttributeError(name) from None
+
+
+class ActorConfig(Config):
+  pass
+
+
+class AlgoConfig(Config):
+  pass
+
+
+class DataProto:
+  @staticmethod
+  def from_dict(tensors):
+    return types.SimpleNamespace(batch=tensors)
+
+
+verl_F = types.SimpleNamespace(**{k: v for k, v in extract(
+    "torch_functional.py.txt", ("masked_sum", "masked_mean", "masked_var", "masked_whiten"),
+    {"torch": torch}).items() if not k.startswith("__")})
+BASE = {"torch": torch, "np": np, "math": math, "verl_F": verl_F, "defaultdict": collections.defaultdict,
+        "ActorConfig": ActorConfig, "AlgoConfig": AlgoConfig, "DataProto": DataProto}
+LOSS_FNS = {m: f"compute_policy_loss_{m}" for m in ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+                                                      "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl", "reinforce")}
+ADV_FNS = ("compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_opo_outcome_advantage",
+           "compute_gpg_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
+           "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage")
+verl = extract("core_algos.py.txt", (*LOSS_FNS.values(), "agg_loss", *ADV_FNS), dict(BASE))
+verl_rc = extract("rollout_corr_helper.py.txt", (
+    "SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "_parse_rollout_is_threshold",
+    "_parse_rollout_rs_thresholds", "compute_rollout_rejection_mask", "compute_rs_metrics",
+    "compute_rollout_correction_weights", "compute_is_metrics", "compute_rollout_correction_and_rejection_mask",
+    "compute_offpolicy_metrics"), dict(BASE))
+
+AGGS = {"token_mean": "token-mean", "token_sum": "token-sum", "seq_mean_token_mean": "seq-mean-token-mean",
+        "seq_mean_token_sum": "seq-mean-token-sum", "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
+NORM_LEN = 11
+B, C = 6, 9
+
+
+def case(seed: int, scale: float = 0.6, empty_row: bool = True):
+  """log π, log π_old, A per row, a mask with unequal lengths, a masked span mid-row and (optionally)
+  an empty row; a few ratios far outside any clip range."""
+  rng = np.random.default_rng(seed)
+  logp = -rng.uniform(0.02, 3.0, size=(B, C))
+  log_ratio = rng.normal(0.0, scale, size=(B, C))
+  log_ratio[0, 1], log_ratio[2, 3], log_ratio[3, 0] = 1.6, -1.6, 1.3   # ratios 5, 0.2, 3.7
+  old = logp - log_ratio
+  adv = np.array([1.3, -0.8, 0.6, -1.7, 0.0, 2.1])
+  lengths = [9, 7, 4, 9, 6, 0 if empty_row else 3]
+  mask = np.arange(C)[None, :] < np.array(lengths)[:, None]
+  mask[3, 3:5] = False  # a tool's reply inside an episode
+  return logp, old, adv, mask
+
+
+def ours(mode, logp, old, adv, mask, agg, weights=None, **knobs):
+  """(loss, grad wrt logp, metrics) of loss.policy_loss in float64."""
+  with jax.enable_x64(True):
+    f = lambda lp: loss.policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), agg=agg, mode=mode,
+                                    norm_len=NORM_LEN, is_weights_BC=None if weights is None else jnp.asarray(weights),
+                                    **knobs)
+    (value, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
+    return float(value), np.asarray(grad), {k: float(v) for k, v in metrics.items()}
+
+
+def theirs(mode, logp, old, adv, mask, agg, weights=None, **knobs):
+  """(loss, grad wrt logp, metrics) of verl's compute_policy_loss_<mode> in torch float64."""
+  k = dict(knobs)
+  cfg = ActorConfig(clip_ratio=0.2, clip_ratio_low=k.pop("eps_low"), clip_ratio_high=k.pop("eps_high"),
+                    tau_pos=k.pop("tau_pos", 1.0), tau_neg=k.pop("tau_neg", 1.05),
+                    global_batch_info={"loss_scale_factor": NORM_LEN} if agg == "seq_mean_token_sum_norm" else {},
+                    policy_loss=Config({name: k.pop(name, None) for name in (
+                        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")}))
+  c = k.pop("clip_ratio_c", None)
+  if mode == "vanilla":
+    cfg["clip_ratio_c"] = 1e30 if c is None else c   # verl's dual clip is always on
+  elif c is not None:
+    cfg["clip_ratio_c"] = c
+  assert not k, k
+  t = lambda x: torch.tensor(np.asarray(x, np.float64))
+  lp = t(logp).requires_grad_(True)
+  A = t(np.broadcast_to(adv[:, None], logp.shape).copy())
+  kw = dict(loss_agg_mode=AGGS[agg], config=cfg, rollout_is_weights=None if weights is None else t(weights))
+  if mode == "reinforce":
+    value, metrics = verl[LOSS_FNS[mode]](rollout_log_prob=t(old), log_prob=lp, advantages=A,
+                                          response_mask=t(mask), **kw)
+  else:
+    value, metrics = verl[LOSS_FNS[mode]](t(old), lp, A, t(mask), **kw)
+  value.backward()
+  return float(value.detach()), lp.grad.numpy(), {k.removeprefix("actor/"): v for k, v in metrics.items()}
+
+
+KNOBS = {
+    "vanilla": dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0),
+    "vanilla_no_dual": dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=None),
+    "gspo": dict(eps_low=3e-4, eps_high=4e-4),
+    "sapo": dict(eps_low=0.2, eps_high=0.28, tau_pos=1.0, tau_neg=1.05),
+    "gpg": dict(eps_low=0.2, eps_high=0.28),
+    "reinforce": dict(eps_low=0.2, eps_high=0.28),
+    # Every eligible token is cut (clip_num >= candidates), so verl's random choice among them is ours.
+    "clip_cov": dict(eps_low=0.2, eps_high=0.28, clip_cov_ratio=0.5, clip_cov_lb=0.3, clip_cov_ub=1.5),
+    "kl_cov": dict(eps_low=0.2, eps_high=0.28, kl_cov_ratio=0.2, ppo_kl_coef=0.7),
+    "geo_mean": dict(eps_low=0.2, eps_high=0.28),
+    "dro": dict(eps_low=0.2, eps_high=0.28, dro_beta=0.5),
+    "cispo": dict(eps_low=0.2, eps_high=0.28),
+    "dppo_tv": dict(eps_low=0.15, eps_high=0.1, clip_ratio_c=3.0),
+    "dppo_tv_default_c": dict(eps_low=0.15, eps_high=0.1),
+    "dppo_kl": dict(eps_low=0.05, eps_high=0.03, clip_ratio_c=3.0),
+}
+
+
+@pytest.mark.parametrize("variant", list(KNOBS))
+def test_policy_losses_match_verl(variant):
+  """Every mode x aggregation x (no weights, IS weights): loss, gradient and verl's metrics, to 1e-5."""
+  mode = variant.removesuffix("_no_dual").removesuffix("_default_c")
+  # GSPO's narrow band needs sequence ratios near 1; geo_mean counts every row in verl's mean
+  # (ours: rows with tokens), so its case has none empty.
+  logp, old, adv, mask = case(1, scale=1e-3 if mode == "gspo" else 0.6, empty_row=mode != "geo_mean")
+  weights = np.random.default_rng(2).uniform(0.3, 2.0, size=logp.shape)
+  seen_clip = []
+  for agg in AGGS:
+    for w in (None, weights):
+      want, want_grad, want_m = theirs(mode, logp, old, adv, mask, agg, w, **KNOBS[variant])
+      got, got_grad, got_m = ours(mode, logp, old, adv, mask, agg, w, **KNOBS[variant])
+      where = f"{variant} {agg} weights={w is not None}"
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=where)
+      np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-7, err_msg=where)
+      for k, v in want_m.items():
+        np.testing.assert_allclose(got_m[k], v, rtol=1e-5, atol=1e-7, err_msg=f"{where} {k}")
+      seen_clip.append(want_m.get("pg_clipfrac", 0.5))
+  if mode in ("vanilla", "gspo", "clip_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl"):
+    assert 0 < seen_clip[0] < 1, (variant, seen_clip[0])   # Some tokens clipped (masked), some not.
+  if KNOBS[variant].get("clip_ratio_c") and mode != "sapo":
+    assert want_m["pg_clipfrac_lower"] > 0, variant          # The dual clip / truncation binds.
+
+
+def test_clip_cov_cuts_the_largest_covariances_when_candidates_exceed_the_budget():
+  """Ours is deterministic where verl picks at random: the budget goes to the largest covariances."""
+  logp, old, adv, mask = case(1)
+  kw = dict(eps_low=0.2, eps_high=0.28, clip_cov_lb=0.3, clip_cov_ub=1.5)
+  m = mask.astype(float)
+  A = np.broadcast_to(adv[:, None], logp.shape)
+  cov = (A - (A * m).sum() / m.sum()) * (logp - (logp * m).sum() / m.sum())
+  r = np.exp(logp - old)
+  unclipped = ~(((A > 0) & (r > 1.28)) | ((A < 0) & (r < 0.8)))
+  eligible = mask & unclipped & (cov > 0.3) & (cov < 1.5)
+  assert eligible.sum() >= 3
+  budget = 0.05   # floor(0.05 * tokens) = 2 < eligible
+  n_cut = max(int(budget * m.sum()), 1)
+  assert n_cut < eligible.sum()
+  _, _, metrics = ours("clip_cov", logp, old, adv, mask, "token_mean", clip_cov_ratio=budget, **kw)
+  assert metrics["pg_clipfrac"] == pytest.approx(n_cut / m.sum())
+  with jax.enable_x64(True):
+    grad = np.asarray(jax.grad(lambda lp: loss.policy_loss(lp, old, adv, mask, clip_cov_ratio=budget, mode="clip_cov",
+                                                           **kw)[0])(jnp.asarray(logp)))
+  largest = np.argsort(-np.where(eligible, cov, -np.inf), axis=None)[:n_cut]
+  assert (grad.reshape(-1)[largest] == 0).all()
+
+
+def test_dro_needs_a_positive_beta():
+  logp, old, adv, mask = case(1)
+  with pytest.raises(ValueError, match="dro_beta=None"):
+    loss.policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, mode="dro")
+
+
+@pytest.mark.parametrize("agg", list(AGGS))
+def test_aggregations_match_verl_agg_loss(agg):
+  logp, _, _, mask = case(3)
+  want = float(verl["agg_loss"](torch.tensor(logp), torch.tensor(mask.astype(float)), AGGS[agg],
+                                loss_scale_factor=NORM_LEN if agg.endswith("norm") else None))
+  with jax.enable_x64(True):
+    got = float(loss.aggregate(jnp.asarray(logp), jnp.asarray(mask), agg, norm_len=NORM_LEN))
+  assert got == pytest.approx(want, rel=1e-7)
+
+
+# --- rollout correction -------------------------------------------------------------------------
+
+CORRECTIONS = [
+    dict(rollout_is="token", rollout_is_threshold=2.0),
+    dict(rollout_is="token", rollout_is_threshold="0.5_1.8"),                 # IcePop
+    dict(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True),
+    dict(rollout_is="sequence", rollout_is_threshold=3.0),
+    dict(rollout_is="sequence", rollout_is_threshold="0.3_4.0", rollout_is_batch_normalize=True),
+    dict(rollout_rs="token_k1", rollout_rs_threshold=1.8),
+    dict(rollout_rs="token_k2,token_k3", rollout_rs_threshold="0.15,0.2"),
+    dict(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.4_3.0"),
+    dict(rollout_rs="seq_sum_k2,seq_sum_k3", rollout_rs_threshold=0.5),
+    dict(rollout_rs="seq_mean_k1,seq_mean_k2,seq_mean_k3", rollout_rs_threshold="1.3,0.05,0.06"),
+    dict(rollout_rs="seq_max_k2,seq_max_k3", rollout_rs_threshold="0.3,0.4"),
+    dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3,token_k1",
+         rollout_rs_threshold="0.05,2.0"),
+    dict(),
+]
+
+
+@pytest.mark.parametrize("options", CORRECTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "off")
+def test_rollout_correction_matches_verl(options):
+  """Weights, keep mask and every metric verl reports, on rows that all have tokens."""
+  _, _, _, mask = case(4, empty_row=False)
+  rng = np.random.default_rng(5)
+  rollout = -rng.uniform(0.02, 3.0, size=mask.shape)
+  old = rollout + rng.normal(0.0, 0.5, size=mask.shape)
+  t = lambda x: torch.tensor(np.asarray(x, np.float64))
+  want_w, want_keep, want_m = verl_rc["compute_rollout_correction_and_rejection_mask"](
+      t(old), t(rollout), t(mask), **options)
+  with jax.enable_x64(True):
+    got_w, got_keep, got_m = loss.rollout_correction(jnp.asarray(old), jnp.asarray(rollout), jnp.asarray(mask),
+                                                     **options)
+    got_m = {k: float(v) for k, v in got_m.items()}
+  assert (want_w is None) == (got_w is None)
+  if got_w is not None:
+    np.testing.assert_allclose(np.asarray(got_w), want_w.batch["rollout_is_weights"].numpy(), rtol=1e-6, atol=1e-9)
+  np.testing.assert_array_equal(np.asarray(got_keep), want_keep.numpy() > 0)
+  assert sorted(got_m) == sorted(want_m)
+  for k, v in want_m.items():
+    np.testing.assert_allclose(got_m[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+  if "rollout_rs" in options:   # Something is rejected, not everything.
+    assert 0 < want_m["rollout_corr/rollout_rs_masked_fraction"] < 1
+  if "rollout_is" in options:   # The truncation or the band binds.
+    assert want_m["rollout_corr/rollout_is_ratio_fraction_high"] > 0
+
+
+@pytest.mark.parametrize("bad,match", [(dict(rollout_is="seq"), "rollout_is='seq'"),
+                                       (dict(rollout_is="token", rollout_is_threshold="2_1"), "rollout_is_threshold"),
+                                       (dict(rollout_rs="token_k4", rollout_rs_threshold=1.0), "rollout_rs='token_k4'"),
+                                       (dict(rollout_rs="token_k2"), "rollout_rs_threshold=None"),
+                                       (dict(rollout_rs="token_k2", rollout_rs_threshold="0.1_2"), "k2 / k3")])
+def test_rollout_correction_refuses_bad_options(bad, match):
+  _, _, _, mask = case(4, empty_row=False)
+  with pytest.raises(ValueError, match=match):
+    loss.rollout_correction(np.zeros(mask.shape), np.zeros(mask.shape), mask, **bad)
