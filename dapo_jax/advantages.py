@@ -36,18 +36,63 @@ def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.nda
   return adv.astype(np.float32)
 
 
-# `dapo.adv_estimator`: group-relative (Eq. 9) and RLOO give one advantage per response; REINFORCE++
-# and GAE (PPO, with a value model) one per token, from the KL-shaped token rewards.
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "gae")
+# `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO and GPG
+# give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
+# the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "reinforce_pp", "gae")
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
 
 
-def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.ndarray:
-  """One advantage per response [Q, G]; zeros for the token-level estimators (the loop computes those)."""
+def _group_mean(r_QG: np.ndarray) -> np.ndarray:
+  """Each group's mean, 0 for a group of one (verl's baselines)."""
+  return r_QG.mean(axis=1, keepdims=True) if r_QG.shape[1] > 1 else np.zeros_like(r_QG)
+
+
+def reinforce_pp_baseline(rewards_QG, lengths_QG) -> np.ndarray:
+  """REINFORCE++ with a group baseline (Hu 2025, verl's reinforce_plus_plus_baseline): R - group mean,
+  then whitened over the batch's tokens (each response counts once per token: `lengths_QG`)."""
+  x = np.asarray(rewards_QG, np.float64)
+  x = x - _group_mean(x)
+  n = np.asarray(lengths_QG, np.float64)
+  N = n.sum()
+  mean = (n * x).sum() / max(N, 1.0)
+  var = (n * (x - mean) ** 2).sum() / max(N - 1.0, 1.0)  # unbiased over tokens, as masked_whiten
+  return ((x - mean) / np.sqrt(var + 1e-8)).astype(np.float32)
+
+
+def opo(rewards_QG, lengths_QG) -> np.ndarray:
+  """OPO (Hao et al. 2025, arXiv 2505.23585): R minus the length-weighted group mean Σ|y|·R / Σ|y|,
+  the optimal baseline for sequence-level rewards; 0 for a group of one, as in verl."""
+  r = np.asarray(rewards_QG, np.float64)
+  n = np.asarray(lengths_QG, np.float64)
+  if r.shape[1] == 1:
+    return r.astype(np.float32)
+  baseline = (n * r).sum(1, keepdims=True) / np.maximum(n.sum(1, keepdims=True), 1.0)
+  return (r - baseline).astype(np.float32)
+
+
+def gpg_advantages(rewards_QG) -> np.ndarray:
+  """GPG (Chu et al. 2025, arXiv 2504.02546): α·(R - group mean) with α = responses / responses with a
+  non-zero reward in the batch, which scales up batches where few responses score (F_norm = 1)."""
+  r = np.asarray(rewards_QG, np.float64)
+  alpha = r.size / max(np.count_nonzero(r), 1)
+  return (alpha * (r - _group_mean(r))).astype(np.float32)
+
+
+def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: bool = True, *,
+                        lengths_QG: np.ndarray | None = None) -> np.ndarray:
+  """One advantage per response [Q, G]; zeros for the token-level estimators (the loop computes
+  those). `lengths_QG`: loss tokens per response, which reinforce_pp_baseline and opo weigh by."""
   if estimator == "grpo":
     return group_advantages(rewards_QG, norm_by_std)
   if estimator == "rloo":
     return rloo(rewards_QG)
+  if estimator == "gpg":
+    return gpg_advantages(rewards_QG)
+  if estimator in ("reinforce_pp_baseline", "opo"):
+    if lengths_QG is None:
+      raise ValueError(f"dapo.adv_estimator={estimator!r} weighs responses by their length: pass lengths_QG")
+    return (reinforce_pp_baseline if estimator != "opo" else opo)(rewards_QG, lengths_QG)
   if estimator in TOKEN_ESTIMATORS:
     return np.zeros(np.shape(rewards_QG), np.float32)
   raise ValueError(f"dapo.adv_estimator={estimator!r}; expected one of {ESTIMATORS}")
@@ -69,7 +114,7 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   batch and the advantages of the real groups [n, G].
   """
   n, G, C = groups.tokens_QGC.shape
-  adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std)
+  adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std, lengths_QG=groups.policy_QGC.sum(-1))
   real_Q = np.arange(Q) < n
   if n < Q:
     groups, adv_QG = groups.take(np.arange(Q) % n), adv_QG[np.arange(Q) % n]
@@ -152,15 +197,19 @@ def rloo(rewards_QG) -> np.ndarray:
 
 def reinforce_pp(token_rewards_BC, mask_BC, gamma: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """REINFORCE++ (Hu 2025), verl's outcome variant: discounted return-to-go per token, whitened
-  over the whole batch's masked tokens (no critic, no group baseline). Returns (advantages, returns).
+  over the whole batch's masked tokens (no critic, no group baseline). Returns (advantages, returns),
+  both zero outside the mask.
+
+  G_t = r_t + γ·G_{t+1} on loss tokens; a masked position (an observation inside an episode)
+  passes G through unchanged, so the final score reaches the turns before a tool's reply (verl #7278).
   """
   r_CB = jnp.asarray(token_rewards_BC, jnp.float32).T
   m_CB = jnp.asarray(mask_BC, jnp.float32).T
 
   def step(running_B, xs):
     r_B, m_B = xs
-    ret_B = r_B + gamma * running_B
-    return ret_B * m_B, ret_B  # The running return restarts after the end of a row.
+    ret_B = (r_B + gamma * running_B) * m_B
+    return ret_B + running_B * (1.0 - m_B), ret_B
 
   _, ret_CB = jax.lax.scan(step, jnp.zeros(r_CB.shape[1], jnp.float32), (r_CB, m_CB), reverse=True)
   returns_BC = ret_CB.T

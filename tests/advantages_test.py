@@ -48,7 +48,8 @@ def test_filter_metrics_follow_verl():
   penalty = np.array([[0.0, 0.0], [0.0, -2.0]])
   reward = score + penalty                          # [[1, .5], [-1, -1]]: what advantages use
   kw = dict(acc_QG=acc, score_QG=score, reward_QG=reward)
-  keep = {m: dynamic_sampling.keep_groups(rollout_lib.filter_values(m, **kw)).tolist() for m in rollout_lib.FILTER_METRICS}
+  keep = {m: dynamic_sampling.keep_groups(rollout_lib.filter_values(m, **kw)).tolist()
+          for m in rollout_lib.FILTER_METRICS}
   assert keep == {"acc": [False, True], "score": [True, True], "seq_reward": [True, False],
                   "seq_final_reward": [True, False]}
   with pytest.raises(ValueError, match="dapo.filter_metric='reward'"):
@@ -61,3 +62,19 @@ def test_keep_groups_of_equal_floats():
   assert v.std(axis=1)[0] > 0   # The rounding that a std > 0 test would trip over.
   assert not dynamic_sampling.keep_groups(v)[0]
   assert dynamic_sampling.keep_groups(np.array([[0.1, 0.1, 0.1 + 1e-12]]))[0]
+
+
+def test_opo_gpg_and_reinforce_pp_baseline_by_hand():
+  r = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+  n = np.array([[2, 6, 4], [1, 1, 1]])
+  # OPO: the baseline is the length-weighted mean, 2/12 in group 0.
+  np.testing.assert_allclose(advantages.sequence_advantages("opo", r, lengths_QG=n)[0], [5 / 6, -1 / 6, -1 / 6],
+                             rtol=1e-6)
+  # GPG: α = 6 responses / 1 non-zero reward.
+  np.testing.assert_allclose(advantages.sequence_advantages("gpg", r)[0], 6 * (r[0] - 1 / 3), rtol=1e-6)
+  # REINFORCE++-baseline: R - mean, whitened over the 15 tokens (each response once per token).
+  x = np.repeat((r - r.mean(1, keepdims=True)).reshape(-1), n.reshape(-1))
+  want = (r - r.mean(1, keepdims=True) - x.mean()) / np.sqrt(x.var(ddof=1) + 1e-8)
+  np.testing.assert_allclose(advantages.sequence_advantages("reinforce_pp_baseline", r, lengths_QG=n), want, rtol=1e-5)
+  with pytest.raises(ValueError, match="lengths_QG"):
+    advantages.sequence_advantages("opo", r)

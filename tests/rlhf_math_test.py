@@ -78,12 +78,13 @@ def test_reinforce_pp_matches_naive_loop():
   m = np.array([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], float)
   gamma = 0.9
   ret = np.zeros_like(r)
+  m[0, 2:4] = 0.0  # A masked span inside a row (a tool's reply): the return passes through it (verl #7278).
   for b in range(3):
     running = 0.0
     for t in reversed(range(6)):
-      running = r[b, t] + gamma * running
-      ret[b, t] = running
-      running *= m[b, t]
+      if m[b, t]:
+        running = r[b, t] + gamma * running
+        ret[b, t] = running
   adv, returns = advantages.reinforce_pp(r, m, gamma)
   np.testing.assert_allclose(returns, ret, atol=1e-5)
   np.testing.assert_allclose(adv, whiten(ret, m) * m, atol=1e-5)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import loss
+from dapo_jax import advantages, loss
 
 torch = pytest.importorskip("torch")
 
@@ -285,3 +285,48 @@ def test_rollout_correction_refuses_bad_options(bad, match):
   _, _, _, mask = case(4, empty_row=False)
   with pytest.raises(ValueError, match=match):
     loss.rollout_correction(np.zeros(mask.shape), np.zeros(mask.shape), mask, **bad)
+
+
+# --- advantage estimators -------------------------------------------------------------------------
+
+def outcome_case(seed: int, Q: int = 4, G: int = 5):
+  """Scores with zeros (GPG counts them) and ties, lengths from 1 to C, a group of one separately."""
+  rng = np.random.default_rng(seed)
+  score_QG = rng.choice([0.0, 1.0, 0.5, -1.0], size=(Q, G))
+  score_QG[0] = 0.0                       # a group with nothing to learn
+  lengths_QG = rng.integers(1, C + 1, size=(Q, G))
+  mask_BC = np.arange(C)[None, :] < lengths_QG.reshape(-1, 1)
+  token_rewards_BC = np.zeros(mask_BC.shape)
+  token_rewards_BC[np.arange(Q * G), lengths_QG.reshape(-1) - 1] = score_QG.reshape(-1)
+  return score_QG, lengths_QG, mask_BC, token_rewards_BC
+
+
+@pytest.mark.parametrize("estimator,fn", [
+    ("grpo", "compute_grpo_outcome_advantage"), ("rloo", "compute_rloo_outcome_advantage"),
+    ("reinforce_pp_baseline", "compute_reinforce_plus_plus_baseline_outcome_advantage"),
+    ("opo", "compute_opo_outcome_advantage"), ("gpg", "compute_gpg_outcome_advantage")])
+@pytest.mark.parametrize("G", [5, 1])
+def test_sequence_estimators_match_verl(estimator, fn, G):
+  score_QG, lengths_QG, mask_BC, token_rewards_BC = outcome_case(6, G=G)
+  Q = score_QG.shape[0]
+  index = np.repeat(np.arange(Q), G)
+  want_BC, _ = verl[fn](token_level_rewards=torch.tensor(token_rewards_BC), response_mask=torch.tensor(
+      mask_BC.astype(float)), index=index, config=AlgoConfig(norm_adv_by_std_in_grpo=True))
+  got_QG = advantages.sequence_advantages(estimator, score_QG, lengths_QG=lengths_QG)
+  np.testing.assert_allclose(np.broadcast_to(got_QG.reshape(-1, 1), mask_BC.shape) * mask_BC, want_BC.numpy(),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_pp_carries_returns_across_masked_spans_as_verl():
+  """Rewards on several tokens, γ < 1 and masked spans mid-row (tool replies): verl #7278."""
+  rng = np.random.default_rng(7)
+  mask_BC = np.arange(C)[None, :] < np.array([9, 8, 5, 9])[:, None]
+  mask_BC[0, 2:4] = mask_BC[1, 5:7] = mask_BC[3, 1:6] = False
+  rewards_BC = rng.normal(size=mask_BC.shape) * mask_BC
+  rewards_BC[3, 3] = 0.0
+  want_adv, want_ret = verl["compute_reinforce_plus_plus_outcome_advantage"](
+      torch.tensor(rewards_BC), torch.tensor(mask_BC.astype(float)), config=AlgoConfig(gamma=0.9))
+  got_adv, got_ret = advantages.reinforce_pp(rewards_BC, mask_BC, 0.9)
+  np.testing.assert_allclose(np.asarray(got_ret), want_ret.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got_adv), want_adv.numpy(), rtol=1e-5, atol=1e-5)
+  assert np.asarray(got_ret)[3, 0] != 0   # The return reached the token before the masked span.
