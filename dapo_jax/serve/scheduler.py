@@ -1,0 +1,163 @@
+"""Requests from many clients on one engine: continuous batching across requests.
+
+    request threads ──submit──► inbox ──► engine thread: add to the session, run a round,
+                                          tell each request what its samples drew / that they ended
+
+One thread owns the engine session (a long-lived `engine.Session`, never closed). A request's n
+samples are queued like a rollout's group (one prefill); each round returns whenever a sample
+ends and at least every `round_steps` tokens, so new requests join within a few tokens and
+streams advance. Each sample's key is (seed, sample index): the same seed gives the same text
+whatever else is in flight. The pool's width follows the load (grown at once, shrunk when the
+busy rows fit half of it), so one client does not pay for 32 slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import threading
+from typing import Callable
+
+import jax
+import numpy as np
+
+from dapo_jax.rollout import engine as engine_lib
+from dapo_jax.rollout import sampling
+
+
+class QueueFull(Exception):
+  """More samples waiting than the server admits (an HTTP 429)."""
+
+
+@dataclasses.dataclass
+class Request:
+  """One client's ask: n samples of one prompt. `on_event(kind, sample, tokens, logp)` hears, from
+  the engine thread, kind "progress" (tokens drawn so far, when `progress`) and "end" (the sample's
+  final tokens; tokens None and logp the error text when the engine failed)."""
+  prompt_ids: list[int]
+  n: int
+  max_tokens: int
+  temperature: float
+  top_p: float
+  on_event: Callable
+  seed: int | None = None
+  progress: bool = False    # streamed, or stop strings to watch
+  rid: int = -1             # set by submit: the engine's prompt id
+  open_samples: set = dataclasses.field(default_factory=set)   # samples not yet ended (engine thread)
+
+
+@dataclasses.dataclass
+class Ended:
+  tokens: np.ndarray
+  logp: np.ndarray
+  truncated: bool            # no stop token within max_tokens
+
+
+class Scheduler:
+  """The engine thread. `submit` queues a request (thread-safe); `cancel` ends one early."""
+
+  def __init__(self, engine: engine_lib.Engine, params, *, max_queue: int = 1024, compact: bool = True):
+    if not engine.sampler_cfg.per_request or not engine.round_steps:
+      raise ValueError("a serving engine needs a per_request sampler and round_steps > 0")
+    self.engine, self.params, self.max_queue, self.compact = engine, params, max_queue, compact
+    self.inbox: queue.Queue = queue.Queue()
+    self.requests: dict[int, Request] = {}
+    self.pending = 0           # samples submitted and not yet ended
+    self.served = 0            # samples ended
+    self._lock = threading.Lock()
+    self._next_id = 0
+    self._stop = False
+    self.session = self._new_session()
+    self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
+    self._thread.start()
+
+  def _new_session(self) -> engine_lib.Session:
+    return self.engine.session(self.params, jax.random.key(0))
+
+  def submit(self, req: Request) -> int:
+    if len(req.prompt_ids) > self.engine.P:
+      raise ValueError(f"prompt of {len(req.prompt_ids)} tokens exceeds the server's {self.engine.P}")
+    with self._lock:
+      if self.pending + req.n > self.max_queue:
+        raise QueueFull(f"{self.pending} samples in flight; the server admits {self.max_queue}")
+      self.pending += req.n
+      req.rid, self._next_id = self._next_id, self._next_id + 1
+    self.inbox.put(("add", req))
+    return req.rid
+
+  def cancel(self, rid: int, sample: int | None = None) -> None:
+    """Ends request `rid`'s samples (or one of them) early; each still gets its "end" event."""
+    self.inbox.put(("cancel", (rid, sample)))
+
+  def close(self) -> None:
+    self._stop = True
+    self.inbox.put(("stop", None))
+    self._thread.join(timeout=30)
+
+  # --- the engine thread -----------------------------------------------------------------------
+
+  def _admit(self, block: bool) -> None:
+    while True:
+      try:
+        kind, x = self.inbox.get(block=block)
+      except queue.Empty:
+        return
+      block = False
+      if kind == "add":
+        self.requests[x.rid] = x
+        x.open_samples = set(range(x.n))
+        key = x.seed if x.seed is not None else random.getrandbits(31)
+        self.session.add([x.rid], np.asarray([x.prompt_ids], np.int32), np.ones((1, len(x.prompt_ids)), bool), x.n,
+                         key_ids=[key % (1 << 31)], max_tokens=x.max_tokens, temperature=x.temperature, top_p=x.top_p)
+      elif kind == "cancel" and x[0] in self.requests:
+        for g in self.session.cancel(*x):  # Never started: they end empty.
+          self._end(x[0], g, Ended(np.zeros(0, np.int32), np.zeros(0, np.float32), truncated=False))
+      elif kind == "stop":
+        return
+
+  def _fit_width(self) -> None:
+    """Grows the pool at once to hold what waits, shrinks it once the busy rows fit half of it."""
+    s, e = self.session, self.engine
+    want = e.width_for(min(s.in_flight + len(s.queue), e.S))
+    if want > s.width or 2 * want <= s.width:
+      s._resize(want)
+
+  def _run(self) -> None:
+    while not self._stop:
+      self._admit(block=not self.session.busy)
+      if self._stop or not self.session.busy:
+        continue
+      try:
+        if self.compact:
+          self._fit_width()
+        ended = self.session.step()
+        for f in ended:
+          self._end(f.prompt_id, f.sample, Ended(f.tokens_C[:f.length], f.logp_C[:f.length], f.truncated))
+        if any(self.requests[w.prompt_id].progress for w in self.session.slot_work if w is not None):
+          for (rid, g), (tokens, logp) in self.session.progress().items():
+            if self.requests[rid].progress:
+              self.requests[rid].on_event("progress", g, tokens, logp)
+      except Exception as e:  # The engine failed: every request in flight gets the error; a fresh session.
+        logging.exception("serving engine round failed")
+        for rid, req in list(self.requests.items()):
+          for g in sorted(req.open_samples):
+            self._end(rid, g, None, error=f"{type(e).__name__}: {e}")
+        self.session = self._new_session()
+
+  def _end(self, rid: int, g: int, ended: Ended | None, error: str | None = None) -> None:
+    req = self.requests.get(rid)
+    if req is None or g not in req.open_samples:
+      return
+    with self._lock:
+      self.pending -= 1
+      self.served += 1
+    req.open_samples.discard(g)
+    if not req.open_samples:
+      del self.requests[rid]
+    req.on_event("end", g, ended, error)
+
+
+def serving_sampler(sampler_cfg: sampling.SamplerConfig) -> sampling.SamplerConfig:
+  """A sampler whose rows carry their requests' temperature and top-p."""
+  return dataclasses.replace(sampler_cfg, per_request=True)

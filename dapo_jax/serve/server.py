@@ -1,0 +1,71 @@
+"""The policy server: a model, its engine and the OpenAI routes, on uvicorn.
+
+    with PolicyServer(model_cfg, params, tok, eos_ids=eos) as server:
+      client = openai.OpenAI(base_url=server.url + "/v1", api_key="-")
+"""
+from __future__ import annotations
+
+import os
+
+from dapo_jax.rollout import engine as engine_lib
+from dapo_jax.rollout import sampling
+from dapo_jax.serve import http, openai_api
+from dapo_jax.serve import scheduler as scheduler_lib
+
+TOKEN_ENV = "DAPO_SERVE_TOKEN"
+
+
+def prompt_buckets(max_prompt_len: int, smallest: int = 32) -> tuple[int, ...]:
+  """Powers of two from `smallest` up to the longest prompt: the prefill shapes compiled."""
+  out, b = [], smallest
+  while b < max_prompt_len:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (max_prompt_len,)
+
+
+class PolicyServer:
+  """Serves `params` with the OpenAI API on host:port (127.0.0.1 and any free port by default);
+  `slots` samples decode together, each prompt up to `max_prompt_len` tokens and each answer up to
+  `max_new_tokens`. A context manager; `start()` serves in a thread, `serve_forever()` in front."""
+
+  def __init__(self, model_cfg, params, tok, *, eos_ids, model_name: str = "dapo-policy", host: str = "127.0.0.1",
+               port: int = 0, token: str | None = None, slots: int = 16, max_prompt_len: int = 512,
+               max_new_tokens: int = 256, round_steps: int = 16, max_queue: int = 1024, top_k: int = 0, mesh=None):
+    token = token or os.environ.get(TOKEN_ENV) or None
+    http.check_bind(host, token, TOKEN_ENV)
+    sampler_cfg = sampling.SamplerConfig(max_new_tokens=max_new_tokens, top_k=top_k, eos_ids=tuple(eos_ids),
+                                         pad_id=tok.pad_token_id or 0, per_request=True)
+    self.engine = engine_lib.Engine(model_cfg, sampler_cfg, slots=slots, prompt_len=max_prompt_len,
+                                    prompt_buckets=prompt_buckets(max_prompt_len), mesh=mesh,
+                                    round_steps=round_steps)
+    self.scheduler = scheduler_lib.Scheduler(self.engine, params, max_queue=max_queue)
+    app = http.new_app("dapo_jax policy server", token)
+    self.policy = openai_api.OpenAIPolicy(self.scheduler, tok, model_name, tuple(eos_ids))
+    openai_api.routes(app, self.policy)
+    try:
+      self.http = http.Server(app, host, port, name="policy-server")
+    except http.ServerConfigError:
+      self.scheduler.close()
+      raise
+
+  @property
+  def url(self) -> str:
+    return self.http.url
+
+  def start(self) -> "PolicyServer":
+    self.http.start()
+    return self
+
+  def serve_forever(self) -> None:
+    self.http.serve_forever()
+
+  def close(self) -> None:
+    self.http.close()
+    self.scheduler.close()
+
+  def __enter__(self) -> "PolicyServer":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.close()

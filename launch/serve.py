@@ -1,0 +1,87 @@
+"""Serve a policy with the OpenAI API: /v1/models, /v1/completions, /v1/chat/completions, /health.
+
+  python -m launch.serve --workdir=runs/default                # the run's latest checkpoint
+  python -m launch.serve --model_dir=HF_DIR [--adapter_dir=PEFT_DIR] --port=8000
+  DAPO_SERVE_TOKEN=secret python -m launch.serve --model_dir=HF_DIR --host=0.0.0.0
+
+A run is read with its config (`--config`, the default job's by default). Only 127.0.0.1 is served
+without a token; requests then carry `Authorization: Bearer <token>` (the openai client's api_key).
+The URL is printed as `serving MODEL on http://HOST:PORT`.
+"""
+import os
+
+from absl import flags
+
+from launch import common
+
+_CONFIG = common.define_config()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is served.")
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "Serve this HF model directory instead.")
+_ADAPTER_DIR = flags.DEFINE_string("adapter_dir", None, "A PEFT LoRA adapter directory on --model_dir.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind; anything but localhost needs a token.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port (0: any free one).")
+_TOKEN = flags.DEFINE_string("token", None, "Shared token (default: env DAPO_SERVE_TOKEN).")
+_SLOTS = flags.DEFINE_integer("slots", 16, "Samples decoded together (across requests).")
+_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 512, "Longest prompt in tokens.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Longest answer in tokens (max_tokens' ceiling).")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 1024, "Samples in flight beyond which requests get 429.")
+_ROUND_STEPS = flags.DEFINE_integer("round_steps", 16, "Tokens per decode round at most (new requests join "
+                                    "and streams advance between rounds).")
+_MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask for (default: the directory's name).")
+
+
+def load(cfg, workdir, model_dir, adapter_dir, mesh):
+  """(model_cfg, params, tokenizer, source dir, name) of what is served."""
+  import jax
+
+  from dapo_jax import from_config
+  from dapo_jax.data import tokenizer
+  from dapo_jax.hf import convert as hf
+  from dapo_jax.hf import peft
+  from dapo_jax.model import lora
+  if model_dir:
+    model_cfg, params = hf.load(model_dir, **from_config.runtime_overrides(cfg))
+    tok = tokenizer.load(cfg.tokenizer.path or model_dir)
+    if adapter_dir:
+      lora_cfg, adapters = peft.load_peft(adapter_dir, model_cfg)
+      params = lora.adapt(model_cfg, lora_cfg, params, jax.random.key(0), adapters)
+    name = os.path.basename(os.path.normpath(adapter_dir or model_dir))
+    return model_cfg, params, tok, model_dir, name
+  if adapter_dir:
+    raise ValueError("--adapter_dir goes with --model_dir (its base model)")
+  workdir = workdir or common.default_workdir()
+  model_cfg, params, tok, _ = from_config.restore_policy(cfg, workdir, mesh)
+  return model_cfg, params, tok, from_config.model_dir(cfg, workdir), os.path.basename(os.path.normpath(workdir))
+
+
+def main(argv):
+  del argv
+  from dapo_jax import from_config, sharding
+  from dapo_jax.data import tokenizer
+  from dapo_jax.serve import server as server_lib
+  cfg = _CONFIG.value
+  from_config.validate(cfg)
+  if _WORKDIR.value and _MODEL_DIR.value:
+    raise ValueError("give one of --workdir or --model_dir")
+  server_lib.http.check_bind(_HOST.value, _TOKEN.value or os.environ.get(server_lib.TOKEN_ENV),
+                             server_lib.TOKEN_ENV)  # Before the model loads.
+  mesh = sharding.make_mesh(cfg.mesh)
+  model_cfg, params, tok, source, name = load(cfg, _WORKDIR.value, _MODEL_DIR.value, _ADAPTER_DIR.value, mesh)
+  eos = tokenizer.stop_ids(tok, source, cfg.rollout.stop)
+  server = server_lib.PolicyServer(
+      model_cfg, params, tok, eos_ids=eos, model_name=_MODEL_NAME.value or name, host=_HOST.value, port=_PORT.value,
+      token=_TOKEN.value, slots=_SLOTS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
+      max_new_tokens=_MAX_NEW_TOKENS.value, round_steps=_ROUND_STEPS.value, max_queue=_MAX_QUEUE.value,
+      mesh=mesh)
+  print(f"serving {server.policy.model_name} on {server.url} (OpenAI API: /v1/chat/completions, "
+        "/v1/completions, /v1/models)", flush=True)
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.close()
+
+
+if __name__ == "__main__":
+  common.run(main)

@@ -1,0 +1,265 @@
+"""The policy server with the official `openai` client, on 127.0.0.1: a tiny model trained here to
+give known answers (a tool call among them), checked against those answers and against a naive
+argmax loop and teacher-forced log-probs of `model.logits`; streaming, n > 1, seeds, stop strings,
+the token, bad input, a full queue, 16 concurrent clients, and `python -m launch.serve`."""
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+from dapo_jax import testing
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import transformer as model_lib
+from dapo_jax.serve import server as server_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+ANSWERS = [("What is 12 + 5?", "17", None), ("What is 40 + 2?", "42", None), ("Say hello.", "hello world", None),
+           ("Add 3 and 4.", CALL, [ADD])]
+MAX_NEW = 96
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+  """(model_cfg, params, tok, eos, model dir): a tiny model that has memorised ANSWERS."""
+  path = str(tmp_path_factory.mktemp("policy"))
+  tok = tokenizer_lib.train_bpe(path, testing.corpus(), vocab_size=300,
+                                chat_template=tokenizer_lib.CHATML_TOOLS_TEMPLATE)
+  end = tok.convert_tokens_to_ids("<|im_end|>")
+  rows = [(chat_ids(tok, q, tools), tok(a, add_special_tokens=False)["input_ids"] + [end]) for q, a, tools in ANSWERS]
+  cfg = testing.tiny_model_config(vocab_size=len(tok), embed_dim=64, mlp_dim=128)
+  params, loss = testing.memorized_model(cfg, rows, steps=150)
+  assert loss < 0.05
+  hf.save(path, cfg, params, tokenizer=tok)
+  return cfg, params, tok, tokenizer_lib.eos_ids(tok), path
+
+
+@pytest.fixture(scope="module")
+def server(policy):
+  cfg, params, tok, eos, _ = policy
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=8, max_prompt_len=256, max_new_tokens=MAX_NEW,
+                               round_steps=4) as s:
+    yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_ids(tok, question, tools=None):
+  text = tokenizer_lib.render(tok, [{"role": "user", "content": question}], True, tools=tools)
+  return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def argmax_loop(cfg, params, ids, eos, max_new):
+  """Greedy tokens by argmax of teacher-forced logits, one at a time (no cache, no sampler)."""
+  fn = jax.jit(lambda t, m: model_lib.logits(cfg, params, t, m))
+  T, out = 384, []
+  for _ in range(max_new):
+    row = ids + out
+    tokens = np.asarray([[0] * (T - len(row)) + row], np.int32)
+    mask = np.asarray([[False] * (T - len(row)) + [True] * len(row)])
+    out.append(int(np.argmax(np.asarray(fn(tokens, mask))[0, -1])))
+    if out[-1] in eos:
+      break
+  return out
+
+
+def sampled_logp(cfg, params, ids, completion, temperature):
+  """Teacher-forced log-probs of `completion` after `ids` under logits / temperature."""
+  row = ids + completion
+  logits = np.asarray(model_lib.logits(cfg, params, np.asarray([row], np.int32), np.ones((1, len(row)), bool)))[0]
+  z = logits[len(ids) - 1:len(row) - 1] / temperature
+  logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+  return logp[np.arange(len(completion)), completion]
+
+
+def ask(client, question, **kw):
+  kw.setdefault("temperature", 0)
+  return client.chat.completions.create(model="dapo-policy", messages=[{"role": "user", "content": question}], **kw)
+
+
+def test_models_and_greedy_chat_answers_are_the_trained_ones_and_the_argmax_loop(client, policy):
+  cfg, params, tok, eos, _ = policy
+  assert [m.id for m in client.models.list().data] == ["dapo-policy"]
+  for q, a, tools in ANSWERS[:3]:
+    r = ask(client, q, max_tokens=32)
+    assert r.choices[0].message.content == a and r.choices[0].finish_reason == "stop"
+    ref = argmax_loop(cfg, params, chat_ids(tok, q), eos, 32)
+    assert r.choices[0].message.content == tok.decode(ref[:-1])
+    assert r.usage.prompt_tokens == len(chat_ids(tok, q)) and r.usage.completion_tokens == len(ref)
+
+
+def test_tools_come_back_as_tool_calls(client):
+  r = ask(client, "Add 3 and 4.", tools=[ADD], max_tokens=MAX_NEW)
+  choice = r.choices[0]
+  assert choice.finish_reason == "tool_calls" and not choice.message.content
+  (call,) = choice.message.tool_calls
+  assert call.type == "function" and call.function.name == "add"
+  assert json.loads(call.function.arguments) == {"a": 3, "b": 4}
+  # Streamed, the calls arrive whole in the last chunk.
+  chunks = list(ask(client, "Add 3 and 4.", tools=[ADD], max_tokens=MAX_NEW, stream=True))
+  calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+  assert [c.function.name for c in calls] == ["add"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+  # Without tools the same turn is text.
+  r = ask(client, "Add 3 and 4.", max_tokens=MAX_NEW, tools=[ADD], tool_choice="none")
+  assert r.choices[0].message.tool_calls is None
+
+
+def test_completions_greedy_equal_the_argmax_loop_with_logprobs(client, policy):
+  cfg, params, tok, eos, _ = policy
+  prompt = "What is 7 + 8?"
+  ids = tok(prompt, add_special_tokens=True)["input_ids"]
+  ref = argmax_loop(cfg, params, ids, eos, 12)
+  content = ref[:-1] if ref[-1] in eos else ref
+  choices = [client.completions.create(model="dapo-policy", prompt=p, max_tokens=12, temperature=0, logprobs=0
+                                       ).choices[0] for p in (prompt, ids)]
+  for choice in choices:
+    assert choice.text == tok.decode(content)
+    assert choice.finish_reason == ("stop" if ref[-1] in eos else "length")
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, sampled_logp(cfg, params, ids, content, 1.0), atol=2e-4)
+    assert "".join(choice.logprobs.tokens) == choice.text
+
+
+def test_sampled_logprobs_are_the_temperature_scaled_ones(client, policy):
+  cfg, params, tok, _, _ = policy
+  q = "What is 1 + 1?"
+  r = ask(client, q, temperature=1.3, seed=5, max_tokens=10, logprobs=True)
+  tokens = tok(r.choices[0].message.content, add_special_tokens=False)["input_ids"]
+  got = [t.logprob for t in r.choices[0].logprobs.content]
+  assert len(got) == len(tokens) > 0
+  np.testing.assert_allclose(got, sampled_logp(cfg, params, chat_ids(tok, q), tokens, 1.3), atol=2e-4)
+
+
+def test_streaming_joins_to_the_text_and_seeds_fix_it(client):
+  kw = dict(temperature=1.0, seed=11, max_tokens=40)
+  whole = ask(client, "What is 1 + 1?", **kw).choices[0]
+  chunks = list(ask(client, "What is 1 + 1?", stream=True, stream_options={"include_usage": True}, **kw))
+  texts = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+  assert len([t for t in texts if t]) > 1                    # Tokens arrive as rounds produce them.
+  assert "".join(texts) == whole.message.content
+  assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.finish_reason
+  assert chunks[-1].usage.completion_tokens > 0
+  c = list(client.completions.create(model="dapo-policy", prompt="What is", stream=True, **kw))
+  assert "".join(ch.choices[0].text for ch in c) == client.completions.create(
+      model="dapo-policy", prompt="What is", **kw).choices[0].text
+
+
+def test_n_samples_with_a_seed_are_the_same_whatever_else_is_in_flight(client):
+  kw = dict(temperature=1.0, seed=3, max_tokens=24, n=3)
+  alone = [c.message.content for c in ask(client, "What is 1 + 1?", **kw).choices]
+  assert len(set(alone)) > 1                                  # n different samples...
+  with concurrent.futures.ThreadPoolExecutor(6) as pool:      # ...the same ones beside other requests.
+    others = [pool.submit(ask, client, "What is 3 + 9?", temperature=1.0, max_tokens=48, n=2) for _ in range(5)]
+    busy = pool.submit(ask, client, "What is 1 + 1?", **kw)
+    assert [c.message.content for c in busy.result().choices] == alone
+    [f.result() for f in others]
+  assert [c.message.content for c in ask(client, "What is 1 + 1?", **dict(kw, seed=4)).choices] != alone
+
+
+def test_stop_strings_cut_the_answer(client):
+  full = ask(client, "Say hello.", max_tokens=32).choices[0].message.content
+  r = ask(client, "Say hello.", max_tokens=32, stop=["wor"]).choices[0]
+  assert r.message.content == full[:full.index("wor")] and r.finish_reason == "stop"
+  s = list(ask(client, "Say hello.", max_tokens=32, stop=["wor"], stream=True))
+  assert "".join(ch.choices[0].delta.content or "" for ch in s) == r.message.content
+
+
+def test_sixteen_concurrent_clients_are_all_answered(client):
+  questions = [ANSWERS[i % 3] for i in range(24)]
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    got = list(pool.map(lambda qa: ask(client, qa[0], max_tokens=32).choices[0].message.content, questions))
+  assert got == [a for _, a, _ in questions]
+
+
+def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_is_served(server, client):
+  post = lambda path, body: httpx.post(server.url + path, json=body, timeout=30)
+  cases = [("/v1/chat/completions", {"model": "dapo-policy"}, 400, "messages"),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400,
+            "max_tokens"),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, "model"),
+           ("/v1/completions", {"prompt": "x " * 400}, 400, "prompt"),
+           ("/v1/completions", {"prompt": "x", "temperature": 7}, 400, "temperature"),
+           ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+           ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo")]
+  for path, body, status, field in cases:
+    r = post(path, body)
+    assert r.status_code == status, (body, r.text)
+    err = r.json()["error"]
+    assert field in err["message"] and err["param"] == field, err
+  r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30,
+                 headers={"content-type": "application/json"})
+  assert r.status_code == 400
+  assert post("/v1/nowhere", {}).status_code == 404
+  assert ask(client, "What is 12 + 5?", max_tokens=8).choices[0].message.content == "17"
+  assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_full_queue_answers_429_and_a_token_is_enforced(policy):
+  cfg, params, tok, eos, _ = policy
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=2, max_prompt_len=64, max_new_tokens=8,
+                               max_queue=2, token="s3cret") as s:
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+      ask(ok, "What is 12 + 5?", n=3, max_tokens=8)
+    assert ask(ok, "What is 12 + 5?", n=2, max_tokens=8).choices[1].message.content == "17"
+    assert httpx.get(s.url + "/health").status_code == 200   # Health needs no token.
+  with pytest.raises(server_lib.http.ServerConfigError, match="token"):
+    server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, host="0.0.0.0", slots=1, max_new_tokens=4)
+
+
+def test_a_client_that_goes_away_frees_its_slots(server, client):
+  stream = ask(client, "What is 1 + 1?", stream=True, temperature=1.0, max_tokens=MAX_NEW, n=4)
+  next(iter(stream))
+  stream.close()
+  done = threading.Event()
+  for _ in range(100):  # The engine cancels the samples at its next round.
+    if server.scheduler.pending == 0:
+      done.set()
+      break
+    threading.Event().wait(0.05)
+  assert done.is_set(), server.scheduler.pending
+  assert ask(client, "What is 40 + 2?", max_tokens=8).choices[0].message.content == "42"
+
+
+def test_launch_serve_from_a_model_dir(policy):
+  _, _, _, _, path = policy
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+  proc = subprocess.Popen([sys.executable, "-m", "launch.serve", f"--model_dir={path}", "--port=0", "--slots=2",
+                           "--max_prompt_len=64", "--max_new_tokens=16"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    line = ""
+    for line in proc.stdout:
+      if line.startswith("serving "):
+        break
+    assert " on http://127.0.0.1:" in line, line
+    url = line.split(" on ", 1)[1].split()[0]
+    c = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    name = os.path.basename(path)
+    assert [m.id for m in c.models.list().data] == [name]
+    r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "What is 40 + 2?"}],
+                                  temperature=0, max_tokens=8)
+    assert r.choices[0].message.content == "42"
+  finally:
+    proc.kill()
+    proc.wait()
+  res = subprocess.run([sys.executable, "-m", "launch.serve", f"--model_dir={path}", "--host=0.0.0.0"], cwd=ROOT,
+                       env={k: v for k, v in env.items() if k != "DAPO_SERVE_TOKEN"}, capture_output=True, text=True,
+                       timeout=120)
+  assert res.returncode != 0 and "without a token" in res.stderr
