@@ -3,7 +3,8 @@
   python -m launch.serve_rm --model_dir=runs/rm/rm_model --port=8000
   DAPO_RM_TOKEN=secret python -m launch.serve_rm --model_dir=DIR --host=0.0.0.0 --port=8000
 POST /score {"prompts": [...], "responses": [...]} -> {"scores": [...]}; GET /health. Only 127.0.0.1
-is served without a token; requests then carry `Authorization: Bearer <token>`.
+is served without a token; requests then carry `Authorization: Bearer <token>`. FastAPI + uvicorn
+(`pip install -e ".[serve]"`), as the policy server (`launch.serve`).
 """
 from absl import flags
 

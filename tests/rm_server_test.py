@@ -1,6 +1,9 @@
-"""The reward-model HTTP server and its client reward, with real servers on 127.0.0.1."""
+"""The reward-model HTTP server (FastAPI + uvicorn) and its client reward, with real servers on 127.0.0.1."""
+import collections
+import http.client
 import http.server
 import json
+import math
 import os
 import socket
 import subprocess
@@ -14,6 +17,7 @@ import pytest
 
 from dapo_jax import rewards, testing
 from dapo_jax.rewards import server as rm_server
+from dapo_jax.serve import http as serve_http
 
 PROMPTS = ["What is 12+30?", "What is 5+5?", "What is 1+1?"]
 RESPONSES = ["2+0=2, 1+3=4. Answer: 42", "Answer: 11", "Answer: 2"]
@@ -133,6 +137,31 @@ def test_scorer_failure_answers_500_and_the_server_lives_on():
     client = rewards.HTTPReward(server.url, retries=0)
     assert client(["a"], [""], ["p"]) == [rewards.FAILURE] and client.errors == 1
     assert client(["a"], [""], ["p"])[0]["score"] == 0.5
+    calls.clear()
+    code, body = post(server.url, {"prompts": ["p"], "responses": ["a"]})
+    assert code == 500 and body["error"]["message"] == "RuntimeError: model fell over"
+    assert body["error"]["type"] == "server_error" and body["error"]["code"] == "scorer_failed"
+
+
+def test_a_request_past_its_timeout_gets_500_and_is_not_scored_later():
+  release, seen = threading.Event(), []
+
+  def blocking(prompts, responses):
+    seen.append(list(responses))
+    release.wait(10)
+    return [1.0] * len(responses)
+
+  with rm_server.RMServer(blocking, port=0, max_wait_ms=0, request_timeout_s=0.3) as server:
+    first = threading.Thread(target=post, args=(server.url, {"prompts": ["p"], "responses": ["a"]}))
+    first.start()
+    while not seen:  # "a" holds the scorer; "b" waits in the queue past its timeout.
+      time.sleep(0.01)
+    code, body = post(server.url, {"prompts": ["p"], "responses": ["b"]})
+    assert code == 500 and "within 0.3s" in body["error"]["message"]
+    release.set()
+    first.join()
+    assert post(server.url, {"prompts": ["p"], "responses": ["c"]}) == (200, {"scores": [1.0]})
+    assert seen == [["a"], ["c"]]   # "b" gave up before its batch started: never scored.
 
 
 def post(url, body, headers=None):
@@ -162,12 +191,83 @@ def test_token_is_required_when_set(monkeypatch):
     assert rewards.HTTPReward(server.url)(RESPONSES[:1], [""], PROMPTS[:1])[0]["score"] == 1.0
 
 
-def test_bad_requests_get_400():
+def raw(url, method, path, body=b"", headers=None):
+  host, port = url.removeprefix("http://").rsplit(":", 1)
+  conn = http.client.HTTPConnection(host, int(port), timeout=10)
+  try:
+    conn.request(method, path, body, headers or {})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+  finally:
+    conn.close()
+
+
+def test_bad_requests_get_400_as_error_objects():
   with rm_server.RMServer(testing.arith_rm(), port=0) as server:
-    assert post(server.url, {"prompts": ["a"]})[0] == 400
-    assert post(server.url, {"prompts": ["a"], "responses": ["b", "c"]})[0] == 400
-    assert post(server.url, {"prompts": [1], "responses": ["b"]})[0] == 400
+    code, body = post(server.url, {"prompts": ["a"]})
+    assert code == 400 and body["error"]["param"] == "responses" and body["error"]["type"] == "invalid_request_error"
+    code, body = post(server.url, {"prompts": ["a"], "responses": ["b", "c"]})
+    assert code == 400 and "1 prompts for 2 responses" in body["error"]["message"]
+    code, body = post(server.url, {"prompts": [1], "responses": ["b"]})
+    assert code == 400 and body["error"]["param"] == "prompts.0"
+    assert raw(server.url, "POST", "/score", b"not json")[0] == 400
+    assert raw(server.url, "POST", "/score", b"[1, 2]")[0] == 400
     assert post(server.url, {"prompts": [], "responses": []}) == (200, {"scores": []})
+    # Any Content-Type is taken, as before.
+    assert raw(server.url, "POST", "/score", json.dumps({"prompts": ["What is 1+1?"], "responses": ["Answer: 2"]}),
+               {"Content-Type": "text/plain"}) == (200, {"scores": [1.0]})
+    # The server serves the next request.
+    assert post(server.url, {"prompts": PROMPTS, "responses": RESPONSES}) == (200, {"scores": [1.0, -1.0, 1.0]})
+
+
+def test_unknown_routes_404_too_large_413_non_finite_null():
+  with rm_server.RMServer(lambda p, r: [math.nan, math.inf, 0.25][:len(r)], port=0) as server:
+    code, body = raw(server.url, "GET", "/nope")
+    assert code == 404 and body["error"]["type"] == "not_found_error"
+    assert raw(server.url, "POST", "/v1/score", b"{}")[0] == 404
+    # The body cap answers from the Content-Length header, before a byte of the body is read.
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.putrequest("POST", "/score")
+    conn.putheader("Content-Length", str(rm_server.MAX_BODY_BYTES + 1))
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 413 and "exceeds" in json.loads(r.read())["error"]["message"]
+    conn.close()
+    body = {"prompts": ["p"] * 3, "responses": ["a", "b", "c"]}
+    assert post(server.url, body) == (200, {"scores": [None, None, 0.25]})
+    # The client counts a non-finite score as a malformed reply.
+    client = rewards.HTTPReward(server.url, retries=0)
+    assert client(["a"], [""], ["p"]) == [rewards.FAILURE] and client.errors == 1
+
+
+def test_32_concurrent_clients_x_40_requests_all_answered():
+  # The standard-library server reset some of these connections (its listen backlog was 5).
+  body = json.dumps({"prompts": ["What is 1+1?"], "responses": ["Answer: 2"]}).encode()
+  failures, answered, lock = collections.Counter(), [0], threading.Lock()
+
+  with rm_server.RMServer(testing.arith_rm(), port=0, max_wait_ms=2) as server:
+    def client():
+      for _ in range(40):  # A new connection per request (urllib), the case that reset.
+        req = urllib.request.Request(server.url + "/score", data=body, headers={"Content-Type": "application/json"})
+        try:
+          with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read()) == {"scores": [1.0]}
+          with lock:
+            answered[0] += 1
+        except Exception as e:  # Counted, so the assertion below says what went wrong.
+          with lock:
+            failures[f"{type(e).__name__}: {e}"] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(32)]
+    t0 = time.time()
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert (answered[0], dict(failures)) == (32 * 40, {})
+    assert time.time() - t0 < 20
+    assert max(server.batcher.batch_sizes) > 1   # Requests in flight together were scored together.
 
 
 def test_non_local_bind_needs_a_token(monkeypatch):
@@ -177,7 +277,16 @@ def test_non_local_bind_needs_a_token(monkeypatch):
   monkeypatch.setenv(rm_server.TOKEN_ENV, "t")
   server = rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=0)
   assert server.token == "t"
+  # A taken port is refused too; the error is both a reward and a server configuration error.
+  with pytest.raises(rm_server.ServerConfigError, match="cannot bind") as e:
+    rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=int(server.url.rsplit(":", 1)[1]))
+  assert isinstance(e.value, rewards.RewardConfigError) and isinstance(e.value, serve_http.ServerConfigError)
   server.close()
+
+
+def test_the_rewards_face_and_the_server_import_no_jax():
+  code = "import sys, dapo_jax.rewards, dapo_jax.rewards.server; assert 'jax' not in sys.modules, 'jax imported'"
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_launch_serve_rm_process_and_training_going_on_after_it_stops():

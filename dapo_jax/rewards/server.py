@@ -2,15 +2,16 @@
 
 Any `score_fn(prompts, responses) -> list[float]` can be served. Concurrent requests are batched into
 one `score_fn` call by a batcher thread (up to `max_batch` responses, waiting at most `max_wait_ms`
-for more after the first), so an accelerator-backed scorer sees large batches. The server binds to
-127.0.0.1 unless told otherwise; on any other address it requires a shared token, which requests
-carry as `Authorization: Bearer <token>`. Standard library only; nothing here imports jax.
+for more after the first), so an accelerator-backed scorer sees large batches. It runs on FastAPI +
+uvicorn with the plumbing the policy server uses (`serve.http`: the bind rule, the bearer token, the
+body cap, error objects {"error": {"message", "type", "param", "code"}}); `pip install -e ".[serve]"`.
+The server binds to 127.0.0.1 unless told otherwise; on any other address it requires a shared token,
+which requests carry as `Authorization: Bearer <token>`. Nothing here imports jax.
 """
 from __future__ import annotations
 
-import hmac
-import http.server
-import json
+import asyncio
+import concurrent.futures as cf
 import logging
 import math
 import os
@@ -19,28 +20,30 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import fastapi
+import pydantic
+
 from dapo_jax.rewards import clients as rewards
+from dapo_jax.serve import http
 
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOCAL_HOSTS = http.LOCAL_HOSTS
 TOKEN_ENV = "DAPO_RM_TOKEN"
-MAX_BODY_BYTES = 64 << 20
+MAX_BODY_BYTES = http.MAX_BODY_BYTES
 
 
-class ServerConfigError(rewards.RewardConfigError):
+class ServerConfigError(rewards.RewardConfigError, http.ServerConfigError):
   """A server that cannot start as configured (e.g. a public address without a token)."""
 
 
 class _Job:
   def __init__(self, prompts: list[str], responses: list[str]):
     self.prompts, self.responses = prompts, responses
-    self.done = threading.Event()
-    self.scores: list[float] | None = None
-    self.error: str | None = None
+    self.future: cf.Future[list[float]] = cf.Future()  # RuntimeError("<type>: <message>") if the scorer fails
 
 
 class Batcher:
-  """Collects jobs from many request threads and scores them together in one thread."""
+  """Collects jobs from many requests and scores them together in one thread."""
 
   def __init__(self, score_fn: ScoreFn, max_batch: int = 64, max_wait_ms: float = 10.0):
     if max_batch < 1:
@@ -52,14 +55,19 @@ class Batcher:
     self._thread = threading.Thread(target=self._run, name="rm-batcher", daemon=True)
     self._thread.start()
 
-  def submit(self, prompts: list[str], responses: list[str], timeout_s: float | None = None) -> list[float]:
+  def enqueue(self, prompts: list[str], responses: list[str]) -> cf.Future:
+    """Queues a job; the future holds its scores. Cancelling it before its batch starts drops the job."""
     job = _Job(prompts, responses)
     self._queue.put(job)
-    if not job.done.wait(timeout_s):
-      raise TimeoutError(f"scoring did not finish within {timeout_s}s")
-    if job.error is not None:
-      raise RuntimeError(job.error)
-    return job.scores  # type: ignore[return-value]
+    return job.future
+
+  def submit(self, prompts: list[str], responses: list[str], timeout_s: float | None = None) -> list[float]:
+    future = self.enqueue(prompts, responses)
+    try:
+      return future.result(timeout_s)
+    except cf.TimeoutError:
+      future.cancel()
+      raise TimeoutError(f"scoring did not finish within {timeout_s}s") from None
 
   def close(self) -> None:
     self._queue.put(None)
@@ -82,7 +90,10 @@ class Batcher:
           break
         jobs.append(nxt)
         n += len(nxt.responses)
-      self._score(jobs)
+      # A request that gave up (its timeout) cancelled its future: it is not scored.
+      jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+      if jobs:
+        self._score(jobs)
 
   def _score(self, jobs: list[_Job]) -> None:
     prompts = [p for j in jobs for p in j.prompts]
@@ -93,89 +104,57 @@ class Batcher:
       scores = [float(s) for s in self.score_fn(prompts, responses)]
       if len(scores) != len(responses):
         raise ValueError(f"score_fn returned {len(scores)} scores for {len(responses)} responses")
-      error = None
     except Exception as e:  # The scorer failed: every request of the batch gets a 500, the server lives on.
       logging.warning("score_fn failed on a batch of %d: %s: %s", len(responses), type(e).__name__, e)
-      scores, error = [], f"{type(e).__name__}: {e}"
+      for j in jobs:
+        j.future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
+      return
     start = 0
     for j in jobs:
-      if error is None:
-        j.scores = scores[start:start + len(j.responses)]
-      j.error = error
+      j.future.set_result(scores[start:start + len(j.responses)])
       start += len(j.responses)
-      j.done.set()
 
 
-def _handler(server: "RMServer"):
-  class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, fmt, *args):  # Per-request lines go to debug logging, not stderr.
-      logging.debug("rm_server: " + fmt, *args)
-
-    def _reply(self, code: int, body: dict) -> None:
-      data = json.dumps(body).encode()
-      self.send_response(code)
-      self.send_header("Content-Type", "application/json")
-      self.send_header("Content-Length", str(len(data)))
-      self.end_headers()
-      self.wfile.write(data)
-
-    def _authorised(self) -> bool:
-      if server.token is None:
-        return True
-      got = self.headers.get("Authorization", "")
-      return hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode())
-
-    def do_GET(self):
-      if self.path.rstrip("/") == "/health":
-        return self._reply(200, {"status": "ok"})
-      self._reply(404, {"error": f"no route {self.path}; POST /score or GET /health"})
-
-    def do_POST(self):
-      if self.path.rstrip("/") != "/score":
-        return self._reply(404, {"error": f"no route {self.path}; POST /score"})
-      if not self._authorised():
-        return self._reply(401, {"error": "missing or wrong 'Authorization: Bearer <token>'"})
-      try:
-        length = int(self.headers.get("Content-Length", "-1"))
-      except ValueError:
-        length = -1
-      if length < 0:
-        return self._reply(411, {"error": "Content-Length required"})
-      if length > MAX_BODY_BYTES:
-        return self._reply(413, {"error": f"request of {length} bytes exceeds {MAX_BODY_BYTES}"})
-      try:
-        body = json.loads(self.rfile.read(length))
-        prompts, responses = body["prompts"], body["responses"]
-        if not (isinstance(prompts, list) and isinstance(responses, list)
-                and all(isinstance(s, str) for s in prompts + responses)):
-          raise ValueError("'prompts' and 'responses' must be lists of strings")
-        if len(prompts) != len(responses):
-          raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
-      except (ValueError, KeyError, TypeError) as e:
-        return self._reply(400, {"error": f"bad request: {type(e).__name__}: {e}"})
-      if not responses:
-        return self._reply(200, {"scores": []})
-      try:
-        scores = server.batcher.submit(prompts, responses, server.request_timeout_s)
-      except (RuntimeError, TimeoutError) as e:
-        return self._reply(500, {"error": str(e)})
-      self._reply(200, {"scores": [s if math.isfinite(s) else None for s in scores]})
-
-  return Handler
+class ScoreRequest(pydantic.BaseModel):
+  model_config = pydantic.ConfigDict(strict=True, extra="ignore")
+  prompts: list[str]
+  responses: list[str]
 
 
-class _HTTPServer(http.server.ThreadingHTTPServer):
-  daemon_threads = True
+def make_app(batcher: Batcher, token: str | None, request_timeout_s: float = 600.0) -> fastapi.FastAPI:
+  """The ASGI app: POST /score and GET /health, with `serve.http`'s token, body cap and error objects."""
+  app = http.new_app("dapo_jax reward model", token)
 
-  def handle_error(self, request, client_address):
-    import sys
-    e = sys.exc_info()[1]
-    if isinstance(e, (BrokenPipeError, ConnectionResetError)):  # The client gave up (its timeout).
-      logging.debug("rm_server: client %s went away: %s", client_address, e)
-    else:
-      logging.warning("rm_server: request from %s failed: %s: %s", client_address, type(e).__name__, e)
+  @app.post("/score")
+  async def score(request: fastapi.Request):
+    # The body is read and checked here rather than by a typed parameter, so that any Content-Type
+    # is taken (as the standard-library server took it) and a bad body is a 400 naming the field.
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:  # A chunked body carries no Content-Length for the middleware to check.
+      raise http.APIError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+      req = ScoreRequest.model_validate_json(body)
+    except pydantic.ValidationError as e:
+      err = e.errors()[0]
+      field = ".".join(str(x) for x in err.get("loc", ())) or None
+      raise http.APIError(400, f"bad request: {field or 'body'}: {err.get('msg', 'invalid')}", param=field) from None
+    if len(req.prompts) != len(req.responses):
+      raise http.APIError(400, f"bad request: {len(req.prompts)} prompts for {len(req.responses)} responses",
+                          param="responses")
+    if not req.responses:
+      return {"scores": []}
+    # The batcher's future is awaited, not waited on in a thread: the event loop keeps serving, and
+    # every request in flight can join the same batch (no thread pool caps how many wait at once).
+    future = batcher.enqueue(req.prompts, req.responses)
+    try:
+      scores = await asyncio.wait_for(asyncio.wrap_future(future), request_timeout_s)
+    except asyncio.TimeoutError:
+      raise http.APIError(500, f"scoring did not finish within {request_timeout_s}s", code="timeout") from None
+    except RuntimeError as e:
+      raise http.APIError(500, str(e), code="scorer_failed") from None
+    return {"scores": [s if math.isfinite(s) else None for s in scores]}
+
+  return app
 
 
 class RMServer:
@@ -184,36 +163,31 @@ class RMServer:
   def __init__(self, score_fn: ScoreFn, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                max_batch: int = 64, max_wait_ms: float = 10.0, request_timeout_s: float = 600.0):
     token = token or os.environ.get(TOKEN_ENV) or None
-    if host not in LOCAL_HOSTS and not token:
-      raise ServerConfigError(f"refusing to serve on {host!r} without a token: pass --token or set {TOKEN_ENV} "
-                              "(only 127.0.0.1 / localhost may go without one)")
+    try:
+      http.check_bind(host, token, TOKEN_ENV)
+    except http.ServerConfigError as e:
+      raise ServerConfigError(str(e)) from None
     self.token, self.request_timeout_s = token, request_timeout_s
     self.batcher = Batcher(score_fn, max_batch, max_wait_ms)
     try:
-      self.httpd = _HTTPServer((host, port), _handler(self))
-    except OSError as e:
+      self.server = http.Server(make_app(self.batcher, token, request_timeout_s), host, port, name="rm-server")
+    except http.ServerConfigError as e:
       self.batcher.close()
-      raise ServerConfigError(f"cannot bind {host}:{port}: {e}") from None
-    self._thread: threading.Thread | None = None
+      raise ServerConfigError(str(e)) from None
 
   @property
   def url(self) -> str:
-    host, port = self.httpd.server_address[:2]
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    return self.server.url
 
   def serve_forever(self) -> None:
-    self.httpd.serve_forever()
+    self.server.serve_forever()
 
   def start(self) -> "RMServer":
-    self._thread = threading.Thread(target=self.httpd.serve_forever, name="rm-server", daemon=True)
-    self._thread.start()
+    self.server.start()
     return self
 
   def close(self) -> None:
-    if self._thread is not None:
-      self.httpd.shutdown()
-      self._thread.join(timeout=5)
-    self.httpd.server_close()
+    self.server.close()
     self.batcher.close()
 
   def __enter__(self) -> "RMServer":
