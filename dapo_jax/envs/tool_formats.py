@@ -195,7 +195,7 @@ def render_tool_calls(calls: Sequence[ToolCall], fmt: str) -> str:
   return "\n".join(f"<tool_call>\n{_json({'name': c.name, 'arguments': c.arguments})}\n</tool_call>" for c in calls)
 
 
-def _strip_calls(text: str, fmt: str) -> str:
+def strip_calls(text: str, fmt: str) -> str:
   """The content left beside the calls: Llama's call is the whole message (or follows <|python_tag|>)."""
   if fmt == "llama3":
     text = _after_thinking(text)
@@ -213,7 +213,7 @@ def assistant_message(text: str, fmt: str) -> dict:
   calls = parse_tool_calls(text, fmt)
   if not calls or fmt in ("gemma", "none"):
     return {"role": "assistant", "content": text}
-  return {"role": "assistant", "content": _strip_calls(text, fmt),
+  return {"role": "assistant", "content": strip_calls(text, fmt),
           "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                          for c in calls]}
 

@@ -14,6 +14,7 @@ import socket
 import threading
 
 import fastapi
+import starlette.exceptions
 import uvicorn
 from fastapi import responses
 
@@ -29,7 +30,8 @@ class APIError(Exception):
   """An error answered as an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
 
   TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+           405: "invalid_request_error", 410: "invalid_request_error", 413: "invalid_request_error",
+           429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
   def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
     super().__init__(message)
@@ -74,9 +76,10 @@ def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES)
     field = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
     return APIError(400, f"{field or 'body'}: {err.get('msg', 'invalid request')}", param=field).response()
 
-  @app.exception_handler(404)
-  async def not_found(request, e):
-    return APIError(404, f"no route {request.method} {request.url.path}").response()
+  @app.exception_handler(starlette.exceptions.HTTPException)
+  async def http_error(request, e):  # No such route (404), a route without this method (405), ...
+    what = "no route" if e.status_code == 404 else str(e.detail).lower()
+    return APIError(e.status_code, f"{what}: {request.method} {request.url.path}").response()
 
   @app.exception_handler(Exception)
   async def internal(request, e):

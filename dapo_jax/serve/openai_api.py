@@ -119,7 +119,7 @@ def _stops(stop) -> list[str]:
   return stops
 
 
-def _message_text(m: dict, i: int) -> dict:
+def normalize_message(m: dict, i: int) -> dict:
   """A message as the chat template expects it: text content, tool-call arguments as objects."""
   if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
     raise APIError(400, f"messages[{i}].role: expected system, user, assistant or tool", param=f"messages[{i}].role")
@@ -149,6 +149,24 @@ def _message_text(m: dict, i: int) -> dict:
   else:
     m.pop("tool_calls", None)
   return m
+
+
+def assistant_message(text: str, tools, fmt: str, finish: str = "stop") -> tuple[dict, str]:
+  """A policy turn as an OpenAI assistant message and its finish reason: with tools, the calls
+  parsed in the template's format become `tool_calls` (arguments as JSON text, as OpenAI sends
+  them) and the rest stays the content; a malformed call stays text, for the client to see."""
+  if tools:
+    try:
+      calls = tool_formats.parse_tool_calls(text, fmt)
+    except tool_formats.ToolCallError:
+      calls = []
+    if calls:
+      content = tool_formats.strip_calls(text, fmt) if fmt != "gemma" else ""
+      return {"role": "assistant", "content": content or None,
+              "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                             for c in calls]}, "tool_calls"
+  return {"role": "assistant", "content": text}, finish
 
 
 class OpenAIPolicy:
@@ -291,7 +309,7 @@ class OpenAIPolicy:
   # --- /v1/chat/completions -------------------------------------------------------------------
 
   def chat_prompt(self, body: ChatBody) -> tuple[list[int], list | None]:
-    messages = [_message_text(m, i) for i, m in enumerate(body.messages)]
+    messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
     tools = body.tools if body.tool_choice != "none" else None
     if tools is not None:
       for i, t in enumerate(tools):
@@ -310,18 +328,7 @@ class OpenAIPolicy:
 
   def _message(self, s: SampleText, tools) -> tuple[dict, str]:
     """The assistant message of a finished sample, and its finish reason."""
-    if tools:
-      try:
-        calls = tool_formats.parse_tool_calls(s.text, self.tool_format)
-      except tool_formats.ToolCallError:
-        calls = []  # A malformed call stays text, for the client to see.
-      if calls:
-        content = tool_formats._strip_calls(s.text, self.tool_format) if self.tool_format != "gemma" else ""
-        return {"role": "assistant", "content": content or None,
-                "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                               for c in calls]}, "tool_calls"
-    return {"role": "assistant", "content": s.text}, s.finish
+    return assistant_message(s.text, tools, self.tool_format, s.finish)
 
   @staticmethod
   def _chat_logprobs(s: SampleText) -> dict:
