@@ -121,9 +121,25 @@ def base() -> mlc.ConfigDict:
                                              # their π_old is the sampling policy's log-probs
                 eps_low=0.2, eps_high=0.28,  # decoupled clip (Eq. 10)
                 clip_ratio_c=10.0,           # dual clip for A<0; 0 = off
-                policy_loss="vanilla",       # vanilla (the decoupled clip) | gspo | cispo | gpg (verl's names)
-                loss_agg="token_mean",       # token_mean | seq_mean_token_{mean,sum,sum_norm} |
-                                             # seq_sum_token_sum_norm (verl's "seq-mean-token-sum-norm")
+                # verl's registry (loss.POLICY_LOSSES; docs/losses.md): vanilla (the decoupled clip) |
+                # gspo | sapo | gpg | clip_cov | kl_cov | geo_mean | dro | cispo | dppo_tv | dppo_kl |
+                # reinforce. dppo_*: eps_low / eps_high are divergence bounds, clip_ratio_c truncates.
+                policy_loss="vanilla",
+                tau_pos=1.0, tau_neg=1.05,   # sapo: gate temperatures for A > 0 / A <= 0
+                clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0,   # clip_cov: tokens cut, cov band
+                kl_cov_ratio=0.0002, ppo_kl_coef=0.1,                      # kl_cov: tokens, |log r| coef
+                dro_beta=0.0,                # dro: β of the quadratic log-ratio penalty (> 0 when used)
+                # Sampler-vs-trainer correction, verl's algorithm.rollout_correction ("" = null, off):
+                # rollout_is "token" | "sequence" with rollout_is_threshold a number (TIS) or
+                # "lower_upper" (IcePop); rollout_rs e.g. "token_k1,seq_mean_k3" with one threshold
+                # or one each; bypass_mode: π_old = the sampler's log-probs, loss_type ppo_clip |
+                # reinforce. The mismatch metrics (mismatch/*) are logged whatever is set here.
+                rollout_correction=dict(rollout_is="", rollout_is_threshold="2.0",
+                                        rollout_is_batch_normalize=False, rollout_rs="",
+                                        rollout_rs_threshold="", bypass_mode=False, loss_type="ppo_clip"),
+                loss_agg="token_mean",       # token_mean | token_sum | seq_mean_token_{mean,sum,sum_norm}
+                                             # (sum_norm: Dr.GRPO, verl's "seq-mean-token-sum-norm") |
+                                             # seq_sum_token_sum_norm (verl's formula before 2026-02-26)
                 # True: each micro-batch's loss is its own token mean weighted by its share of the
                 # mini-batch's rows, as verl weights micro-batches (on our micro-batch split, not
                 # verl's: verl balances rows across ranks and packs micro-batches by token count).

@@ -110,8 +110,9 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   Static shapes: fewer than Q groups are completed with repeats whose loss mask is all zero. With
   `overlong_filter`, truncated samples leave the loss and its denominator (§3.3). Rows of carried
   groups get their sampling policy's log-probs as π_old (`behaviour_B`); the other rows' π_old is
-  left to the update (zeros here), and with no carried group `behaviour_B` is None. Returns the
-  batch and the advantages of the real groups [n, G].
+  left to the update (zeros here), and with no carried group `behaviour_B` is None. Every row keeps
+  the sampler's log-probs (`rollout_logp_BC`) for the mismatch metrics and the rollout correction.
+  Returns the batch and the advantages of the real groups [n, G].
   """
   n, G, C = groups.tokens_QGC.shape
   adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std, lengths_QG=groups.policy_QGC.sum(-1))
@@ -135,7 +136,8 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
                   old_logp_BC=old_logp_BC,
                   adv_B=adv_QG.reshape(-1).astype(np.float32),
                   ref_logp_BC=np.zeros(cmask_BC.shape, np.float32),
-                  behaviour_B=behaviour_B)
+                  behaviour_B=behaviour_B,
+                  rollout_logp_BC=groups.logp_QGC.reshape(-1, C).astype(np.float32))
   return batch, adv_QG[real_Q]
 
 

@@ -30,6 +30,7 @@ class RLBatch:
   # sampling policy's log-probs; None (the batch has no such row): π_old is this step's policy.
   behaviour_B: jax.Array | None = None
   adv_BC: jax.Array | None = None  # fp32 advantage per token (GAE, REINFORCE++); None: adv_B on every token
+  rollout_logp_BC: jax.Array | None = None  # fp32 the sampler's log-probs (mismatch, rollout correction)
 
 
 @struct.dataclass

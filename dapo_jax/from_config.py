@@ -249,6 +249,8 @@ def pg_config(cfg) -> objectives.PGConfig:
   return objectives.PGConfig(
       eps_low=d.eps_low, eps_high=d.eps_high, clip_ratio_c=d.clip_ratio_c if d.clip_ratio_c > 0 else None,
       loss_agg=d.loss_agg, policy_loss=d.policy_loss, norm_len=completion_len(cfg),
+      **{k: d[k] for k in objectives.PG_KNOBS},
+      rollout_correction=objectives.RolloutCorrection(**d.rollout_correction),
       verl_microbatch_weighting=d.verl_microbatch_weighting,
       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,  # greedy: unscaled
       kl_coef=d.kl_coef, kl_estimator=d.kl_estimator, old_is_current=t.minibatches * t.ppo_epochs == 1,

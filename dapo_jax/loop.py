@@ -148,6 +148,7 @@ class DAPO:
                      for mb, parts in ((mb, cut(mb)) for mb in minibatches)]
     else:
       minibatches = [[mb] for mb in minibatches]
+    log_r = []  # log π_old - log π_rollout at the loss tokens' extremes, from the π_old pass
     for parts in [] if have_logprobs else minibatches:
       for i, mb in enumerate(parts):
         # Forward passes read no flags: one compiled pass whether or not the batch has carried rows.
@@ -157,6 +158,9 @@ class DAPO:
           if mb.behaviour_B is not None:  # Carried rows keep their sampling policy's log-probs.
             old_BC = np.where(mb.behaviour_B[:, None], mb.old_logp_BC, old_BC)
           mb = mb.replace(old_logp_BC=old_BC)
+          if mb.rollout_logp_BC is not None and mb.loss_mask_BC.any():
+            d = (old_BC - mb.rollout_logp_BC)[mb.loss_mask_BC]
+            log_r += [d.max(), d.min()]
         if self.ref_params is not None:
           mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, placed)))
         parts[i] = mb
@@ -164,7 +168,10 @@ class DAPO:
     self.state, all_metrics = self.trainer.updates(self.state, minibatches, c.ppo_epochs)
     all_metrics = sharding.fetch(all_metrics)  # One host sync for the whole step.
     timing = {"old_log_prob_s": t1 - t0, "update_actor_s": time.perf_counter() - t1}
-    return metrics_lib.mean_updates(all_metrics), timing
+    out = metrics_lib.mean_updates(all_metrics)
+    if log_r:  # Extremes do not add over micro-batches, so they come from here (the other mismatch/* from the loss).
+      out["mismatch/ratio_max"], out["mismatch/ratio_min"] = float(np.exp(max(log_r))), float(np.exp(min(log_r)))
+    return out, timing
 
   def step(self, step: int) -> tuple[dict, dict]:
     """One rollout step: collect a filtered batch, update on it. Returns (metrics, rollout info)."""

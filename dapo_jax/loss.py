@@ -348,7 +348,7 @@ ROLLOUT_RS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "s
 SAFETY_BOUND = 20.0  # log-ratios are clamped to ±20 before exp, as verl does
 
 
-def _bounds(spec, field: str, *, k1: bool = True) -> tuple[float, float | None]:
+def threshold_bounds(spec, field: str, *, k1: bool = True) -> tuple[float, float | None]:
   """(upper, lower or None) of a threshold: a number, or "lower_upper"; one line naming the field if bad."""
   if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
     raise ValueError(f"{field}={spec!r}: expected a number or a 'lower_upper' string")
@@ -378,7 +378,7 @@ def _rs_options(rollout_rs: str, rollout_rs_threshold) -> dict[str, tuple[float,
   specs = specs * len(options) if len(specs) == 1 else specs
   out = {}
   for o, s in zip(options, specs):
-    upper, lower = _bounds(s, "rollout_rs_threshold", k1=o.endswith("k1"))
+    upper, lower = threshold_bounds(s, "rollout_rs_threshold", k1=o.endswith("k1"))
     out[o] = (upper, 1.0 / upper if lower is None and o.endswith("k1") else lower)
   return out
 
@@ -391,11 +391,12 @@ class _Rows(NamedTuple):
   def tok_mean(self, x_BC):
     return jnp.sum(x_BC * self.m) / (jnp.sum(self.m) + 1e-8)
 
+  # Extremes of nothing (a micro-batch of padding rows) are 0, not ±inf.
   def tok_max(self, x_BC):
-    return jnp.max(jnp.where(self.m > 0, x_BC, -jnp.inf))
+    return jnp.where(jnp.any(self.m > 0), jnp.max(jnp.where(self.m > 0, x_BC, -jnp.inf)), 0.0)
 
   def tok_min(self, x_BC):
-    return jnp.min(jnp.where(self.m > 0, x_BC, jnp.inf))
+    return jnp.where(jnp.any(self.m > 0), jnp.min(jnp.where(self.m > 0, x_BC, jnp.inf)), 0.0)
 
   def per_row_mean(self, x_BC):
     return jnp.sum(x_BC * self.m, -1) / (jnp.sum(self.m, -1) + 1e-8)
@@ -404,10 +405,10 @@ class _Rows(NamedTuple):
     return jnp.sum(x_B * self.rows) / jnp.maximum(jnp.sum(self.rows), 1.0)
 
   def row_max(self, x_B):
-    return jnp.max(jnp.where(self.rows > 0, x_B, -jnp.inf))
+    return jnp.where(jnp.any(self.rows > 0), jnp.max(jnp.where(self.rows > 0, x_B, -jnp.inf)), 0.0)
 
   def row_min(self, x_B):
-    return jnp.min(jnp.where(self.rows > 0, x_B, jnp.inf))
+    return jnp.where(jnp.any(self.rows > 0), jnp.min(jnp.where(self.rows > 0, x_B, jnp.inf)), 0.0)
 
   def row_std(self, x_B):  # unbiased, 0 for one row (torch's std)
     n = jnp.sum(self.rows)
@@ -423,7 +424,7 @@ class _Rows(NamedTuple):
 def _is_weights(log_ratio_BC, r: _Rows, level: str, threshold, batch_normalize: bool):
   """Truncated (TIS: min(w, upper)) or masked (IcePop: 0 outside [lower, upper]) importance weights
   π_train / π_rollout per token or per sequence (the product over its tokens), and verl's metrics."""
-  upper, lower = _bounds(threshold, "rollout_is_threshold")
+  upper, lower = threshold_bounds(threshold, "rollout_is_threshold")
   if level == "token":
     stat_for_metrics = log_ratio_BC
     raw = jnp.exp(jnp.clip(log_ratio_BC, -SAFETY_BOUND, SAFETY_BOUND)) * r.m
@@ -445,7 +446,8 @@ def _is_weights(log_ratio_BC, r: _Rows, level: str, threshold, batch_normalize: 
     m["rollout_is_max"], m["rollout_is_min"] = r.tok_max(w), r.tok_min(w)
   m["rollout_is_std"] = r.clamped_std(w, 0.0, upper)
   wc = jnp.clip(w, 0.0, upper)
-  m["rollout_is_eff_sample_size"] = 1.0 / r.tok_mean(jnp.square(wc / (r.tok_mean(wc) + 1e-8)))
+  second = r.tok_mean(jnp.square(wc / (r.tok_mean(wc) + 1e-8)))
+  m["rollout_is_eff_sample_size"] = jnp.where(second > 0, 1.0 / jnp.where(second > 0, second, 1.0), 0.0)
   seq_B, raw_seq_B = r.per_row_mean(w), r.per_row_mean(raw)
   m.update({"rollout_is_seq_mean": r.row_mean(seq_B), "rollout_is_seq_std": r.row_std(seq_B),
             "rollout_is_seq_max": r.row_max(seq_B), "rollout_is_seq_min": r.row_min(seq_B),
@@ -466,7 +468,7 @@ def _is_weights(log_ratio_BC, r: _Rows, level: str, threshold, batch_normalize: 
 def _rejection(log_ratio_BC, r: _Rows, options: dict):
   """The keep mask of every rejection option (all must pass) and verl's per-option metrics."""
   lr = jnp.clip(log_ratio_BC, -SAFETY_BOUND, SAFETY_BOUND)
-  token_stats = {"k1": -lr, "k2": 0.5 * jnp.square(lr), "k3": jnp.exp(lr) - 1.0 - lr}
+  token_stats = {"k1": -lr, "k2": 0.5 * jnp.square(lr), "k3": jnp.expm1(lr) - lr}  # expm1: exact near 0
   f = lambda x: x.astype(r.m.dtype)
   on = r.m > 0
   keep_all = jnp.ones_like(r.m)
@@ -521,7 +523,7 @@ def mismatch_metrics(train_logp_BC, rollout_logp_BC, mask_BC) -> dict:
   mean_train_B, mean_rollout_B = r.per_row_mean(train), r.per_row_mean(rollout)
   diff_B = mean_rollout_B - mean_train_B
   return {"training_ppl": r.row_mean(jnp.exp(-mean_train_B)), "training_log_ppl": r.row_mean(-mean_train_B),
-          "kl": r.tok_mean(rollout - train), "k3_kl": r.tok_mean(jnp.exp(lr) - lr - 1.0),
+          "kl": r.tok_mean(rollout - train), "k3_kl": r.tok_mean(jnp.expm1(lr) - lr),
           "rollout_ppl": r.row_mean(jnp.exp(-mean_rollout_B)), "rollout_log_ppl": r.row_mean(-mean_rollout_B),
           "log_ppl_diff": r.row_mean(diff_B), "log_ppl_abs_diff": r.row_mean(jnp.abs(diff_B)),
           "log_ppl_diff_max": r.row_max(diff_B), "log_ppl_diff_min": r.row_min(diff_B),

@@ -9,6 +9,7 @@ live here too, next to the objective whose inputs they compute.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -29,13 +30,63 @@ class Objective:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutCorrection:
+  """`dapo.rollout_correction`: verl's algorithm.rollout_correction fields ("" = verl's null).
+
+  rollout_is / rollout_is_threshold / rollout_is_batch_normalize / rollout_rs / rollout_rs_threshold:
+  `loss.rollout_correction`'s options, between π_old and the sampler's log-probs. bypass_mode: π_old
+  is the sampler's log-probs (verl's bypass mode; the correction then reads the current policy), with
+  loss_type "ppo_clip" (the ratio to the sampler is clipped; no weights) or "reinforce" (-A·log π·w).
+  """
+  rollout_is: str = ""
+  rollout_is_threshold: str = "2.0"   # a number (TIS) or "lower_upper" (IcePop)
+  rollout_is_batch_normalize: bool = False
+  rollout_rs: str = ""
+  rollout_rs_threshold: str = ""
+  bypass_mode: bool = False
+  loss_type: str = "ppo_clip"
+
+  def __post_init__(self):
+    if self.loss_type not in ("ppo_clip", "reinforce"):
+      raise ValueError(f"dapo.rollout_correction.loss_type={self.loss_type!r}: expected 'ppo_clip' or 'reinforce'")
+    try:  # Every option string is parsed once, at start, so a bad one names its field there.
+      loss_lib.rollout_correction(jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.ones((1, 1), bool), **self.options())
+    except ValueError as e:
+      raise ValueError(f"dapo.rollout_correction: {e}") from None
+
+  @property
+  def active(self) -> bool:
+    return bool(self.rollout_is or self.rollout_rs)
+
+  def options(self) -> dict:
+    """Keyword arguments of `loss.rollout_correction`."""
+    return dict(rollout_is=self.rollout_is or None, rollout_is_threshold=self.rollout_is_threshold,
+                rollout_is_batch_normalize=self.rollout_is_batch_normalize, rollout_rs=self.rollout_rs or None,
+                rollout_rs_threshold=self.rollout_rs_threshold or None)
+
+  def mismatch_threshold(self) -> float:
+    """The ratio bound the always-logged mismatch metrics count against (rollout_is_threshold's upper)."""
+    return loss_lib.threshold_bounds(self.rollout_is_threshold, "rollout_is_threshold")[0]
+
+
+@dataclasses.dataclass(frozen=True)
 class PGConfig:
   """Static settings of the policy-gradient objective."""
   eps_low: float = 0.2
   eps_high: float = 0.28
   clip_ratio_c: float | None = 10.0         # dual clip for A < 0; None = off
   loss_agg: str = "token_mean"
-  policy_loss: str = "vanilla"              # loss.POLICY_LOSSES: vanilla | gspo | cispo | gpg
+  policy_loss: str = "vanilla"              # loss.POLICY_LOSSES (verl's registry names)
+  # The modes' knobs, verl's names and defaults (loss.policy_loss); dro_beta 0 = unset.
+  tau_pos: float = 1.0
+  tau_neg: float = 1.05
+  clip_cov_ratio: float = 0.0002
+  clip_cov_lb: float = 1.0
+  clip_cov_ub: float = 5.0
+  kl_cov_ratio: float = 0.0002
+  ppo_kl_coef: float = 0.1
+  dro_beta: float = 0.0
+  rollout_correction: RolloutCorrection = RolloutCorrection()
   norm_len: int = 0                         # C of the *_token_sum_norm aggregations: the completion
                                             # budget (rollout.max_new_tokens), never a length bucket's
                                             # width; 0 = each micro-batch's padded length
@@ -47,6 +98,39 @@ class PGConfig:
                                             # (rows flagged in `behaviour_B` keep their old_logp_BC)
   group_size: int = 0                       # >0: rows come in groups of G sharing one prompt, which
                                             # then runs through the model once per group
+
+  def __post_init__(self):
+    if self.policy_loss not in loss_lib.POLICY_LOSSES:
+      raise ValueError(f"dapo.policy_loss={self.policy_loss!r}: expected one of {loss_lib.POLICY_LOSSES}")
+    if self.policy_loss == "dro" and self.dro_beta <= 0:
+      raise ValueError(f"dapo.dro_beta={self.dro_beta}: policy_loss='dro' needs dro_beta > 0")
+    if self.tau_pos <= 0 or self.tau_neg <= 0:
+      raise ValueError(f"dapo.tau_pos={self.tau_pos}, dapo.tau_neg={self.tau_neg}: expected > 0")
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+      if not 0 < getattr(self, name) <= 1:
+        raise ValueError(f"dapo.{name}={getattr(self, name)}: expected in (0, 1]")
+
+  def loss_knobs(self) -> dict:
+    """The mode knobs of `loss.policy_loss`."""
+    return dict(tau_pos=self.tau_pos, tau_neg=self.tau_neg, clip_cov_ratio=self.clip_cov_ratio,
+                clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub, kl_cov_ratio=self.kl_cov_ratio,
+                ppo_kl_coef=self.ppo_kl_coef, dro_beta=self.dro_beta or None)
+
+
+# `dapo.<knob>` fields that go to PGConfig as they are.
+PG_KNOBS = ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef",
+            "dro_beta")
+
+
+def mismatch(train_logp_BC, rollout_logp_BC, mask_BC, threshold: float, num_tokens=None) -> dict:
+  """The sampler-vs-trainer mismatch, always logged: KL(π_rollout || π_train) as k1 and k3, and the
+  fractions of tokens whose ratio π_train/π_rollout a `threshold` (and 1/threshold) would clip.
+  Token means over the loss tokens (micro-batches sum to the mini-batch's)."""
+  log_r = jnp.clip(jax.lax.stop_gradient(train_logp_BC) - rollout_logp_BC, -20.0, 20.0)
+  mean = lambda x: loss_lib.masked_mean(x.astype(jnp.float32), mask_BC, num_tokens)
+  return {"mismatch/k1": mean(-log_r), "mismatch/k3": mean(jnp.expm1(log_r) - log_r),
+          "mismatch/ratio_frac_high": mean(log_r > math.log(threshold)),
+          "mismatch/ratio_frac_low": mean(log_r < -math.log(threshold))}
 
 
 def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch,
@@ -100,12 +184,31 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
     else:
       denoms = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"])
       weight = 1.0
+    mask_BC, is_weights_BC, mode, extra = mb.loss_mask_BC, None, cfg.policy_loss, {}
+    if mb.rollout_logp_BC is not None:
+      rc = cfg.rollout_correction
+      # verl's bypass mode: π_old is the sampler; the correction compares it with the current policy.
+      train_BC = jax.lax.stop_gradient(logp_BC) if rc.bypass_mode else old_logp_BC
+      extra = mismatch(train_BC, mb.rollout_logp_BC, mask_BC, rc.mismatch_threshold(), denoms["num_tokens"])
+      if rc.bypass_mode:
+        old_logp_BC = mb.rollout_logp_BC
+        mode = "reinforce" if rc.loss_type == "reinforce" else mode
+      if rc.active:
+        # Weights and rejections are per token or per response, so per micro-batch they are the
+        # batch's; batch normalisation and the correction's metrics are this micro-batch's,
+        # weighted by its share of the loss tokens. The denominators stay those of the unrejected
+        # tokens, as in verl's bypass mode.
+        w_BC, mask_BC, rc_metrics = loss_lib.rollout_correction(train_BC, mb.rollout_logp_BC, mask_BC,
+                                                                **rc.options())
+        is_weights_BC = None if (rc.bypass_mode and rc.loss_type == "ppo_clip") else w_BC
+        share = jnp.sum(mb.loss_mask_BC.astype(jnp.float32)) / jnp.maximum(counts["num_tokens"], 1.0)
+        extra.update({k: v * share for k, v in rc_metrics.items()})
     value, metrics = loss_lib.policy_loss(
-        logp_BC, old_logp_BC, mb.adv_B, mb.loss_mask_BC, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+        logp_BC, old_logp_BC, mb.adv_B, mask_BC, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
         clip_ratio_c=cfg.clip_ratio_c, agg=cfg.loss_agg, ref_logp_BC=mb.ref_logp_BC, kl_coef=cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, norm_len=cfg.norm_len or None, mode=cfg.policy_loss,
-        **denoms)
-    metrics = jax.tree.map(lambda m: m * weight, metrics)
+        kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, norm_len=cfg.norm_len or None, mode=mode,
+        is_weights_BC=is_weights_BC, **cfg.loss_knobs(), **denoms)
+    metrics = jax.tree.map(lambda m: m * weight, dict(metrics, **extra))
     metrics["entropy"] = loss_lib.masked_mean(loss_lib.entropy(jax.lax.stop_gradient(z_BCV)),
                                               mb.loss_mask_BC, denoms["num_tokens"]) * weight
     value = value * weight

@@ -418,7 +418,8 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
                        loss_mask_BC=batch.loss_mask_BC[idx, :Cb], old_logp_BC=batch.old_logp_BC[idx, :Cb],
                        adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb],
                        behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx],
-                       adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb]))
+                       adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb],
+                       rollout_logp_BC=None if batch.rollout_logp_BC is None else batch.rollout_logp_BC[idx, :Cb]))
   return out
 
 

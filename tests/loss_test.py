@@ -280,3 +280,64 @@ def test_an_unknown_policy_loss_is_named():
   with pytest.raises(ValueError, match="policy loss 'ppo2'"):
     loss.policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), eps_low=0.2,
                      eps_high=0.2, mode="ppo2")
+
+
+# --- the objective's mismatch metrics and rollout correction ----------------------------------------
+
+def test_mismatch_metrics_by_hand():
+  """Ratios π_train/π_rollout of e^0.5, 1, e^-1 and 3 (the threshold 2 clips two) on four loss tokens."""
+  from dapo_jax import objectives
+  rollout = np.array([[-1.0, -2.0, -0.5], [-3.0, -1.0, -1.0]])
+  log_r = np.array([[0.5, 0.0, -1.0], [np.log(3.0), 7.0, 0.0]])
+  mask = np.array([[True, True, True], [True, False, False]])
+  m = {k: float(v) for k, v in objectives.mismatch(rollout + log_r, rollout, mask, threshold=2.0).items()}
+  lr = log_r[mask]
+  assert m["mismatch/k1"] == pytest.approx(np.mean(-lr), rel=1e-6)
+  assert m["mismatch/k3"] == pytest.approx(np.mean(np.exp(lr) - lr - 1), rel=1e-6)
+  assert m["mismatch/ratio_frac_high"] == pytest.approx(1 / 4)   # ratio 3 (the masked e^7 does not count)
+  assert m["mismatch/ratio_frac_low"] == pytest.approx(1 / 4)    # ratio e^-1 < 1/2
+
+
+def test_rollout_correction_config_names_its_field():
+  from dapo_jax import objectives
+  with pytest.raises(ValueError, match="dapo.rollout_correction: rollout_rs='seq_k9'"):
+    objectives.RolloutCorrection(rollout_rs="seq_k9", rollout_rs_threshold="1")
+  with pytest.raises(ValueError, match="dapo.rollout_correction.loss_type='ppo'"):
+    objectives.RolloutCorrection(loss_type="ppo")
+  with pytest.raises(ValueError, match="dapo.dro_beta=0.0"):
+    objectives.PGConfig(policy_loss="dro")
+
+
+@pytest.mark.parametrize("rc", [dict(rollout_is="token", rollout_is_threshold="1.5", rollout_rs="token_k1",
+                                     rollout_rs_threshold="1.5"),
+                                dict(rollout_is="sequence", rollout_is_threshold="0.2_5", bypass_mode=True,
+                                     loss_type="reinforce")])
+def test_objective_applies_the_rollout_correction(rc):
+  """The objective's loss is policy_loss on the corrected mask with the correction's weights
+  (bypass: against the sampler's log-probs, REINFORCE), and it logs the mismatch."""
+  from dapo_jax import objectives, testing
+  from dapo_jax.datatypes import RLBatch
+  from dapo_jax.model import transformer as model
+  cfg = testing.tiny_model_config(vocab_size=64)
+  params = model.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  B, P, Cn = 4, 5, 6
+  tokens = rng.integers(4, 64, size=(B, P + Cn)).astype(np.int32)
+  cmask = np.arange(Cn)[None] < np.array([6, 3, 1, 5])[:, None]
+  batch = RLBatch(tokens_BT=tokens, mask_BT=np.concatenate([np.ones((B, P), bool), cmask], 1), loss_mask_BC=cmask,
+                  old_logp_BC=rng.normal(-4.2, 0.3, size=(B, Cn)).astype(np.float32),
+                  adv_B=np.array([1.0, -0.5, 0.7, -1.2], np.float32), ref_logp_BC=np.zeros((B, Cn), np.float32),
+                  rollout_logp_BC=rng.normal(-4.2, 0.6, size=(B, Cn)).astype(np.float32))
+  pg = objectives.PGConfig(rollout_correction=objectives.RolloutCorrection(**rc))
+  obj = objectives.policy_gradient(cfg, pg)
+  value, metrics = obj.loss(params, batch, obj.counts(batch))
+  logp = objectives.completion_logprobs(cfg, 1.0)(params, batch)
+  bypass = rc.get("bypass_mode", False)
+  train = logp if bypass else batch.old_logp_BC
+  w, keep, _ = loss.rollout_correction(train, batch.rollout_logp_BC, cmask, **pg.rollout_correction.options())
+  assert 0 < int(keep.sum()) < int(cmask.sum()) or bypass
+  want, _ = loss.policy_loss(logp, batch.rollout_logp_BC if bypass else batch.old_logp_BC, batch.adv_B, keep,
+                             eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, is_weights_BC=w,
+                             num_tokens=cmask.sum(), num_seqs=4.0, mode="reinforce" if bypass else "vanilla")
+  assert float(value) == pytest.approx(float(want), rel=1e-5)
+  assert "mismatch/k3" in metrics and "rollout_corr/rollout_is_mean" in metrics
