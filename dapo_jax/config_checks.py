@@ -121,7 +121,10 @@ def validate(cfg, num_devices: int | None = None) -> None:
   n("eval.max_new_tokens", 0, integer=True, allowed=">= 0 (0 = rollout.max_new_tokens)")
 
   # Objective.
-  n("dapo.eps_low", 0, 1, lo_open=True, hi_open=True)
+  if d.policy_loss in ("dppo_tv", "dppo_kl"):  # DPPO: probability / divergence bounds, not ratio ranges
+    n("dapo.eps_low", 0, lo_open=True)
+  else:  # cispo: 1 = no lower bound on the importance weight (MiniMax-M1)
+    n("dapo.eps_low", 0, 1, lo_open=True, hi_open=d.policy_loss != "cispo")
   n("dapo.eps_high", 0, lo_open=True)
   c_dual = n("dapo.clip_ratio_c", 0)
   check(c_dual == 0 or c_dual > 1, "dapo.clip_ratio_c", c_dual, "0 (off) or > 1 (dual clip)")
