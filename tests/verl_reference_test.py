@@ -110,9 +110,11 @@ def case(seed: int, scale: float = 0.6, empty_row: bool = True):
 
 
 def ours(mode, logp, old, adv, mask, agg, weights=None, **knobs):
-  """(loss, grad wrt logp, metrics) of loss.policy_loss in float64."""
+  """(loss, grad wrt logp, metrics) of loss.policy_loss in float64; adv [B] or per token [B, C]."""
+  adv_B, adv_BC = (adv, None) if adv.ndim == 1 else (np.zeros(len(adv)), jnp.asarray(adv))
   with jax.enable_x64(True):
-    f = lambda lp: loss.policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), agg=agg, mode=mode,
+    f = lambda lp: loss.policy_loss(lp, jnp.asarray(old), jnp.asarray(adv_B), jnp.asarray(mask), agg=agg, mode=mode,
+                                    adv_BC=adv_BC,
                                     norm_len=NORM_LEN, is_weights_BC=None if weights is None else jnp.asarray(weights),
                                     **knobs)
     (value, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
@@ -135,7 +137,7 @@ def theirs(mode, logp, old, adv, mask, agg, weights=None, **knobs):
   assert not k, k
   t = lambda x: torch.tensor(np.asarray(x, np.float64))
   lp = t(logp).requires_grad_(True)
-  A = t(np.broadcast_to(adv[:, None], logp.shape).copy())
+  A = t(np.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, logp.shape).copy())
   kw = dict(loss_agg_mode=AGGS[agg], config=cfg, rollout_is_weights=None if weights is None else t(weights))
   if mode == "reinforce":
     value, metrics = verl[LOSS_FNS[mode]](rollout_log_prob=t(old), log_prob=lp, advantages=A,
@@ -188,6 +190,22 @@ def test_policy_losses_match_verl(variant):
     assert 0 < seen_clip[0] < 1, (variant, seen_clip[0])   # Some tokens clipped (masked), some not.
   if KNOBS[variant].get("clip_ratio_c") and mode != "sapo":
     assert want_m["pg_clipfrac_lower"] > 0, variant          # The dual clip / truncation binds.
+
+
+@pytest.mark.parametrize("variant", ["vanilla", "gspo", "sapo", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
+                                     "dppo_tv", "dppo_kl", "reinforce"])
+def test_policy_losses_with_token_advantages_match_verl(variant):
+  """One advantage per token (PPO's GAE, REINFORCE++), IS weights on, token_mean."""
+  logp, old, _, mask = case(8, scale=1e-3 if variant == "gspo" else 0.6, empty_row=variant != "geo_mean")
+  rng = np.random.default_rng(9)
+  adv_BC = rng.normal(size=logp.shape)
+  weights = rng.uniform(0.3, 2.0, size=logp.shape)
+  want, want_grad, want_m = theirs(variant, logp, old, adv_BC, mask, "token_mean", weights, **KNOBS[variant])
+  got, got_grad, got_m = ours(variant, logp, old, adv_BC, mask, "token_mean", weights, **KNOBS[variant])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+  for k, v in want_m.items():
+    np.testing.assert_allclose(got_m[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 def test_clip_cov_cuts_the_largest_covariances_when_candidates_exceed_the_budget():
