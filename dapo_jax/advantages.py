@@ -255,6 +255,22 @@ def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, val
   return token_rewards_BC, adv_BC, returns_BC
 
 
+def distill_advantages(logp_BC, teacher_logp_BC, mask_BC) -> jax.Array:
+  """On-policy distillation (GKD, Agarwal et al. 2024; verl / TRL / slime): on the policy's own samples,
+  A_t = -(log π(y_t) - log π_teacher(y_t)), the per-token reverse KL as a negative reward, no
+  discount and no baseline; zero outside the mask. (Not yet a `dapo.adv_estimator`: the loop does
+  not load a teacher.)"""
+  mask = jnp.asarray(mask_BC, jnp.float32)
+  return (jnp.asarray(teacher_logp_BC, jnp.float32) - jnp.asarray(logp_BC, jnp.float32)) * mask
+
+
+def check_teacher_vocab(student_vocab: int, teacher_vocab: int, *, student: str, teacher: str) -> None:
+  """A teacher scores the student's token ids, so both need one tokenizer; refused at start, naming both."""
+  if student_vocab != teacher_vocab:
+    raise ValueError(f"dapo.teacher_dir={teacher!r} has a vocabulary of {teacher_vocab} tokens, the policy "
+                     f"{student!r} {student_vocab}: distillation needs one tokenizer")
+
+
 def sequence_kl(logp_BC, ref_logp_BC, mask_BC) -> float:
   """The batch's KL to the reference as verl's KL controller reads it: the k1 estimate log π - log π_ref
   averaged over each row's tokens, then over the rows that have tokens."""

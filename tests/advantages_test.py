@@ -78,3 +78,14 @@ def test_opo_gpg_and_reinforce_pp_baseline_by_hand():
   np.testing.assert_allclose(advantages.sequence_advantages("reinforce_pp_baseline", r, lengths_QG=n), want, rtol=1e-5)
   with pytest.raises(ValueError, match="lengths_QG"):
     advantages.sequence_advantages("opo", r)
+
+
+def test_distill_advantages_and_the_teacher_vocabulary():
+  logp = np.array([[-1.0, -2.0, -0.5], [-3.0, -0.1, -9.0]])
+  teacher = np.array([[-0.5, -2.5, -0.5], [-1.0, -0.2, -1.0]])
+  mask = np.array([[1, 1, 1], [1, 1, 0]], bool)
+  np.testing.assert_allclose(np.asarray(advantages.distill_advantages(logp, teacher, mask)),
+                             [[0.5, -0.5, 0.0], [2.0, -0.1, 0.0]], atol=1e-6)
+  advantages.check_teacher_vocab(384, 384, student="runs/a", teacher="runs/b")
+  with pytest.raises(ValueError, match="'runs/big' has a vocabulary of 151936 tokens, the policy 'runs/a' 384"):
+    advantages.check_teacher_vocab(384, 151936, student="runs/a", teacher="runs/big")
