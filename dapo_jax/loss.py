@@ -383,6 +383,18 @@ def _rs_options(rollout_rs: str, rollout_rs_threshold) -> dict[str, tuple[float,
   return out
 
 
+def check_rollout_correction(rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=None,
+                             **unused) -> None:
+  """Refuses bad rollout-correction options (host Python, no array work), naming the option."""
+  del unused
+  if rollout_is is not None and rollout_is not in ROLLOUT_IS:
+    raise ValueError(f"rollout_is={rollout_is!r}: expected None or one of {ROLLOUT_IS}")
+  if rollout_is is not None and rollout_is_threshold is not None:
+    threshold_bounds(rollout_is_threshold, "rollout_is_threshold")
+  if rollout_rs is not None:
+    _rs_options(rollout_rs, rollout_rs_threshold)
+
+
 class _Rows(NamedTuple):
   """Reductions over the masked tokens and over the rows with tokens (padding rows never count)."""
   m: jax.Array       # float mask [B, C]
@@ -548,8 +560,7 @@ def rollout_correction(old_logp_BC, rollout_logp_BC, mask_BC, *, rollout_is: str
   "lower_upper" on the ratio, or an upper u meaning [1/u, u]). Rejected tokens leave keep_mask_BC.
   Sequence statistics are over the rows with tokens (verl also counts empty rows in some of them).
   """
-  if rollout_is is not None and rollout_is not in ROLLOUT_IS:
-    raise ValueError(f"rollout_is={rollout_is!r}: expected None or one of {ROLLOUT_IS}")
+  check_rollout_correction(rollout_is, rollout_is_threshold, rollout_rs, rollout_rs_threshold)
   options = _rs_options(rollout_rs, rollout_rs_threshold) if rollout_rs is not None else {}
   dtype = jnp.promote_types(jnp.asarray(old_logp_BC).dtype, jnp.float32)  # fp32, or fp64 under x64
   r = _Rows(mask_BC.astype(dtype), jnp.any(mask_BC, -1).astype(dtype))

@@ -49,8 +49,9 @@ class RolloutCorrection:
   def __post_init__(self):
     if self.loss_type not in ("ppo_clip", "reinforce"):
       raise ValueError(f"dapo.rollout_correction.loss_type={self.loss_type!r}: expected 'ppo_clip' or 'reinforce'")
-    try:  # Every option string is parsed once, at start, so a bad one names its field there.
-      loss_lib.rollout_correction(jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.ones((1, 1), bool), **self.options())
+    try:  # Every option string is parsed at start, so a bad one names its field there.
+      loss_lib.check_rollout_correction(**self.options())
+      self.mismatch_threshold()
     except ValueError as e:
       raise ValueError(f"dapo.rollout_correction: {e}") from None
 
