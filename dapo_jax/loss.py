@@ -1,5 +1,9 @@
 """Policy-gradient losses: DAPO's decoupled clip with token-level aggregation, and the baselines.
 
+`policy_loss(mode=...)` is verl's registry of policy losses (one function per mode, POLICY_LOSS_FNS);
+`rollout_correction` is verl's correction for the gap between the sampler's log-probs and the
+trainer's; docs/losses.md has both, and where they differ from verl.
+
 DAPO has no KL term and needs no reference model. The KL penalty here exists only for the
 GRPO-style baseline configs; when it is off no reference forward pass runs at all.
 
