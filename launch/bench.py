@@ -5,6 +5,7 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
   python -m launch.bench train   --model_dir=DIR --batch=64 --seq_len=96
   python -m launch.bench e2e     --model_dir=DIR --prompts=prompts_32tok.jsonl   # 8 prompts x 8 samples
   python -m launch.bench episodes --tool_ms=50    # 3-turn episodes, environment latency vs a turn-synchronous loop
+  python -m launch.bench serve --batch=64 --new_tokens=64   # the OpenAI server at 1/8/32 clients vs offline
 
 DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
 Without --model_dir the config's model is built with random weights.
@@ -44,6 +45,8 @@ _WIDTHS = flags.DEFINE_enum("widths", "thirds", ["thirds", "pow2", "off"], "e2e,
 _ROUND_FRACTION = flags.DEFINE_float("round_fraction", 0.0, "e2e, continuous engine: a decode round returns to "
                                      "refill slots once this fraction of the busy slots ended (0 = the first).")
 _TOOL_MS = flags.DEFINE_float("tool_ms", 50.0, "episodes: mean environment latency (log-normal, sigma 1), ms.")
+_COMPACT = flags.DEFINE_bool("compact", False, "serve: the pool's width follows the load.")
+_ROUND_STEPS = flags.DEFINE_integer("round_steps", 4, "serve: tokens per decode round at most.")
 _MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = the config's "
                                     "model.matmul_dtype, or else the compute dtype).")
 
@@ -233,7 +236,8 @@ def bench_e2e(cfg, peak):
           "rounds": statistics.median(s.get("rounds", 1) for s in engine_stats), "engine": cfg.rollout.engine,
           "slots": dapo.rollout.engines and next(iter(dapo.rollout.engines.values())).S or None,
           "length_buckets": list(dapo.cfg.length_buckets), "mean_length": _MEAN_LENGTH.value,
-          **({"widths": _WIDTHS.value, "round_fraction": _ROUND_FRACTION.value} if cfg.rollout.engine == "continuous" else {})}
+          **({"widths": _WIDTHS.value, "round_fraction": _ROUND_FRACTION.value}
+             if cfg.rollout.engine == "continuous" else {})}
 
 
 class LatencyEnv:
@@ -305,6 +309,91 @@ def bench_episodes(cfg, peak):
           "runs_s": {m: [r["s"] for r in out[m]] for m in out}}
 
 
+def bench_serve(cfg, peak):
+  """The policy server under 1, 8 and 32 concurrent clients (each sends its requests one after
+  another: a completions request of `prompt_len` random prompt tokens, `new_tokens` answer tokens,
+  no stop token, so every path generates the same tokens) against the engine's offline throughput
+  on the same model, samples and slots, interleaved: offline, 1, 8, 32, offline, ... Time to first
+  token from streamed requests at each concurrency."""
+  import concurrent.futures as cf
+
+  import httpx
+  import jax
+  import numpy as np
+
+  from dapo_jax import from_config, testing
+  from dapo_jax.data import tokenizer as tokenizer_lib
+  from dapo_jax.model import transformer as model_lib
+  from dapo_jax.rollout import engine, sampling
+  from dapo_jax.serve import server as server_lib
+  del peak
+  if _MODEL_DIR.value:
+    mc, params = load_model(cfg)
+    tok = tokenizer_lib.load(_MODEL_DIR.value)
+  else:
+    tok = testing.build_tokenizer(tempfile.mkdtemp(prefix="dapo_bench_"))
+    mc = dataclasses.replace(from_config.model_config(cfg, len(tok)), **numerics(cfg))
+    params = model_lib.init_params(mc, jax.random.key(0))
+  P, C, S = _PROMPT_LEN.value, _NEW_TOKENS.value, _SLOTS.value or 32
+  clients, per_client = (1, 8, 32), max(_BATCH.value // 32, 1)
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(4, len(tok), size=(32 * per_client, P)).astype(np.int32)
+  offline_engine = engine.Engine(mc, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0), slots=S,
+                                 prompt_len=P)
+  server = server_lib.PolicyServer(mc, params, tok, eos_ids=(), slots=S, max_prompt_len=P, max_new_tokens=C,
+                                   round_steps=_ROUND_STEPS.value, compact=_COMPACT.value).start()
+  http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+  def offline(n):
+    t0 = time.perf_counter()
+    samples, _ = offline_engine.generate(params, prompts[:n], np.ones((n, P), bool), 1, jax.random.key(0))
+    return int(np.asarray(samples.length_B).sum()), time.perf_counter() - t0
+
+  def request(i, stream=False):
+    body = {"prompt": prompts[i].tolist(), "max_tokens": C, "temperature": 1.0, "seed": i, "stream": stream}
+    t0 = time.perf_counter()
+    if not stream:
+      r = http.post(server.url + "/v1/completions", json=body).json()
+      return r["usage"]["completion_tokens"], time.perf_counter() - t0
+    with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+      for line in r.iter_lines():
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+          return 0, time.perf_counter() - t0
+    return 0, float("nan")
+
+  def served(c, stream=False):
+    n = c * per_client
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(c) as pool:
+      out = list(pool.map(lambda i: request(i, stream), range(n)))
+    return sum(t for t, _ in out), time.perf_counter() - t0, [s for _, s in out]
+
+  for c in clients:  # Warm-up: compiles the widths and prefill shapes each load meets.
+    served(c)
+    served(c, stream=True)
+  offline(32 * per_client)
+  runs = {"offline": [], **{f"clients_{c}": [] for c in clients}}
+  ttft = {f"clients_{c}": [] for c in clients}
+  for _ in range(_RUNS.value):
+    tokens, t = offline(32 * per_client)
+    runs["offline"].append({"tokens_per_s": tokens / t, "s": t})
+    for c in clients:
+      tokens, t, _ = served(c)
+      runs[f"clients_{c}"].append({"tokens_per_s": tokens / t, "requests_per_s": c * per_client / t, "s": t})
+      ttft[f"clients_{c}"] += served(c, stream=True)[2]
+  http.close()
+  server.close()
+  med = lambda k, f: statistics.median(r[f] for r in runs[k])
+  offline_tps = med("offline", "tokens_per_s")
+  return {"bench": "serve", "prompt_len": P, "new_tokens": C, "slots": S, "requests_per_client": per_client,
+          "offline_tokens_per_s": offline_tps,
+          **{k: {"tokens_per_s": med(k, "tokens_per_s"), "requests_per_s": med(k, "requests_per_s"),
+                 "vs_offline": med(k, "tokens_per_s") / offline_tps,
+                 "ttft_s_median": statistics.median(ttft[k]), "ttft_s_p90": float(np.percentile(ttft[k], 90))}
+             for k in ttft},
+          "runs": runs}
+
+
 class LengthHook:
   """The long-tail workload: response lengths drawn per generation call from a log-normal
   distribution (sigma 1) with mean `mean`, capped at `cap`; the n-th call draws the same lengths
@@ -322,15 +411,15 @@ class LengthHook:
 
 
 def main(argv):
-  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e", "episodes"):
-    raise SystemExit("usage: python -m launch.bench sampler|train|e2e|episodes [flags]")
+  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e", "episodes", "serve"):
+    raise SystemExit("usage: python -m launch.bench sampler|train|e2e|episodes|serve [flags]")
   import jax
   cfg = _CONFIG.value
   dtypes = numerics(cfg)
   operand_dtype = dtypes["matmul_dtype"] or dtypes["dtype"]
   peak = matmul_peak(operand_dtype)
   result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e,
-            "episodes": bench_episodes}[argv[1]](cfg, peak)
+            "episodes": bench_episodes, "serve": bench_serve}[argv[1]](cfg, peak)
   result.update(matmul_peak_flops_per_s=peak, matmul_dtype=operand_dtype, backend=jax.default_backend(),
                 devices=jax.device_count(), model_dir=_MODEL_DIR.value)
   print(json.dumps(result))

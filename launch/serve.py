@@ -25,8 +25,10 @@ _SLOTS = flags.DEFINE_integer("slots", 16, "Samples decoded together (across req
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 512, "Longest prompt in tokens.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Longest answer in tokens (max_tokens' ceiling).")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 1024, "Samples in flight beyond which requests get 429.")
-_ROUND_STEPS = flags.DEFINE_integer("round_steps", 16, "Tokens per decode round at most (new requests join "
+_ROUND_STEPS = flags.DEFINE_integer("round_steps", 4, "Tokens per decode round at most (new requests join "
                                     "and streams advance between rounds).")
+_COMPACT = flags.DEFINE_bool("compact", False, "The pool's width follows the load (lower latency for few "
+                              "clients; each width compiles when the load first meets it).")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask for (default: the directory's name).")
 
 
@@ -72,6 +74,7 @@ def main(argv):
       model_cfg, params, tok, eos_ids=eos, model_name=_MODEL_NAME.value or name, host=_HOST.value, port=_PORT.value,
       token=_TOKEN.value, slots=_SLOTS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
       max_new_tokens=_MAX_NEW_TOKENS.value, round_steps=_ROUND_STEPS.value, max_queue=_MAX_QUEUE.value,
+      compact=_COMPACT.value,
       mesh=mesh)
   print(f"serving {server.policy.model_name} on {server.url} (OpenAI API: /v1/chat/completions, "
         "/v1/completions, /v1/models)", flush=True)

@@ -263,3 +263,18 @@ def test_launch_serve_from_a_model_dir(policy):
                        env={k: v for k, v in env.items() if k != "DAPO_SERVE_TOKEN"}, capture_output=True, text=True,
                        timeout=120)
   assert res.returncode != 0 and "without a token" in res.stderr
+
+
+def test_a_pool_whose_width_follows_the_load_gives_the_same_samples(policy, client):
+  """`compact`: busy rows move between decode widths as requests come and go; each request's
+  seeded samples are the ones the fixed-width server gives."""
+  cfg, params, tok, eos, _ = policy
+  asks = [("What is 1 + 1?", dict(temperature=1.0, seed=s, max_tokens=8 + 6 * s, n=1 + s % 2)) for s in range(6)]
+  want = [[c.message.content for c in ask(client, q, **kw).choices] for q, kw in asks]
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=4, max_prompt_len=64, max_new_tokens=48,
+                               compact=True) as s:
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      got = list(pool.map(lambda a: [x.message.content for x in ask(c, a[0], **a[1]).choices], asks))
+    assert s.scheduler.session.resizes > 0
+  assert got == want

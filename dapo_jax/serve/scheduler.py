@@ -17,6 +17,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from typing import Callable
 
 import jax
@@ -57,10 +58,15 @@ class Ended:
 class Scheduler:
   """The engine thread. `submit` queues a request (thread-safe); `cancel` ends one early."""
 
-  def __init__(self, engine: engine_lib.Engine, params, *, max_queue: int = 1024, compact: bool = True):
+  def __init__(self, engine: engine_lib.Engine, params, *, max_queue: int = 1024, compact: bool = False,
+               gather_ms: float = 2.0, max_gather_ms: float = 10.0):
+    """An idle engine that gets a request waits for more while they keep coming (each within
+    `gather_ms` of the last, `max_gather_ms` at most) before its first round, so a burst of
+    clients starts together instead of one by one."""
     if not engine.sampler_cfg.per_request or not engine.round_steps:
       raise ValueError("a serving engine needs a per_request sampler and round_steps > 0")
     self.engine, self.params, self.max_queue, self.compact = engine, params, max_queue, compact
+    self.gather_s, self.max_gather_s = gather_ms / 1000, max_gather_ms / 1000
     self.inbox: queue.Queue = queue.Queue()
     self.requests: dict[int, Request] = {}
     self.pending = 0           # samples submitted and not yet ended
@@ -98,12 +104,20 @@ class Scheduler:
   # --- the engine thread -----------------------------------------------------------------------
 
   def _admit(self, block: bool) -> None:
+    """Takes what the inbox holds; blocking (idle): the first item, then what follows it closely."""
+    deadline = None
     while True:
       try:
-        kind, x = self.inbox.get(block=block)
+        if block:
+          kind, x = self.inbox.get()
+          deadline = time.monotonic() + self.max_gather_s
+          block = False
+        elif deadline is not None:
+          kind, x = self.inbox.get(timeout=max(min(self.gather_s, deadline - time.monotonic()), 0.0))
+        else:
+          kind, x = self.inbox.get_nowait()
       except queue.Empty:
         return
-      block = False
       if kind == "add":
         self.requests[x.rid] = x
         x.open_samples = set(range(x.n))
