@@ -278,3 +278,40 @@ def test_a_pool_whose_width_follows_the_load_gives_the_same_samples(policy, clie
       got = list(pool.map(lambda a: [x.message.content for x in ask(c, a[0], **a[1]).choices], asks))
     assert s.scheduler.session.resizes > 0
   assert got == want
+
+
+def test_launch_serve_loads_a_run_checkpoint_and_a_peft_adapter(policy, tmp_path):
+  """What `launch.serve` serves: a run directory's newest checkpoint (its config, tokenizer and
+  orbax state as a run writes them), and an HF directory with a PEFT LoRA adapter on it."""
+  from configs import dapo_qwen2_5_32b
+  from dapo_jax import checkpoint, from_config, objectives, sharding
+  from dapo_jax.hf import peft
+  from dapo_jax.model import lora
+  from launch import serve
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  workdir = tmp_path / "run"
+  tok = testing.build_tokenizer(str(workdir / "tokenizer"), vocab_size=cfg.tokenizer.vocab_size)
+  model_cfg = from_config.model_config(cfg, ((len(tok) + 63) // 64) * 64)
+  mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
+  trainer = from_config.trainer(cfg, model_cfg, mesh, objectives.language_model(model_cfg))
+  state = trainer.init(jax.random.key(1))
+  ckpt = checkpoint.Checkpointer(str(workdir / "checkpoints"))
+  ckpt.save(2, state, {"rollout_step": 2, "seed": 0})
+  ckpt.wait()
+  ckpt.close()
+  got_cfg, params, _, _, name = serve.load(cfg, str(workdir), None, None, mesh)
+  assert got_cfg == model_cfg and name == "run"
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(state.params))
+  # A PEFT adapter on the policy's directory: served as the adapted tree.
+  p_cfg, p_params, p_tok, _, model_dir = policy
+  lcfg = lora.LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj"))
+  adapted = lora.adapt(p_cfg, lcfg, p_params, jax.random.key(3))
+  adapted["lora"] = jax.tree.map(lambda x: x + 0.01, adapted["lora"])  # b != 0: the adapter changes outputs.
+  peft.save_peft(str(tmp_path / "adapter"), p_cfg, adapted)
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  _, served, _, _, name = serve.load(cfg, None, model_dir, str(tmp_path / "adapter"), mesh)
+  assert name == "adapter" and lora.is_adapted(served)
+  ids = np.asarray([chat_ids(p_tok, "What is 12 + 5?")], np.int32)
+  mask = np.ones_like(ids, bool)
+  np.testing.assert_allclose(np.asarray(model_lib.logits(p_cfg, served, ids, mask)),
+                             np.asarray(model_lib.logits(p_cfg, adapted, ids, mask)), atol=1e-5)
