@@ -151,7 +151,7 @@ class Scheduler:
         if any(self.requests[w.prompt_id].progress for w in self.session.slot_work if w is not None):
           for (rid, g), (tokens, logp) in self.session.progress().items():
             if self.requests[rid].progress:
-              self.requests[rid].on_event("progress", g, tokens, logp)
+              self._tell(self.requests[rid], "progress", g, tokens, logp)
       except Exception as e:  # The engine failed: every request in flight gets the error; a fresh session.
         logging.exception("serving engine round failed")
         for rid, req in list(self.requests.items()):
@@ -169,7 +169,16 @@ class Scheduler:
     req.open_samples.discard(g)
     if not req.open_samples:
       del self.requests[rid]
-    req.on_event("end", g, ended, error)
+    self._tell(req, "end", g, ended, error)
+
+  @staticmethod
+  def _tell(req: Request, *event) -> None:
+    """Hands a request its event; a client that is gone (its event loop closed) is not the engine's
+    problem."""
+    try:
+      req.on_event(*event)
+    except Exception as e:  # noqa: BLE001
+      logging.debug("request %d: event dropped (%s)", req.rid, e)
 
 
 def serving_sampler(sampler_cfg: sampling.SamplerConfig) -> sampling.SamplerConfig:
