@@ -80,8 +80,8 @@ LOSS_FNS = {m: f"compute_policy_loss_{m}" for m in ("vanilla", "gspo", "sapo", "
                                                       "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl", "reinforce")}
 ADV_FNS = ("compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-           "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage")
-verl = extract("core_algos.py.txt", (*LOSS_FNS.values(), "agg_loss", *ADV_FNS), dict(BASE))
+           "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage", "compute_gae_advantage_return")
+verl = extract("core_algos.py.txt", (*LOSS_FNS.values(), "agg_loss", *ADV_FNS, "kl_penalty_forward"), dict(BASE))
 verl_rc = extract("rollout_corr_helper.py.txt", (
     "SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "_parse_rollout_is_threshold",
     "_parse_rollout_rs_thresholds", "compute_rollout_rejection_mask", "compute_rs_metrics",
@@ -348,3 +348,26 @@ def test_reinforce_pp_carries_returns_across_masked_spans_as_verl():
   np.testing.assert_allclose(np.asarray(got_ret), want_ret.numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(got_adv), want_adv.numpy(), rtol=1e-5, atol=1e-5)
   assert np.asarray(got_ret)[3, 0] != 0   # The return reached the token before the masked span.
+
+
+def test_gae_matches_verl():
+  rng = np.random.default_rng(10)
+  mask_BC = np.arange(C)[None, :] < np.array([9, 6, 3, 8])[:, None]
+  mask_BC[0, 4:6] = False
+  rewards_BC, values_BC = rng.normal(size=mask_BC.shape) * mask_BC, rng.normal(size=mask_BC.shape)
+  want_adv, want_ret = verl["compute_gae_advantage_return"](torch.tensor(rewards_BC), torch.tensor(values_BC),
+                                                            torch.tensor(mask_BC.astype(float)), 0.95, 0.9)
+  got_adv, got_ret = advantages.gae(rewards_BC, values_BC, mask_BC, 0.95, 0.9)
+  np.testing.assert_allclose(np.asarray(got_ret), want_ret.numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got_adv), want_adv.numpy() * mask_BC, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_penalty_matches_verl(estimator):
+  rng = np.random.default_rng(11)
+  logp, ref = -rng.uniform(0.1, 3, size=(B, C)), -rng.uniform(0.1, 3, size=(B, C))
+  ref[0, 0] = logp[0, 0] + 25.0   # beyond verl's ±20 clamp of k3
+  want = verl["kl_penalty_forward"](torch.tensor(logp), torch.tensor(ref), estimator).numpy()
+  with jax.enable_x64(True):
+    got = np.asarray(loss.kl_penalty(jnp.asarray(logp), jnp.asarray(ref), estimator))
+  np.testing.assert_allclose(got, want, rtol=1e-7)
