@@ -452,7 +452,9 @@ class Session:
     few programs and returns to the host only to refill)."""
     self.closed = True
 
-  def step(self) -> list[Finished]:
+  def step(self, round_steps: int | None = None) -> list[Finished]:
+    """One round; `round_steps` overrides the engine's for this round (a server whose slots are all
+    busy and whose clients need no progress can decode until a sample ends)."""
     e = self.e
     finished = []
     if self.episodes and self.episodes.cfg.barrier and self.paused and self.in_flight == self.paused:
@@ -469,8 +471,8 @@ class Session:
         self.episodes.wait()
       return finished
     max_steps = e.C
-    if e.round_steps:  # A server: back whenever a sample ends, and every round_steps tokens.
-      target, max_steps = 1, e.round_steps
+    if round_steps or e.round_steps:  # A server: back whenever a sample ends, and every round_steps tokens.
+      target, max_steps = 1, round_steps or e.round_steps
     elif self.episodes:  # Return at every turn's end (its environment starts), and now and then
       target = 1       # while environments work, to resume their slots.
       max_steps = self.episodes.poll_steps if self.paused else e.C

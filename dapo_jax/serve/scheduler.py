@@ -137,6 +137,13 @@ class Scheduler:
     if want > s.width or 2 * want <= s.width:
       s._resize(want)
 
+  def _round_steps(self) -> int:
+    """Short rounds while a slot is free (new requests join at the next) or a client follows its
+    tokens (streams, stop strings); with every slot busy and nobody watching, until a sample ends."""
+    s = self.session
+    watched = any(self.requests[w.prompt_id].progress for w in s.slot_work if w is not None)
+    return self.engine.round_steps if watched or s.in_flight < s.width else self.engine.C
+
   def _run(self) -> None:
     while not self._stop:
       self._admit(block=not self.session.busy)
@@ -145,7 +152,7 @@ class Scheduler:
       try:
         if self.compact:
           self._fit_width()
-        ended = self.session.step()
+        ended = self.session.step(self._round_steps())
         for f in ended:
           self._end(f.prompt_id, f.sample, Ended(f.tokens_C[:f.length], f.logp_C[:f.length], f.truncated))
         if any(self.requests[w.prompt_id].progress for w in self.session.slot_work if w is not None):
