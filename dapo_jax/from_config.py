@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
+import shlex
+import sys
+import time
 
 import jax
 
@@ -341,6 +345,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
   validate(cfg)  # Once, before the mesh, any worker process, compile or generation.
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
   os.makedirs(workdir, exist_ok=True)
+  save_run_config(cfg, workdir)  # A resume that changes the model, tokens or objective fails here.
   reward_ = reward(cfg)
   try:
     train, evals = datasets(cfg)
@@ -381,6 +386,73 @@ def run(cfg, workdir: str, mesh=None) -> dict:
   if ev:
     print("Held-out after RL: " + metrics_lib.format_eval(ev), flush=True)
   return last
+
+
+# --- The run's own record of its config: WORKDIR/config.json and command.txt -----------------------
+
+CONFIG_FILE = "config.json"
+COMMAND_FILE = "command.txt"
+# Fields a run cannot change between starts: its parameters' shapes and meaning, its tokens, what its
+# checkpoints hold (a value model with gae) and what it optimises.
+RESUME_FIELDS = (tuple(f"model.{k}" for k in _MODEL_FIELDS if k not in _RUNTIME_FIELDS)
+                 + ("model.init", "model.hf_dir", "model.gguf", "model.vocab_size", "model.lora.rank",
+                    "tokenizer.path", "tokenizer.vocab_size", "dapo.adv_estimator", "dapo.policy_loss"))
+
+
+def _get(tree, path: str):
+  for part in path.split("."):
+    if not hasattr(tree, "get") or part not in tree:
+      return None
+    tree = tree[part]
+  return tree
+
+
+def _plain(x):
+  """A config value as JSON reads it back (tuples as lists, ConfigDicts as dicts)."""
+  return json.loads(json.dumps(x.to_dict() if hasattr(x, "to_dict") else x, default=str))
+
+
+def save_run_config(cfg, workdir: str, argv=None) -> None:
+  """Writes the resolved config to WORKDIR/config.json and appends the command line to command.txt;
+  refuses (CheckpointMismatchError) a config whose `RESUME_FIELDS` differ from the run's recorded ones."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        old = json.load(f)
+    except ValueError as e:
+      raise ConfigError(f"{path}: not a readable run config ({e}); move it away to start afresh") from None
+    for field in RESUME_FIELDS:
+      before, now = _get(old, field), _plain(_get(cfg, field))
+      if before is not None and before != now:
+        raise checkpoint.CheckpointMismatchError(
+            f"{path}: the run was started with {field}={before!r}, this config has {field}={now!r}; a run "
+            "cannot change it (use another --workdir)")
+  if jax.process_index() != 0:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    f.write(cfg.to_json_best_effort(indent=1, sort_keys=True) + "\n")
+  os.replace(path + ".tmp", path)
+  with open(os.path.join(workdir, COMMAND_FILE), "a") as f:
+    f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}  {shlex.join(sys.argv if argv is None else argv)}\n")
+
+
+def load_run_config(workdir: str):
+  """The ConfigDict a run in `workdir` recorded (`save_run_config`), or None if it has none. JSON
+  lists come back as tuples, as the recipes write them."""
+  import ml_collections  # noqa: PLC0415
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{path}: not a readable run config ({e})") from None
+  tuples = lambda x: (tuple(tuples(v) for v in x) if isinstance(x, list)
+                      else {k: tuples(v) for k, v in x.items()} if isinstance(x, dict) else x)
+  return ml_collections.ConfigDict(tuples(raw))
 
 
 def restore_policy(cfg, workdir: str, mesh=None):

@@ -85,6 +85,28 @@ def define_config(default: str = DEFAULT_CONFIG):
     _config_error(e, sys.argv)
 
 
+def run_config(config, workdir: str | None):
+  """The config an entry point works with: `--config`'s when the command line names one; else the
+  one the run in `workdir` recorded (WORKDIR/config.json, written when its training started) with the
+  command line's `--config.x=y` overrides on top; else the default config."""
+  from absl import flags
+
+  from dapo_jax import from_config
+  if flags.FLAGS["config"].present or not workdir:
+    return config.value
+  cfg = from_config.load_run_config(workdir)
+  if cfg is None:
+    return config.value
+  try:
+    cfg.update_from_flattened_dict(dict(flags.FLAGS["config"].override_values))
+  except (AttributeError, KeyError, TypeError) as e:
+    raise from_config.ConfigError(f"{workdir}/{from_config.CONFIG_FILE}: a --config.* override does not "
+                                  f"apply to the run's config: {e}") from None
+  cfg.lock()
+  logging.info("config of %s/%s", workdir, from_config.CONFIG_FILE)
+  return cfg
+
+
 def _config_error(e, argv):
   detail = str(e).strip("'\"").replace("\\n", " ").replace("\n", " ").replace("\\'", "'").replace("\\", "")
   key = detail.split("'")[1] if "'" in detail else detail

@@ -3,6 +3,8 @@
   python -m launch.eval --workdir=runs/default                       # latest checkpoint, config's data
   python -m launch.eval --model_dir=/ckpt/model --config=configs/dapo_qwen2_5_32b.py \
       --config.data.eval_files=aime-2024.parquet --k=1                # the paper's AIME protocol
+
+A run is read with the config it recorded (WORKDIR/config.json) unless `--config` is given.
 """
 import json
 
@@ -23,7 +25,8 @@ def main(argv):
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.rollout import rollout
-  cfg = _CONFIG.value
+  workdir = None if _MODEL_DIR.value else _WORKDIR.value or common.default_workdir()
+  cfg = common.run_config(_CONFIG, workdir)  # The run's recorded config unless --config is given.
   from_config.validate(cfg)
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
@@ -31,7 +34,6 @@ def main(argv):
     tok = tokenizer.load(cfg.tokenizer.path or _MODEL_DIR.value)
     step, source = 0, _MODEL_DIR.value
   else:
-    workdir = _WORKDIR.value or common.default_workdir()
     model_cfg, params, tok, step = from_config.restore_policy(cfg, workdir, mesh)
     source = from_config.model_dir(cfg, workdir)
   _, examples = from_config.datasets(cfg)

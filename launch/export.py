@@ -17,7 +17,7 @@ def main(argv):
 
   from dapo_jax import console, from_config
   from dapo_jax.hf import convert as hf
-  cfg = _CONFIG.value
+  cfg = common.run_config(_CONFIG, _WORKDIR.value)  # The run's recorded config unless --config is given.
   model_cfg, params, tok, step = from_config.restore_policy(cfg, _WORKDIR.value)
   num_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   with console.timed(f"writing {console.size(num_bytes)} of parameters to {_OUT.value}"):

@@ -4,9 +4,11 @@
   python -m launch.sample --workdir=runs/default --prompt="What is 38+46?" --ground_truth=84 --k=4
   python -m launch.sample --model_dir=/ckpt/model --prompts=aime-2024.parquet --k=4 --temperature=0.7
 
-A `--prompts` file is a .jsonl or .parquet dataset in the DAPO-Math row schema, or rows with a
-"prompt" string; rows with a ground truth (`reward_model.ground_truth` or `ground_truth`) get
-scored by the config's reward (`reward.fn`). `--json` prints one JSON object per completion.
+A run is read with the config it recorded (WORKDIR/config.json) unless `--config` is given;
+`--config.x=y` overrides apply on top. A `--prompts` file is a .jsonl or .parquet dataset in the
+DAPO-Math row schema, or rows with a "prompt" string; rows with a ground truth
+(`reward_model.ground_truth` or `ground_truth`) get scored by the config's reward (`reward.fn`).
+`--json` prints one JSON object per completion.
 """
 import dataclasses
 import json
@@ -63,7 +65,8 @@ def main(argv):
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.rollout import rollout
-  cfg = _CONFIG.value
+  workdir = None if _MODEL_DIR.value else _WORKDIR.value or common.default_workdir()
+  cfg = common.run_config(_CONFIG, workdir)  # The run's recorded config unless --config is given.
   from_config.validate(cfg)
   if bool(_PROMPT.value) == bool(_PROMPTS.value):
     raise data.DataError("give one of --prompt=TEXT or --prompts=FILE")
@@ -78,7 +81,6 @@ def main(argv):
     tok = tokenizer.load(cfg.tokenizer.path or _MODEL_DIR.value)
     source = _MODEL_DIR.value
   else:
-    workdir = _WORKDIR.value or common.default_workdir()
     model_cfg, params, tok, _ = from_config.restore_policy(cfg, workdir, mesh)
     source = from_config.model_dir(cfg, workdir)
   sampler_cfg = from_config.sampler_config(cfg, tok, source)

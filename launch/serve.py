@@ -52,6 +52,7 @@ def load(cfg, workdir, model_dir, adapter_dir, mesh):
   if adapter_dir:
     raise ValueError("--adapter_dir goes with --model_dir (its base model)")
   workdir = workdir or common.default_workdir()
+  cfg = common.run_config(_CONFIG, workdir)  # The run's recorded config unless --config is given.
   model_cfg, params, tok, _ = from_config.restore_policy(cfg, workdir, mesh)
   return model_cfg, params, tok, from_config.model_dir(cfg, workdir), os.path.basename(os.path.normpath(workdir))
 

@@ -209,3 +209,31 @@ def test_restore_with_another_seed_is_one_line(trained):
   assert "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1] == (
       f"error: checkpoint {os.path.join(trained, 'checkpoints')}/2 was written with seed=0, config has seed=1")
+
+
+@pytest.mark.slow
+def test_sample_eval_export_read_the_runs_own_config(trained, tmp_path):
+  """No --config: the run's config.json (a runlocal recipe, not the default job's) is what they use;
+  a --config.x=y override still applies on top."""
+  with open(os.path.join(trained, "config.json")) as f:
+    assert json.load(f)["model"]["embed_dim"] == 32  # runlocal's, not configs/default.py's
+  stdout = ok(launch("sample", f"--workdir={trained}", "--prompt=What is 3+4?", "--json", "--k=2",
+                     "--config.rollout.max_new_tokens=3"))
+  rows = [json.loads(line) for line in stdout.strip().splitlines()]
+  assert len(rows) == 2 and rows[0]["prompt"].startswith("What is 3+4?")
+  out = json.loads(ok(launch("eval", f"--workdir={trained}", "--k=1")).strip().splitlines()[-1])
+  assert out["rollout_step"] == 2 and out["num_prompts"] == 8 and "val/acc/mean@1" in out
+  exported = str(tmp_path / "exported")
+  assert f"wrote rollout step 2 of {trained} to {exported}" in ok(launch("export", f"--workdir={trained}",
+                                                                         f"--out={exported}"))
+  with open(os.path.join(exported, "config.json")) as f:
+    assert json.load(f)["hidden_size"] == 32
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_the_model_shape_is_one_line(trained):
+  out = launch("train", f"--workdir={trained}", *TRAIN, "--config.model.num_layers=3")
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: {trained}/config.json: the run was started with model.num_layers=2, this config has "
+      "model.num_layers=3; a run cannot change it (use another --workdir)")
