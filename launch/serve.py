@@ -33,7 +33,8 @@ _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask 
 
 
 def load(cfg, workdir, model_dir, adapter_dir, mesh):
-  """(model_cfg, params, tokenizer, source dir, name) of what is served."""
+  """(model_cfg, params, tokenizer, source dir, name) of what is served: `model_dir` (with a PEFT
+  adapter) or the newest checkpoint in `workdir` (a run trained with `cfg`)."""
   import jax
 
   from dapo_jax import from_config
@@ -51,8 +52,6 @@ def load(cfg, workdir, model_dir, adapter_dir, mesh):
     return model_cfg, params, tok, model_dir, name
   if adapter_dir:
     raise ValueError("--adapter_dir goes with --model_dir (its base model)")
-  workdir = workdir or common.default_workdir()
-  cfg = common.run_config(_CONFIG, workdir)  # The run's recorded config unless --config is given.
   model_cfg, params, tok, _ = from_config.restore_policy(cfg, workdir, mesh)
   return model_cfg, params, tok, from_config.model_dir(cfg, workdir), os.path.basename(os.path.normpath(workdir))
 
@@ -62,14 +61,16 @@ def main(argv):
   from dapo_jax import from_config, sharding
   from dapo_jax.data import tokenizer
   from dapo_jax.serve import server as server_lib
-  cfg = _CONFIG.value
-  from_config.validate(cfg)
   if _WORKDIR.value and _MODEL_DIR.value:
     raise ValueError("give one of --workdir or --model_dir")
+  workdir = None if _MODEL_DIR.value else (_WORKDIR.value or common.default_workdir())
+  # A run is served with its recorded config unless --config is given.
+  cfg = common.run_config(_CONFIG, workdir) if workdir else _CONFIG.value
+  from_config.validate(cfg)
   server_lib.http.check_bind(_HOST.value, _TOKEN.value or os.environ.get(server_lib.TOKEN_ENV),
                              server_lib.TOKEN_ENV)  # Before the model loads.
   mesh = sharding.make_mesh(cfg.mesh)
-  model_cfg, params, tok, source, name = load(cfg, _WORKDIR.value, _MODEL_DIR.value, _ADAPTER_DIR.value, mesh)
+  model_cfg, params, tok, source, name = load(cfg, workdir, _MODEL_DIR.value, _ADAPTER_DIR.value, mesh)
   eos = tokenizer.stop_ids(tok, source, cfg.rollout.stop)
   server = server_lib.PolicyServer(
       model_cfg, params, tok, eos_ids=eos, model_name=_MODEL_NAME.value or name, host=_HOST.value, port=_PORT.value,
