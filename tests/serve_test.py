@@ -315,3 +315,18 @@ def test_launch_serve_loads_a_run_checkpoint_and_a_peft_adapter(policy, tmp_path
   mask = np.ones_like(ids, bool)
   np.testing.assert_allclose(np.asarray(model_lib.logits(p_cfg, served, ids, mask)),
                              np.asarray(model_lib.logits(p_cfg, adapted, ids, mask)), atol=1e-5)
+
+
+def test_an_engine_failure_is_a_500_with_its_cause_and_the_next_request_is_served(server, client):
+  """Fault injection: the engine's next round raises; the requests in flight get a 500 naming the
+  cause, the engine starts a fresh session, and the next request is answered."""
+  session = server.scheduler.session
+
+  def broken_step(*args, **kw):
+    raise RuntimeError("injected device failure")
+
+  session.step = broken_step
+  with pytest.raises(openai.InternalServerError, match="injected device failure"):
+    ask(client, "What is 12 + 5?", max_tokens=8)
+  assert ask(client, "What is 12 + 5?", max_tokens=8).choices[0].message.content == "17"
+  assert server.scheduler.session is not session
