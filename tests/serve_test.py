@@ -203,6 +203,14 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_is_served(serv
                  headers={"content-type": "application/json"})
   assert r.status_code == 400
   assert post("/v1/nowhere", {}).status_code == 404
+  # A body declared larger than the cap is refused before it is read.
+  import socket
+  host, port = server.url.removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port)), timeout=30) as sock:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100000000000\r\n\r\n{}")
+    head = sock.recv(4096).decode()
+  assert head.startswith("HTTP/1.1 413") and "exceeds" in head, head
   assert ask(client, "What is 12 + 5?", max_tokens=8).choices[0].message.content == "17"
   assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
