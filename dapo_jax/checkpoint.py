@@ -63,6 +63,9 @@ class Checkpointer:
     # The checksum kernels are dispatched first so they run while Orbax copies the state to the
     # host; only their 8-byte results are fetched. The state is final here (the step's metrics
     # were fetched), so this waits for no training work.
+    _check_arrays(step, state, "state")
+    if critic is not None:
+      _check_arrays(step, critic, "critic")
     digest = {"arrays": state_digest(state), "extra": extra_digest(extra)}
     items = dict(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
     if critic is not None:
@@ -111,7 +114,11 @@ class Checkpointer:
             f"checkpoint {self.directory}/{step}: {name} has shape {tuple(got.shape)}, but the config "
             f"needs {tuple(leaf.shape)}; it was written by another model config (use a new --workdir)")
       got_dtype = getattr(got, "dtype", None)
-      if got_dtype is not None and np.dtype(got_dtype) != np.dtype(leaf.dtype):
+      if got_dtype is not None and _old_counter(np.dtype(got_dtype), leaf):
+        logging.warning("checkpoint %s/%d: %s was written as an int64 scalar (a step without an update, "
+                        "before issue #37 was fixed); restored as %s", self.directory, step, name,
+                        np.dtype(leaf.dtype).name)
+      elif got_dtype is not None and np.dtype(got_dtype) != np.dtype(leaf.dtype):
         raise CheckpointMismatchError(
             f"checkpoint {self.directory}/{step}: {name} has dtype {np.dtype(got_dtype).name}, but the config "
             f"needs {np.dtype(leaf.dtype).name}; restoring converts no dtype (set the config's dtype to "
@@ -269,6 +276,21 @@ def _verify_arrays(path: str, digest: dict | None, state: Any) -> None:
   if bad:
     raise CheckpointCorruptError(f"checkpoint {path}: {len(bad)} array(s) do not match their digest "
                                  f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+
+
+def _old_counter(got: np.dtype, leaf) -> bool:
+  """A scalar int32 counter that an older version saved from a Python int (int64): the one dtype
+  change restore allows, since its value fits and its digest was taken of the int32 value."""
+  return got == np.int64 and np.dtype(leaf.dtype) == np.int32 and tuple(leaf.shape) == ()
+
+
+def _check_arrays(step: int, tree: Any, item: str) -> None:
+  """Every leaf must carry its own dtype: a Python number would be written as int64 or float64, and
+  the resume, which converts no dtype, would refuse the checkpoint."""
+  for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not hasattr(leaf, "dtype"):
+      raise TypeError(f"checkpoint step {step}: {item} entry {'/'.join(_names(p))} is a Python "
+                      f"{type(leaf).__name__} ({leaf!r}), not an array of the state's dtype")
 
 
 def _dir_bytes(path: str) -> int:

@@ -176,9 +176,11 @@ class DAPO:
   def step(self, step: int) -> tuple[dict, dict]:
     """One rollout step: collect a filtered batch, update on it. Returns (metrics, rollout info)."""
     t_step = time.perf_counter()
-    self.state = self.state.replace(rollout_step=step)  # Sets this step's learning rate.
+    # Sets this step's learning rate. An array of the state's own dtype, not a Python int: a step
+    # that makes no update checkpoints this field as it is, and a resume needs its int32 back.
+    self.state = self.state.replace(rollout_step=np.asarray(step, self.state.rollout_step.dtype))
     if self.critic is not None:
-      self.critic.state = self.critic.state.replace(rollout_step=step)
+      self.critic.state = self.critic.state.replace(rollout_step=np.asarray(step, self.critic.state.rollout_step.dtype))
     groups, stats, info = self.collect(step)
     if self.rollout.episodes is not None:
       info["env"] = self.rollout.episodes.metrics()

@@ -173,3 +173,47 @@ def test_other_dtype_is_a_mismatch_not_damage(tmp_path):
     ckpt.restore_latest(want)
   assert ckpt.all_steps() == [1]  # A config mismatch is not damage: nothing is set aside.
   ckpt.close()
+
+
+def test_save_refuses_a_python_number_in_the_state(tmp_path):
+  """A Python int would be written as int64 and the resume (no dtype conversion) would refuse it."""
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  state = make_state(1.0)
+  state["step"] = 1
+  with pytest.raises(TypeError, match=r"checkpoint step 1: state entry step is a Python int \(1\)"):
+    ckpt.save(1, state, {"seed": 0})
+  assert ckpt.all_steps() == []
+  ckpt.close()
+
+
+@pytest.mark.slow  # ~20 s: builds a whole run (eager parameter init, the sampler's compile).
+def test_run_whose_last_step_made_no_update_resumes(tmp_path):
+  """Issue #37: step 0 keeps no group (every score fails), so no update runs; its checkpoint must hold
+  the state's own int32 rollout_step, and the run resumes from it (restore checks every dtype)."""
+  from configs import dapo_qwen2_5_32b
+  from dapo_jax import from_config
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  cfg.reward.update(fn="dapo_jax.testing:raising_reward", workers=1)
+  cfg.dapo.max_gen_batches = 1
+  workdir = str(tmp_path / "run")
+  with from_config.dapo(cfg, workdir) as run:
+    m, _ = run.step(0)
+    assert "actor/pg_loss" not in m  # No update ran.
+    run.save(1)
+    run.ckpt.wait()
+    assert run.restore() == 1
+    assert run.state.rollout_step.dtype == np.int32
+
+
+def test_int64_scalar_counter_of_an_older_version_restores_as_int32(tmp_path, caplog):
+  """Checkpoints written before the fix hold rollout_step as int64: they resume, with a warning."""
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  state = make_state(1.0)
+  state["step"] = np.asarray(7, np.int64)
+  ckpt.save(1, state, {"seed": 0})
+  ckpt.wait()
+  with caplog.at_level(logging.WARNING):
+    _, restored, _ = ckpt.restore_latest(abstract_of(make_state(1.0)))
+  assert restored["step"].dtype == np.int32 and int(restored["step"]) == 7
+  assert "step was written as an int64 scalar" in caplog.text
+  ckpt.close()
