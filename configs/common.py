@@ -191,7 +191,14 @@ def base() -> mlc.ConfigDict:
                                              # length; 0 = pad every row to max_new_tokens
                  ckpt_every=5, keep_ckpts=3,
                  eval_every=5, log_samples_every=5,
-                 max_bad_steps=5)            # stop after this many non-finite updates in a row
+                 max_bad_steps=5,            # stop after this many non-finite updates in a row
+                 # Every scored rollout (kept or dropped) to WORKDIR/rollouts/step_<N>.jsonl.gz, and the
+                 # held-out samples of each evaluation to eval_step_<N>.jsonl.gz, every this many rollout
+                 # steps; 0 = off; -1 = every step on small jobs (Q·G·max_new_tokens <= 2^20), else off.
+                 dump_rollouts_every=-1,
+                 profile_steps=(),           # (a, b): a JAX profiler trace of rollout steps a..b (1-based)
+                                             # in WORKDIR/profile (TensorBoard's profile plugin, Perfetto)
+                 peak_flops=0.0)             # FLOP/s per device for perf/mfu; 0 = by device kind (CPU: none)
   c.eval = dict(k=32, temperature=1.0, top_p=0.7, greedy=False, max_new_tokens=0,  # 0: rollout's
                 reward_fn="")                # "" = reward.fn; e.g. a rule check for a run trained on an RM
   c.sft = dict(steps=0, batch_size=32, seq_len=128, lr=1e-3, warmup_steps=20, num_examples=20_000,

@@ -271,7 +271,23 @@ def loop_config(cfg) -> loop.LoopConfig:
       reference=d.kl_coef > 0 or kl_in_reward(cfg), seed=cfg.seed, adv_estimator=d.adv_estimator,
       gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
-      length_buckets=train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else ())
+      length_buckets=train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else (),
+      **run_record_config(cfg))
+
+
+def run_record_config(cfg) -> dict:
+  """The loop's rollout-dump, profiler and MFU fields (`train.dump_rollouts_every`, `profile_steps`,
+  `peak_flops`), checked: -1 dumps every step when a step generates at most 2^20 tokens."""
+  t = cfg.train
+  every = t.get("dump_rollouts_every", 0)
+  check(isinstance(every, int) and every >= -1, "train.dump_rollouts_every", every, "an integer >= -1")
+  if every == -1:
+    every = int(cfg.dapo.prompts_per_step * cfg.rollout.group_size * completion_len(cfg) <= 2 ** 20)
+  steps = tuple(t.get("profile_steps", ()))
+  check(steps == () or (len(steps) == 2 and all(isinstance(x, int) for x in steps) and 1 <= steps[0] <= steps[1]),
+        "train.profile_steps", steps, "() or (a, b) with 1 <= a <= b (rollout steps)")
+  peak = number(cfg, "train.peak_flops", 0) if "peak_flops" in t else 0.0
+  return dict(dump_rollouts_every=every, profile_steps=steps, peak_flops=float(peak))
 
 
 def kl_in_reward(cfg) -> bool:
@@ -346,6 +362,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
   os.makedirs(workdir, exist_ok=True)
   save_run_config(cfg, workdir)  # A resume that changes the model, tokens or objective fails here.
+  run_record_config(cfg)  # Its checks, before anything is built.
   reward_ = reward(cfg)
   try:
     train, evals = datasets(cfg)

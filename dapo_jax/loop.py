@@ -13,6 +13,7 @@ sampler's log-probs recorded then, so the clip bounds their off-policy ratio.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -24,7 +25,7 @@ import numpy as np
 
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
-from dapo_jax import host_memory, ppo, sharding, train_step
+from dapo_jax import dumps, host_memory, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax.datatypes import Groups, RLBatch
 from dapo_jax.rollout import dynamic_sampling
@@ -61,6 +62,9 @@ class LoopConfig:
   eval_every: int = 0
   log_samples_every: int = 0
   max_bad_steps: int = 5        # stop after this many non-finite updates in a row
+  dump_rollouts_every: int = 0  # rollout steps between WORKDIR/rollouts dumps (`dumps`); 0 = none
+  profile_steps: tuple[int, ...] = ()  # (a, b): a JAX profiler trace of rollout steps a..b in WORKDIR/profile
+  peak_flops: float = 0.0       # per device, for perf/mfu; 0 = from the device kind (`metrics.PEAK_FLOPS`)
 
   @property
   def updates_per_step(self) -> int:
@@ -90,6 +94,12 @@ class DAPO:
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0, cfg=writer_cfg,
                                            run_config=run_config)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep_ckpts)
+    self.workdir = workdir
+    # Rollout dumps: every scored sample of the steps (and evaluations) that `_dump` picks.
+    self.dumps = dumps.RolloutRecorder(workdir, rollout, filter_groups=cfg.dynamic_sampling,
+                                       enabled=jax.process_index() == 0) if cfg.dump_rollouts_every else None
+    kind = jax.devices()[0].device_kind
+    self.peak_flops = cfg.peak_flops or metrics_lib.peak_flops(kind)
 
   def __enter__(self) -> "DAPO":
     return self
@@ -186,13 +196,14 @@ class DAPO:
       info["env"] = self.rollout.episodes.metrics()
     host_memory.release()  # The rollout's buffers, before the update allocates its own.
     c = self.cfg
-    train_metrics, timing, adv, token_metrics = {}, {}, np.zeros((0,)), {}
+    train_metrics, timing, adv, token_metrics, batch_tokens = {}, {}, np.zeros((0,)), {}, 0
     if groups is None:
       logging.warning("step %d: no group with mixed correctness; no update", step)
     else:
       batch, adv = adv_lib.to_train_batch(groups, c.prompts_per_step, self.rollout.prompt_len(
           groups.prompt_mask_QP), norm_adv_by_std=c.norm_adv_by_std, overlong_filter=c.overlong_filter,
           estimator=c.adv_estimator)
+      batch_tokens = int(np.asarray(batch.mask_BT).sum())  # the real tokens an update reads
       token_level = c.adv_estimator in adv_lib.TOKEN_ESTIMATORS
       if token_level:
         self.ckpt.wait()  # The critic's update donates its state too.
@@ -218,10 +229,26 @@ class DAPO:
         group_size=self.cfg.group_size, reward=self.rollout.reward, skipped=int(self.state.skipped),
         truncated_prompts=self.rollout.truncated_prompts)
     m.update(token_metrics)
+    m.update(self.perf(groups, stats, info, timing, batch_tokens, step_s))
     for k in ("update_critic_s", "adv_s"):
       if k in timing:
         m["timing_s/" + k.removesuffix("_s")] = timing[k]
     return m, info
+
+  def perf(self, groups, stats, info, timing, batch_tokens: int, step_s: float) -> dict:
+    """perf/*: host and device memory, generation and update tokens/s, model FLOP/s and MFU."""
+    c = self.cfg
+    prompt_len = float(groups.prompt_mask_QP.sum(1).mean()) if groups is not None and len(groups) else 0.0
+    forward_passes = (c.updates_per_step > 1) + (self.ref_params is not None)  # π_old, reference
+    out = metrics_lib.memory()
+    out.update(metrics_lib.speed(
+        gen_tokens=info["gen_tokens"], gen_s=info["gen_s"],
+        prompt_tokens=int(prompt_len * stats.generated * c.group_size),
+        update_tokens=batch_tokens * c.ppo_epochs, update_s=timing.get("update_actor_s", 0.0),
+        forward_tokens=batch_tokens * forward_passes, step_s=step_s,
+        flops_per_token=metrics_lib.matmul_params(self.rollout.model_cfg), peak=self.peak_flops,
+        devices=jax.device_count()))
+    return out
 
   # --- checkpoints ---------------------------------------------------------------------------
 
@@ -263,19 +290,31 @@ class DAPO:
     host_memory.release()
     return out
 
+  def _dump(self, kind: str, step: int, policy_step: int):
+    """Records the rollouts (or held-out samples) of rollout step `step` when it is a dump step."""
+    every = self.cfg.dump_rollouts_every
+    if self.dumps is None or (step % every and step != self.cfg.num_steps and kind == "step"):
+      return contextlib.nullcontext()
+    return self.dumps.recording(kind, step, policy_step)
+
   def run(self) -> dict:
     c = self.cfg
     start = self.restore()
     if start:
       print(f"Resumed from {self.ckpt.directory} at rollout step {start}.", flush=True)
     else:
-      ev = self.evaluate()
+      with self._dump("eval", 0, 0):
+        ev = self.evaluate()
       self.writer.scalars(0, ev)
       print("Held-out before RL: " + metrics_lib.format_eval(ev), flush=True)
-    last = {}
+    last, profiling = {}, False
     with ckpt_lib.StopRequest() as stop:
       for step in range(start, c.num_steps):
-        m, info = self.step(step)
+        if c.profile_steps and not profiling and c.profile_steps[0] <= step + 1 <= c.profile_steps[-1]:
+          jax.profiler.start_trace(os.path.join(self.workdir, "profile"))
+          profiling = True
+        with self._dump("step", step + 1, step):
+          m, info = self.step(step)
         if int(self.state.bad_streak) >= c.max_bad_steps:
           self.ckpt.wait()
           raise TrainingError(
@@ -285,7 +324,8 @@ class DAPO:
         done = step + 1
         if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):
           t0 = time.perf_counter()
-          m.update(self.evaluate())
+          with self._dump("eval", done, done):
+            m.update(self.evaluate())
           m["timing_s/testing"] = time.perf_counter() - t0
         self.writer.scalars(done, m)
         self.writer.flush()  # A kill -9 loses nothing that was logged.
@@ -293,6 +333,9 @@ class DAPO:
           text = metrics_lib.sample_text(self.rollout.tok, info["texts"], info["first_groups"], c.group_size)
           if text:
             self.writer.text(done, "samples", text)
+        if profiling and (done >= c.profile_steps[-1] or done == c.num_steps):
+          jax.profiler.stop_trace()  # After the step's metrics are fetched: its device work is in.
+          profiling = False
         metrics_lib.console(done, c.num_steps, m, metrics_lib.HEADLINE)
         last = m
         if (c.ckpt_every and done % c.ckpt_every == 0) or done == c.num_steps or stop.signal:
@@ -303,6 +346,8 @@ class DAPO:
           print(f"Stopped by {stop.signal} after rollout step {done}; checkpoint saved in "
                 f"{self.ckpt.directory}. Run the same command again to resume.", flush=True)
           break
+      if profiling:
+        jax.profiler.stop_trace()
     self.ckpt.wait()
     self.writer.flush()
     return last

@@ -249,3 +249,78 @@ def sample_text(tok, texts, groups, G: int) -> str:
     for g in range(min(2, G)):
       lines.append(f"PROMPT: {prompt!r}\nRESPONSE: {texts[q * G + g]!r}  score={groups.score_QG[q, g]:+.2f}")
   return "\n\n".join(lines)
+
+
+# --- Memory and speed (verl's perf/* names where verl has the quantity) ---------------------------
+
+# Dense bf16 matmul peak per device (FLOP/s), by `jax.Device.device_kind`; the longest name that
+# the kind contains wins. A kind not listed (CPUs) gets no MFU unless `train.peak_flops` sets it.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "H20": 148e12, "B200": 2250e12, "A100": 312e12,
+              "A800": 312e12, "L40S": 362e12, "L4": 121e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
+              "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+              "TPU7x": 2307e12}
+
+
+def peak_flops(device_kind: str) -> float | None:
+  names = [k for k in PEAK_FLOPS if k.lower() in device_kind.lower()]
+  return PEAK_FLOPS[max(names, key=len)] if names else None
+
+
+def matmul_params(mc) -> int:
+  """Parameters that take part in matmuls per token (the projections and the unembedding): a
+  forward costs 2x this many FLOPs per token, a forward and backward 6x."""
+  D, F, N, K, H = mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim
+  experts = max(getattr(mc, "experts_per_token", 0), 1) if getattr(mc, "num_experts", 0) else 1
+  mlp = 3 * D * (mc.expert_mlp_dim if getattr(mc, "num_experts", 0) else F) * experts
+  return mc.num_layers * (D * H * (2 * N + 2 * K) + mlp) + mc.vocab_size * D
+
+
+def memory() -> dict:
+  """Host resident memory now and at its peak; the local devices' memory in use and at peak (the
+  largest device), where the backend reports it (`Device.memory_stats()`; CPUs do not: omitted)."""
+  import resource
+
+  import jax
+  out = {}
+  try:
+    with open("/proc/self/statm") as f:
+      out["perf/cpu_memory_used_gb"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+  except (OSError, ValueError, IndexError):  # Not Linux.
+    pass
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+  out["perf/cpu_memory_peak_gb"] = peak * (1 if os.uname().sysname == "Darwin" else 1024) / 1e9
+  stats = []
+  for d in jax.local_devices():
+    try:
+      s = d.memory_stats()
+    except Exception:  # noqa: BLE001 (a backend without memory stats)
+      s = None
+    if s:
+      stats.append(s)
+  if stats:
+    if any("bytes_in_use" in s for s in stats):
+      out["perf/memory_allocated_gb"] = max(s.get("bytes_in_use", 0) for s in stats) / 1e9
+    if any("peak_bytes_in_use" in s for s in stats):
+      out["perf/max_memory_allocated_gb"] = max(s.get("peak_bytes_in_use", 0) for s in stats) / 1e9
+    if any("bytes_limit" in s for s in stats):
+      out["perf/memory_limit_gb"] = max(s.get("bytes_limit", 0) for s in stats) / 1e9
+  return out
+
+
+def speed(*, gen_tokens: int, gen_s: float, prompt_tokens: int, update_tokens: int, update_s: float,
+          forward_tokens: int, step_s: float, flops_per_token: float, peak: float | None, devices: int) -> dict:
+  """Tokens per second of generation and of the updates, the model FLOP/s of the whole step and its
+  MFU against `peak` per device (None: no MFU). FLOPs: 2·N per generated or prefilled token, 6·N per
+  token of an update (forward and backward), 2·N per token of the extra forward passes (π_old,
+  reference); N = `matmul_params` (attention's own FLOPs are left out)."""
+  out = {}
+  if gen_tokens and gen_s > 0:
+    out["perf/gen_tokens_per_s"] = gen_tokens / gen_s
+  if update_tokens and update_s > 0:
+    out["perf/update_tokens_per_s"] = update_tokens / update_s
+  flops = flops_per_token * (2 * (gen_tokens + prompt_tokens + forward_tokens) + 6 * update_tokens)
+  if step_s > 0:
+    out["perf/model_flops_per_s"] = flops / step_s
+    if peak:
+      out["perf/mfu"] = flops / step_s / (peak * devices)
+  return out
