@@ -118,3 +118,32 @@ def test_recorder_writes_what_the_rollout_scored(tmp_path, tiny_tokenizer_dir):
   rows = dumps.read(dumps.path(str(tmp_path), 3, "eval"))
   assert [(x["group"], x["sample"], x["acc"]) for x in rows] == [(0, 0, True), (0, 1, False), (1, 0, False)]
   assert [x["score"] for x in rows] == [x["score"] for x in res]
+
+
+def test_plot_writes_a_png_of_the_curves(tmp_path):
+  """launch.plot on a metrics.jsonl written by the run's own writer (a process: no jax, seconds)."""
+  import subprocess
+  import sys
+
+  import numpy as np
+  pytest.importorskip("matplotlib")
+  import matplotlib.image
+  w = metrics.MetricWriter(str(tmp_path), cfg=metrics.WriterConfig(writers=("jsonl",)))
+  w.scalars(0, {"val/acc/mean@2": 0.1})
+  for step in range(1, 11):
+    w.scalars(step, {"critic/score/mean": step / 10, "critic/acc/mean": step / 20, "response_length/mean": 30 - step,
+                     "actor/entropy": 2.0 / step, "actor/pg_clipfrac_eps_high": 0.01, "train/kept_fraction": 0.5,
+                     "actor/pg_clipfrac_eps_low": float("nan"),
+                     **({"val/acc/mean@2": step / 10} if step % 5 == 0 else {})})
+  w.close()
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-m", "launch.plot", f"--workdir={tmp_path}"], cwd=root, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+  assert out.returncode == 0, out.stderr[-2000:]
+  png = os.path.join(tmp_path, "curves.png")
+  assert out.stdout.strip() == f"wrote {png}: 7 curves over 11 logged steps"
+  image = matplotlib.image.imread(png)
+  assert image.shape[:2] == (800, 1500) and np.asarray(image).std() > 0.01
+  bad = subprocess.run([sys.executable, "-m", "launch.plot", f"--workdir={tmp_path}/none"], cwd=root,
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+  assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path}/none/metrics.jsonl")
