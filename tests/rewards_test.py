@@ -135,3 +135,111 @@ def test_pool_survives_a_function_that_kills_its_worker():
   ok = {"score": 1.0, "acc": True, "pred": "ok"}
   assert out == [ok, rewards.FAILURE, ok, ok] and again == [ok]
   assert pool.errors == 1 and pool.timeouts == 0
+
+
+# --- rewards that misbehave inside the pool (issue #37) ------------------------------------------
+# The pool's workers import these by path (`HERE:misbehaving`), as they would a user's module.
+HERE = __name__
+OK = {"score": 1.0, "acc": True, "pred": ""}
+
+
+class _NeedsArgs(Exception):
+  def __init__(self, a, b):  # Unpickles without its arguments: a pool must not choke on it.
+    super().__init__(f"{a} {b}")
+
+
+def misbehaving(response: str, ground_truth: str):
+  """Each response names one way a user's reward function can go wrong."""
+  import ctypes
+  import os
+  import time
+
+  import numpy as np
+  bad = {"nan": {"score": float("nan"), "acc": True}, "inf": {"score": float("inf")},
+         "-inf": {"score": -float("inf")}, "huge": 1e39, "str": {"score": "1.0"}, "none": None,
+         "list": [1.0], "nokey": {"acc": True}, "badacc": {"score": 1.0, "acc": "yes"}, "text": "1.0"}
+  if response in bad:
+    return bad[response]
+  if response == "raise_big":
+    raise ValueError("x" * 1_000_000)
+  if response == "unpicklable":
+    raise _NeedsArgs(1, 2)
+  if response == "np":
+    return {"score": np.float32(0.5), "acc": np.bool_(True)}
+  if response == "bigpred":
+    return {"score": 1.0, "pred": "p" * 1_000_000}
+  if response == "print":
+    print("x" * 5_000_000, flush=True)
+  if response == "slow":
+    time.sleep(1.0)
+  if response == "exit":
+    os._exit(3)
+  if response == "segv":
+    ctypes.string_at(0)  # A segmentation fault in the worker.
+  return 1.0
+
+
+BAD = ["nan", "inf", "-inf", "huge", "str", "none", "list", "nokey", "badacc", "text", "raise_big", "unpicklable"]
+
+
+def test_pool_scores_bad_values_and_errors_as_counted_failures(caplog):
+  """Non-finite, out-of-float32 and non-numeric scores, missing keys, unpicklable or huge errors: each
+  sample is a FAILURE counted in `errors`, logged in one short line; good samples around them score."""
+  pool = rewards.RewardPool(f"{HERE}:misbehaving", timeout_s=30, workers=2)
+  try:
+    out = pool(["ok"] + BAD + ["np", "bigpred"], [""] * (len(BAD) + 3))
+  finally:
+    pool.close()
+  assert out[0] == OK and out[1:-2] == [rewards.FAILURE] * len(BAD)
+  assert out[-2] == {"score": 0.5, "acc": True, "pred": ""}
+  assert out[-1]["score"] == 1.0 and len(out[-1]["pred"]) == 1000
+  assert pool.errors == len(BAD) and pool.timeouts == 0
+  assert "score nan is not a finite float32 number" in caplog.text and "without 'score'" in caplog.text
+  assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+def test_pool_caps_what_a_worker_prints(capfd):
+  pool = rewards.RewardPool(f"{HERE}:misbehaving", timeout_s=30, workers=1)
+  try:
+    out = pool(["print", "ok"], ["", ""])
+  finally:
+    pool.close()
+  assert out == [OK, OK]
+  printed = capfd.readouterr().out
+  assert 16_000 < len(printed) < 20_000 and "output beyond 16384 characters of this call dropped" in printed
+
+
+@pytest.mark.parametrize("death", ["exit", "segv"])
+def test_pool_blames_only_the_call_whose_worker_died(death):
+  """A worker that dies (os._exit, a segfault) fails its own sample; a call that was running on the
+  other worker at that moment runs again alone and scores."""
+  pool = rewards.RewardPool(f"{HERE}:misbehaving", timeout_s=30, workers=2)
+  try:
+    out = pool(["slow", death, "ok", "ok"], [""] * 4)
+    again = pool(["ok"], [""])
+  finally:
+    pool.close()
+  assert out == [OK, rewards.FAILURE, OK, OK] and again == [OK]
+  assert pool.errors == 1 and pool.timeouts == 0
+
+
+def test_non_finite_weight_is_refused():
+  with pytest.raises(rewards.RewardConfigError, match=r"'nan\*dapo_jax.rewards:math_dapo': weight nan"):
+    rewards.parse_weighted(["nan*dapo_jax.rewards:math_dapo"])
+
+
+@pytest.mark.slow  # ~20 s: builds a whole run.
+def test_a_nan_reward_is_counted_and_the_run_goes_on(tmp_path):
+  """Issue #37: `testing.nan_reward` (mixed acc, NaN scores) used to reach the advantages and stop the
+  run after max_bad_steps; now every sample is a counted failure and every metric is finite."""
+  import math
+
+  from configs import dapo_qwen2_5_32b
+  from dapo_jax import from_config
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  cfg.reward.update(fn="dapo_jax.testing:nan_reward", workers=1)
+  cfg.dapo.max_gen_batches = 1
+  with from_config.dapo(cfg, str(tmp_path)) as run:
+    m, _ = run.step(0)
+  assert m["reward/errors"] > 0 and "actor/pg_loss" not in m
+  assert all(math.isfinite(v) for v in m.values() if isinstance(v, (int, float))), m

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib
+import io
 import logging
+import math
 import multiprocessing as mp
+import numbers
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -39,6 +43,42 @@ def resolve(path: str) -> RewardFn:
 FAILURE = {"score": -1.0, "acc": False, "pred": "[REWARD_ERROR]"}
 _STARTUP_TIMEOUT_S = 300.0
 _POLL_S = 0.05  # How often the pool looks for calls that started or ran out of time.
+_MAX_SCORE = 3.0e38  # Scores reach the advantages as float32: a larger one would become inf there.
+_MAX_PRED = 1000     # characters of `pred` kept (it is logged with samples)
+_MAX_MESSAGE = 300   # characters of a reward function's error message kept
+_MAX_PRINT = 16384   # characters a worker may print per call; the rest is dropped (one note says so)
+_MAX_STALLS = 3      # pools in a row that broke before any call started: the rest of the batch fails
+
+
+class RewardValueError(ValueError):
+  """A reward function returned something that is not a score (not finite, not a number, no 'score')."""
+
+
+class RewardFunctionError(RuntimeError):
+  """A reward function raised; carries its type and the start of its message (always picklable)."""
+
+
+class _CappedStream(io.TextIOBase):
+  """A worker's stdout/stderr: passes the first `_MAX_PRINT` characters of each call through."""
+
+  def __init__(self, stream):
+    self.stream, self.left = stream, _MAX_PRINT
+
+  def writable(self) -> bool:
+    return True
+
+  def write(self, text: str) -> int:
+    if self.left > 0:
+      part = text[:self.left]
+      self.left -= len(part)
+      self.stream.write(part)
+      if self.left <= 0:
+        self.stream.write(f"\n[reward worker: output beyond {_MAX_PRINT} characters of this call dropped]\n")
+    return len(text)
+
+  def flush(self) -> None:
+    self.stream.flush()
+
 
 # In a worker: where it reports the moment each call starts (set by `_init_worker`).
 _started_queue = None
@@ -47,6 +87,7 @@ _started_queue = None
 def _init_worker(started_queue) -> None:
   global _started_queue
   _started_queue = started_queue
+  sys.stdout, sys.stderr = _CappedStream(sys.stdout), _CappedStream(sys.stderr)
 
 
 def _warm_up(path: str) -> None:
@@ -54,14 +95,46 @@ def _warm_up(path: str) -> None:
   time.sleep(0.05)  # Keep this worker busy so the next warm-up task starts another one.
 
 
+def _score(x) -> float:
+  """A finite float within float32's range, or RewardValueError naming what it got."""
+  if isinstance(x, (str, bytes)) or not (isinstance(x, numbers.Real) or getattr(x, "shape", None) == ()):
+    raise RewardValueError(f"score {str(x)[:80]!r} is a {type(x).__name__}, not a number")
+  v = float(x)
+  if not math.isfinite(v) or abs(v) > _MAX_SCORE:
+    raise RewardValueError(f"score {v!r} is not a finite float32 number")
+  return v
+
+
+def checked(out) -> dict:
+  """A reward function's result as {"score": float, "acc": bool, "pred": str}: a number or a dict
+  with a finite "score"; anything else raises RewardValueError (the sample is then a failure)."""
+  if not isinstance(out, dict):
+    if out is None or isinstance(out, (str, bytes, list, tuple)):
+      raise RewardValueError(f"returned {str(out)[:80]!r} ({type(out).__name__}), expected a number or a "
+                             "dict with a 'score'")
+    v = _score(out)
+    return {"score": v, "acc": v > 0, "pred": ""}
+  if "score" not in out:
+    raise RewardValueError(f"returned a dict without 'score' (keys {sorted(map(str, out))[:8]})")
+  v = _score(out["score"])
+  acc = out.get("acc")
+  if isinstance(acc, (str, bytes)) or (acc is not None and not isinstance(acc, numbers.Number)
+                                       and getattr(acc, "shape", None) != ()):
+    raise RewardValueError(f"acc {str(acc)[:80]!r} is a {type(acc).__name__}, not a bool")
+  return {"score": v, "acc": v > 0 if acc is None else bool(acc), "pred": str(out.get("pred", ""))[:_MAX_PRED]}
+
+
 def _call(call_id: int, path: str, response: str, ground_truth: str) -> dict:
   if _started_queue is not None:  # CLOCK_MONOTONIC is system-wide, so the parent can compare.
     _started_queue.put((call_id, time.monotonic()))  # A SimpleQueue: written before the call runs.
-  out = resolve(path)(response, ground_truth)
-  if isinstance(out, (int, float)):
-    out = {"score": float(out), "acc": float(out) > 0, "pred": ""}
-  return {"score": float(out["score"]), "acc": bool(out.get("acc", out["score"] > 0)),
-          "pred": str(out.get("pred", ""))}
+  for stream in (sys.stdout, sys.stderr):
+    if isinstance(stream, _CappedStream):
+      stream.left = _MAX_PRINT
+  try:
+    out = resolve(path)(response, ground_truth)
+  except Exception as e:  # Sent back as a short, picklable error (some exceptions do not unpickle).
+    raise RewardFunctionError(f"{type(e).__name__}: {str(e)[:_MAX_MESSAGE]}") from None
+  return checked(out)
 
 
 class RewardPool:
@@ -115,17 +188,32 @@ class RewardPool:
 
   def __call__(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[dict]:
     results: list[dict | None] = [None] * len(responses)
-    todo = list(range(len(responses)))
-    while todo:
+    # Calls that were running when a worker died: the culprit or a bystander on another worker. Each
+    # runs again alone; if its worker dies again, it was the culprit and fails.
+    suspects: set[int] = set()
+    stalls = 0  # Pools in a row that broke before any call reported its start.
+    while True:
+      todo = [i for i, r in enumerate(results) if r is None]
+      if not todo:
+        break
+      if stalls >= _MAX_STALLS:  # Workers die before running anything (killed from outside, say).
+        logging.warning("reward %s: its worker processes died %d times in a row before running a call; "
+                        "%d samples scored as failures", self.fn_path, stalls, len(todo))
+        for i in todo:
+          results[i] = dict(FAILURE)
+        self.errors += len(todo)
+        break
+      alone = [i for i in todo if i in suspects][:1]
       pool = self._executor()
       futures = {}
-      for i in todo:
+      for i in alone or todo:
         try:
           futures[pool.submit(_call, i, self.fn_path, responses[i], ground_truths[i])] = i
         except cf.process.BrokenProcessPool:  # A worker died meanwhile: the submitted calls say which.
           break
       if not futures:
         self._kill()
+        stalls += 1
         continue
       pending = set(futures)
       started: dict[int, float] = {}  # Sample index -> when its worker started it (monotonic).
@@ -141,15 +229,21 @@ class RewardPool:
           i = futures[fut]
           try:
             results[i] = fut.result()
-          except Exception as e:  # The function raised, or a worker process died.
+          except Exception as e:  # The function raised or returned no score, or a worker process died.
             if isinstance(e, cf.process.BrokenProcessPool):
               broken = True  # Every unfinished call fails with it; those that had not started run again.
               if i not in started:
                 continue
+              if not alone:  # Not yet known to be the culprit: run it again, alone.
+                suspects.add(i)
+                continue
+              e = RuntimeError(f"its worker process died ({type(e).__name__})")
             self.errors += 1
-            logging.warning("reward %s failed on sample %d: %s: %s", self.fn_path, i, type(e).__name__, e)
+            logging.warning("reward %s failed on sample %d: %s: %s", self.fn_path, i, type(e).__name__,
+                            str(e)[:_MAX_MESSAGE])
             results[i] = dict(FAILURE)
         if broken:
+          stalls = 0 if started else stalls + 1
           self._kill()
           break
         now = time.monotonic()
@@ -162,7 +256,8 @@ class RewardPool:
           # A hung worker cannot be interrupted: replace the pool; unfinished calls run again.
           self._kill()
           break
-      todo = [i for i, r in enumerate(results) if r is None]
+      else:
+        stalls = 0
     return results  # type: ignore[return-value]
 
 
@@ -190,13 +285,13 @@ class HTTPReward:
     self.errors = self.timeouts = 0
 
   needs_prompts = True  # A reward model judges the response against its prompt.
+  max_reply_bytes = 64 << 20  # A reply beyond this is garbage (a score is a few bytes).
 
   def close(self) -> None:
     pass
 
   def _post(self, prompts: list[str], responses: list[str]) -> list[float]:
     import json
-    import math
     import urllib.request
     body = json.dumps({"prompts": prompts, "responses": responses}).encode()
     headers = {"Content-Type": "application/json"}
@@ -204,7 +299,10 @@ class HTTPReward:
       headers["Authorization"] = f"Bearer {self.token}"
     req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
     with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-      reply = json.loads(resp.read())
+      raw = resp.read(self.max_reply_bytes + 1)
+    if len(raw) > self.max_reply_bytes:
+      raise ValueError(f"malformed reply: longer than {self.max_reply_bytes} bytes for {len(responses)} scores")
+    reply = json.loads(raw)
     scores = reply.get("scores") if isinstance(reply, dict) else None
     if not isinstance(scores, list) or len(scores) != len(responses):
       raise ValueError(f"malformed reply: expected {len(responses)} scores, got {str(reply)[:200]!r}")
@@ -261,7 +359,9 @@ def combine(parts: Sequence[Sequence[dict]], weights: Sequence[float], acc_from:
   out = []
   for i in range(len(parts[0])):
     ref = parts[acc_from][i]
-    out.append({"score": float(sum(w * p[i]["score"] for w, p in zip(weights, parts))),
+    score = float(sum(w * p[i]["score"] for w, p in zip(weights, parts)))
+    # Each part is finite; their weighted sum is kept within float32's range too (the advantages').
+    out.append({"score": max(-_MAX_SCORE, min(_MAX_SCORE, score)),
                 "acc": bool(ref["acc"]), "pred": str(ref.get("pred", ""))})
   return out
 
@@ -273,9 +373,12 @@ def parse_weighted(items: Sequence[str]) -> list[tuple[str, float]]:
     head, sep, tail = item.partition("*")
     if sep:
       try:
-        out.append((tail.strip(), float(head)))
+        weight = float(head)
       except ValueError:
         raise RewardConfigError(f"reward.fns entry {item!r}: expected WEIGHT*SPEC with a number WEIGHT") from None
+      if not math.isfinite(weight):
+        raise RewardConfigError(f"reward.fns entry {item!r}: weight {weight} is not a finite number")
+      out.append((tail.strip(), weight))
     else:
       out.append((item.strip(), 1.0))
   if not out:
