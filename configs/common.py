@@ -36,6 +36,8 @@ def base() -> mlc.ConfigDict:
                  remat="dots",               # none | full | dots: on XLA:CPU "dots" (keep matmul
                                              # outputs, recompute the rest) is also the fastest
                  attn_chunk=0,               # attention query block (0 = whole rows); long rows need it
+                 logits_chunk=0,             # RL update: completion positions unembedded at once (0 = all);
+                                             # a large vocabulary (Gemma 3's 262K) needs it
                  # Family (a loaded model takes these from its config.json): qwen2 | llama | qwen3 |
                  # qwen3_moe | gemma3.
                  arch="qwen2", qk_norm=False,
@@ -255,7 +257,7 @@ def runlocal(c: mlc.ConfigDict) -> None:
   c.model.update(init="random", hf_dir="", gguf="", vocab_size=0, embed_dim=32, mlp_dim=64, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10_000.0, qkv_bias=True,
                  tie_embeddings=True, param_dtype="float32", dtype="float32", matmul_dtype="", remat="none",
-                 attn_chunk=0, arch="qwen2", qk_norm=False, rope_type="default", sliding_window=0,
+                 attn_chunk=0, logits_chunk=0, arch="qwen2", qk_norm=False, rope_type="default", sliding_window=0,
                  local_layers=(), query_scale=0.0, attn_softcap=0.0, final_softcap=0.0, num_experts=0,
                  experts_per_token=0, expert_mlp_dim=0, norm_topk_prob=False, dense_layers=(),
                  router_aux_coef=0.0, expert_chunk=0)

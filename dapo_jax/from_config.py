@@ -26,7 +26,6 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint, evaluate, loop, objectives, optim, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import rewards as rewards_lib
-from dapo_jax import workdir as workdir_lib
 from dapo_jax.config_checks import (  # noqa: F401 (public)
   ConfigError,
   check,
@@ -46,8 +45,8 @@ from dapo_jax.rollout import rollout as rollout_lib
 from dapo_jax.rollout import sampling
 
 # Fields that are not in an HF config.json: they apply to a loaded model too.
-_RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk", "router_aux_coef",
-                  "expert_chunk")
+_RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk", "logits_chunk",
+                  "router_aux_coef", "expert_chunk")
 _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
                  "norm_eps", "qkv_bias", "tie_embeddings", "arch", "qk_norm", "rope_type", "rope_factor",
                  "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos", "rope_beta_fast",
@@ -362,7 +361,6 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
   validate(cfg)  # Once, before the mesh, any worker process, compile or generation.
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
   os.makedirs(workdir, exist_ok=True)
-  workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
   save_run_config(cfg, workdir)  # A resume that changes the model, tokens or objective fails here.
   run_record_config(cfg)  # Its checks, before anything is built.
   reward_ = reward(cfg)
@@ -582,7 +580,6 @@ def run_sft(cfg, workdir: str, mesh=None):
   """`launch.sft`: SFT on the arithmetic task's solutions (data.task="arith") or on conversation files
   (data.task="file"), resuming from WORKDIR/sft. Returns (model_cfg, params, tokenizer)."""
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
-  workdir_lib.lock(workdir, jax.process_index())
   from dapo_jax.pipelines import sft as sft_lib  # noqa: PLC0415
   from dapo_jax.pipelines import sft_chat  # noqa: PLC0415
   run_dir = os.path.join(workdir, "sft")

@@ -149,12 +149,57 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
                           with_router=with_router)
 
 
+def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch,
+                       with_router: bool = False):
+  """`completion_logits`' final hidden states [B, C, D] (head "hidden"), before the unembedding."""
+  C = mb.loss_mask_BC.shape[1]
+  P = mb.tokens_BT.shape[1] - C
+  if group_size:
+    return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
+                                       mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:],
+                                       head="hidden", with_router=with_router)
+  tokens_BT, mask_BT = mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1]
+  return model_lib.forward(model_cfg, params, tokens_BT, model_lib.positions(mask_BT),
+                           model_lib.causal_mask(mask_BT), logits_from=P - 1, head="hidden", with_router=with_router)
+
+
+def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch, temperature: float,
+                     with_router: bool = False):
+  """(log π of each completion token [B, C], the entropy of its temperature-scaled distribution
+  [B, C] (no gradient), the routing statistics or None). With `model.logits_chunk` the logits are
+  made `logits_chunk` positions at a time and remade in the backward pass (`jax.checkpoint`), so at
+  most B x logits_chunk x V of them exist at once; the values are those of the whole tensor."""
+  P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
+  targets_BC = mb.tokens_BT[:, P:]
+  chunk = model_cfg.logits_chunk
+  if not chunk:
+    out = completion_logits(model_cfg, group_size, params, mb, with_router=with_router)
+    z_BCV, routing = out if with_router else (out, None)
+    z_BCV = z_BCV / temperature
+    return (loss_lib.token_logprobs(z_BCV, targets_BC), loss_lib.entropy(jax.lax.stop_gradient(z_BCV)), routing)
+  out = _completion_hidden(model_cfg, group_size, params, mb, with_router=with_router)
+  x_BCD, routing = out if with_router else (out, None)
+  B, C, D = x_BCD.shape
+  n = -(-C // chunk)
+  pad = n * chunk - C  # The last chunk is padded; its extra positions are dropped.
+  x_NBcD = jnp.pad(x_BCD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, D).swapaxes(0, 1)
+  t_NBc = jnp.pad(targets_BC, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    x_BcD, t_Bc = args
+    z_BcV = model_lib.unembed(model_cfg, params, x_BcD) / temperature
+    return loss_lib.token_logprobs(z_BcV, t_Bc), loss_lib.entropy(jax.lax.stop_gradient(z_BcV))
+
+  logp_NBc, ent_NBc = jax.lax.map(one, (x_NBcD, t_NBc))
+  unchunk = lambda y_NBc: y_NBc.swapaxes(0, 1).reshape(B, n * chunk)[:, :C]
+  return unchunk(logp_NBc), unchunk(ent_NBc), routing
+
+
 def completion_logprobs(model_cfg: model_lib.ModelConfig, temperature: float, group_size: int = 0) -> Callable:
   """(params, batch) -> log π(completion token) [B, C] fp32, from temperature-scaled logits."""
   def fn(params, mb: RLBatch) -> jax.Array:
-    P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
-    z_BCV = completion_logits(model_cfg, group_size, params, mb) / temperature
-    return loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
+    return completion_stats(model_cfg, group_size, params, mb, temperature)[0]
   return fn
 
 
@@ -166,13 +211,8 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
             "num_rows": jnp.asarray(batch.adv_B.shape[0], jnp.float32)}
 
   def loss(params, mb: RLBatch, counts: dict):
-    P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
-    if model_cfg.moe:
-      z_BCV, routing = completion_logits(model_cfg, cfg.group_size, params, mb, with_router=True)
-    else:
-      z_BCV = completion_logits(model_cfg, cfg.group_size, params, mb)
-    z_BCV = z_BCV / cfg.temperature
-    logp_BC = loss_lib.token_logprobs(z_BCV, mb.tokens_BT[:, P:])
+    logp_BC, entropy_BC, routing = completion_stats(model_cfg, cfg.group_size, params, mb, cfg.temperature,
+                                                    with_router=bool(model_cfg.moe))
     old_logp_BC = mb.old_logp_BC
     if cfg.old_is_current:  # π_old = π_θ, except on rows an earlier policy sampled (carried groups).
       current_BC = jax.lax.stop_gradient(logp_BC)
@@ -210,8 +250,7 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
         kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, norm_len=cfg.norm_len or None, mode=mode,
         is_weights_BC=is_weights_BC, **cfg.loss_knobs(), **denoms)
     metrics = jax.tree.map(lambda m: m * weight, dict(metrics, **extra))
-    metrics["entropy"] = loss_lib.masked_mean(loss_lib.entropy(jax.lax.stop_gradient(z_BCV)),
-                                              mb.loss_mask_BC, denoms["num_tokens"]) * weight
+    metrics["entropy"] = loss_lib.masked_mean(entropy_BC, mb.loss_mask_BC, denoms["num_tokens"]) * weight
     value = value * weight
     if model_cfg.moe:  # This micro-batch's load-balancing loss and router metrics, by its share of rows.
       share = mb.adv_B.shape[0] / counts["num_rows"]

@@ -39,6 +39,8 @@ class ModelConfig:
   remat: str = "none"      # what the backward pass re-computes: none | full (all but each layer's
                            # input) | dots (all but matmul outputs; the fastest on XLA:CPU too)
   attn_chunk: int = 0      # queries per attention block (0 = all at once); bounds score memory for long rows
+  logits_chunk: int = 0    # completion positions unembedded at once by the RL objectives (0 = all): the
+                           # B x C x V logits never exist whole, forward or backward (a 262K vocabulary)
   arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama | qwen3 | qwen3_moe | gemma3
   qk_norm: bool = False    # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
   # RoPE scaling of the (global) layers, as HF `rope_scaling`: default | linear | llama3 | yarn.

@@ -192,14 +192,15 @@ class RMSNormScale(nn.Module):
     return _param(self, "scale_D", (self.cfg.embed_dim,), layers_lib.norm_init(self.cfg), self.cfg)
 
 
-HEADS = ("lm", "scalar")
+HEADS = ("lm", "scalar", "hidden")
 
 
 class Transformer(nn.Module):
   """The trunk (embedding, scanned layers, final norm) and a head on it.
 
   Head "lm": logits [B, T, V] (fp32). Head "scalar": one value per position [B, T] (fp32) from a
-  D-vector `score_D` (a reward model's or value model's head). Inputs are one segment of rows
+  D-vector `score_D` (a reward model's or value model's head). Head "hidden": the final norm's
+  output [B, T, D], for `unembed` to turn into logits a chunk of positions at a time. Inputs are one segment of rows
   (layout "rows") or (prompts, completions) (layout "shared_prompt", see `Block`): then the outputs
   are those at the positions predicting each completion token, [B, C, ...].
   """
@@ -242,6 +243,10 @@ class Transformer(nn.Module):
     else:
       x_BTD = x[0][:, logits_from:]  # Skip unneeded unembeddings.
     x_BTD = RMSNorm(cfg, name="final_norm")(x_BTD)
+    if self.head == "hidden":
+      if not cfg.tie_embeddings:  # Declared, so the tree is the lm head's.
+        _param(self, "unembed_DV", (cfg.embed_dim, cfg.vocab_size), _normal, cfg)
+      return (x_BTD, kv) if self.emit_kv else x_BTD
     if self.head == "scalar":
       score_D = _param(self, "score_D", (cfg.embed_dim,), nn.initializers.zeros, cfg)
       out = layers_lib.matmul("BTD,D->BT", x_BTD, score_D, cfg, jnp.float32)
@@ -253,6 +258,17 @@ class Transformer(nn.Module):
         logits_BTV = layers_lib.matmul("BTD,DV->BTV", x_BTD, unembed_DV, cfg, jnp.float32)
       out = sharding.constrain(layers_lib.soft_cap(logits_BTV, cfg.final_softcap), "BTV")
     return (out, kv) if self.emit_kv else out
+
+
+def unembed(cfg: ModelConfig, params: Params, x_BTD: jax.Array) -> jax.Array:
+  """The lm head on head "hidden"'s output: logits [B, T, V] (fp32), exactly as head "lm" gives them."""
+  if lora_lib.is_adapted(params):
+    params = params["base"]
+  if cfg.tie_embeddings:
+    logits_BTV = layers_lib.matmul("BTD,VD->BTV", x_BTD, params["embed_VD"].astype(cfg.dtype), cfg, jnp.float32)
+  else:
+    logits_BTV = layers_lib.matmul("BTD,DV->BTV", x_BTD, params["unembed_DV"].astype(cfg.dtype), cfg, jnp.float32)
+  return sharding.constrain(layers_lib.soft_cap(logits_BTV, cfg.final_softcap), "BTV")
 
 
 def embed(cfg: ModelConfig, embed_VD: jax.Array, tokens: jax.Array) -> jax.Array:
