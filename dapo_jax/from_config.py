@@ -26,6 +26,7 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint, evaluate, loop, objectives, optim, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import rewards as rewards_lib
+from dapo_jax import workdir as workdir_lib
 from dapo_jax.config_checks import (  # noqa: F401 (public)
   ConfigError,
   check,
@@ -361,6 +362,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
   validate(cfg)  # Once, before the mesh, any worker process, compile or generation.
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
   os.makedirs(workdir, exist_ok=True)
+  workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
   save_run_config(cfg, workdir)  # A resume that changes the model, tokens or objective fails here.
   run_record_config(cfg)  # Its checks, before anything is built.
   reward_ = reward(cfg)
@@ -580,6 +582,7 @@ def run_sft(cfg, workdir: str, mesh=None):
   """`launch.sft`: SFT on the arithmetic task's solutions (data.task="arith") or on conversation files
   (data.task="file"), resuming from WORKDIR/sft. Returns (model_cfg, params, tokenizer)."""
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+  workdir_lib.lock(workdir, jax.process_index())
   from dapo_jax.pipelines import sft as sft_lib  # noqa: PLC0415
   from dapo_jax.pipelines import sft_chat  # noqa: PLC0415
   run_dir = os.path.join(workdir, "sft")
