@@ -71,15 +71,16 @@ class RolloutRecorder:
     rollout.score, rollout.call_reward = recorded_score, recorded_call_reward
 
   @contextlib.contextmanager
-  def recording(self, kind: str, step: int, policy_step: int):
-    """Records while open; writes `path(workdir, step, kind)` when it closes (nothing if disabled)."""
+  def recording(self, kind: str, step: int, policy_step: int, file: str | None = None):
+    """Records while open; writes `file` (default `path(workdir, step, kind)`) when it closes
+    (nothing if disabled)."""
     if not self.enabled:
       yield
       return
     self.rows, self.kind, self.groups, self.step, self.policy_step = [], kind, 0, step, policy_step
     try:
       yield
-      self.write(path(self.workdir, step, kind), self.rows)
+      self.write(file or path(self.workdir, step, kind), self.rows)
     finally:
       self.rows, self.kind = None, None
 
@@ -112,7 +113,7 @@ class RolloutRecorder:
 
   @staticmethod
   def write(file: str, rows: list[dict]) -> None:
-    os.makedirs(os.path.dirname(file), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
     with gzip.open(file + ".tmp", "wt") as f:
       for r in rows:
         f.write(json.dumps(r) + "\n")

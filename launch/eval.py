@@ -5,6 +5,7 @@
       --config.data.eval_files=aime-2024.parquet --k=1                # the paper's AIME protocol
 
 A run is read with the config it recorded (WORKDIR/config.json) unless `--config` is given.
+`--dump=FILE.jsonl.gz` also writes every scored sample (prompt, response, score, acc, pred).
 """
 import json
 
@@ -16,12 +17,13 @@ _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is scored.")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Score this HF model directory instead.")
 _K = flags.DEFINE_integer("k", None, "Samples per prompt (default: config eval.k).")
+_DUMP = flags.DEFINE_string("dump", None, "Also write every scored sample to this .jsonl.gz (dapo_jax.dumps rows).")
 
 
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import from_config, rewards, sharding
+  from dapo_jax import dumps, from_config, rewards, sharding
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.rollout import rollout
@@ -44,7 +46,9 @@ def main(argv):
   try:
     r = rollout.Rollout(tok, model_cfg, mesh, from_config.rollout_config(cfg),
                         from_config.sampler_config(cfg, tok, source), reward)
-    result = from_config.evaluator(cfg, r, examples, progress=True).run(params)
+    recorder = dumps.RolloutRecorder("", r, filter_groups=False, enabled=bool(_DUMP.value))
+    with recorder.recording("eval", step, step, file=_DUMP.value):
+      result = from_config.evaluator(cfg, r, examples, progress=True).run(params)
   finally:
     reward.close()
   print(json.dumps({"rollout_step": step, "num_prompts": len(examples), **result}))

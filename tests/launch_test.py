@@ -221,8 +221,13 @@ def test_sample_eval_export_read_the_runs_own_config(trained, tmp_path):
                      "--config.rollout.max_new_tokens=3"))
   rows = [json.loads(line) for line in stdout.strip().splitlines()]
   assert len(rows) == 2 and rows[0]["prompt"].startswith("What is 3+4?")
-  out = json.loads(ok(launch("eval", f"--workdir={trained}", "--k=1")).strip().splitlines()[-1])
+  dump = str(tmp_path / "eval.jsonl.gz")
+  out = json.loads(ok(launch("eval", f"--workdir={trained}", "--k=1", f"--dump={dump}")).strip().splitlines()[-1])
   assert out["rollout_step"] == 2 and out["num_prompts"] == 8 and "val/acc/mean@1" in out
+  from dapo_jax import dumps
+  rows = dumps.read(dump)
+  assert len(rows) == 8 and sum(r["acc"] for r in rows) / 8 == out["val/acc/mean@1"]
+  assert {r["policy_step"] for r in rows} == {2}
   exported = str(tmp_path / "exported")
   assert f"wrote rollout step 2 of {trained} to {exported}" in ok(launch("export", f"--workdir={trained}",
                                                                          f"--out={exported}"))
