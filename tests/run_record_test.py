@@ -147,3 +147,26 @@ def test_plot_writes_a_png_of_the_curves(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "launch.plot", f"--workdir={tmp_path}/none"], cwd=root,
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
   assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path}/none/metrics.jsonl")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("profile_steps", (3, 1), "train.profile_steps=(3, 1): expected () or (a, b) with 1 <= a <= b (rollout steps)"),
+    ("profile_steps", (0, 2), "train.profile_steps=(0, 2): expected () or (a, b) with 1 <= a <= b (rollout steps)"),
+    ("dump_rollouts_every", -2, "train.dump_rollouts_every=-2: expected an integer >= -1"),
+])
+def test_bad_dump_and_profile_fields_are_one_line(field, value, message):
+  from configs import dapo_qwen2_5_32b
+  from dapo_jax import from_config
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  cfg.train[field] = value
+  with pytest.raises(from_config.ConfigError) as e:
+    from_config.run_record_config(cfg)
+  assert str(e.value) == message
+
+
+def test_dumps_every_step_on_small_jobs_only():
+  from configs import dapo_qwen2_5_32b, default
+  from dapo_jax import from_config
+  assert from_config.run_record_config(default.get_config())["dump_rollouts_every"] == 1
+  assert from_config.run_record_config(dapo_qwen2_5_32b.get_config("runlocal"))["dump_rollouts_every"] == 1
+  assert from_config.run_record_config(dapo_qwen2_5_32b.get_config())["dump_rollouts_every"] == 0
