@@ -153,7 +153,9 @@ def base() -> mlc.ConfigDict:
                 kl_coef=0.0, kl_estimator="k3",    # DAPO: no KL, no reference model
                 # Advantages: grpo (group-relative, Eq. 9) | rloo (leave-one-out) | reinforce_pp
                 # (REINFORCE++: per-token return-to-go) | gae (PPO: a value model, `critic` below)
-                adv_estimator="grpo")
+                # | distill (on-policy distillation: A_t = log π_teacher - log π per token)
+                adv_estimator="grpo",
+                teacher_dir="")              # distill: the teacher, an HF directory of the policy's tokenizer
   # The token-level estimators (dapo.adv_estimator="gae" or "reinforce_pp"): the reward of each token
   # is -β·(log π - log π_ref), plus the score on the last one (Ziegler et al. 2019; verl's
   # use_kl_in_reward), against the frozen initial policy. Defaults are verl's.

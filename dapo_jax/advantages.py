@@ -39,8 +39,8 @@ def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.nda
 # `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO and GPG
 # give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
 # the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "reinforce_pp", "gae")
-TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "reinforce_pp", "gae", "distill")
+TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")
 
 
 def _group_mean(r_QG: np.ndarray) -> np.ndarray:
@@ -237,14 +237,18 @@ def kl_shaped_rewards(score_B, logp_BC, ref_logp_BC, mask_BC, beta: float) -> ja
 
 @functools.partial(jax.jit, static_argnames=("estimator", "gamma", "lam"))
 def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, values_BC=None, *, beta,
-                     gamma: float, lam: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     gamma: float, lam: float = 1.0, teacher_logp_BC=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-token advantages of the token-level estimators from the rollout's score, log-probs of the
   policy that sampled and of the reference, and (GAE) the value model's values:
   (token_rewards_BC, advantages_BC, returns_BC).
 
   token rewards = `kl_shaped_rewards` (β may be 0: no KL); "gae": `gae(rewards, values, γ, λ)`;
-  "reinforce_pp": `reinforce_pp(rewards, γ)`. Both whiten the advantages over the mask.
+  "reinforce_pp": `reinforce_pp(rewards, γ)`. Both whiten the advantages over the mask. "distill":
+  the token reward and advantage are `distill_advantages` (the teacher's log-probs), returns alike.
   """
+  if estimator == "distill":
+    adv_BC = distill_advantages(logp_BC, teacher_logp_BC, mask_BC)
+    return adv_BC, adv_BC, adv_BC
   token_rewards_BC = kl_shaped_rewards(score_B, logp_BC, ref_logp_BC, mask_BC, beta)
   if estimator == "gae":
     adv_BC, returns_BC = gae(token_rewards_BC, values_BC, mask_BC, gamma, lam)
@@ -258,8 +262,8 @@ def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, val
 def distill_advantages(logp_BC, teacher_logp_BC, mask_BC) -> jax.Array:
   """On-policy distillation (GKD, Agarwal et al. 2024; verl / TRL / slime): on the policy's own samples,
   A_t = -(log π(y_t) - log π_teacher(y_t)), the per-token reverse KL as a negative reward, no
-  discount and no baseline; zero outside the mask. (Not yet a `dapo.adv_estimator`: the loop does
-  not load a teacher.)"""
+  discount and no baseline; zero outside the mask (`dapo.adv_estimator="distill"`, the teacher
+  `dapo.teacher_dir`)."""
   mask = jnp.asarray(mask_BC, jnp.float32)
   return (jnp.asarray(teacher_logp_BC, jnp.float32) - jnp.asarray(logp_BC, jnp.float32)) * mask
 

@@ -380,6 +380,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     data_iter = data_lib.PromptIterator(train, seed=cfg.seed, process_index=jax.process_index(),
                                         process_count=jax.process_count())
     critic_ = critic(cfg, model_cfg, params, tok, mesh, pg.group_size) if cfg.dapo.adv_estimator == "gae" else None
+    teacher_ = teacher(cfg, model_cfg, tok, mesh, pg) if cfg.dapo.adv_estimator == "distill" else None
     evaluator_ = evaluator(cfg, rollout, evals)
   except BaseException:
     reward_.close()
@@ -389,7 +390,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
                      evaluator=evaluator_, data_iter=data_iter, params=params,
                      workdir=workdir, keep_ckpts=cfg.train.keep_ckpts,
                      writer_cfg=metrics_lib.WriterConfig(**cfg.metrics), run_config=cfg.to_dict(),
-                     critic=critic_, kl_ctrl=kl_controller(cfg))
+                     critic=critic_, kl_ctrl=kl_controller(cfg), teacher=teacher_)
   except BaseException:
     reward_.close()
     evaluator_.close()
@@ -491,6 +492,28 @@ def restore_policy(cfg, workdir: str, mesh=None):
     return model_cfg, state.params, tok, step
   finally:
     ckpt.close()
+
+
+def teacher(cfg, model_cfg: model_lib.ModelConfig, tok, mesh, pg: objectives.PGConfig):
+  """On-policy distillation's teacher from `dapo.teacher_dir` (any HF directory we load): (its
+  completion log-prob function, its params on the mesh). Refused at start unless it reads the
+  policy's token ids as the policy does (one vocabulary size, one tokenizer), naming both."""
+  path = cfg.dapo.teacher_dir
+  if not path:
+    raise ConfigError("dapo.adv_estimator='distill' needs dapo.teacher_dir=HF_DIR (the teacher model)")
+  teacher_cfg, params = hf.load(path, **runtime_overrides(cfg))
+  student = cfg.model.hf_dir or cfg.model.init
+  adv_lib.check_teacher_vocab(model_cfg.vocab_size, teacher_cfg.vocab_size, student=student, teacher=path)
+  if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if tokenizer_lib.load(path).get_vocab() != tok.get_vocab():
+      raise ConfigError(f"dapo.teacher_dir={path!r}: its tokenizer is not the policy's ({student!r}); "
+                        "distillation scores the policy's token ids, so both need one tokenizer")
+  teacher_trainer = train_step.Trainer(teacher_cfg, optim.OptimConfig(**cfg.optim), mesh,
+                                       objectives.policy_gradient(teacher_cfg, pg),
+                                       num_microbatches=cfg.train.num_microbatches,
+                                       microbatch_tokens=cfg.train.microbatch_tokens)
+  logprobs = teacher_trainer.forward(objectives.completion_logprobs(teacher_cfg, pg.temperature, pg.group_size))
+  return logprobs, jax.device_put(params, teacher_trainer.params_sharding)
 
 
 def trained_model(cfg, workdir: str):

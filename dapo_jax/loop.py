@@ -80,12 +80,14 @@ class DAPO:
 
   def __init__(self, cfg: LoopConfig, *, trainer, logprobs, rollout, evaluator, data_iter, params,
                workdir: str, keep_ckpts: int = 3, writer_cfg: metrics_lib.WriterConfig = metrics_lib.WriterConfig(),
-               run_config: dict | None = None, critic: ppo.Critic | None = None, kl_ctrl=None):
+               run_config: dict | None = None, critic: ppo.Critic | None = None, kl_ctrl=None, teacher=None):
     self.cfg, self.trainer, self.logprobs, self.rollout, self.evaluator = cfg, trainer, logprobs, rollout, evaluator
     self.data_iter = data_iter
     if cfg.adv_estimator == "gae" and critic is None:
       raise ValueError("adv_estimator='gae' needs a value model (critic)")
-    self.critic, self.kl_ctrl = critic, kl_ctrl
+    if cfg.adv_estimator == "distill" and teacher is None:
+      raise ValueError("adv_estimator='distill' needs a teacher: (log-prob function, params)")
+    self.critic, self.kl_ctrl, self.teacher = critic, kl_ctrl, teacher
     self.state = trainer.init(params=params)
     # Baselines with a KL term: the initial policy, resident on the mesh like the params.
     self.ref_params = trainer.reference_params(self.state.params) if cfg.reference else None
@@ -211,7 +213,7 @@ class DAPO:
         batch, value_batch, token_metrics = ppo.token_advantages(
             batch, groups, estimator=c.adv_estimator, logprobs=self.logprobs, trainer=self.trainer,
             params=self.state.params, ref_params=self.ref_params, critic=self.critic, kl_ctrl=self.kl_ctrl,
-            Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam)
+            Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam, teacher=self.teacher)
         adv = batch.adv_BC[batch.loss_mask_BC]
         if value_batch is not None:
           t1 = time.perf_counter()

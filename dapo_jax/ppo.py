@@ -38,11 +38,11 @@ class Critic:
 
 def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs: Callable, trainer, params,
                      ref_params, critic: Critic | None, kl_ctrl, Q: int, G: int, gamma: float,
-                     lam: float) -> tuple[RLBatch, ValueBatch | None, dict]:
+                     lam: float, teacher=None) -> tuple[RLBatch, ValueBatch | None, dict]:
   """Log-probs of the sampling policy and the reference, the KL-shaped token rewards, values (GAE),
   per-token advantages and returns of `batch` (Q groups of G rows). Returns the batch with its
   log-probs and `adv_BC` set, the value model's batch (None without one) and the step's metrics;
-  updates the adaptive KL controller."""
+  updates the adaptive KL controller. "distill": `teacher` = (its log-prob function, its params)."""
   placed = trainer.put_batch(batch.replace(behaviour_B=None))  # Forward passes read no flags.
   logp_BC = sharding.fetch(logprobs(params, placed))
   ref_BC = sharding.fetch(logprobs(ref_params, placed)) if ref_params is not None else logp_BC
@@ -51,8 +51,15 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
   # As `to_train_batch` completes a short step: groups repeated cyclically (their loss mask is empty).
   score_B = np.resize(groups.score_QG, (Q, G)).reshape(-1)
   beta = kl_ctrl.value if kl_ctrl is not None else 0.0
+  teacher_BC = None
+  if estimator == "distill":
+    if teacher is None:
+      raise ValueError("dapo.adv_estimator='distill' needs a teacher (dapo.teacher_dir)")
+    teacher_logprobs, teacher_params = teacher
+    teacher_BC = sharding.fetch(teacher_logprobs(teacher_params, placed))
   rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
-      estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=gamma, lam=lam))
+      estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=gamma, lam=lam,
+      teacher_logp_BC=teacher_BC))
   kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC)
   metrics = metrics_lib.token_level(rewards_BC, returns_BC, values_BC, mask_BC, kl=kl, beta=beta)
   if kl_ctrl is not None:

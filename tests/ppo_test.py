@@ -175,7 +175,7 @@ def ppo_cfg(**train):
 @pytest.mark.parametrize("field,value,message", [
     ("dapo.adv_estimator", "ppo",
      r"dapo.adv_estimator='ppo': expected one of \('grpo', 'rloo', 'reinforce_pp_baseline', 'opo', 'gpg', "
-     r"'reinforce_pp', 'gae'\)"),
+     r"'reinforce_pp', 'gae', 'distill'\)"),
     ("critic.init", "value", r"critic.init='value': expected 'policy'"),
     ("critic.lr", 0.0, r"critic.lr=0.0: expected > 0"),
     ("critic.clip_range", -1.0, r"critic.clip_range=-1.0"),
