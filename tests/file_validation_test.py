@@ -167,3 +167,85 @@ def test_file_task_trains_its_tokenizer_on_the_file(tmp_path):
   ids = tok(text, add_special_tokens=False)["input_ids"]
   assert 1 < len(ids) < len(text) and tok.decode(ids) == text  # Merges learnt from the file's text.
   assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
+
+
+# --- files that point outside their directory (issue #37) ----------------------------------------
+
+def sharded_dir(path):
+  """A model directory whose tensors are in two shards, a.safetensors and b.safetensors, with an index."""
+  small_model_dir(path)
+  tensors = hf.read_safetensors(str(path / "model.safetensors"))
+  names = sorted(tensors)
+  os.remove(path / "model.safetensors")
+  hf.write_safetensors(str(path / "a.safetensors"), {n: tensors[n] for n in names[:3]})
+  hf.write_safetensors(str(path / "b.safetensors"), {n: tensors[n] for n in names[3:]})
+  weight_map = {n: "a.safetensors" if i < 3 else "b.safetensors" for i, n in enumerate(names)}
+  (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  return weight_map
+
+
+@pytest.mark.parametrize("target", ["/abs/b.safetensors", "../b.safetensors", "sub/../../b.safetensors"])
+def test_sharded_index_naming_a_path_outside_is_refused(tmp_path, target):
+  weight_map = sharded_dir(tmp_path / "m")
+  index = tmp_path / "m" / "model.safetensors.index.json"
+  index.write_text(json.dumps({"weight_map": {n: target if f == "b.safetensors" else f
+                                              for n, f in weight_map.items()}}))
+  with pytest.raises(hf.CheckpointError, match=rf"^{index}: weight_map names '{target}' is a path outside "):
+    hf.load(str(tmp_path / "m"))
+
+
+def test_shard_symlinked_out_of_the_directory_is_refused(tmp_path):
+  sharded_dir(tmp_path / "m")
+  os.rename(tmp_path / "m" / "b.safetensors", tmp_path / "elsewhere.safetensors")
+  os.symlink(tmp_path / "elsewhere.safetensors", tmp_path / "m" / "b.safetensors")
+  index = tmp_path / "m" / "model.safetensors.index.json"
+  with pytest.raises(hf.CheckpointError, match=rf"^{index}: weight_map names 'b.safetensors' is a symlink to "
+                                               rf"{tmp_path}/elsewhere.safetensors, outside {tmp_path}/m$"):
+    hf.load(str(tmp_path / "m"))
+  os.replace(tmp_path / "m" / "config.json", tmp_path / "real.json")  # config.json linked out.
+  os.symlink(tmp_path / "real.json", tmp_path / "m" / "config.json")
+  with pytest.raises(hf.CheckpointError, match=r"'config.json' is a symlink to .*real.json, outside"):
+    hf.load(str(tmp_path / "m"))
+
+
+def test_symlinks_inside_the_directory_and_the_hf_cache_layout_load(tmp_path):
+  """snapshots/REV/FILE -> ../../blobs/HASH is how the Hugging Face cache stores every model."""
+  repo = tmp_path / "models--org--tiny"
+  snap = repo / "snapshots" / "abc123"
+  _, params = small_model_dir(tmp_path / "src")
+  os.makedirs(repo / "blobs")
+  os.makedirs(snap)
+  for i, fn in enumerate(sorted(os.listdir(tmp_path / "src"))):
+    shutil.copy(tmp_path / "src" / fn, repo / "blobs" / f"h{i}")
+    os.symlink(f"../../blobs/h{i}", snap / fn)
+  _, loaded = hf.load(str(snap))
+  np.testing.assert_array_equal(np.asarray(loaded["embed_VD"]), np.asarray(params["embed_VD"]))
+
+
+def test_peft_adapter_files_symlinked_out_are_refused(tmp_path):
+  from dapo_jax.hf import peft
+  cfg = testing.tiny_model_config(vocab_size=128)
+  os.makedirs(tmp_path / "adapter")
+  (tmp_path / "secret.json").write_text(json.dumps({"peft_type": "LORA"}))
+  os.symlink(tmp_path / "secret.json", tmp_path / "adapter" / "adapter_config.json")
+  with pytest.raises(hf.CheckpointError, match=rf"^{tmp_path}/adapter: 'adapter_config.json' is a symlink to "
+                                               rf"{tmp_path}/secret.json, outside"):
+    peft.load_peft(str(tmp_path / "adapter"), cfg)
+
+
+def test_tokenizer_files_pointing_outside_are_refused(tmp_path, tiny_tokenizer_dir):
+  tok = tmp_path / "tok"
+  shutil.copytree(tiny_tokenizer_dir, tok)
+  tokenizer.load(str(tok))  # Intact, it loads.
+  config = json.loads((tok / "tokenizer_config.json").read_text())
+  for value in ("/etc/hostname", "../tokenizer.json"):
+    (tok / "tokenizer_config.json").write_text(json.dumps(dict(config, tokenizer_file=value)))
+    with pytest.raises(tokenizer.TokenizerError, match=rf"tokenizer_config.json: field 'tokenizer_file' names "
+                                                       rf"'{value}' is a path outside"):
+      tokenizer.load(str(tok))
+  (tok / "tokenizer_config.json").write_text(json.dumps(config))
+  os.replace(tok / "tokenizer.json", tmp_path / "vocab_elsewhere.json")
+  os.symlink(tmp_path / "vocab_elsewhere.json", tok / "tokenizer.json")
+  with pytest.raises(tokenizer.TokenizerError, match=rf"tokenizer directory '{tok}': 'tokenizer.json' is a "
+                                                     rf"symlink to {tmp_path}/vocab_elsewhere.json, outside"):
+    tokenizer.load(str(tok))

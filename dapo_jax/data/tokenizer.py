@@ -54,10 +54,23 @@ def load(path: str):
 VOCAB_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
 
 
+# Files of a tokenizer directory that transformers may read; none may point outside the directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json", "config.json")
+
+
 def check_dir(path: str) -> None:
-  """Fails naming the directory when it has no vocabulary files or a tokenizer.json that is not JSON."""
+  """Fails naming the directory when it has no vocabulary files or a tokenizer.json that is not JSON,
+  and naming the file and the path when one of its files, or a `*_file` field of its
+  tokenizer_config.json, points outside it (an absolute path, '..', a symlink out)."""
+  from dapo_jax.hf.safetensors import outside  # noqa: PLC0415 (NumPy only)
   if not os.path.isdir(path):
     raise TokenizerError(f"tokenizer directory {path!r} does not exist")
+  for fn in TOKENIZER_FILES:
+    why = outside(path, fn)
+    if why:
+      raise TokenizerError(f"tokenizer directory {path!r}: {why}")
   if not any(all(os.path.isfile(os.path.join(path, f)) for f in files) for files in VOCAB_FILES):
     raise TokenizerError(f"tokenizer directory {path!r} has no vocabulary: expected tokenizer.json, "
                          "tokenizer.model, vocab.json with merges.txt, or vocab.txt")
@@ -66,9 +79,15 @@ def check_dir(path: str) -> None:
     if os.path.isfile(p):
       try:
         with open(p, encoding="utf-8") as f:
-          json.load(f)
+          content = json.load(f)
       except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{p}: not valid JSON ({e})") from None
+      # transformers opens a `vocab_file`, `merges_file`, `tokenizer_file`... named here, wherever it is.
+      for key, value in (content.items() if fn == "tokenizer_config.json" and isinstance(content, dict) else ()):
+        if key.endswith("_file") and isinstance(value, str) and value:
+          why = outside(path, value)
+          if why or not os.path.exists(os.path.join(path, value)):
+            raise TokenizerError(f"{p}: field {key!r} names {why or f'{value!r}, which is not in {path}'}")
 
 
 def check_vocab(tok, vocab_size: int, model_source: str) -> None:

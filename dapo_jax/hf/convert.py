@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dapo_jax.hf.safetensors import CheckpointError, read_dir_tensors, read_safetensors, write_safetensors  # noqa: F401 (public)
+from dapo_jax.hf.safetensors import CheckpointError, outside, read_dir_tensors, read_safetensors, write_safetensors  # noqa: F401 (public)
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 
@@ -77,7 +77,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> model_
     if hf.get("use_bidirectional_attention"):
       raise CheckpointError(f"{source}: field 'use_bidirectional_attention'=true is not supported")
     kw.update(local_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
-              sliding_window=int(hf.get("sliding_window") or 4096), query_scale=float(hf.get("query_pre_attn_scalar", 256)),
+              sliding_window=int(hf.get("sliding_window") or 4096),
+              query_scale=float(hf.get("query_pre_attn_scalar", 256)),
               attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
               final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
               rope_local_theta=float(local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))))
@@ -401,6 +402,8 @@ def load_config(path: str, **overrides) -> model_lib.ModelConfig:
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
     raise CheckpointError(f"{path}: no config.json (is this a Hugging Face model directory?)")
+  if outside(path, "config.json"):
+    raise CheckpointError(f"{path}: {outside(path, 'config.json')}")
   try:
     hf_cfg = json.load(open(cfg_path))
   except json.JSONDecodeError as e:

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from dapo_jax.hf.safetensors import CheckpointError, read_safetensors, write_safetensors
+from dapo_jax.hf.safetensors import CheckpointError, outside, read_safetensors, write_safetensors
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 
@@ -62,6 +62,9 @@ def load_peft(path: str, model_cfg: model_lib.ModelConfig, base_quant: str = "")
   cfg_path = os.path.join(path, "adapter_config.json")
   if not os.path.exists(cfg_path):
     raise CheckpointError(f"{path}: no adapter_config.json (is this a PEFT adapter directory?)")
+  for fn in ("adapter_config.json", "adapter_model.safetensors"):
+    if outside(path, fn):
+      raise CheckpointError(f"{path}: {outside(path, fn)}")
   try:
     config = json.load(open(cfg_path))
   except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -23,6 +23,26 @@ class CheckpointError(ValueError):
   """A checkpoint directory that cannot be read; the message names the file and field."""
 
 
+def outside(directory: str, name: str) -> str | None:
+  """Why `name` (a file a directory's metadata names) points outside `directory`, or None if it does not.
+
+  Refused: an absolute path, a path through '..', and a symlink that resolves outside the directory.
+  The Hugging Face cache's layout is inside its repository: snapshots/REV/FILE links to ../../blobs/HASH.
+  """
+  if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+    return f"{name!r} is a path outside {directory}"
+  path = os.path.join(directory, name)
+  if not os.path.islink(path):
+    return None
+  real, root = os.path.realpath(path), os.path.realpath(directory)
+  allowed = [root]
+  if os.path.basename(os.path.dirname(os.path.abspath(directory))) == "snapshots":
+    allowed.append(os.path.realpath(os.path.join(directory, "..", "..", "blobs")))
+  if any(os.path.commonpath([real, a]) == a for a in allowed):
+    return None
+  return f"{name!r} is a symlink to {real}, outside {directory}"
+
+
 # --- safetensors, read and written with NumPy only ---------------------------------------------
 
 _MAX_HEADER = 100_000_000  # The safetensors spec's bound on the JSON header.
@@ -124,6 +144,9 @@ def read_dir_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
                           "(only safetensors checkpoints are supported)")
   tensors, origin = {}, {}
   for fn in files:
+    why = outside(path, fn)
+    if why:
+      raise CheckpointError(f"{index if weight_map else path}: {why}")
     if not os.path.isfile(os.path.join(path, fn)):
       raise CheckpointError(f"{index}: lists {fn!r}, which is not in {path}")
     for name, arr in read_safetensors(os.path.join(path, fn)).items():
@@ -144,7 +167,10 @@ def _read_index(index: str) -> dict[str, str]:
   if not isinstance(weight_map, dict) or not weight_map or not all(
       isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
     raise CheckpointError(f"{index}: field 'weight_map' must map tensor names to file names")
-  for fn in set(weight_map.values()):
+  for fn in sorted(set(weight_map.values())):
+    why = outside(os.path.dirname(index), fn)
+    if why:
+      raise CheckpointError(f"{index}: weight_map names {why}")
     if os.path.basename(fn) != fn or not fn.endswith(".safetensors"):
       raise CheckpointError(f"{index}: weight_map names {fn!r}; expected a .safetensors file in the same directory")
   return weight_map
