@@ -32,30 +32,6 @@ _COMPACT = flags.DEFINE_bool("compact", False, "The pool's width follows the loa
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask for (default: the directory's name).")
 
 
-def load(cfg, workdir, model_dir, adapter_dir, mesh):
-  """(model_cfg, params, tokenizer, source dir, name) of what is served: `model_dir` (with a PEFT
-  adapter) or the newest checkpoint in `workdir` (a run trained with `cfg`)."""
-  import jax
-
-  from dapo_jax import from_config
-  from dapo_jax.data import tokenizer
-  from dapo_jax.hf import convert as hf
-  from dapo_jax.hf import peft
-  from dapo_jax.model import lora
-  if model_dir:
-    model_cfg, params = hf.load(model_dir, **from_config.runtime_overrides(cfg))
-    tok = tokenizer.load(cfg.tokenizer.path or model_dir)
-    if adapter_dir:
-      lora_cfg, adapters = peft.load_peft(adapter_dir, model_cfg)
-      params = lora.adapt(model_cfg, lora_cfg, params, jax.random.key(0), adapters)
-    name = os.path.basename(os.path.normpath(adapter_dir or model_dir))
-    return model_cfg, params, tok, model_dir, name
-  if adapter_dir:
-    raise ValueError("--adapter_dir goes with --model_dir (its base model)")
-  model_cfg, params, tok, _ = from_config.restore_policy(cfg, workdir, mesh)
-  return model_cfg, params, tok, from_config.model_dir(cfg, workdir), os.path.basename(os.path.normpath(workdir))
-
-
 def main(argv):
   del argv
   from dapo_jax import from_config, sharding
@@ -70,7 +46,8 @@ def main(argv):
   server_lib.http.check_bind(_HOST.value, _TOKEN.value or os.environ.get(server_lib.TOKEN_ENV),
                              server_lib.TOKEN_ENV)  # Before the model loads.
   mesh = sharding.make_mesh(cfg.mesh)
-  model_cfg, params, tok, source, name = load(cfg, workdir, _MODEL_DIR.value, _ADAPTER_DIR.value, mesh)
+  model_cfg, params, tok, source, name = server_lib.load_policy(cfg, workdir, _MODEL_DIR.value,
+                                                                _ADAPTER_DIR.value, mesh)
   eos = tokenizer.stop_ids(tok, source, cfg.rollout.stop)
   server = server_lib.PolicyServer(
       model_cfg, params, tok, eos_ids=eos, model_name=_MODEL_NAME.value or name, host=_HOST.value, port=_PORT.value,

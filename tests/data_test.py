@@ -191,3 +191,12 @@ def test_iterator_without_shuffle_and_bad_batch():
   assert [ex.index for ex in it.next_batch(4) + it.next_batch(4)] == [e.index for e in examples + examples][:8]
   with pytest.raises(ValueError, match="does not split over 2 hosts"):
     data.PromptIterator(examples, process_count=2).next_batch(3)
+
+
+def test_a_message_without_string_content_is_refused_naming_the_row(tmp_path):
+  """Found by the fuzz test: {"content": null} passed as a message."""
+  path = tmp_path / "d.jsonl"
+  path.write_text(json.dumps({"data_source": "x", "prompt": [{"role": "user", "content": None}],
+                              "reward_model": {"ground_truth": "1"}}) + "\n")
+  with pytest.raises(data.DataError, match=r"d.jsonl: row 0: field 'prompt\[0\]' needs a string 'content'"):
+    data.load_file(str(path))

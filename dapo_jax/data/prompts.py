@@ -72,6 +72,10 @@ def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Exa
       or not all(isinstance(m, dict) and "content" in m for m in prompt)):
     raise DataError(f"{path}: row {i}: field 'prompt' must be a non-empty list of "
                     f"{{'role', 'content'}} messages, got {type(prompt).__name__}")
+  for j, m in enumerate(prompt):
+    if not isinstance(m["content"], str) or not isinstance(m.get("role") or "user", str):
+      raise DataError(f"{path}: row {i}: field 'prompt[{j}]' needs a string 'content' and 'role', got "
+                      f"content {type(m['content']).__name__}, role {type(m.get('role')).__name__}")
   rm = row.get("reward_model")
   gt = rm.get("ground_truth") if isinstance(rm, dict) else row.get("ground_truth")
   if gt is None or (isinstance(gt, str) and not gt.strip()):
