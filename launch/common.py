@@ -125,3 +125,13 @@ def _parse_flags(argv):
   except (AttributeError, KeyError) as e:  # ml_collections: the field does not exist.
     _config_error(e, argv)
   sys.exit(1)
+
+
+def serve_until_interrupted(server) -> None:
+  """Serves in the foreground until Ctrl-C, then closes the server (its threads and sockets)."""
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.close()

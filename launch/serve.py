@@ -57,12 +57,7 @@ def main(argv):
       mesh=mesh)
   print(f"serving {server.policy.model_name} on {server.url} (OpenAI API: /v1/chat/completions, "
         "/v1/completions, /v1/models)", flush=True)
-  try:
-    server.serve_forever()
-  except KeyboardInterrupt:
-    pass
-  finally:
-    server.close()
+  common.serve_until_interrupted(server)
 
 
 if __name__ == "__main__":

@@ -22,17 +22,12 @@ _SCORER = flags.DEFINE_string("scorer", "dapo_jax.rewards.model:scorer",
 
 def main(argv):
   del argv
-  from dapo_jax.rewards import server as rm_server
+  from dapo_jax.serve import rm_server
   score_fn = rm_server.load_scorer(_SCORER.value, _MODEL_DIR.value)
   server = rm_server.RMServer(score_fn, _HOST.value, _PORT.value, _TOKEN.value, _MAX_BATCH.value,
                               _MAX_WAIT_MS.value)
   print(f"serving {_MODEL_DIR.value or _SCORER.value} on {server.url} (POST /score)", flush=True)
-  try:
-    server.serve_forever()
-  except KeyboardInterrupt:
-    pass
-  finally:
-    server.close()
+  common.serve_until_interrupted(server)
 
 
 if __name__ == "__main__":

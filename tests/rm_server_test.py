@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from dapo_jax import rewards, testing
-from dapo_jax.rewards import server as rm_server
+from dapo_jax.serve import rm_server
 from dapo_jax.serve import http as serve_http
 
 PROMPTS = ["What is 12+30?", "What is 5+5?", "What is 1+1?"]
@@ -285,7 +285,7 @@ def test_non_local_bind_needs_a_token(monkeypatch):
 
 
 def test_the_rewards_face_and_the_server_import_no_jax():
-  code = "import sys, dapo_jax.rewards, dapo_jax.rewards.server; assert 'jax' not in sys.modules, 'jax imported'"
+  code = "import sys, dapo_jax.rewards, dapo_jax.serve.rm_server; assert 'jax' not in sys.modules, 'jax imported'"
   subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

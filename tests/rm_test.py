@@ -100,7 +100,7 @@ def test_scorer_and_rm_reward_score_responses(tmp_path, tiny_tokenizer_dir):
   assert [g["acc"] for g in got] == [w > 0 for w in want]
   assert reward.errors == reward.timeouts == 0
   # The same model behind the HTTP server (`launch.serve_rm`'s default scorer), on localhost.
-  from dapo_jax.rewards import server as rm_server
+  from dapo_jax.serve import rm_server
   with rm_server.RMServer(rm_server.load_scorer("dapo_jax.rewards.model:scorer", out)) as server:
     remote = rewards.HTTPReward(server.url)(responses, ["42", "15", "101"], prompts)
   np.testing.assert_allclose([g["score"] for g in remote], want, rtol=1e-5, atol=1e-6)

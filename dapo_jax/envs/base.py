@@ -47,17 +47,22 @@ class Env:
     """Releases the episode's resources (a sandbox, a connection); called once it ends."""
 
 
+def import_object(path: str, what: str):
+  """The object 'package.module:name' names; a ValueError naming `what` (a config field) otherwise."""
+  if ":" not in path:
+    raise ValueError(f"{what}={path!r} must look like 'package.module:name'")
+  module_name, name = path.split(":", 1)
+  try:
+    return getattr(importlib.import_module(module_name), name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"{what}={path!r}: cannot import it ({e})") from None
+
+
 def resolve(path: str, args: str | dict = "{}") -> Callable[[], Env]:
   """'package.module:Class' and its JSON keyword arguments -> a factory of fresh environments; fails
   at start-up naming the path."""
   field = "rollout.env"
-  if ":" not in path:
-    raise ValueError(f"{field}={path!r} must look like 'package.module:Class'")
-  module_name, name = path.split(":", 1)
-  try:
-    cls = getattr(importlib.import_module(module_name), name)
-  except (ImportError, AttributeError) as e:
-    raise ValueError(f"{field}={path!r}: cannot import it ({e})") from None
+  cls = import_object(path, field)
   try:
     kwargs = json.loads(args) if isinstance(args, str) else dict(args)
   except json.JSONDecodeError as e:

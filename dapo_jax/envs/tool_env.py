@@ -14,7 +14,6 @@ The call format follows the policy's chat template (`tool_formats.detect(env.tok
 from __future__ import annotations
 
 import ast
-import importlib
 import math
 import operator
 from typing import Callable, Sequence
@@ -116,21 +115,11 @@ def _resolve_tool(spec) -> base.Tool:
   if isinstance(spec, base.Tool):
     return spec
   if isinstance(spec, str):
-    found = _import(spec)
+    found = base.import_object(spec, "tool")
     tool = found if isinstance(found, base.Tool) else found() if callable(found) else None
     if isinstance(tool, base.Tool):
       return tool
   raise ValueError(f"tool {spec!r} is not a Tool nor 'module:name' of a Tool or a function returning one")
-
-
-def _import(path: str):
-  if ":" not in path:
-    raise ValueError(f"tool {path!r} must look like 'package.module:name'")
-  module_name, name = path.split(":", 1)
-  try:
-    return getattr(importlib.import_module(module_name), name)
-  except (ImportError, AttributeError) as e:
-    raise ValueError(f"tool {path!r}: cannot import it ({e})") from None
 
 
 class ToolEnv(base.Env):

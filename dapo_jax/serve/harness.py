@@ -34,17 +34,6 @@ class HarnessError(RuntimeError):
   """The harness did something an episode cannot follow (no request, a changed history, a crash)."""
 
 
-def _resolve_function(path: str):
-  import importlib
-  if ":" not in path:
-    raise ValueError(f"rollout.env_args harness={path!r} must look like 'package.module:function'")
-  module, name = path.split(":", 1)
-  try:
-    return getattr(importlib.import_module(module), name)
-  except (ImportError, AttributeError) as e:
-    raise ValueError(f"rollout.env_args harness={path!r}: cannot import it ({e})") from None
-
-
 def _example_json(example) -> str:
   if hasattr(example, "messages"):  # A data.Example.
     return json.dumps({"messages": example.messages, "ground_truth": example.ground_truth,
@@ -71,7 +60,9 @@ class HarnessEnv(env_lib.Env):
   def __init__(self, harness: str = "", command=None, timeout_s: float = 300.0):
     if bool(harness) == bool(command):
       raise ValueError("rollout.env_args: give one of harness='module:function' or command=[...]")
-    self.fn = (harness if callable(harness) else _resolve_function(harness)) if harness else None
+    self.fn = None
+    if harness:
+      self.fn = harness if callable(harness) else env_lib.import_object(harness, "rollout.env_args harness")
     self.command = [command] if isinstance(command, str) else command
     self.timeout_s = timeout_s
     self.ep = None
