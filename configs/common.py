@@ -110,10 +110,14 @@ def base() -> mlc.ConfigDict:
                 dynamic_sampling=True,       # drop groups whose correctness is all equal (Eq. 11)
                 max_gen_batches=10,          # cap per step: at most max_gen_batches x gen_prompts prompts
                                              # are sampled in a rollout step; 0 = unlimited
-                streaming=True,              # admit prompts into the engine while kept + in-flight groups
-                                             # < Q; each step trains exactly Q groups sampled by the
-                                             # current policy. False: whole generation batches, then the
-                                             # filter (the reference; carry_over then applies)
+                streaming=True,              # admit prompts into the engine as they may be needed; each
+                                             # step trains the first Q kept groups in prompt order, sampled
+                                             # by the current policy. False: whole generation batches, then
+                                             # the filter (the reference; carry_over then applies)
+                admit_ahead=True,            # streaming admits by the running keep rate and to keep every
+                                             # slot busy, cancelling (and rewinding) what the step did not
+                                             # need: the same groups, sooner. False: admit only while kept +
+                                             # in-flight groups < Q
                 filter_metric="acc",         # what must vary in a group: acc | score (the scorer's) |
                                              # seq_reward | seq_final_reward (score + overlong penalty)
                 # Ours below; the reference (verl's recipe, configs/dapo_qwen2_5_32b.py) raises at the

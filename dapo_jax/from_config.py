@@ -272,6 +272,7 @@ def loop_config(cfg) -> loop.LoopConfig:
       reference=d.kl_coef > 0 or kl_in_reward(cfg), seed=cfg.seed, adv_estimator=d.adv_estimator,
       gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
+      admit_ahead=d.get("admit_ahead", True),
       length_buckets=train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else (),
       **run_record_config(cfg))
 

@@ -53,6 +53,8 @@ class LoopConfig:
   reference: bool               # a frozen reference model's log-probs feed a KL term
   streaming: bool = True        # admit prompts while they can be needed (`streaming`); False: whole
                                 # generation batches, then the filter (the reference)
+  admit_ahead: bool = True      # streaming admits by the running keep rate, cancelling what the step
+                                # did not need (same kept groups); False: only while kept + in flight < Q
   length_buckets: tuple[int, ...] = ()  # completion lengths micro-batches are cut to; () = pad to C
   adv_estimator: str = "grpo"   # advantages.ESTIMATORS; "gae" needs a `Critic`
   gamma: float = 1.0            # discount of the token-level estimators
@@ -92,6 +94,7 @@ class DAPO:
     # Baselines with a KL term: the initial policy, resident on the mesh like the params.
     self.ref_params = trainer.reference_params(self.state.params) if cfg.reference else None
     self.carry: Groups | None = None
+    self.keep_rate = dynamic_sampling.KeepRate()  # streaming admits ahead by it (never decides what is kept)
     self.key = jax.random.key(cfg.seed)
     self.writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0, cfg=writer_cfg,
                                            run_config=run_config)
@@ -124,11 +127,12 @@ class DAPO:
     c = self.cfg
     step_key = jax.random.fold_in(self.key, step)
     params = lambda: self.rollout.sampling_params(self.state.params)
-    if c.streaming and jax.process_count() == 1:
+    if c.streaming:
       return dynamic_sampling.stream_groups(
-          self.rollout, params(), self.data_iter.next_batch, c.group_size, c.prompts_per_step,
+          self.rollout, params(), self.data_iter, c.group_size, c.prompts_per_step,
           jax.random.fold_in(step_key, 0), max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling
-          else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap)
+          else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap, keep_rate=self.keep_rate,
+          ahead=c.admit_ahead)
     batch, self.carry, stats, info = dynamic_sampling.fill_step(
         self.rollout, params, self.data_iter.next_batch, self.carry, step_key, Q=c.prompts_per_step, G=c.group_size,
         batch_prompts=c.gen_prompts if c.dynamic_sampling else c.prompts_per_step, filter_groups=c.dynamic_sampling,

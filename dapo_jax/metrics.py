@@ -208,7 +208,8 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
   if stats.generated:  # A step filled from carried-over groups generated nothing.
     m["rollout/acc_all"] = stats.acc_sum / gen
   if hasattr(stats, "admitted"):  # Streaming dynamic sampling (`streaming.StreamStats`).
-    m.update({"rollout/prompts_admitted": stats.admitted, "rollout/groups_kept": stats.kept,
+    m.update({"rollout/prompts_admitted": stats.admitted, "rollout/prompts_returned": stats.returned,
+              "rollout/groups_kept": stats.kept,
               "rollout/max_in_flight": stats.max_in_flight, "rollout/slot_utilisation": stats.slot_utilisation,
               "timing_s/reward_wait": stats.reward_wait_s,
               "timing_s/reward_hidden": max(stats.reward_s - stats.reward_wait_s, 0.0)})

@@ -35,6 +35,13 @@ def length_reward(response: str, ground_truth: str) -> dict:
   return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": str(len(response))}
 
 
+def slow_length_reward(response: str, ground_truth: str) -> dict:
+  """`length_reward`, answered after 0-40 ms (by the response's length): a scorer whose latency varies."""
+  import time  # noqa: PLC0415
+  time.sleep(0.01 * (len(response) % 5))
+  return length_reward(response, ground_truth)
+
+
 def has_seven(response: str, ground_truth: str) -> dict:
   """The peer benchmarks' reward: +1 if the completion contains the digit 7."""
   ok = "7" in response

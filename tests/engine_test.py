@@ -181,12 +181,8 @@ def test_streaming_keeps_the_groups_the_reference_keeps_and_stops_at_the_cap_ali
                                  on_cap="train", carry_over=False)
 
   def streamed(Q, max_prompts):
-    pos = [0]
-
-    def next_examples(n):
-      pos[0] += n
-      return examples[pos[0] - n:pos[0]]
-    return dynamic_sampling.stream_groups(r, params, next_examples, G, Q, key, max_prompts=max_prompts)
+    return dynamic_sampling.stream_groups(r, params, data.PromptIterator(examples, shuffle=False), G, Q, key,
+                                          max_prompts=max_prompts)
 
   for Q, cap_batches in ((3, 8), (40, 2)):  # Filled; and cut short by the cap (16 prompts).
     ref, _, ref_stats = reference(Q, 8, cap_batches)
@@ -199,7 +195,7 @@ def test_streaming_keeps_the_groups_the_reference_keeps_and_stops_at_the_cap_ali
     np.testing.assert_allclose(got.logp_QGC, ref.logp_QGC, rtol=1e-6, atol=1e-6)
     assert got.logp_QGC.dtype == np.float32 and (got.logp_QGC[got.mask_QGC] <= 0).all()
     assert not got.logp_QGC[~got.mask_QGC].any() and not got.carried_Q.any() and not ref.carried_Q.any()
-    assert stats.admitted <= ref_stats.gen_batches * 8  # Streaming admits no more than whole batches.
+    assert stats.admitted <= ref_stats.gen_batches * 8  # Streaming consumes no more than whole batches.
   assert stats.cap_reached and stats.admitted == 16
 
 

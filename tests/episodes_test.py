@@ -185,8 +185,7 @@ def test_streamed_episode_groups_train_on_the_policy_tokens_only(tok, setup):
                           sc, env=Countdown, episode_cfg=episodes.EpisodeConfig(max_turns=4, poll_steps=2))
   examples = [data.Example(messages=[{"role": "user", "content": "x"}], ground_truth="", data_source="t", index=i)
               for i in range(8)]
-  it = iter(examples)
-  groups, stats, info = dynamic_sampling.stream_groups(r, params, lambda n: [next(it) for _ in range(n)], 3, 2,
+  groups, stats, info = dynamic_sampling.stream_groups(r, params, data.PromptIterator(examples, shuffle=False), 3, 2,
                                                        jax.random.key(1), filter_groups=False)
   r.episodes.close()
   assert len(groups) == 2

@@ -233,16 +233,30 @@ class PromptIterator:
     """The next `global_size` examples of the global order; returns this host's contiguous shard."""
     if global_size % self.process_count:
       raise ValueError(f"batch of {global_size} prompts does not split over {self.process_count} hosts")
+    picked = self.take(global_size)
+    per_host = global_size // self.process_count
+    return picked[self.process_index * per_host:(self.process_index + 1) * per_host]
+
+  def take(self, n: int) -> list[Example]:
+    """The next `n` examples of the global order, the same on every host (streaming: every host
+    decides on every prompt)."""
     picked = []
-    while len(picked) < global_size:
+    while len(picked) < n:
       order = self._order(self.epoch)
-      take = min(global_size - len(picked), len(order) - self.position)
+      take = min(n - len(picked), len(order) - self.position)
       picked += [self.examples[i] for i in order[self.position:self.position + take]]
       self.position += take
       if self.position == len(order):
         self.epoch, self.position = self.epoch + 1, 0
-    per_host = global_size // self.process_count
-    return picked[self.process_index * per_host:(self.process_index + 1) * per_host]
+    return picked
+
+  def rewind(self, n: int) -> None:
+    """Steps back `n` examples of the global order: the next `take` returns them again, in order
+    (prompts a rollout step admitted but did not need)."""
+    position = self.epoch * len(self.examples) + self.position - n
+    if n < 0 or position < 0:
+      raise ValueError(f"cannot rewind {n} examples from epoch {self.epoch}, position {self.position}")
+    self.epoch, self.position = divmod(position, len(self.examples))
 
   def state(self) -> dict:
     return {"epoch": self.epoch, "position": self.position}

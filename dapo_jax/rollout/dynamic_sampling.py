@@ -1,27 +1,31 @@
-"""Streaming dynamic sampling: a rollout step that admits prompts into the engine only while they
-can still be needed, and ends with exactly Q kept groups, all sampled by the current policy.
+"""Streaming dynamic sampling: a rollout step that admits prompts into the engine as they may be
+needed, and ends as soon as the first Q kept groups in prompt order are known, all sampled by the
+current policy.
 
-    admit prompts while kept + in flight < Q (and the step's prompt cap is not reached)
+    admit prompts ahead: while the expected keeps of those in flight (at the running keep rate)
+    may fall short of Q, or a decode slot would idle (and the step's prompt cap is not reached)
       ──► the engine decodes; a group whose G samples have ended is scored at once, in a thread,
           while the engine goes on decoding (its reward latency is hidden)
-      ──► a group with mixed values (Eq. 11) is kept; one that is not frees its place: admit another
-    stop when Q groups are kept (none thrown away, none carried to the next step)
+      ──► a group with mixed values (Eq. 11) is kept
+    stop when prompts 0..m-1 are all scored and Q of them are kept: the rest are cancelled and
+    go back to the front of the data stream (none thrown away, none carried to the next step)
 
-The prompts admitted are a prefix of the data order and each prompt's samples depend only on
-(step key, prompt number, sample index), so the kept groups do not depend on the number of slots
-or on timing; they are returned in prompt order. `dapo.streaming=False` restores the reference:
-whole generation batches, then the filter (`fill_batch`, below).
+The step consumes the shortest prefix of the data order holding Q kept groups, and each prompt's
+samples depend only on (step key, prompt number, sample index), so the kept groups are a function
+of the key and the data order alone: not of the number of slots, of how far ahead prompts were
+admitted, or of timing; they are returned in prompt order. Every host of a multi-process run
+takes the same decisions. `dapo.streaming=False` restores the reference: whole generation
+batches, then the filter (`fill_batch`, below).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
-from dapo_jax.data import prompts as data_lib
 from dapo_jax.datatypes import Groups
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout.rollout import Rollout
@@ -120,112 +124,199 @@ def fill_step(rollout: Rollout, params: Callable[[], object], next_batch: Callab
 
 @dataclasses.dataclass
 class StreamStats(FillStats):
-  """FillStats, plus what streaming adds."""
-  admitted: int = 0            # prompts admitted into the engine this step
+  """FillStats (of the prompts the step consumed), plus what streaming adds."""
+  admitted: int = 0            # prompts the step consumed: the shortest prefix of the data order holding Q kept
+  returned: int = 0            # prompts admitted ahead but not needed: back to the front of the data stream
   max_in_flight: int = 0       # most groups admitted but not yet scored at one time
   reward_wait_s: float = 0.0   # time the loop waited for scores (the rest overlapped decoding)
   reward_s: float = 0.0        # time the scorer worked
   slot_utilisation: float = 0.0
 
 
-def stream_groups(rollout: Rollout, params, next_examples: Callable[[int], Sequence[data_lib.Example]], G: int,
-                  Q: int, key, *, max_prompts: int = 0, filter_groups: bool = True, on_cap: str = "train",
-                  admit_chunk: int = 1) -> tuple[Groups | None, StreamStats, dict]:
-  """Samples and scores prompts until Q groups are kept, or `max_prompts` were admitted (0 = no
-  cap; then it returns what was kept, `stats.cap_reached`, or raises with `on_cap="raise"`).
-  `next_examples(n)` gives the next n prompts in data order. One process: with several, the loop
-  uses whole generation batches."""
+@dataclasses.dataclass
+class KeepRate:
+  """A running estimate of the fraction of groups dynamic sampling keeps, for admitting ahead. It
+  decides only how far ahead prompts are admitted, never which groups are kept. Starts at 1/2."""
+  kept: float = 1.0
+  seen: float = 2.0
+
+  def update(self, kept: int, seen: int) -> None:
+    self.kept, self.seen = self.kept + kept, self.seen + seen
+
+  @property
+  def value(self) -> float:
+    return min(max(self.kept / self.seen, 0.05), 1.0)
+
+
+def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_prompts: int = 0,
+                  filter_groups: bool = True, on_cap: str = "train", keep_rate: KeepRate | None = None,
+                  ahead: bool = True) -> tuple[Groups | None, StreamStats, dict]:
+  """Samples and scores prompts of `data` (`take(n)`: the next n of the data order, the same on
+  every host; `rewind(n)`: give back the last n) until the first Q kept groups in prompt order are
+  known, or `max_prompts` were consumed (0 = no cap; then it returns what was kept,
+  `stats.cap_reached`, or raises with `on_cap="raise"`).
+
+  The step consumes the shortest prefix of the data order that holds Q kept groups, and each
+  prompt's samples depend only on (key, prompt number, sample index): the groups returned, in
+  prompt order, are a function of the key and the data order alone, whatever the slots, reward
+  latency or admission. `ahead` admits beyond the groups still needed (by `keep_rate`, and to keep
+  every slot busy); the prompts admitted past that prefix are cancelled at the end and rewound.
+  Without `ahead` (and always with episodes, whose environments act), prompts are admitted only
+  while kept + in flight < Q. With several processes every host runs the same step in lockstep
+  (scores are collected at fixed rounds, so every host admits alike) and scores every group."""
   eng = rollout.engine(rollout.sampler_cfg, Q * G)
-  session = eng.session(params, key, rollout.episodes)
-  stats = StreamStats()
-  pending: dict[int, dict] = {}     # prompt number -> its prompt, examples and ended samples
-  kept: dict[int, Groups] = {}
-  scoring: list[tuple[list[int], cf.Future, int]] = []   # (prompt numbers, scores, round submitted)
-  pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reward")
-  texts = None
+  step = _StreamingStep(rollout, eng.session(params, key, rollout.episodes), G, Q, max_prompts=max_prompts,
+                        filter_groups=filter_groups, keep_rate=keep_rate or KeepRate(),
+                        ahead=ahead and rollout.episodes is None, C=eng.C)
   t_start = time.perf_counter()
-
-  def admit() -> None:
-    examples = list(next_examples(admit_chunk))
-    prompt_QP, mask_QP, truncated = rollout.encode_counting(examples)
-    rollout.truncated_prompts += truncated
-    ids = list(range(stats.admitted, stats.admitted + len(prompt_QP)))
-    for i, pid in enumerate(ids):
-      pending[pid] = {"prompt": prompt_QP[i], "mask": mask_QP[i], "samples": {}, "example": examples[i]}
-      if rollout.episodes is not None:
-        rollout.episodes.register(pid, examples[i])
-    stop = rollout.length_hook(len(ids) * G) if rollout.length_hook else None
-    session.add(ids, prompt_QP, mask_QP, G, stop)
-    stats.admitted += len(ids)
-
-  def collect(keep_last: bool) -> None:
-    """Scores of finished groups: kept or dropped. Waits for every submitted scoring but, with
-    `keep_last`, the latest round's, which overlaps the next decode round. Collecting at these
-    fixed points keeps the admissions, and so the samples, independent of the scorer's speed."""
-    nonlocal texts
-    while len(scoring) > (1 if keep_last and scoring and scoring[-1][2] == session.rounds else 0):
-      pids, fut, _ = scoring.pop(0)
-      t0 = time.perf_counter()
-      results = fut.result()
-      stats.reward_wait_s += time.perf_counter() - t0
-      for pid, (groups, group_texts, reward_s) in zip(pids, results):
-        stats.reward_s += reward_s
-        stats.generated += 1
-        stats.acc_sum += float(groups.acc_QG.mean())
-        stats.all_correct += int(groups.acc_QG.all())
-        stats.all_wrong += int((~groups.acc_QG).all())
-        if texts is None:
-          texts = (group_texts, groups)
-        if not filter_groups or keep_groups(groups.filter_QG)[0]:
-          kept[pid] = groups
-          stats.kept += 1
-
-  def in_flight() -> int:  # Admitted groups not yet scored (decoding or being scored).
-    return len(pending) + sum(len(pids) for pids, _, _ in scoring)
-
   try:
-    while True:
-      collect(keep_last=True)
-      capped = max_prompts and stats.admitted >= max_prompts
-      while len(kept) + in_flight() < Q and not capped:
-        admit()
-        capped = max_prompts and stats.admitted >= max_prompts
-      if capped:
-        session.close()  # Nothing more comes: the tail may compact.
-      stats.max_in_flight = max(stats.max_in_flight, in_flight())
-      if not session.busy:
-        if scoring:
-          collect(keep_last=False)
-          continue
-        break
-      ended = session.step()
-      done = []
-      for f in ended:
-        entry = pending[f.prompt_id]
-        entry["samples"][f.sample] = f
-        if len(entry["samples"]) == G:
-          done.append(f.prompt_id)
-      if done:
-        groups = [_group(pending.pop(pid), G, eng.C) for pid in done]
-        scoring.append((done, pool.submit(_score_groups, rollout, groups), session.rounds))
-    collect(keep_last=False)
+    step.run(data)
   finally:
-    pool.shutdown(wait=True)
-  stats.gen_batches = 1
-  stats.cap_reached = bool(len(kept) < Q and max_prompts and stats.admitted >= max_prompts)
+    step.pool.shutdown(wait=True, cancel_futures=True)
+  stats = step.stats
   if stats.cap_reached and on_cap == "raise":
     raise DynamicSamplingCapError(
         f"dynamic sampling: {stats.admitted} prompts (dapo.max_gen_batches x dapo.gen_prompts) kept only "
         f"{stats.kept} of {Q} groups; the data is too easy or too hard")
-  s = session.stats()
+  s = step.session.stats()
   stats.slot_utilisation = s["slot_utilisation"]
+  first = step.scored.get(0)
   info = {"gen_s": time.perf_counter() - t_start - stats.reward_wait_s, "reward_s": stats.reward_s,
-          "gen_tokens": s["generated_tokens"], "texts": texts[0] if texts else None,
-          "first_groups": texts[1] if texts else None, "engine": s}
+          "gen_tokens": s["generated_tokens"], "texts": first[1] if first else None,
+          "first_groups": first[0] if first else None, "engine": s}
+  kept = [pid for pid in range(stats.admitted) if step.kept.get(pid)]
   if not kept:
     return None, stats, info
-  order = sorted(kept)[:Q]
-  return Groups.concat([kept[pid] for pid in order]), stats, info
+  return Groups.concat([step.scored[pid][0] for pid in kept]), stats, info
+
+
+class _StreamingStep:
+  """The state of one streamed rollout step: prompts admitted in data order (prompt number =
+  admission index), their samples as they end, their scores, and the frontier: the longest prefix
+  of prompt numbers whose groups are all scored."""
+
+  def __init__(self, rollout: Rollout, session, G: int, Q: int, *, max_prompts: int, filter_groups: bool,
+               keep_rate: KeepRate, ahead: bool, C: int):
+    self.rollout, self.session, self.G, self.Q, self.C = rollout, session, G, Q, C
+    self.max_prompts, self.filter_groups, self.keep_rate, self.ahead = max_prompts, filter_groups, keep_rate, ahead
+    self.stats = StreamStats()
+    self.pending: dict[int, dict] = {}          # prompt number -> its prompt, example and ended samples
+    self.scoring: list[tuple[list[int], cf.Future, int]] = []   # (prompt numbers, scores, round submitted)
+    self.scored: dict[int, tuple[Groups, list[str], float]] = {}
+    self.kept: dict[int, bool] = {}             # prompt number -> dynamic sampling kept its group
+    self.truncated: dict[int, int] = {}         # prompt number -> 1 if it lost its beginning to max_prompt_len
+    self.admitted = 0                           # prompts taken from the data stream
+    self.frontier, self.frontier_kept = 0, 0    # prompts 0..frontier-1 are scored; how many were kept
+    self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="reward")
+
+  # --- the loop ------------------------------------------------------------------------------
+
+  def run(self, data) -> None:
+    """Decodes, scores and admits until the frontier holds Q kept groups (or the cap); then gives
+    the prompts admitted past the frontier back to `data`."""
+    session = self.session
+    while not self.done():
+      self.collect(keep_last=True)
+      if self.done():
+        break
+      while self.wants_more():
+        self.admit(data)
+      if self.capped():
+        session.close()  # Nothing more comes: the tail may compact.
+      self.stats.max_in_flight = max(self.stats.max_in_flight, self.in_flight())
+      if not session.busy:
+        if not self.scoring:
+          break
+        self.collect(keep_last=False)
+        continue
+      done = []
+      for f in session.step():
+        entry = self.pending[f.prompt_id]
+        entry["samples"][f.sample] = f
+        if len(entry["samples"]) == self.G:
+          done.append(f.prompt_id)
+      if done:
+        groups = [_group(self.pending.pop(pid), self.G, self.C) for pid in done]
+        self.scoring.append((done, self.pool.submit(_score_groups, self.rollout, groups), session.rounds))
+    end = self.frontier
+    self.stats.returned = self.admitted - end
+    if self.stats.returned:  # Admitted ahead, not needed: back to the data stream (unscored ones are dropped).
+      data.rewind(self.stats.returned)
+    self.stats.admitted = end
+    self.stats.gen_batches = 1
+    self.stats.cap_reached = bool(self.frontier_kept < self.Q and self.max_prompts and end >= self.max_prompts)
+    self.account(end)
+
+  def done(self) -> bool:
+    return self.frontier_kept >= self.Q or bool(self.max_prompts and self.frontier >= self.max_prompts)
+
+  def capped(self) -> bool:
+    return bool(self.max_prompts and self.admitted >= self.max_prompts)
+
+  def in_flight(self) -> int:
+    """Admitted groups not yet scored (queued, decoding or being scored)."""
+    return self.admitted - len(self.scored)
+
+  def wants_more(self) -> bool:
+    """Admit while the groups in flight may not make up the Q kept ones; ahead, also while their
+    expected keeps (at the running keep rate, with a margin) fall short, or a slot would idle."""
+    if self.capped():
+      return False
+    kept = sum(self.kept.values())
+    if not self.ahead or not self.filter_groups:
+      return kept + self.in_flight() < self.Q
+    need = self.Q - kept
+    flight = self.in_flight()
+    if flight >= 4 * max(self.Q, self.session.e.S // self.G):  # Bounds the queue on data that keeps little.
+      return False
+    expected = self.keep_rate.value * flight
+    return expected < need + need ** 0.5 or flight * self.G < 2 * self.session.e.S
+
+  def admit(self, data) -> None:
+    rollout = self.rollout
+    examples = list(data.take(1))
+    prompt_QP, mask_QP, truncated = rollout.encode_counting(examples)
+    ids = list(range(self.admitted, self.admitted + len(prompt_QP)))
+    for i, pid in enumerate(ids):
+      self.pending[pid] = {"prompt": prompt_QP[i], "mask": mask_QP[i], "samples": {}, "example": examples[i]}
+      self.truncated[pid] = truncated
+      if rollout.episodes is not None:
+        rollout.episodes.register(pid, examples[i])
+    stop = rollout.length_hook(len(ids) * self.G) if rollout.length_hook else None
+    self.session.add(ids, prompt_QP, mask_QP, self.G, stop)
+    self.admitted += len(ids)
+
+  def collect(self, keep_last: bool) -> None:
+    """Scores of finished groups: kept or dropped. Waits for every submitted scoring but, with
+    `keep_last`, the latest round's, which overlaps the next decode round. Collecting at these
+    fixed points keeps the admissions independent of the scorer's speed (every host alike)."""
+    latest = self.session.rounds
+    while len(self.scoring) > (1 if keep_last and self.scoring and self.scoring[-1][2] == latest else 0):
+      pids, fut, _ = self.scoring.pop(0)
+      t0 = time.perf_counter()
+      results = fut.result()
+      self.stats.reward_wait_s += time.perf_counter() - t0
+      for pid, result in zip(pids, results):
+        groups = result[0]
+        self.stats.reward_s += result[2]
+        self.scored[pid] = result
+        self.kept[pid] = not self.filter_groups or bool(keep_groups(groups.filter_QG)[0])
+        self.keep_rate.update(int(self.kept[pid]), 1)
+    while self.frontier in self.scored and self.frontier_kept < self.Q:
+      self.frontier_kept += self.kept[self.frontier]
+      self.frontier += 1
+
+  def account(self, end: int) -> None:
+    """FillStats of the prompts the step consumed (0..end-1): independent of how far it ran ahead."""
+    s = self.stats
+    for pid in range(end):
+      groups = self.scored[pid][0]
+      s.generated += 1
+      s.kept += int(self.kept[pid])
+      s.acc_sum += float(groups.acc_QG.mean())
+      s.all_correct += int(groups.acc_QG.all())
+      s.all_wrong += int((~groups.acc_QG).all())
+      self.rollout.truncated_prompts += self.truncated[pid]
 
 
 def _group(entry: dict, G: int, C: int) -> dict:

@@ -21,6 +21,7 @@ def main():
   cfg.reward.fn = "dapo_jax.testing:length_reward"
   cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1)
+  cfg.dapo.streaming = os.environ.get("STREAMING") == "1"  # Every host runs the same streamed step.
   assert jax.device_count() == 2, jax.devices()
   with from_config.dapo(cfg, workdir) as dapo:
     dapo.run()
@@ -28,7 +29,11 @@ def main():
   if jax.process_index() == 0:
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    np.savez(out, losses=np.array([recs[s]["actor/pg_loss"] for s in (1, 2)]), **flat)
+    keys = sorted(k for k in recs[1] if not k.startswith(("timing_s/", "perf/")) and isinstance(recs[1][k], (int, float))
+                  and k not in ("rollout/max_in_flight", "rollout/slot_utilisation", "time"))
+    np.savez(out, losses=np.array([recs[s]["actor/pg_loss"] for s in (1, 2)]),
+             metric_names=np.array(keys), metrics=np.array([[recs[s].get(k, np.nan) for k in keys] for s in (1, 2)],
+                                                           np.float64), **flat)
   print("done", jax.process_index())
 
 
