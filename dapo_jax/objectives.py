@@ -219,9 +219,11 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
       old_logp_BC = (current_BC if mb.behaviour_B is None
                      else jnp.where(mb.behaviour_B[:, None], mb.old_logp_BC, current_BC))
     if cfg.verl_microbatch_weighting:
-      # verl: token mean inside the micro-batch, weighted by its share of the mini-batch's rows.
+      # verl: token mean inside the micro-batch, weighted by its share of the mini-batch's rows. The
+      # rows counted are those with loss tokens: a short step's padding repeats (empty masks) are
+      # not rows of verl's batch.
       denoms = dict(num_tokens=None, num_seqs=None)
-      weight = mb.adv_B.shape[0] / counts["num_rows"]
+      weight = loss_lib.num_seqs_with_tokens(mb.loss_mask_BC) / jnp.maximum(counts["num_seqs"], 1.0)
     else:
       denoms = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"])
       weight = 1.0

@@ -137,7 +137,9 @@ def test_verl_weighting_differs_only_with_unequal_microbatches():
   per_tok = _surrogate_np(logp, batch.old_logp_BC, batch.adv_B)
   mask = batch.loss_mask_BC
   rows = [np.arange(m, 8, 2) for m in range(2)]
-  verl = sum(len(r) / 8 * (per_tok[r] * mask[r]).sum() / mask[r].sum() for r in rows)
+  real = [r[mask[r].any(1)] for r in rows]  # Rows with loss tokens (verl's batch has no empty ones).
+  n_real = sum(len(r) for r in real)
+  verl = sum(len(r) / n_real * (per_tok[r] * mask[r]).sum() / mask[r].sum() for r in real)
   glob = (per_tok * mask).sum() / mask.sum()
   assert abs(verl - glob) > 1e-3  # The test batch's two micro-batches have unequal token counts.
   (s_v, m_v), (s_g, m_g) = step(True, batch), step(False, batch)
@@ -154,6 +156,16 @@ def test_verl_weighting_differs_only_with_unequal_microbatches():
     np.testing.assert_allclose(m_v[k], m_g[k], rtol=1e-5, atol=1e-7, err_msg=k)
   assert m_g["lr"] == 1e-3
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), s_v.params, s_g.params)
+
+  # A short step's padding rows (empty loss masks, here rows 1, 5 and 7) are not rows of verl's batch:
+  # each micro-batch weighs by its share of the rows that have loss tokens.
+  lengths = np.array([10, 0, 3, 7, 6, 0, 9, 0])
+  padded = batch.replace(loss_mask_BC=np.arange(10)[None] < lengths[:, None])
+  mask = padded.loss_mask_BC
+  real = [r[mask[r].any(1)] for r in rows]
+  assert sum(len(r) for r in real) == 5
+  want = sum(len(r) / 5 * (per_tok[r] * mask[r]).sum() / mask[r].sum() for r in real)
+  np.testing.assert_allclose(step(True, padded)[1]["pg_loss"], want, rtol=1e-5)
 
 
 def test_pg_loss_matches_direct_policy_loss():

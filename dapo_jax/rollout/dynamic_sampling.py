@@ -24,8 +24,10 @@ import dataclasses
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 
+from dapo_jax import sharding
 from dapo_jax.datatypes import Groups
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout.rollout import Rollout
@@ -163,7 +165,8 @@ def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_pr
   every slot busy); the prompts admitted past that prefix are cancelled at the end and rewound.
   Without `ahead` (and always with episodes, whose environments act), prompts are admitted only
   while kept + in flight < Q. With several processes every host runs the same step in lockstep
-  (scores are collected at fixed rounds, so every host admits alike) and scores every group."""
+  (scores are collected at fixed rounds, so every host admits alike); the hosts score alternate
+  groups and share the scores."""
   eng = rollout.engine(rollout.sampler_cfg, Q * G)
   step = _StreamingStep(rollout, eng.session(params, key, rollout.episodes), G, Q, max_prompts=max_prompts,
                         filter_groups=filter_groups, keep_rate=keep_rate or KeepRate(),
@@ -201,7 +204,9 @@ class _StreamingStep:
     self.max_prompts, self.filter_groups, self.keep_rate, self.ahead = max_prompts, filter_groups, keep_rate, ahead
     self.stats = StreamStats()
     self.pending: dict[int, dict] = {}          # prompt number -> its prompt, example and ended samples
-    self.scoring: list[tuple[list[int], cf.Future, int]] = []   # (prompt numbers, scores, round submitted)
+    # (prompt numbers, their groups, scored by this host, scores, round submitted)
+    self.scoring: list[tuple[list[int], list[dict], list[bool], cf.Future, int]] = []
+    self.rank, self.hosts = jax.process_index(), jax.process_count()
     self.scored: dict[int, tuple[Groups, list[str], float]] = {}
     self.kept: dict[int, bool] = {}             # prompt number -> dynamic sampling kept its group
     self.truncated: dict[int, int] = {}         # prompt number -> 1 if it lost its beginning to max_prompt_len
@@ -237,7 +242,9 @@ class _StreamingStep:
           done.append(f.prompt_id)
       if done:
         groups = [_group(self.pending.pop(pid), self.G, self.C) for pid in done]
-        self.scoring.append((done, self.pool.submit(_score_groups, self.rollout, groups), session.rounds))
+        own = [i % self.hosts == self.rank for i in range(len(done))]  # Hosts score alternate groups.
+        self.scoring.append((done, groups, own, self.pool.submit(_score_groups, self.rollout, groups, own),
+                             session.rounds))
     end = self.frontier
     self.stats.returned = self.admitted - end
     if self.stats.returned:  # Admitted ahead, not needed: back to the data stream (unscored ones are dropped).
@@ -291,10 +298,12 @@ class _StreamingStep:
     `keep_last`, the latest round's, which overlaps the next decode round. Collecting at these
     fixed points keeps the admissions independent of the scorer's speed (every host alike)."""
     latest = self.session.rounds
-    while len(self.scoring) > (1 if keep_last and self.scoring and self.scoring[-1][2] == latest else 0):
-      pids, fut, _ = self.scoring.pop(0)
+    while len(self.scoring) > (1 if keep_last and self.scoring and self.scoring[-1][-1] == latest else 0):
+      pids, groups, own, fut, _ = self.scoring.pop(0)
       t0 = time.perf_counter()
       results = fut.result()
+      if self.hosts > 1:
+        results = _share_scores(groups, results, own)
       self.stats.reward_wait_s += time.perf_counter() - t0
       for pid, result in zip(pids, results):
         groups = result[0]
@@ -326,16 +335,42 @@ def _group(entry: dict, G: int, C: int) -> dict:
           "rewards": None if rows[0].policy_C is None else [r.reward for r in rows]}  # Episodes' own.
 
 
-def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, list[str], float]]:
-  """Scores finished groups (in the reward thread, while the engine decodes)."""
+def _score_groups(rollout: Rollout, groups: list[dict], own: list[bool]) -> list[tuple[Groups | None, list[str], float]]:
+  """Scores this host's finished groups (`own`; in the reward thread, while the engine decodes).
+  Another host's group comes back as (None, [], 0.0): its scores arrive in `_share_scores`."""
   out = []
-  for g in groups:
+  for g, mine in zip(groups, own):
+    if not mine:
+      out.append((None, [], 0.0))
+      continue
     t0 = time.perf_counter()
     s = g["samples"]
     G = s.tokens_BC.shape[0]
     scored = rollout.score([g["example"]], s, G, g["rewards"])
-    groups = Groups.from_samples(g["prompt"][None], g["mask"][None], s, scored["score"], scored["acc"],
-                                 scored["filter"])
-    out.append((groups, scored["texts"], time.perf_counter() - t0))
+    out.append((_groups(g, scored["score"], scored["acc"], scored["filter"]), scored["texts"],
+                time.perf_counter() - t0))
+  return out
+
+
+def _groups(g: dict, score_QG, acc_QG, filter_QG) -> Groups:
+  return Groups.from_samples(g["prompt"][None], g["mask"][None], g["samples"], score_QG, acc_QG, filter_QG)
+
+
+def _share_scores(groups: list[dict], results: list[tuple], own: list[bool]) -> list[tuple]:
+  """Every host's scores of a scoring batch on every host (one all-gather: hosts score alternate groups)."""
+  G = groups[0]["samples"].tokens_BC.shape[0]
+  local_N3G = np.zeros((len(groups), 3, G), np.float64)
+  for i, (scored, _, _) in enumerate(results):
+    if own[i]:
+      local_N3G[i] = scored.score_QG[0], scored.acc_QG[0], scored.filter_QG[0]
+  hosts = jax.process_count()
+  all_HN3G = sharding.gather_hosts(local_N3G[None]).reshape(hosts, len(groups), 3, G)
+  out = []
+  for i, (g, result) in enumerate(zip(groups, results)):
+    if own[i]:
+      out.append(result)
+    else:
+      score, acc, filt = all_HN3G[i % hosts, i]
+      out.append((_groups(g, score[None], acc[None].astype(bool), filt[None]), [], 0.0))
   return out
 
