@@ -272,7 +272,7 @@ class _StreamingStep:
     kept = sum(self.kept.values())
     if not self.ahead or not self.filter_groups:
       return kept + self.in_flight() < self.Q
-    need = self.Q - kept
+    need = max(self.Q - kept, 0)
     flight = self.in_flight()
     if flight >= 4 * max(self.Q, self.session.e.S // self.G):  # Bounds the queue on data that keeps little.
       return False
