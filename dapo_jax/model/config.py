@@ -39,6 +39,10 @@ class ModelConfig:
   remat: str = "none"      # what the backward pass re-computes: none | full (all but each layer's
                            # input) | dots (all but matmul outputs; the fastest on XLA:CPU too)
   attn_chunk: int = 0      # queries per attention block (0 = all at once); bounds score memory for long rows
+  attention_impl: str = "einsum"  # the attention core: einsum (ours: heads-major, fastest on XLA:CPU) |
+                           # xla | cudnn (`jax.nn.dot_product_attention`; cudnn = fused flash attention on
+                           # NVIDIA GPUs, bf16/fp16 only). Soft-capped scores and the shared-prompt layout
+                           # stay on einsum (`layers.attention`)
   logits_chunk: int = 0    # completion positions unembedded at once by the RL objectives (0 = all): the
                            # B x C x V logits never exist whole, forward or backward (a 262K vocabulary)
   arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama | qwen3 | qwen3_moe | gemma3
@@ -84,6 +88,11 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r}; expected one of {sorted(REMAT_POLICIES)}")
     if self.arch not in ARCHS:
       raise ValueError(f"model.arch={self.arch!r}; expected one of {ARCHS}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"model.attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+    if self.attention_impl == "cudnn" and self.dtype not in ("bfloat16", "float16"):
+      raise ValueError(f"model.attention_impl='cudnn' runs in bfloat16 or float16 only; model.dtype={self.dtype!r} "
+                       "(set model.dtype=bfloat16, or attention_impl=xla)")
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(f"model.rope_type={self.rope_type!r}; expected one of {ROPE_TYPES}")
     if self.rope_type != "default" and self.rope_factor <= 0:
@@ -233,4 +242,5 @@ class ModelConfig:
 
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "gemma3")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

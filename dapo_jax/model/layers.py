@@ -2,7 +2,7 @@
 
 Weight matmuls in a narrower operand dtype with fp32 accumulation (`matmul`, its own VJP), RMSNorm,
 rotary embeddings and their frequency scalings, the attention core (masked fp32 softmax, sliding
-windows, soft-capping), the mixture-of-experts MLP (router, dropless grouped-matmul dispatch, expert
+windows, soft-capping; einsum or `jax.nn.dot_product_attention`), the mixture-of-experts MLP (router, dropless grouped-matmul dispatch, expert
 parallelism), and one transformer `layer` that teacher forcing, prefill and decode share: `model`
 supplies the weights (stacked training ones or fused decode ones) and the attention layout.
 """
@@ -186,7 +186,8 @@ def rope(x_BTNH: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 def attention(q_BKRTH: jax.Array, k_BKxx: jax.Array, v_BKSH: jax.Array, mask_BTS: jax.Array,
-              k_layout: str = "BKSH", scale: float | None = None, softcap: float = 0.0) -> jax.Array:
+              k_layout: str = "BKSH", scale: float | None = None, softcap: float = 0.0,
+              impl: str = "einsum") -> jax.Array:
   """The attention core: T queries per head against S keys, masked fp32 softmax, [B, K, R, T, H].
 
   Grouped-query and heads-major: the R query heads of KV head k read its keys and values. Teacher
@@ -194,7 +195,13 @@ def attention(q_BKRTH: jax.Array, k_BKxx: jax.Array, v_BKSH: jax.Array, mask_BTS
   each decoded token contracts a non-minor axis of the cache without a transposed copy. XLA:CPU's
   batched matmuls are about 30% faster on heads-major operands than on token-major ones.
   Scores scale by `scale` (default H**-0.5) and are soft-capped at `softcap` (0 = off).
+
+  `impl` "xla" or "cudnn" runs the core as `jax.nn.dot_product_attention` with that implementation
+  (the mask, which carries causality, padding and sliding windows, goes in whole). Soft-capping
+  has no place in that API, so soft-capped scores always take the einsum path.
   """
+  if impl != "einsum" and not softcap:
+    return _dot_product_attention(q_BKRTH, k_BKxx, v_BKSH, mask_BTS, k_layout, scale, impl)
   H = q_BKRTH.shape[-1]
   scores_BKRTS = jnp.einsum(f"BKRTH,{k_layout}->BKRTS", q_BKRTH, k_BKxx,
                             preferred_element_type=jnp.float32)
@@ -203,14 +210,28 @@ def attention(q_BKRTH: jax.Array, k_BKxx: jax.Array, v_BKSH: jax.Array, mask_BTS
   return jnp.einsum("BKRTS,BKSH->BKRTH", probs_BKRTS, v_BKSH)
 
 
+def _dot_product_attention(q_BKRTH, k_BKxx, v_BKSH, mask_BTS, k_layout, scale, impl) -> jax.Array:
+  """`attention` through `jax.nn.dot_product_attention`: token-major [B, T, N, H] operands, N = K*R
+  with the R query heads of KV head k at n = k*R + r (its grouped-query convention and ours)."""
+  B, K, R, T, H = q_BKRTH.shape
+  q_BTNH = q_BKRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * R, H)
+  k_BSKH = k_BKxx.transpose(0, 3, 1, 2) if k_layout == "BKHS" else k_BKxx.transpose(0, 2, 1, 3)
+  # The API wants one dtype; a bf16 KV cache under fp32 queries is widened, as einsum would promote it.
+  k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BKSH.transpose(0, 2, 1, 3).astype(q_BTNH.dtype)
+  o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=scale,
+                                        implementation=impl)
+  return o_BTNH.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4)
+
+
 def soft_cap(x: jax.Array, c: float) -> jax.Array:
   """Soft-capping c * tanh(x / c) (Gemma); identity for c = 0."""
   return c * jnp.tanh(x / c) if c else x
 
 
 def attn_kw(cfg: ModelConfig) -> dict:
-  """The score scale and soft-cap of the family, for `attention`."""
-  return dict(scale=cfg.query_scale ** -0.5 if cfg.query_scale else None, softcap=cfg.attn_softcap)
+  """The score scale and soft-cap of the family and the core's implementation, for `attention`."""
+  return dict(scale=cfg.query_scale ** -0.5 if cfg.query_scale else None, softcap=cfg.attn_softcap,
+              impl=cfg.attention_impl)
 
 
 def windowed(mask_BTS: jax.Array, window, offset: int = 0) -> jax.Array:
@@ -236,14 +257,18 @@ def attend_rows(q_BTKRH, k_BSKH, v_BSKH, mask_BTS, **kw):
 
 
 def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask_QP, window=None,
-                         scale=None, softcap=0.0):
+                         scale=None, softcap=0.0, impl="einsum"):
   """Attention of B = Q*G completion rows, row qG+g seeing prompt q's keys and then its own.
 
   The prompt's keys and values are read once per prompt, never repeated G times: against them,
   all G*R*C queries of a (prompt, KV head) pair form one matmul. One softmax over both key blocks,
   as `attention` over the concatenated row would compute. With `window`, completion token c (row
   index P + c) sees only keys fewer than `window` indices behind it.
+
+  Always einsum, whatever `impl`: `jax.nn.dot_product_attention` takes one key block per row, so
+  it could only run this by copying each prompt's keys G times (what this layout exists to avoid).
   """
+  del impl
   Q, P = mask_QP.shape
   B, C, K, R, H = q_BCKRH.shape
   G = B // Q
