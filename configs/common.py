@@ -36,6 +36,8 @@ def base() -> mlc.ConfigDict:
                  remat="dots",               # none | full | dots: on XLA:CPU "dots" (keep matmul
                                              # outputs, recompute the rest) is also the fastest
                  attn_chunk=0,               # attention query block (0 = whole rows); long rows need it
+                 attention_impl="einsum",    # attention core: einsum | xla | cudnn (jax.nn.dot_product_attention;
+                                             # cudnn = flash attention on NVIDIA GPUs, bf16 only)
                  logits_chunk=0,             # RL update: completion positions unembedded at once (0 = all);
                                              # a large vocabulary (Gemma 3's 262K) needs it
                  # Family (a loaded model takes these from its config.json): qwen2 | llama | qwen3 |

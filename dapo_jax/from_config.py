@@ -47,7 +47,7 @@ from dapo_jax.rollout import sampling
 
 # Fields that are not in an HF config.json: they apply to a loaded model too.
 _RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk", "logits_chunk",
-                  "router_aux_coef", "expert_chunk")
+                  "router_aux_coef", "expert_chunk", "attention_impl")
 _MODEL_FIELDS = ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_theta",
                  "norm_eps", "qkv_bias", "tie_embeddings", "arch", "qk_norm", "rope_type", "rope_factor",
                  "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos", "rope_beta_fast",
@@ -147,7 +147,7 @@ def model_config(cfg, vocab_size: int) -> model_lib.ModelConfig:
 
 def runtime_overrides(cfg) -> dict:
   """The config's model fields that apply to a model loaded from disk (not in its config.json)."""
-  return {k: cfg.model[k] for k in _RUNTIME_FIELDS}
+  return {k: cfg.model[k] for k in _RUNTIME_FIELDS if k in cfg.model}  # An older run's config.json may lack one.
 
 
 def bf16_cpu_warning(matmul_dtype: str, backend: str, cpuinfo: str) -> str | None:
