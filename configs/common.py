@@ -88,6 +88,8 @@ def base() -> mlc.ConfigDict:
                    prefill_tokens=2048,      # continuous: prompt tokens an insert prefills at once (a power
                                              # of two of whole prompts, at least one); their keys and values
                                              # for every layer exist at once beside the cache
+                   kv_cache_dtype="",        # continuous: KV-cache dtype ("" = model.dtype); bfloat16 halves
+                                             # the bytes a decode step reads (log-prob shift: docs/benchmarks.md)
                    rows_per_call=0,          # static: rows per sampler call (0 = the whole generation batch)
                    # What ends a completion: "generation_config" = the model's EOS ids as verl reads
                    # them (generation_config.json, else config.json, else the tokenizer's EOS; for a

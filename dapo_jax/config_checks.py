@@ -137,6 +137,9 @@ def validate(cfg, num_devices: int | None = None) -> None:
   check(r.stop in tokenizer_lib.STOP_MODES, "rollout.stop", r.stop, f"one of {tokenizer_lib.STOP_MODES}")
   check(r.engine in ("continuous", "static"), "rollout.engine", r.engine, "'continuous' or 'static'")
   n("rollout.slots", 0, integer=True, allowed=">= 0 (0 = the rows of one generation batch)")
+  kv = r.get("kv_cache_dtype", "")
+  check(kv in ("", "float32", "bfloat16", "float16"), "rollout.kv_cache_dtype", kv,
+        "'' (the model's dtype), 'float32', 'bfloat16' or 'float16'")
   if r.env:  # Episodes: the budgets, and the continuous engine they run on.
     turns = n("rollout.max_turns", 1, integer=True)
     n("rollout.env_timeout_s", 0, lo_open=True)

@@ -121,7 +121,8 @@ class Engine:
 
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
                prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
-               min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0, round_steps: int = 0):
+               min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0, round_steps: int = 0,
+               kv_cache_dtype: str = ""):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
@@ -133,7 +134,9 @@ class Engine:
     `prefill_tokens` prompt tokens (at least one prompt): a prefill's keys and values for every
     layer exist at once beside the cache (64 SmolLM2 prompts of 192 tokens: 0.57 GB in fp32).
     `round_steps` > 0 (a server) returns to the host whenever a sample ends and at least every
-    `round_steps` tokens, so new requests join and streams advance while others decode."""
+    `round_steps` tokens, so new requests join and streams advance while others decode.
+    `kv_cache_dtype` stores the cache's keys and values ("" = the model's compute dtype; bfloat16
+    halves the bytes each decode step reads: tests/kv_cache_dtype_test.py bounds its log-prob shift)."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -148,6 +151,7 @@ class Engine:
     if prefill_tokens < 1:
       raise ValueError(f"rollout.prefill_tokens={prefill_tokens}: expected a positive number of prompt tokens")
     self.prefill_tokens = prefill_tokens
+    self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or model_cfg.dtype)
     # Episodes: the sampler's max_new_tokens is the whole episode after the prompt (policy and
     # observation tokens); one policy turn draws at most turn_tokens of them (0 = no per-turn limit).
     self.turn_tokens = min(turn_tokens or self.C, self.C)
@@ -167,7 +171,7 @@ class Engine:
   def empty_state(self) -> SlotState:
     cfg, S, C = self.model_cfg, self.S, self.C
     T = self.P + C
-    dt = jnp.dtype(cfg.dtype)
+    dt = self.kv_cache_dtype  # Writes into the cache cast to it (`kv_cache.update`, `write_row`).
     cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
                         v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],
                         mask_BS=jnp.zeros((S, T), bool))

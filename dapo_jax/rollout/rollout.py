@@ -41,6 +41,7 @@ class RolloutConfig:
                                        # "static" (one batch decodes until its longest row ends)
   slots: int = 0                       # continuous: decode slots (0 = the rows of one generation batch)
   prefill_tokens: int = 2048           # continuous: prompt tokens prefilled at once (whole prompts, at least one)
+  kv_cache_dtype: str = ""             # continuous: dtype of the KV cache ("" = the model's compute dtype)
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
@@ -123,6 +124,7 @@ class Rollout:
       self.engines[k] = engine_lib.Engine(self.model_cfg, sampler_cfg, slots=slots, prompt_len=self.cfg.max_prompt_len,
                                           prompt_buckets=self.buckets, mesh=self.mesh,
                                           prefill_tokens=self.cfg.prefill_tokens, turn_tokens=self.cfg.turn_tokens,
+                                          kv_cache_dtype=self.cfg.kv_cache_dtype,
                                           **self.engine_options)
     return self.engines[k]
 
