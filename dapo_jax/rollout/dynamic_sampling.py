@@ -3,7 +3,7 @@ needed, and ends as soon as the first Q kept groups in prompt order are known, a
 current policy.
 
     admit prompts ahead: while the expected keeps of those in flight (at the running keep rate)
-    may fall short of Q, or a decode slot would idle (and the step's prompt cap is not reached)
+    may fall short of Q (and the step's prompt cap is not reached)
       ──► the engine decodes; a group whose G samples have ended is scored at once, in a thread,
           while the engine goes on decoding (its reward latency is hidden)
       ──► a group with mixed values (Eq. 11) is kept
@@ -137,13 +137,15 @@ class StreamStats(FillStats):
 
 @dataclasses.dataclass
 class KeepRate:
-  """A running estimate of the fraction of groups dynamic sampling keeps, for admitting ahead. It
-  decides only how far ahead prompts are admitted, never which groups are kept. Starts at 1/2."""
+  """A running estimate of the fraction of groups dynamic sampling keeps, for admitting ahead: a
+  mean over the recent groups (each older group weighs `decay` times less). It decides only how
+  far ahead prompts are admitted, never which groups are kept. Starts at 1/2."""
   kept: float = 1.0
   seen: float = 2.0
+  decay: float = 0.97
 
-  def update(self, kept: int, seen: int) -> None:
-    self.kept, self.seen = self.kept + kept, self.seen + seen
+  def update(self, kept: int) -> None:
+    self.kept, self.seen = self.kept * self.decay + kept, self.seen * self.decay + 1
 
   @property
   def value(self) -> float:
@@ -161,8 +163,8 @@ def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_pr
   The step consumes the shortest prefix of the data order that holds Q kept groups, and each
   prompt's samples depend only on (key, prompt number, sample index): the groups returned, in
   prompt order, are a function of the key and the data order alone, whatever the slots, reward
-  latency or admission. `ahead` admits beyond the groups still needed (by `keep_rate`, and to keep
-  every slot busy); the prompts admitted past that prefix are cancelled at the end and rewound.
+  latency or admission. `ahead` admits beyond the groups still needed (by `keep_rate`); the prompts
+  admitted past that prefix are cancelled at the end and rewound.
   Without `ahead` (and always with episodes, whose environments act), prompts are admitted only
   while kept + in flight < Q. With several processes every host runs the same step in lockstep
   (scores are collected at fixed rounds, so every host admits alike); the hosts score alternate
@@ -265,19 +267,20 @@ class _StreamingStep:
     return self.admitted - len(self.scored)
 
   def wants_more(self) -> bool:
-    """Admit while the groups in flight may not make up the Q kept ones; ahead, also while their
-    expected keeps (at the running keep rate, with a margin) fall short, or a slot would idle."""
+    """Admit while the groups in flight may not make up the Q kept ones; ahead, while their
+    expected keeps (at the running keep rate) fall short of those still needed by a margin of
+    one standard deviation. Not further: a prompt admitted in vain costs its prefill and decode."""
     if self.capped():
       return False
     kept = sum(self.kept.values())
-    if not self.ahead or not self.filter_groups:
-      return kept + self.in_flight() < self.Q
-    need = max(self.Q - kept, 0)
     flight = self.in_flight()
+    if not self.ahead or not self.filter_groups:
+      return kept + flight < self.Q
+    need = max(self.Q - kept, 0)
     if flight >= 4 * max(self.Q, self.session.e.S // self.G):  # Bounds the queue on data that keeps little.
       return False
-    expected = self.keep_rate.value * flight
-    return expected < need + need ** 0.5 or flight * self.G < 2 * self.session.e.S
+    p = self.keep_rate.value
+    return p * flight < need + (need * p * (1 - p)) ** 0.5 + 0.5
 
   def admit(self, data) -> None:
     rollout = self.rollout
@@ -310,7 +313,7 @@ class _StreamingStep:
         self.stats.reward_s += result[2]
         self.scored[pid] = result
         self.kept[pid] = not self.filter_groups or bool(keep_groups(groups.filter_QG)[0])
-        self.keep_rate.update(int(self.kept[pid]), 1)
+        self.keep_rate.update(int(self.kept[pid]))
     while self.frontier in self.scored and self.frontier_kept < self.Q:
       self.frontier_kept += self.kept[self.frontier]
       self.frontier += 1
