@@ -137,6 +137,8 @@ def validate(cfg, num_devices: int | None = None) -> None:
   check(r.stop in tokenizer_lib.STOP_MODES, "rollout.stop", r.stop, f"one of {tokenizer_lib.STOP_MODES}")
   check(r.engine in ("continuous", "static"), "rollout.engine", r.engine, "'continuous' or 'static'")
   n("rollout.slots", 0, integer=True, allowed=">= 0 (0 = the rows of one generation batch)")
+  if "max_staleness" in r:
+    n("rollout.max_staleness", 0, 1, integer=True, allowed="0 (synchronous) or 1 (one-step-off)")
   kv = r.get("kv_cache_dtype", "")
   check(kv in ("", "float32", "bfloat16", "float16"), "rollout.kv_cache_dtype", kv,
         "'' (the model's dtype), 'float32', 'bfloat16' or 'float16'")

@@ -56,10 +56,15 @@ class Groups:
   logp_QGC: np.ndarray       # fp32 log-probs of the tokens under the sampling (behaviour) policy
   carried_Q: np.ndarray      # bool: sampled in an earlier rollout step (carry-over); π_old is logp_QGC
   policy_QGC: np.ndarray | None = None  # episodes: the tokens the policy sampled (None: all of mask_QGC)
+  # int32: the policy version (rollout step whose params sampled the row); -1 = not stamped yet
+  # (the loop stamps rows as it receives them, `loop.DAPO.stamp`).
+  version_QG: np.ndarray | None = None
 
   def __post_init__(self):
     if self.policy_QGC is None:
       self.policy_QGC = self.mask_QGC
+    if self.version_QG is None:
+      self.version_QG = np.full(np.shape(self.length_QG), -1, np.int32)
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
@@ -96,6 +101,9 @@ class Groups:
       d = dict(d, logp_QGC=np.zeros(np.shape(d["tokens_QGC"]), np.float32),
                carried_Q=np.zeros(len(d["prompt_QP"]), bool),
                dtypes=dict(d["dtypes"], logp_QGC="float32", carried_Q="bool"))
+    if "version_QG" not in d:  # Saved before versions were stamped: unknown (the loop stamps them).
+      d = dict(d, version_QG=np.full(np.shape(d["length_QG"]), -1, np.int32),
+               dtypes=dict(d["dtypes"], version_QG="int32"))
     return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
 
 

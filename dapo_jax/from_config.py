@@ -274,6 +274,8 @@ def loop_config(cfg) -> loop.LoopConfig:
       gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
       admit_ahead=d.get("admit_ahead", True),
+      max_staleness=cfg.rollout.get("max_staleness", 0),
+      use_decoupled_loss=cfg.rollout.get("use_decoupled_loss", False),
       length_buckets=train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else (),
       **run_record_config(cfg))
 

@@ -10,6 +10,13 @@ ratio come from the same program. When a rollout step makes a single update (one
 epoch) π_old is exactly the current policy, and that forward pass is skipped. Groups carried over
 from an earlier step (`dapo.carry_over`) were sampled by an older policy: their π_old is the
 sampler's log-probs recorded then, so the clip bounds their off-policy ratio.
+
+Staleness (`rollout.max_staleness=1`, `pipelining`): step k+1's groups are sampled by version k
+(the params before update k) in a thread while update k runs. Those rows are trained like carried
+ones (π_old = their sampler log-probs), or, with `use_decoupled_loss`, with π_old = this step's
+params (AReaL's proximal policy) and π_prox/π_behav through `dapo.rollout_correction`. A rollout
+step followed by a periodic checkpoint prefetches nothing, so the step after a checkpoint is sampled
+synchronously and a resumed run repeats an uninterrupted one exactly.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import numpy as np
 
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
-from dapo_jax import dumps, host_memory, ppo, sharding, train_step
+from dapo_jax import dumps, host_memory, pipelining, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax.datatypes import Groups, RLBatch
 from dapo_jax.rollout import dynamic_sampling
@@ -67,6 +74,8 @@ class LoopConfig:
   dump_rollouts_every: int = 0  # rollout steps between WORKDIR/rollouts dumps (`dumps`); 0 = none
   profile_steps: tuple[int, ...] = ()  # (a, b): a JAX profiler trace of rollout steps a..b in WORKDIR/profile
   peak_flops: float = 0.0       # per device, for perf/mfu; 0 = from the device kind (`metrics.PEAK_FLOPS`)
+  max_staleness: int = 0        # 0: synchronous; 1: the next step's rollout is sampled during this update
+  use_decoupled_loss: bool = False  # stale rows' π_old: False = sampler log-probs; True = this step's policy
 
   @property
   def updates_per_step(self) -> int:
@@ -103,6 +112,16 @@ class DAPO:
     # Rollout dumps: every scored sample of the steps (and evaluations) that `_dump` picks.
     self.dumps = dumps.RolloutRecorder(workdir, rollout, filter_groups=cfg.dynamic_sampling,
                                        enabled=jax.process_index() == 0) if cfg.dump_rollouts_every else None
+    if cfg.max_staleness and jax.process_count() > 1:
+      # Every process must issue the same collectives in the same order; a rollout thread's programs
+      # interleave with the update's in an order no process agrees on.
+      raise ValueError(f"rollout.max_staleness={cfg.max_staleness} runs one process only "
+                       f"({jax.process_count()} here); use max_staleness=0 on several hosts")
+    if cfg.max_staleness and cfg.dump_rollouts_every:
+      raise ValueError("rollout.max_staleness > 0 with train.dump_rollouts_every: a dump records one "
+                       "step's rollouts while the next one is being sampled; set one of them to 0")
+    self.prefetch = pipelining.Prefetch() if cfg.max_staleness else None
+    self.prefetch_data = None  # the data position before the rollout in flight
     kind = jax.devices()[0].device_kind
     self.peak_flops = cfg.peak_flops or metrics_lib.peak_flops(kind)
 
@@ -113,6 +132,8 @@ class DAPO:
     self.close()
 
   def close(self) -> None:
+    if self.prefetch is not None:
+      self.prefetch.close()
     self.rollout.reward.close()
     if hasattr(self.evaluator, "close"):
       self.evaluator.close()
@@ -121,12 +142,12 @@ class DAPO:
 
   # --- one rollout step ----------------------------------------------------------------------
 
-  def collect(self, step: int) -> tuple[Groups | None, dynamic_sampling.FillStats, dict]:
+  def collect(self, step: int, policy=None) -> tuple[Groups | None, dynamic_sampling.FillStats, dict]:
     """Q groups for this step: streamed through the engine, or generation batches until dynamic
-    sampling has Q groups (or its cap)."""
+    sampling has Q groups (or its cap). `policy`: the params that sample (default: the state's)."""
     c = self.cfg
     step_key = jax.random.fold_in(self.key, step)
-    params = lambda: self.rollout.sampling_params(self.state.params)
+    params = lambda: self.rollout.sampling_params(self.state.params) if policy is None else policy
     if c.streaming:
       return dynamic_sampling.stream_groups(
           self.rollout, params(), self.data_iter, c.group_size, c.prompts_per_step,
@@ -197,7 +218,17 @@ class DAPO:
     self.state = self.state.replace(rollout_step=np.asarray(step, self.state.rollout_step.dtype))
     if self.critic is not None:
       self.critic.state = self.critic.state.replace(rollout_step=np.asarray(step, self.critic.state.rollout_step.dtype))
-    groups, stats, info = self.collect(step)
+    if self.prefetch is not None and self.prefetch.pending:
+      assert self.prefetch.step == step, (self.prefetch.step, step)
+      groups, stats, info = self.prefetch.result()
+      self.prefetch_data = None
+    else:
+      groups, stats, info = self.collect(step)
+      pipelining.stamp(groups, step)
+    self._prefetch_next(step)
+    if groups is not None and not self.cfg.use_decoupled_loss:
+      # Rows sampled by an older policy keep their sampler log-probs as π_old (as carried rows do).
+      groups.carried_Q = groups.carried_Q | (groups.version_QG < step).any(1)
     if self.rollout.episodes is not None:
       info["env"] = self.rollout.episodes.metrics()
     host_memory.release()  # The rollout's buffers, before the update allocates its own.
@@ -233,7 +264,7 @@ class DAPO:
     m = metrics_lib.step_metrics(
         groups, stats, info, train_metrics, timing, adv, step_s, max_new_tokens=self.rollout.sampler_cfg.max_new_tokens,
         group_size=self.cfg.group_size, reward=self.rollout.reward, skipped=int(self.state.skipped),
-        truncated_prompts=self.rollout.truncated_prompts)
+        truncated_prompts=self.rollout.truncated_prompts, policy_version=step)
     m.update(token_metrics)
     m.update(self.perf(groups, stats, info, timing, batch_tokens, step_s))
     for k in ("update_critic_s", "adv_s"):
@@ -256,10 +287,27 @@ class DAPO:
         devices=jax.device_count()))
     return out
 
+  def _prefetch_next(self, step: int) -> None:
+    """Starts step+1's rollout by this step's params in a thread (max_staleness > 0), unless a
+    periodic checkpoint follows this step: the step after it is then sampled synchronously, by the
+    params the checkpoint holds, so a resume repeats it."""
+    c, done = self.cfg, step + 1
+    if self.prefetch is None or done >= c.num_steps or (c.ckpt_every and done % c.ckpt_every == 0):
+      return
+    policy = pipelining.snapshot(self.rollout.sampling_params(self.state.params))  # before the update donates
+    self.prefetch_data = self.data_iter.state()
+    self.prefetch.start(done, lambda: pipelining.stamp_collected(self.collect(done, policy), step))
+
   # --- checkpoints ---------------------------------------------------------------------------
 
   def save(self, next_step: int) -> None:
-    extra = {"rollout_step": next_step, "data": self.data_iter.state(), "seed": self.cfg.seed,
+    data = self.data_iter.state()
+    if self.prefetch is not None and self.prefetch.pending:
+      # A stop mid-step: the rollout in flight is dropped; the resumed run samples that step again
+      # (by the saved params) from the data position before it.
+      self.prefetch.result()
+      data = self.prefetch_data
+    extra = {"rollout_step": next_step, "data": data, "seed": self.cfg.seed,
              "carry": self.carry.to_json() if self.carry is not None else None}
     if self.kl_ctrl is not None:
       extra["kl_coef"] = self.kl_ctrl.value
@@ -329,6 +377,8 @@ class DAPO:
               f"{self.ckpt.directory}/{self.ckpt.latest_step()}")
         done = step + 1
         if c.eval_every and (done % c.eval_every == 0 or done == c.num_steps):
+          if self.prefetch is not None:
+            self.prefetch.wait()  # The evaluator shares the rollout's engine.
           t0 = time.perf_counter()
           with self._dump("eval", done, done):
             m.update(self.evaluate())

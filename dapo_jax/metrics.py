@@ -184,11 +184,13 @@ def token_level(rewards_BC, returns_BC, values_BC, mask_BC, *, kl: float, beta: 
 
 
 def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.ndarray, step_s: float, *,
-                 max_new_tokens: int, group_size: int, reward, skipped: int, truncated_prompts: int) -> dict:
+                 max_new_tokens: int, group_size: int, reward, skipped: int, truncated_prompts: int,
+                 policy_version: int | None = None) -> dict:
   """The metrics of one rollout step: the trained groups (`datatypes.Groups` or None), what
   dynamic sampling saw (`dynamic_sampling.FillStats`), generation `info`, the mean update metrics.
   `rollout/samples` counts the responses generated (kept or not): runs that filter groups are
-  compared with others at equal samples."""
+  compared with others at equal samples. `policy_version`: the version being trained, against which
+  `rollout/staleness_*` count the trained rows' sampler versions (`Groups.version_QG`)."""
   m = {f"actor/{k}": v for k, v in train.items() if k not in ("lr", "grad_norm", "num_tokens")}
   if train:
     m["actor/lr"], m["actor/grad_norm"] = train["lr"], train["grad_norm"]
@@ -201,6 +203,9 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
         "response_length/min": float(lengths.min()),
         "response_length/clip_ratio": float((lengths >= max_new_tokens).mean()),
         "train/carried_groups": int(groups.carried_Q.sum())})  # trained against their sampling policy
+    if policy_version is not None and len(groups):
+      stale_QG = policy_version - groups.version_QG
+      m["rollout/staleness_mean"], m["rollout/staleness_max"] = float(stale_QG.mean()), int(stale_QG.max())
     if adv.size:  # Per response, or per loss token (REINFORCE++, GAE).
       m.update({"critic/advantages/mean": float(adv.mean()), "critic/advantages/max": float(adv.max()),
                 "critic/advantages/min": float(adv.min())})

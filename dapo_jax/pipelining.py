@@ -1,0 +1,80 @@
+"""One-step-off rollouts (`rollout.max_staleness=1`, docs/async.md): step k+1's groups are generated
+in a background thread by the policy before update k while update k runs on the main thread.
+
+JAX releases the GIL while its programs run, so the rollout's host work (scoring, batching, admission)
+and its device programs interleave with the update's. The train step donates the state's buffers, so
+the rollout reads its own copy of the params (`snapshot`), taken before the update is dispatched.
+
+Versions: the params at the start of rollout step k are version k (k updates applied). A row sampled
+by version v and trained at step k has staleness k - v (`staleness`).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def snapshot(params):
+  """A copy of `params` in new buffers (same shardings) that survives the train step's donation."""
+  return jax.tree.map(jnp.copy, params)
+
+
+def stamp(groups, version: int):
+  """Stamps `groups`' unstamped rows (version -1): carried-over rows were sampled one step earlier
+  (fill_step uses its carry at the next step), the others by `version`. In place; returns groups."""
+  if groups is not None:
+    fresh_QG = groups.version_QG < 0
+    sampled_QG = np.where(groups.carried_Q[:, None], version - 1, version)
+    groups.version_QG = np.where(fresh_QG, sampled_QG, groups.version_QG).astype(np.int32)
+  return groups
+
+
+def staleness(groups, step: int) -> np.ndarray:
+  """int32 [Q, G]: policy versions between each row's sampler and the policy that trains at `step`."""
+  return (step - groups.version_QG).astype(np.int32)
+
+
+class Prefetch:
+  """At most one rollout in flight on a worker thread: `start(fn, *args)`, then `result()`."""
+
+  def __init__(self):
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+    self._future = None
+    self.step = None  # the rollout step the pending result is for
+
+  @property
+  def pending(self) -> bool:
+    return self._future is not None
+
+  def start(self, step: int, fn, *args) -> None:
+    assert self._future is None, "one rollout in flight at most"
+    self.step, self._future = step, self._pool.submit(fn, *args)
+
+  def wait(self) -> None:
+    """Blocks until the rollout in flight is done (its result kept), e.g. before an evaluation that
+    shares its engine."""
+    if self._future is not None:
+      concurrent.futures.wait([self._future])
+
+  def result(self):
+    """The pending rollout's result (waiting for it); re-raises its exception."""
+    future, self._future = self._future, None
+    return future.result()
+
+  def close(self) -> None:
+    if self._future is not None:  # Let the rollout finish: its engine and reward workers are shared.
+      try:
+        self._future.result()
+      except Exception:  # noqa: BLE001 (it is being discarded)
+        pass
+      self._future = None
+    self._pool.shutdown(wait=True)
+
+
+def stamp_collected(collected, version: int):
+  """`stamp` on `DAPO.collect`'s (groups, stats, info)."""
+  stamp(collected[0], version)
+  return collected
