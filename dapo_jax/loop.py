@@ -226,9 +226,7 @@ class DAPO:
       groups, stats, info = self.collect(step)
       pipelining.stamp(groups, step)
     self._prefetch_next(step)
-    if groups is not None and not self.cfg.use_decoupled_loss:
-      # Rows sampled by an older policy keep their sampler log-probs as π_old (as carried rows do).
-      groups.carried_Q = groups.carried_Q | (groups.version_QG < step).any(1)
+    pipelining.mark_stale(groups, step, decoupled=self.cfg.use_decoupled_loss)
     if self.rollout.episodes is not None:
       info["env"] = self.rollout.episodes.metrics()
     host_memory.release()  # The rollout's buffers, before the update allocates its own.

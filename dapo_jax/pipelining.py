@@ -37,6 +37,15 @@ def staleness(groups, step: int) -> np.ndarray:
   return (step - groups.version_QG).astype(np.int32)
 
 
+def mark_stale(groups, step: int, decoupled: bool):
+  """Flags rows sampled before `step` as behaviour rows (π_old = their sampler's log-probs, as
+  carried groups are) unless `decoupled`: then π_old is this step's policy (AReaL's proximal one)
+  and the sampler's log-probs reach the loss only through `dapo.rollout_correction`. In place."""
+  if groups is not None and not decoupled:
+    groups.carried_Q = groups.carried_Q | (groups.version_QG < step).any(1)
+  return groups
+
+
 class Prefetch:
   """At most one rollout in flight on a worker thread: `start(fn, *args)`, then `result()`."""
 

@@ -87,3 +87,35 @@ def test_one_step_off_bound_sync_equality_and_exact_resume(tmp_path):
   again = train(run_config(1, ckpt_every=2), resumed)
   for step in (3, 4):
     assert untimed(again[step]) == untimed(off[step]), step
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_two_version_batch_loss_equals_numpy(tmp_path, decoupled):
+  """Group 0 sampled by version 0 (params A), group 1 by version 1 (params B), trained at step 1 by
+  B with two mini-batches (π_old recomputed by the loop): per-token staleness is 1 / 0; the stale
+  group's π_old is A's sampler log-probs (or B's own with the decoupled objective), and the loss,
+  clip fraction and KL equal the float64 NumPy reference."""
+  import carry_over_test as co  # its tiny model, sampler, trainer and NumPy reference
+  from dapo_jax import advantages
+  trainer = co.make_trainer(2)
+  params_a = jax.device_get(trainer.init(jax.random.key(0)).params)
+  rng = np.random.default_rng(0)
+  params_b = jax.tree.map(lambda x: (x + 2 * x.std() * rng.standard_normal(x.shape)).astype(x.dtype), params_a)
+  stale, logp_a_BC = co.sample_groups(params_a, seed=0, Q=1)
+  fresh, _ = co.sample_groups(params_b, seed=1, Q=1)
+  two = Groups.concat([pipelining.stamp(stale, 0), pipelining.stamp(fresh, 1)])
+  stale_QG = pipelining.staleness(two, 1)
+  per_token_BC = np.broadcast_to(stale_QG.reshape(-1, 1), (2 * co.G, co.C))[two.mask_QGC.reshape(-1, co.C)]
+  np.testing.assert_array_equal(np.unique(per_token_BC), [0, 1])
+  np.testing.assert_array_equal(stale_QG, [[1] * co.G, [0] * co.G])
+  pipelining.mark_stale(two, 1, decoupled=decoupled)
+  assert two.carried_Q.tolist() == ([False, False] if decoupled else [True, False])
+  batch, _ = advantages.to_train_batch(two, 2, co.P, norm_adv_by_std=True, overlong_filter=False)
+  got = co.update(trainer, params_b, batch, tmp_path, 2)
+  old_BC = np.full(batch.old_logp_BC.shape, np.nan)  # NaN: π_old is the current policy (B)
+  if not decoupled:
+    old_BC[:co.G] = logp_a_BC  # the behaviour log-probs of the stale group
+  ref = co.reference_metrics(params_b, batch, old_BC)
+  for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy"):
+    np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert (abs(ref["ppo_kl"]) > 1e-2) != decoupled  # the stale rows' ratio is off-policy unless decoupled
