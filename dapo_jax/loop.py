@@ -117,9 +117,11 @@ class DAPO:
       # interleave with the update's in an order no process agrees on.
       raise ValueError(f"rollout.max_staleness={cfg.max_staleness} runs one process only "
                        f"({jax.process_count()} here); use max_staleness=0 on several hosts")
-    if cfg.max_staleness and cfg.dump_rollouts_every:
-      raise ValueError("rollout.max_staleness > 0 with train.dump_rollouts_every: a dump records one "
-                       "step's rollouts while the next one is being sampled; set one of them to 0")
+    if cfg.max_staleness and self.dumps is not None:
+      # A dump records one step's rollouts while the next one's are being sampled in the thread.
+      logging.warning("rollout.max_staleness=%d: no rollout dumps (train.dump_rollouts_every=%d is ignored)",
+                      cfg.max_staleness, cfg.dump_rollouts_every)
+      self.dumps = None
     self.prefetch = pipelining.Prefetch() if cfg.max_staleness else None
     self.prefetch_data = None  # the data position before the rollout in flight
     kind = jax.devices()[0].device_kind
