@@ -119,3 +119,11 @@ def test_two_version_batch_loss_equals_numpy(tmp_path, decoupled):
   for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy"):
     np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
   assert (abs(ref["ppo_kl"]) > 1e-2) != decoupled  # the stale rows' ratio is off-policy unless decoupled
+
+
+def test_staleness_above_one_is_refused_in_one_line_naming_the_field():
+  from dapo_jax import config_checks
+  cfg = run_config(2)
+  with pytest.raises(config_checks.ConfigError, match=r"^rollout.max_staleness=2: expected 0 \(synchronous\) or 1"):
+    config_checks.validate(cfg, num_devices=1)
+  config_checks.validate(run_config(1), num_devices=1)
