@@ -49,7 +49,21 @@ def _user_errors():
   return (data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
           gguf.GGUFError, from_config.ConfigError, dynamic_sampling.DynamicSamplingCapError,
-          metrics.MetricsConfigError, lora.LoraError)
+          metrics.MetricsConfigError, lora.LoraError, OutputExistsError)
+
+
+class OutputExistsError(ValueError):
+  """An output directory that holds files, without --overwrite."""
+
+
+def check_output_dir(path: str, overwrite: bool, flag: str = "--out") -> None:
+  """Refuses to write into a directory that already holds files unless `overwrite`: a second
+  export or prepare must not mix its files with (or silently replace) an earlier one's."""
+  import os  # noqa: PLC0415
+  if os.path.isfile(path):
+    raise OutputExistsError(f"{flag}={path} is a file; expected a directory")
+  if not overwrite and os.path.isdir(path) and os.listdir(path):
+    raise OutputExistsError(f"{flag}={path} already holds files; pass --overwrite to replace them")
 
 
 def run(main) -> None:

@@ -1,6 +1,6 @@
 """Write the latest checkpoint of a run as a Hugging Face model directory (with its tokenizer).
 
-  python -m launch.export --workdir=runs/default --out=exported/
+  python -m launch.export --workdir=runs/default --out=exported/ [--overwrite]
 """
 from absl import flags
 
@@ -9,6 +9,7 @@ from launch import common
 _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the files of an --out directory that holds some.")
 
 
 def main(argv):
@@ -17,6 +18,7 @@ def main(argv):
 
   from dapo_jax import console, from_config
   from dapo_jax.hf import convert as hf
+  common.check_output_dir(_OUT.value, _OVERWRITE.value)  # Before anything is loaded.
   cfg = common.run_config(_CONFIG, _WORKDIR.value)  # The run's recorded config unless --config is given.
   model_cfg, params, tok, step = from_config.restore_policy(cfg, _WORKDIR.value)
   num_bytes = sum(x.nbytes for x in jax.tree.leaves(params))

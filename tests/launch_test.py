@@ -191,6 +191,11 @@ def test_export_loads_in_transformers_with_our_logits(trained, tmp_path):
   ids = np.asarray([tok.encode("What is 12+34?"), tok.encode("What is 99+1?!")[:len(tok.encode("What is 12+34?"))]])
   theirs, ours = transformers_logits(out, ids), our_logits(out, ids)
   np.testing.assert_allclose(theirs, ours, atol=1e-4)
+  before = sorted(os.listdir(out))
+  again = launch("export", RUNLOCAL, f"--workdir={trained}", f"--out={out}")  # No --overwrite: refused, intact.
+  assert again.returncode == 1 and again.stderr.strip().splitlines()[-1] == (
+      f"error: --out={out} already holds files; pass --overwrite to replace them")
+  assert sorted(os.listdir(out)) == before
   # What was exported is the latest checkpoint: without it, the one before (rollout step 0 trains
   # at lr 0, so its parameters are the initial ones) gives other logits.
   import shutil
