@@ -262,10 +262,11 @@ def _checksums(tree: Any) -> Any:
 
 
 # Arrays checksummed per program. XLA:CPU does not fuse the elementwise words into the sums (it
-# rewrites a long reduction into a chain of reduce-windows), so a program holds two word arrays per
-# input array (uint32, one word per element); checksumming the whole state in one program cost twice its size in host memory (the
-# peak of a CPU fine-tune). In groups of this many bytes of words, the extra memory is twice one
-# group (or the largest array). Accelerators fuse the sums; for them the groups only add a few dispatches.
+# rewrites a long reduction into a chain of reduce-windows), so a program holds two word arrays
+# (uint32, one word per element) per input array: checksumming the whole state in one program cost
+# twice its size in host memory, the peak of a CPU fine-tune. In groups of this many bytes of
+# words, the extra memory is twice one group (or the largest array). Accelerators fuse the sums;
+# for them the groups only add a few dispatches.
 DIGEST_GROUP_BYTES = 64 << 20
 
 

@@ -6,6 +6,7 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
   python -m launch.bench e2e     --model_dir=DIR --prompts=prompts_32tok.jsonl   # 8 prompts x 8 samples
   python -m launch.bench episodes --tool_ms=50    # 3-turn episodes, environment latency vs a turn-synchronous loop
   python -m launch.bench serve --batch=64 --new_tokens=64   # the OpenAI server at 1/8/32 clients vs offline
+  python -m launch.bench device   # what a GPU/TPU run reports: decode roofline, bf16 MFU, DAPO steps
 
 DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
 Without --model_dir the config's model is built with random weights.
@@ -49,6 +50,15 @@ _COMPACT = flags.DEFINE_bool("compact", False, "serve: the pool's width follows 
 _ROUND_STEPS = flags.DEFINE_integer("round_steps", 4, "serve: tokens per decode round at most.")
 _MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand dtype ('' = the config's "
                                     "model.matmul_dtype, or else the compute dtype).")
+
+_SMOLLM2_DIR = flags.DEFINE_string("smollm2_dir", "/tmp/smollm2", "device: SmolLM2-135M HF dir (launch.prepare "
+                                   "smollm2); decode and train run on it, and its DAPO step ('' = skip).")
+_MEDIUM_DIR = flags.DEFINE_string("medium_dir", "/tmp/peers/medium-qwen2", "device: the peers' 30.8M model "
+                                  "(shared/peers/make_tiny_model.py) for its DAPO step ('' = skip).")
+_DEVICE_PROMPTS = flags.DEFINE_string("device_prompts", "/tmp/peers/data/prompts_32tok.jsonl",
+                                      "device: prompts of the DAPO steps (jsonl with a 'prompt').")
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 64, "device: rows decoded at once.")
+_TRAIN_BATCH = flags.DEFINE_integer("train_batch", 32, "device: rows of the bf16 update (x --seq_len tokens).")
 
 
 def numerics(cfg) -> dict:
@@ -151,9 +161,13 @@ def rl_batch(mc, B, T, C, seed=0):
 
 
 def bench_train(cfg, peak):
-  from dapo_jax import objectives, optim, sharding, train_step
   mc, params = load_model(cfg)
-  B, T = _BATCH.value, _SEQ_LEN.value
+  return train_rates(cfg, mc, params, _BATCH.value, _SEQ_LEN.value, _RUNS.value, peak)
+
+
+def train_rates(cfg, mc, params, B: int, T: int, runs: int, peak: float) -> dict:
+  """Forward and update (forward + backward + AdamW) of B rows of T tokens: tokens/s and MFU."""
+  from dapo_jax import objectives, optim, sharding, train_step
   C = T - 1  # Score every position after the first, like a causal-LM loss over the whole row.
   mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   trainer = train_step.Trainer(mc, optim.OptimConfig(lr=1e-6, warmup_steps=0), mesh,
@@ -163,13 +177,13 @@ def bench_train(cfg, peak):
   logprobs = trainer.forward(objectives.completion_logprobs(mc, 1.0))
   state = trainer.init(params=params)
   batch = trainer.put_batch(rl_batch(mc, B, T, C))
-  t_fwd, _ = timed(lambda: logprobs(state.params, batch), _RUNS.value)
+  t_fwd, _ = timed(lambda: logprobs(state.params, batch), runs)
   holder = {"state": state}
 
   def step():
     holder["state"], m = trainer.step(holder["state"], batch)
     return m["loss"]
-  t_step, times = timed(step, _RUNS.value)
+  t_step, times = timed(step, runs)
   tokens = B * T
   fwd = 2 * matmul_params(mc) * tokens + attention_flops(mc, tokens, T / 2)
   return {"bench": "train", "microbatches": trainer.microbatches_for(batch),
@@ -180,21 +194,27 @@ def bench_train(cfg, peak):
 
 def bench_e2e(cfg, peak):
   """Seconds per DAPO rollout step on the peers' workload (8 x 8, 32-token prompts, 64 new tokens)."""
+  if not (_MODEL_DIR.value and _PROMPTS.value):
+    raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")
+  return dapo_steps(cfg, peak, _MODEL_DIR.value, _PROMPTS.value, _NUM_PROMPTS.value, _GROUP.value,
+                    _NEW_TOKENS.value, _RUNS.value)
+
+
+def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, runs: int) -> dict:
+  """`runs` DAPO rollout steps after a warm-up on Q x G samples of C new tokens from `prompts`
+  (jsonl with a "prompt" text; 32-token prompts), the model of `model_dir`: median timings."""
   import numpy as np
 
   from dapo_jax import from_config, sharding
   from dapo_jax.rollout import engine
-  if not (_MODEL_DIR.value and _PROMPTS.value):
-    raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")
   tmp = tempfile.mkdtemp(prefix="dapo_bench_")
-  rows = [json.loads(line) for line in open(_PROMPTS.value)]
+  rows = [json.loads(line) for line in open(prompts)]
   with open(os.path.join(tmp, "prompts.jsonl"), "w") as f:
     for r in rows:
       f.write(json.dumps({"prompt": r["prompt"], "reward_model": {"ground_truth": "7"}}) + "\n")
-  Q, G, C = _NUM_PROMPTS.value, _GROUP.value, _NEW_TOKENS.value
   with cfg.unlocked():
-    cfg.model.update(init="hf", hf_dir=_MODEL_DIR.value, **numerics(cfg))
-    cfg.tokenizer.path = _MODEL_DIR.value
+    cfg.model.update(init="hf", hf_dir=model_dir, **numerics(cfg))
+    cfg.tokenizer.path = model_dir
     cfg.data.update(task="file", train_files=(os.path.join(tmp, "prompts.jsonl"),), eval_files=("",),
                     chat_template=False, max_prompt_len=32, prompt_buckets=())
     cfg.rollout.update(group_size=G, max_new_tokens=C, temperature=1.0, top_p=1.0, top_k=0)
@@ -218,7 +238,7 @@ def bench_e2e(cfg, peak):
         "thirds": None, "pow2": engine.decode_widths(slots, thirds=False), "off": (slots,)}[_WIDTHS.value]}
     dapo.step(0)  # Warm-up: compiles, starts the reward pool.
     steps, engine_stats = [], []
-    for i in range(_RUNS.value):
+    for i in range(runs):
       steps.append(dapo.step(i + 1)[0])
       engine_stats.append(dapo.rollout.last_stats)
   med = lambda k: statistics.median(m[k] for m in steps)
@@ -410,16 +430,161 @@ class LengthHook:
     return np.clip(np.round(rng.lognormal(self.mu, 1.0, size=rows)), 1, self.cap).astype(np.int32)
 
 
+# Peak memory bandwidth per device, bytes/s (vendor figures: HBM of the SXM / OAM parts, TPU chips);
+# peak dense bf16 FLOP/s are `metrics.PEAK_FLOPS`. A CPU has neither: its peaks are measured in the
+# run (a 2048^3 bf16 matmul, a 256 MiB reduction).
+PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "H800": 3.35e12, "H20": 4.0e12, "B200": 8.0e12,
+                    "A100": 2.04e12, "A800": 2.04e12, "L40S": 0.864e12, "L4": 0.3e12, "TPU v4": 1.2e12,
+                    "TPU v5 lite": 0.819e12, "TPU v5e": 0.819e12, "TPU v5p": 2.765e12, "TPU v5": 2.765e12,
+                    "TPU v6 lite": 1.64e12, "TPU v6e": 1.64e12, "TPU7x": 7.37e12}
+
+
+def _by_kind(table: dict, kind: str):
+  names = [k for k in table if k.lower() in kind.lower()]
+  return table[max(names, key=len)] if names else None
+
+
+def measured_bandwidth(runs: int = 5) -> float:
+  """Bytes/s of one reduction over 256 MiB: reads only, as a decode step's traffic nearly is (an
+  elementwise pass would also time the page faults of a fresh 256 MiB output)."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((1 << 26,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  t, _ = timed(lambda: f(x), runs)
+  return x.nbytes / t
+
+
+def decode_roofline(mc, params, B: int, P: int, C: int, kv_dtype: str, runs: int, forced_CB=None) -> dict:
+  """C greedy decode steps of B rows after a P-token prompt (one device), the cache in `kv_dtype`.
+
+  A step reads every decode weight once and the whole cache (keys and values of P + C slots, masked):
+  those bytes over the step's time against the device's peak bandwidth is the roofline fraction.
+  With `forced_CB` the steps feed those tokens instead (teacher forcing through the cache); returns
+  the tokens fed and each step's log-prob of the next one, for the KV dtype's log-prob shift.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from dapo_jax.model import kv_cache
+  from dapo_jax.model import transformer as model
+  from dapo_jax.rollout import sampling
+  tokens_BP = jnp.asarray(np.random.default_rng(0).integers(0, mc.vocab_size, size=(B, P)).astype(np.int32))
+  logits_BV, cache = sampling.prefill(mc, params, tokens_BP, jnp.ones((B, P), bool), cache_size=P + C)
+  dt = jnp.dtype(kv_dtype or mc.dtype)
+  cache = cache.replace(k=[x.astype(dt) for x in cache.k], v=[x.astype(dt) for x in cache.v])
+  dparams = model.decode_params(mc, params)
+  forced = forced_CB is not None
+  feed_CB = jnp.asarray(forced_CB) if forced else jnp.zeros((C, B), jnp.int32)
+
+  @jax.jit
+  def decode(dparams, cache, logits_BV, feed_CB):
+    def body(i, carry):
+      cache, logits_BV, tok_CB, logp_CB = carry
+      tok_B = feed_CB[i] if forced else jnp.argmax(logits_BV, -1).astype(jnp.int32)
+      logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), tok_B[:, None], 1)[:, 0]
+      cache = kv_cache.write_mask(cache, jnp.ones((B, 1), bool), P + i)
+      logits_BV, cache = model.decode_step(mc, dparams, tok_B, jnp.full((B,), P + i), cache, P + i)
+      return cache, logits_BV, tok_CB.at[i].set(tok_B), logp_CB.at[i].set(logp_B)
+    init = (cache, logits_BV, jnp.zeros((C, B), jnp.int32), jnp.zeros((C, B), jnp.float32))
+    _, _, tok_CB, logp_CB = jax.lax.fori_loop(0, C, body, init)
+    return tok_CB, logp_CB
+  t = timed(lambda: decode(dparams, cache, logits_BV, feed_CB), runs)[0] if runs else float("nan")
+  tok_CB, logp_CB = jax.device_get(decode(dparams, cache, logits_BV, feed_CB))
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(dparams))
+  kv_bytes = sum(x.nbytes for x in cache.k + cache.v)
+  return {"kv_cache_dtype": dt.name, "decode_tokens_per_s": B * C / t, "decode_step_s": t / C,
+          "weight_bytes": weight_bytes, "kv_bytes_per_step": kv_bytes,
+          "bytes_per_s": (weight_bytes + kv_bytes) / (t / C), "tokens_CB": tok_CB, "logp_CB": logp_CB}
+
+
+def bench_device(cfg, peak):
+  """What a GPU/TPU run must report, on whatever device this is: decode tokens/s and the fraction
+  of the memory-bandwidth roofline (fp32 or model-dtype KV cache and bf16 KV cache, with the
+  bf16 cache's log-prob shift), the update's MFU in bf16, and the DAPO step of the SmolLM2-135M and
+  30.8M workloads (8 x 8 samples, 32-token prompts, --new_tokens; --num_prompts / --group /
+  --new_tokens / --runs shrink them, '' for a model dir skips its step)."""
+  import copy
+
+  import jax
+  import numpy as np
+
+  from dapo_jax import metrics
+  dev = jax.devices()[0]
+  kind = dev.device_kind
+  flops_peak = _by_kind(metrics.PEAK_FLOPS, kind) if dev.platform != "cpu" else None
+  bw_peak = _by_kind(PEAK_BYTES_PER_S, kind) if dev.platform != "cpu" else None
+  out = {"bench": "device", "platform": dev.platform, "device_kind": kind, "devices": jax.device_count(),
+         "peak_bf16_flops_per_s": flops_peak or matmul_peak("bfloat16"),
+         "peak_bytes_per_s": bw_peak or measured_bandwidth(),
+         "peaks": "vendor table" if flops_peak and bw_peak else "measured here (no table entry for this device)"}
+  smol = _SMOLLM2_DIR.value if _SMOLLM2_DIR.value and os.path.isdir(_SMOLLM2_DIR.value) else ""
+  if smol and not _MODEL_DIR.value:
+    flags.FLAGS.model_dir = smol  # Decode and train run on SmolLM2 when it is there.
+  mc, params = load_model(cfg)
+  out["model"] = _MODEL_DIR.value or "config (random weights)"
+  out["model_params"] = sum(x.size for x in jax.tree.leaves(params))
+  B, P, C = _DECODE_BATCH.value, _PROMPT_LEN.value, _NEW_TOKENS.value
+  base = decode_roofline(mc, params, B, P, C, "", _RUNS.value)
+  bf16 = decode_roofline(mc, params, B, P, C, "bfloat16", _RUNS.value)
+  forced = decode_roofline(mc, params, B, P, C, "bfloat16", 0, forced_CB=base["tokens_CB"])
+  shift = np.abs(forced["logp_CB"] - base["logp_CB"])
+  for name, r in (("decode", base), ("decode_bf16_kv", bf16)):
+    out[name] = {k: v for k, v in r.items() if k not in ("tokens_CB", "logp_CB")}
+    out[name]["roofline_fraction"] = r["bytes_per_s"] / out["peak_bytes_per_s"]
+  out["decode"]["shape"] = f"B={B} P={P} C={C}"
+  out["bf16_kv_logp_shift"] = {"max": float(shift.max()), "mean": float(shift.mean()),
+                               "tokens": int(shift.size)}
+  bf16_mc = dataclasses.replace(mc, dtype="bfloat16", matmul_dtype="bfloat16")
+  out["train_bf16"] = train_rates(cfg, bf16_mc, params, _TRAIN_BATCH.value, _SEQ_LEN.value, _RUNS.value,
+                                  out["peak_bf16_flops_per_s"])
+  out["train_bf16"]["shape"] = f"B={_TRAIN_BATCH.value} T={_SEQ_LEN.value}"
+  for name, model_dir in (("dapo_step_smollm2", smol), ("dapo_step_30_8m", _MEDIUM_DIR.value)):
+    if not (model_dir and os.path.isdir(model_dir) and os.path.exists(_DEVICE_PROMPTS.value)):
+      out[name] = {"skipped": f"no model dir {model_dir!r} or prompts {_DEVICE_PROMPTS.value!r}"}
+      continue
+    r = dapo_steps(copy.deepcopy(cfg), peak, model_dir, _DEVICE_PROMPTS.value, _NUM_PROMPTS.value,
+                   _GROUP.value, C, max(_RUNS.value, 1))
+    out[name] = {k: r[k] for k in ("step_s", "rollout_s", "update_s", "runs_step_s", "engine", "slots")}
+    out[name]["shape"] = f"{_NUM_PROMPTS.value} x {_GROUP.value}, {C} new tokens"
+  _print_device(out)
+  return out
+
+
+def _print_device(out: dict) -> None:
+  """The report's fields as a few readable lines (the JSON line follows)."""
+  g = lambda x: f"{x:.3g}"  # noqa: E731
+  print(f"device     {out['platform']} {out['device_kind']!r} x{out['devices']}; peaks ({out['peaks']}): "
+        f"{g(out['peak_bf16_flops_per_s'] / 1e12)} bf16 TFLOP/s, {g(out['peak_bytes_per_s'] / 1e9)} GB/s")
+  print(f"model      {out['model']} ({out['model_params'] / 1e6:.1f}M params)")
+  for k in ("decode", "decode_bf16_kv"):
+    d = out[k]
+    print(f"{k:<14} {d['kv_cache_dtype']} KV: {g(d['decode_tokens_per_s'])} tok/s, "
+          f"{g(d['decode_step_s'] * 1e3)} ms/step, {g((d['weight_bytes'] + d['kv_bytes_per_step']) / 1e6)} MB/step, "
+          f"{100 * d['roofline_fraction']:.1f}% of the bandwidth roofline")
+  s = out["bf16_kv_logp_shift"]
+  print(f"bf16 KV    max |dlogp| {s['max']:.2e}, mean {s['mean']:.2e} over {s['tokens']} greedy tokens")
+  t = out["train_bf16"]
+  print(f"train bf16 {t['shape']}: {g(t['update_tokens_per_s'])} tok/s, MFU {100 * t['update_mfu']:.2f}% "
+        f"(forward {100 * t['forward_mfu']:.2f}%)")
+  for k in ("dapo_step_smollm2", "dapo_step_30_8m"):
+    d = out[k]
+    line = d.get("skipped") or (f"{d['shape']}: {g(d['step_s'])} s (rollout {g(d['rollout_s'])} s, "
+                                f"update {g(d['update_s'])} s)")
+    print(f"{k:<17} {line}")
+
+
 def main(argv):
-  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e", "episodes", "serve"):
-    raise SystemExit("usage: python -m launch.bench sampler|train|e2e|episodes|serve [flags]")
+  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e", "episodes", "serve", "device"):
+    raise SystemExit("usage: python -m launch.bench sampler|train|e2e|episodes|serve|device [flags]")
   import jax
   cfg = _CONFIG.value
   dtypes = numerics(cfg)
   operand_dtype = dtypes["matmul_dtype"] or dtypes["dtype"]
   peak = matmul_peak(operand_dtype)
   result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e,
-            "episodes": bench_episodes, "serve": bench_serve}[argv[1]](cfg, peak)
+            "episodes": bench_episodes, "serve": bench_serve, "device": bench_device}[argv[1]](cfg, peak)
   result.update(matmul_peak_flops_per_s=peak, matmul_dtype=operand_dtype, backend=jax.default_backend(),
                 devices=jax.device_count(), model_dir=_MODEL_DIR.value)
   print(json.dumps(result))

@@ -2,9 +2,10 @@
 
 Weight matmuls in a narrower operand dtype with fp32 accumulation (`matmul`, its own VJP), RMSNorm,
 rotary embeddings and their frequency scalings, the attention core (masked fp32 softmax, sliding
-windows, soft-capping; einsum or `jax.nn.dot_product_attention`), the mixture-of-experts MLP (router, dropless grouped-matmul dispatch, expert
-parallelism), and one transformer `layer` that teacher forcing, prefill and decode share: `model`
-supplies the weights (stacked training ones or fused decode ones) and the attention layout.
+windows, soft-capping; einsum or `jax.nn.dot_product_attention`), the mixture-of-experts MLP
+(router, dropless grouped-matmul dispatch, expert parallelism), and one transformer `layer` that
+teacher forcing, prefill and decode share: `model` supplies the weights (stacked training ones or
+fused decode ones) and the attention layout.
 """
 from __future__ import annotations
 
