@@ -67,7 +67,7 @@ def base() -> mlc.ConfigDict:
                  base_quant="")              # "int8": the frozen base's layer matrices in int8 (needs lora.rank > 0)
   c.tokenizer = dict(path="",                # "" = train a small BPE on the task text into workdir
                      vocab_size=256)
-  c.data = dict(task="file",                 # "file" (DAPO-Math schema) or "arith" (built in)
+  c.data = dict(task="file",                 # "file" (DAPO-Math schema), "arith" (built in) or "reasoning_gym"
                 train_files=("",), eval_files=("",),
                 chat_template=True,          # render prompts with the tokenizer's chat template
                 prompt_template="",          # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
@@ -77,7 +77,10 @@ def base() -> mlc.ConfigDict:
                 digits=2, ops="+", heldout_fraction=0.1, num_eval=128,   # arith task knobs
                 digits_b=0,                  # digits of the second operand (0 = digits)
                 fewshot=0,                   # worked examples in the chat before each question
-                solution_style="steps")      # SFT targets for arith: "steps" (column addition) | "direct"
+                solution_style="steps",      # SFT targets for arith: "steps" (column addition) | "direct"
+                rg_tasks=(),                 # task="reasoning_gym": its generators, e.g. ("chain_sum",)
+                rg_settings="",              # JSON {task: generator kwargs}, e.g. '{"chain_sum": {"max_terms": 3}}'
+                rg_num_train=2000)           # training items per reasoning-gym task (held-out: num_eval)
   c.rollout = dict(group_size=16,            # G, responses per prompt
                    max_new_tokens=20_480,    # L_max, completion tokens
                    temperature=1.0, top_p=1.0, top_k=0,

@@ -82,8 +82,13 @@ def validate(cfg, num_devices: int | None = None) -> None:
   n("tokenizer.vocab_size", 1, integer=True)
 
   # Data.
-  check(c.data.task in ("arith", "file"), "data.task", c.data.task, "'arith' or 'file'")
-  if c.data.task == "file":
+  check(c.data.task in ("arith", "file", "reasoning_gym"), "data.task", c.data.task,
+        "'arith', 'file' or 'reasoning_gym'")
+  if c.data.task == "reasoning_gym":
+    check(len(c.data.rg_tasks) > 0, "data.rg_tasks", tuple(c.data.rg_tasks),
+          "at least one reasoning-gym task when data.task='reasoning_gym', e.g. ('chain_sum',)")
+    n("data.rg_num_train", 1, integer=True)
+  elif c.data.task == "file":
     check(any(c.data.train_files), "data.train_files", tuple(c.data.train_files),
            "at least one dataset file when data.task='file'")
   else:

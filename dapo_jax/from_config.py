@@ -66,8 +66,17 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
       kw["template"] = d.prompt_template
     return (data_lib.arith_examples(max(cfg.sft.num_examples, 4096), split="train", **kw),
             data_lib.arith_examples(d.num_eval, split="heldout", **kw))
+  if d.task == "reasoning_gym":
+    from dapo_jax.data import reasoning_gym
+    try:
+      settings = json.loads(d.rg_settings) if d.rg_settings else {}
+    except json.JSONDecodeError as e:
+      raise ValueError(f"data.rg_settings={d.rg_settings!r} is not JSON ({e})") from None
+    kw = dict(template=d.prompt_template) if d.prompt_template else {}
+    return reasoning_gym.examples(tuple(d.rg_tasks), d.rg_num_train, d.num_eval, seed=cfg.seed, settings=settings,
+                                  **kw)
   if d.task != "file":
-    raise ValueError(f"data.task={d.task!r}; expected 'file' or 'arith'")
+    raise ValueError(f"data.task={d.task!r}; expected 'file', 'arith' or 'reasoning_gym'")
   files = [f for f in d.train_files if f]
   if not files:
     raise ValueError("data.train_files is empty; set --config.data.train_files=/path/to/train.parquet")

@@ -1,0 +1,75 @@
+"""reasoning-gym as data (`data.task="reasoning_gym"`) and reward (`dapo_jax.rewards:reasoning_gym`): the
+items and scores are those of calling reasoning-gym directly; the held-out split shares no item with
+training; an unknown task fails in one line naming the field."""
+import json
+
+import pytest
+
+from configs import common
+from dapo_jax import from_config
+from dapo_jax import rewards
+from dapo_jax.data import prompts
+from dapo_jax.data import reasoning_gym as rg_data
+
+rg = pytest.importorskip("reasoning_gym")
+SETTINGS = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}}
+
+
+def _cfg(**data):
+  c = common.base()
+  c.data.update({**dict(task="reasoning_gym", rg_tasks=("chain_sum", "basic_arithmetic"), rg_num_train=50,
+                        num_eval=20, rg_settings=json.dumps(SETTINGS)), **data})
+  c.seed = 3
+  return c
+
+
+def test_items_are_reasoning_gyms_own():
+  train, heldout = from_config.datasets(_cfg())
+  ref_train = {t: rg.create_dataset(t, size=50, seed=3, **SETTINGS.get(t, {})) for t in ("chain_sum", "basic_arithmetic")}
+  ref_held = {t: rg.create_dataset(t, size=20, seed=3 + 10**9, **SETTINGS.get(t, {})) for t in ("chain_sum", "basic_arithmetic")}
+  assert len(heldout) == 40
+  assert [json.loads(ex.ground_truth) for ex in heldout[0::2]] == json.loads(json.dumps(list(ref_held["chain_sum"])))
+  assert [json.loads(ex.ground_truth) for ex in heldout[1::2]] == json.loads(
+      json.dumps(list(ref_held["basic_arithmetic"])))
+  train_items = [json.loads(ex.ground_truth) for ex in train]
+  ref_items = json.loads(json.dumps([it for ds in ref_train.values() for it in ds]))
+  assert all(it in ref_items for it in train_items) and len(train_items) == 100
+  assert heldout[0].messages[-1]["content"] == rg_data.INSTRUCTION.format(question=ref_held["chain_sum"][0]["question"])
+
+
+def test_heldout_split_is_disjoint():
+  train, heldout = rg_data.examples(("chain_sum",), 500, 200, seed=0,
+                                    settings={"chain_sum": {"min_terms": 2, "max_terms": 2, "max_digits": 1}})
+  # 1-digit pairs: few distinct questions, so the seeds collide and the collisions are dropped from training.
+  assert len(train) < 500
+  assert not {json.loads(e.ground_truth)["question"] for e in train} & {json.loads(e.ground_truth)["question"]
+                                                                        for e in heldout}
+
+
+def test_scores_are_the_verifiers():
+  _, heldout = rg_data.examples(("chain_sum", "basic_arithmetic"), 10, 10, seed=0)
+  for ex in heldout:
+    item = json.loads(ex.ground_truth)
+    score_fn = rg.get_score_answer_fn(item["metadata"]["source_dataset"])
+    for answer in (item["answer"], "7", "-1"):
+      got = rewards.reasoning_gym(f"Let me think.\n<answer>{answer}</answer>", ex.ground_truth)
+      s = score_fn(answer, item)
+      assert got == {"score": 2 * s - 1, "acc": s == 1.0, "pred": answer}
+    assert rewards.reasoning_gym("no tags " + item["answer"], ex.ground_truth)["acc"] is False
+
+
+def test_reward_runs_in_the_pool():
+  _, heldout = rg_data.examples(("chain_sum",), 4, 4, seed=1)
+  fn = rewards.make_reward("dapo_jax.rewards:reasoning_gym", workers=1, timeout_s=30.0)
+  try:
+    items = [json.loads(ex.ground_truth) for ex in heldout]
+    out = fn([f"<answer>{it['answer']}</answer>" for it in items], [ex.ground_truth for ex in heldout])
+  finally:
+    fn.close()
+  assert [o["acc"] for o in out] == [True] * 4
+
+
+def test_unknown_task_names_the_field():
+  with pytest.raises(prompts.DataError, match=r"data\.rg_tasks: unknown reasoning-gym task 'chain_summ'") as e:
+    from_config.datasets(_cfg(rg_tasks=("chain_summ",), rg_settings=""))
+  assert "\n" not in str(e.value)
