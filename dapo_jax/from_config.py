@@ -99,9 +99,13 @@ def user_prompt(cfg, question: str):
 
 
 def gguf_model_dir(cfg, workdir: str) -> str:
-  """The HF directory converted from `model.gguf` (a .gguf path, or "smollm2"), made once per workdir."""
+  """The HF directory converted from `model.gguf` (a .gguf path, "smollm2" or "gemma3_270m"), made once per
+  workdir."""
   from dapo_jax.hf import gguf
   out = os.path.join(workdir, "model")
+  if not os.path.exists(os.path.join(out, "model.safetensors")) and cfg.model.gguf == "gemma3_270m":
+    path, sha256 = gguf.gemma3_270m_path(out)  # Assembled from its PyPI parts, checked against its SHA-256.
+    gguf.to_hf_dir(path, out, sha256=sha256)
   if not os.path.exists(os.path.join(out, "model.safetensors")):
     path = gguf.smollm2_path() if cfg.model.gguf == "smollm2" else cfg.model.gguf
     gguf.to_hf_dir(path, out)
