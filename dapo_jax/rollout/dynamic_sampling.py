@@ -24,10 +24,8 @@ import dataclasses
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
-from dapo_jax import sharding
 from dapo_jax.datatypes import Groups
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout.rollout import Rollout
@@ -167,8 +165,8 @@ def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_pr
   admitted past that prefix are cancelled at the end and rewound.
   Without `ahead` (and always with episodes, whose environments act), prompts are admitted only
   while kept + in flight < Q. With several processes every host runs the same step in lockstep
-  (scores are collected at fixed rounds, so every host admits alike); the hosts score alternate
-  groups and share the scores."""
+  (scores are collected at fixed rounds, so every host admits alike); every host scores
+  every group."""
   eng = rollout.engine(rollout.sampler_cfg, Q * G)
   step = _StreamingStep(rollout, eng.session(params, key, rollout.episodes), G, Q, max_prompts=max_prompts,
                         filter_groups=filter_groups, keep_rate=keep_rate or KeepRate(),
@@ -208,7 +206,6 @@ class _StreamingStep:
     self.pending: dict[int, dict] = {}          # prompt number -> its prompt, example and ended samples
     # (prompt numbers, their groups, scored by this host, scores, round submitted)
     self.scoring: list[tuple[list[int], list[dict], list[bool], cf.Future, int]] = []
-    self.rank, self.hosts = jax.process_index(), jax.process_count()
     self.scored: dict[int, tuple[Groups, list[str], float]] = {}
     self.kept: dict[int, bool] = {}             # prompt number -> dynamic sampling kept its group
     self.truncated: dict[int, int] = {}         # prompt number -> 1 if it lost its beginning to max_prompt_len
@@ -244,7 +241,8 @@ class _StreamingStep:
           done.append(f.prompt_id)
       if done:
         groups = [_group(self.pending.pop(pid), self.G, self.C) for pid in done]
-        own = [i % self.hosts == self.rank for i in range(len(done))]  # Hosts score alternate groups.
+        # Every host scores every group: each then decides alike without a collective in the loop.
+        own = [True] * len(done)
         self.scoring.append((done, groups, own, self.pool.submit(_score_groups, self.rollout, groups, own),
                              session.rounds))
     end = self.frontier
@@ -305,8 +303,6 @@ class _StreamingStep:
       pids, groups, own, fut, _ = self.scoring.pop(0)
       t0 = time.perf_counter()
       results = fut.result()
-      if self.hosts > 1:
-        results = _share_scores(groups, results, own)
       self.stats.reward_wait_s += time.perf_counter() - t0
       for pid, result in zip(pids, results):
         groups = result[0]
@@ -357,23 +353,3 @@ def _score_groups(rollout: Rollout, groups: list[dict], own: list[bool]) -> list
 
 def _groups(g: dict, score_QG, acc_QG, filter_QG) -> Groups:
   return Groups.from_samples(g["prompt"][None], g["mask"][None], g["samples"], score_QG, acc_QG, filter_QG)
-
-
-def _share_scores(groups: list[dict], results: list[tuple], own: list[bool]) -> list[tuple]:
-  """Every host's scores of a scoring batch on every host (one all-gather: hosts score alternate groups)."""
-  G = groups[0]["samples"].tokens_BC.shape[0]
-  local_N3G = np.zeros((len(groups), 3, G), np.float64)
-  for i, (scored, _, _) in enumerate(results):
-    if own[i]:
-      local_N3G[i] = scored.score_QG[0], scored.acc_QG[0], scored.filter_QG[0]
-  hosts = jax.process_count()
-  all_HN3G = sharding.gather_hosts(local_N3G[None]).reshape(hosts, len(groups), 3, G)
-  out = []
-  for i, (g, result) in enumerate(zip(groups, results)):
-    if own[i]:
-      out.append(result)
-    else:
-      score, acc, filt = all_HN3G[i % hosts, i]
-      out.append((_groups(g, score[None], acc[None].astype(bool), filt[None]), [], 0.0))
-  return out
-
