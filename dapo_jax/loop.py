@@ -124,6 +124,7 @@ class DAPO:
       self.dumps = None
     self.prefetch = pipelining.Prefetch() if cfg.max_staleness else None
     self.prefetch_data = None  # the data position before the rollout in flight
+    self.prefetch_keep_rate = None  # and the keep rate
     kind = jax.devices()[0].device_kind
     self.peak_flops = cfg.peak_flops or metrics_lib.peak_flops(kind)
 
@@ -296,21 +297,24 @@ class DAPO:
       return
     policy = pipelining.snapshot(self.rollout.sampling_params(self.state.params))  # before the update donates
     self.prefetch_data = self.data_iter.state()
+    self.prefetch_keep_rate = [self.keep_rate.kept, self.keep_rate.seen]
     self.prefetch.start(done, lambda: pipelining.stamp_collected(self.collect(done, policy), step))
 
   # --- checkpoints ---------------------------------------------------------------------------
 
   def save(self, next_step: int) -> None:
-    data = self.data_iter.state()
+    data, keep_rate = self.data_iter.state(), [self.keep_rate.kept, self.keep_rate.seen]
     if self.prefetch is not None and self.prefetch.pending:
       # A stop mid-step: the rollout in flight is dropped; the resumed run samples that step again
       # (by the saved params) from the data position before it.
       self.prefetch.result()
-      data = self.prefetch_data
+      data, keep_rate = self.prefetch_data, self.prefetch_keep_rate
     extra = {"rollout_step": next_step, "data": data, "seed": self.cfg.seed,
              "carry": self.carry.to_json() if self.carry is not None else None}
     if self.kl_ctrl is not None:
       extra["kl_coef"] = self.kl_ctrl.value
+    # How far streaming admits ahead depends on it; saved so a resumed run admits as the uninterrupted one.
+    extra["keep_rate"] = keep_rate
     self.ckpt.save(next_step, self.state, extra, critic=self.critic.state if self.critic is not None else None)
 
   def restore(self) -> int:
@@ -326,6 +330,8 @@ class DAPO:
       self.critic.state = restored[3]
     if self.kl_ctrl is not None and "kl_coef" in extra:
       self.kl_ctrl.value = float(extra["kl_coef"])
+    if "keep_rate" in extra:
+      self.keep_rate.kept, self.keep_rate.seen = map(float, extra["keep_rate"])
     if extra["seed"] != self.cfg.seed:
       raise ckpt_lib.CheckpointMismatchError(
           f"checkpoint {self.ckpt.directory}/{step} was written with seed={extra['seed']}, config has "
