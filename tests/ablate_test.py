@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dapo_jax import ablation, metrics, sharding
+from dapo_jax import ablation, metrics, sharding, testing
 from launch import ablate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,7 +81,7 @@ def test_ablation_table_plot_and_no_rerun(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "launch.ablate", f"--config={CONFIG}", f"--stages={','.join(STAGES)}", "--seeds=1",
        f"--workdir={workdir}", f"--config.reward.fn={OVERRIDES['reward.fn']}"],
-      cwd=ROOT, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT), capture_output=True,
+      cwd=ROOT, env=dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT), capture_output=True,
       text=True, timeout=300)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   for s in STAGES:

@@ -96,6 +96,7 @@ def test_two_version_batch_loss_equals_numpy(tmp_path, decoupled):
   group's π_old is A's sampler log-probs (or B's own with the decoupled objective), and the loss,
   clip fraction and KL equal the float64 NumPy reference."""
   import carry_over_test as co  # its tiny model, sampler, trainer and NumPy reference
+
   from dapo_jax import advantages
   trainer = co.make_trainer(2)
   params_a = jax.device_get(trainer.init(jax.random.key(0)).params)

@@ -61,19 +61,20 @@ def test_token_budget_microbatches_by_hand():
       batch, 0, 2, (8, 16, 24), max_tokens=26, shards=3)] == [(8, 29)]
 
 
-@pytest.mark.parametrize("share_prompt,max_tokens,agg,mode", [  # max_tokens: a set micro-batch count, or a budget.
-    (False, 0, "token_mean", "vanilla"), (True, 0, "token_mean", "vanilla"), (False, 64, "token_mean", "vanilla"),
-    (True, 64, "token_mean", "vanilla"),
+@pytest.mark.parametrize("share_prompt,max_tokens,agg,mode,sharded", [  # max_tokens: a set micro-batch count, or a budget.
+    (False, 0, "token_mean", "vanilla", True), (True, 0, "token_mean", "vanilla", False),
+    (False, 64, "token_mean", "vanilla", False), (True, 64, "token_mean", "vanilla", True),
     # Dr.GRPO divides each row's sum by the completion budget, which a bucket must not shorten.
-    (True, 64, "seq_mean_token_sum_norm", "vanilla"), (False, 0, "seq_mean_token_sum_norm", "vanilla"),
+    (True, 64, "seq_mean_token_sum_norm", "vanilla", False), (False, 0, "seq_mean_token_sum_norm", "vanilla", False),
     # GSPO's ratio is one per response, CISPO's weight one per token: whole rows in every bucket.
-    (True, 64, "seq_mean_token_mean", "gspo"), (False, 0, "token_mean", "cispo")])
-def test_bucketed_update_equals_the_padded_update(share_prompt, max_tokens, agg, mode):
+    (True, 64, "seq_mean_token_mean", "gspo", False), (False, 0, "token_mean", "cispo", False)])
+def test_bucketed_update_equals_the_padded_update(share_prompt, max_tokens, agg, mode, sharded):
+  """`sharded` also runs it on a 2 x 2 x 2 mesh (the two micro-batching modes; each case is costly there)."""
   batch = long_tail_batch()
   G = 2 if share_prompt else 0
   pg = objectives.PGConfig(group_size=G, loss_agg=agg, norm_len=24, kl_coef=0.1, policy_loss=mode)
   meshes = [sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])]
-  if len(jax.devices()) >= 8:
+  if sharded and len(jax.devices()) >= 8:
     meshes.append(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
   results = []
   for mesh in meshes:

@@ -10,12 +10,14 @@ import sys
 import numpy as np
 import pytest
 
+from dapo_jax import testing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNLOCAL = f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal"
 
 
 def launch(verb, *args, timeout=600):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-m", f"launch.{verb}", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
   return out

@@ -6,8 +6,7 @@ import json
 import pytest
 
 from configs import common
-from dapo_jax import from_config
-from dapo_jax import rewards
+from dapo_jax import from_config, rewards
 from dapo_jax.data import prompts
 from dapo_jax.data import reasoning_gym as rg_data
 

@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 
 from dapo_jax import rewards, testing
-from dapo_jax.serve import rm_server
 from dapo_jax.serve import http as serve_http
+from dapo_jax.serve import rm_server
 
 PROMPTS = ["What is 12+30?", "What is 5+5?", "What is 1+1?"]
 RESPONSES = ["2+0=2, 1+3=4. Answer: 42", "Answer: 11", "Answer: 2"]

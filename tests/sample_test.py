@@ -31,7 +31,7 @@ sys.meta_path[:] = [_NoTorch if f is importlib.machinery.PathFinder else f for f
 
 
 def env(extra_path=""):
-  e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # One device: fast start-up.
+  e = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS)  # One device: fast start-up.
   e["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, ROOT, e.get("PYTHONPATH", "")) if p)
   return e
 

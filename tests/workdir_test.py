@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from dapo_jax import workdir
+from dapo_jax import testing, workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
 HOLD = ("import sys, time; from dapo_jax import workdir; workdir.lock(sys.argv[1]); print('locked', flush=True); "
         "time.sleep(600)")
 TRY = ("import sys; from dapo_jax import workdir\n"

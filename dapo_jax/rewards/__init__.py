@@ -13,6 +13,6 @@ from dapo_jax.rewards.clients import (
                                       parse_weighted,
                                       resolve,
 )
-from dapo_jax.rewards.rules import math_dapo, math_verify, normalize_final_answer, overlong_penalty
 from dapo_jax.rewards.code import python_tests
 from dapo_jax.rewards.reasoning_gym import reasoning_gym
+from dapo_jax.rewards.rules import math_dapo, math_verify, normalize_final_answer, overlong_penalty

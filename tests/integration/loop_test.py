@@ -11,7 +11,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import from_config, metrics
+from dapo_jax import from_config, metrics, testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A toy reward with mixed correctness inside groups, so dynamic sampling keeps groups and the
@@ -69,7 +69,7 @@ def train_cmd(workdir, steps):
 
 
 def env():
-  return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  return dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
 
 
 def wait_for(pred, timeout):
@@ -79,26 +79,6 @@ def wait_for(pred, timeout):
       return True
     time.sleep(0.2)
   return False
-
-
-@pytest.mark.slow
-def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path):
-  ref_dir, dir_ = str(tmp_path / "ref"), str(tmp_path / "killed")
-  subprocess.run(train_cmd(ref_dir, 4), cwd=ROOT, env=env(), check=True, capture_output=True)
-  p = subprocess.Popen(train_cmd(dir_, 4), cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  assert wait_for(lambda: os.path.isdir(os.path.join(dir_, "checkpoints", "2")), 300)
-  p.send_signal(signal.SIGKILL)
-  p.wait()
-  out = subprocess.run(train_cmd(dir_, 4), cwd=ROOT, env=env(), check=True, capture_output=True, text=True)
-  assert "Resumed" in out.stdout
-  ref = metrics.read_jsonl(os.path.join(ref_dir, "metrics.jsonl"))
-  got = metrics.read_jsonl(os.path.join(dir_, "metrics.jsonl"))
-  assert sorted(got) == [0, 1, 2, 3, 4]  # What the killed process logged survived the kill.
-  for step in (3, 4):
-    for k, v in ref[step].items():
-      if k.startswith(("timing_s/", "perf/")):
-        continue
-      assert got[step][k] == pytest.approx(v, rel=1e-6, abs=1e-7), (step, k)
 
 
 @pytest.mark.slow

@@ -1,4 +1,7 @@
-"""One process of the multi-host test: `python multihost_worker.py WORKDIR OUT.npz [RANK NPROC PORT]`."""
+"""One process of the multi-host test: `python multihost_worker.py WORKDIR OUT [RANK NPROC PORT]`.
+
+Runs two steps with generation batches, then two streamed (in WORKDIR/<mode>, results in
+OUT_<mode>.npz): one process start and one compile of the update for both."""
 import os
 import sys
 
@@ -12,17 +15,25 @@ def main():
     rank, nproc, port = map(int, sys.argv[3:6])
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=rank)
 
+  from configs import dapo_qwen2_5_32b
+
+  assert jax.device_count() == 2, jax.devices()
+  for mode in ("generation_batches", "streaming"):
+    cfg = dapo_qwen2_5_32b.get_config("runlocal")
+    cfg.reward.fn = "dapo_jax.testing:length_reward"
+    cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
+    cfg.mesh.update(data=-1, fsdp=1, tensor=1)
+    cfg.dapo.streaming = mode == "streaming"  # Every host runs the same streamed step.
+    run(cfg, os.path.join(workdir, mode), f"{out}_{mode}.npz")
+  print("done", jax.process_index())
+
+
+def run(cfg, workdir, out):
+  import jax
   import numpy as np
 
-  from configs import dapo_qwen2_5_32b
   from dapo_jax import from_config, metrics, sharding
 
-  cfg = dapo_qwen2_5_32b.get_config("runlocal")
-  cfg.reward.fn = "dapo_jax.testing:length_reward"
-  cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
-  cfg.mesh.update(data=-1, fsdp=1, tensor=1)
-  cfg.dapo.streaming = os.environ.get("STREAMING") == "1"  # Every host runs the same streamed step.
-  assert jax.device_count() == 2, jax.devices()
   with from_config.dapo(cfg, workdir) as dapo:
     dapo.run()
     params = sharding.fetch(dapo.state.params)
@@ -34,7 +45,6 @@ def main():
     np.savez(out, losses=np.array([recs[s]["actor/pg_loss"] for s in (1, 2)]),
              metric_names=np.array(keys), metrics=np.array([[recs[s].get(k, np.nan) for k in keys] for s in (1, 2)],
                                                            np.float64), **flat)
-  print("done", jax.process_index())
 
 
 if __name__ == "__main__":  # Reward-pool workers are spawned and re-import this file.

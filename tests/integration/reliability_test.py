@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import checkpoint, from_config, loop
+from dapo_jax import checkpoint, from_config, loop, testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,7 +22,7 @@ def tiny_cfg(**train):
 
 
 def run_train(*args):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "launch.train", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
 
@@ -160,7 +160,7 @@ def _default_job(workdir, steps):
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_path):
   """SIGKILL during SFT, mid rollout step and while a checkpoint is written; each resume ends with the
-  metrics of an uninterrupted run. (The kill -9 test in loop_test covers a kill between steps.)"""
+  metrics of an uninterrupted run."""
   import random
   import signal
   import time
@@ -168,7 +168,7 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_pat
   from dapo_jax import metrics
   steps, rng = 5, random.Random(0)
   ref_dir, dir_ = tmp_path / "ref", tmp_path / "killed"
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
   out = subprocess.run(_default_job(ref_dir, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
 

@@ -13,15 +13,15 @@ import time
 
 import pytest
 
-from dapo_jax import metrics
+from dapo_jax import metrics, testing
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS, CKPT_EVERY = 300, 5   # Long enough that the kill lands mid-run; the loop logs every 10 updates.
+STEPS, CKPT_EVERY = 300, 50  # The kill lands mid-run (250 steps left); few checkpoints to write. Logs every 10.
 
 
 def env():
-  return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  return dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
 
 
 def run(*args):

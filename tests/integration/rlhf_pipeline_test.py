@@ -7,12 +7,14 @@ import sys
 
 import pytest
 
+from dapo_jax import testing
+
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(*args, check=True):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, check=check, capture_output=True,
                         text=True)
 
