@@ -66,6 +66,15 @@ def check_output_dir(path: str, overwrite: bool, flag: str = "--out") -> None:
     raise OutputExistsError(f"{flag}={path} already holds files; pass --overwrite to replace them")
 
 
+def check_output_file(path: str, overwrite: bool, flag: str = "--out") -> None:
+  """Refuses to replace an existing file unless `overwrite` (a dataset someone may have edited)."""
+  import os  # noqa: PLC0415
+  if os.path.isdir(path):
+    raise OutputExistsError(f"{flag}={path} is a directory; expected a file")
+  if not overwrite and os.path.exists(path):
+    raise OutputExistsError(f"{flag}={path} already exists; pass --overwrite to replace it")
+
+
 def run(main) -> None:
   """absl's app.run, with our known input errors printed as one line instead of a stack trace."""
   def wrapped(argv):

@@ -32,6 +32,8 @@ from absl import flags
 from launch import common
 
 _OUT = flags.DEFINE_string("out", None, "Output model directory.", required=True)
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out file, or write into an --out "
+                                "directory that holds files (default: refuse).")
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (for `gguf`).")
 _SHA256 = flags.DEFINE_string("sha256", None, "Expected SHA-256 of --gguf (for `gguf`): checked before reading.")
 _NUM = flags.DEFINE_integer("num", 2000, "Number of pairs / conversations (for `arith_pairs`, `arith_sft`).")
@@ -90,6 +92,11 @@ def main(argv):
   if len(argv) != 2 or argv[1] not in commands:
     raise SystemExit(f"usage: python -m launch.prepare {'|'.join(commands)} --out=DIR|FILE [--gguf=FILE] "
                      "[--num=N --split=train|heldout --digits=D --seed=S] [--model_dir=DIR --k=K]")
+  # Never over a user's files unasked: datasets are files, models and code tasks directories.
+  if argv[1] in ("arith_pairs", "arith_sft", "policy_pairs"):
+    common.check_output_file(_OUT.value, _OVERWRITE.value)
+  else:
+    common.check_output_dir(_OUT.value, _OVERWRITE.value)
   if argv[1] == "policy_pairs":
     return policy_pairs()
   if argv[1] == "code_tasks":

@@ -94,6 +94,31 @@ def _byte_to_unicode():
   return dict(zip(bs, map(chr, cs)))
 
 
+def test_prepare_never_writes_over_a_users_files_unasked(tmp_path):
+  """A dataset file that exists, or a directory holding files, is refused in one line and left as it
+  was; --overwrite replaces the file (the same rows as a fresh write)."""
+  data = tmp_path / "pairs.jsonl"
+  data.write_text("my own rows\n")
+  res = launch("prepare", "arith_pairs", f"--out={data}", "--num=4")
+  assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+      f"error: --out={data} already exists; pass --overwrite to replace it")
+  assert data.read_text() == "my own rows\n"
+  ok(launch("prepare", "arith_pairs", f"--out={data}", "--num=4", "--overwrite"))
+  fresh = tmp_path / "fresh.jsonl"
+  ok(launch("prepare", "arith_pairs", f"--out={fresh}", "--num=4"))
+  assert data.read_text() == fresh.read_text() and len(fresh.read_text().splitlines()) == 4
+  model = tmp_path / "model"
+  model.mkdir()
+  (model / "notes.txt").write_text("mine")
+  res = launch("prepare", "gguf", f"--gguf={tmp_path / 'missing.gguf'}", f"--out={model}")
+  assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+      f"error: --out={model} already holds files; pass --overwrite to replace them")
+  assert os.listdir(model) == ["notes.txt"]
+  res = launch("prepare", "arith_sft", f"--out={model}", "--num=4")
+  assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+      f"error: --out={model} is a directory; expected a file")
+
+
 @pytest.mark.slow
 def test_prepare_gguf_gives_the_model_transformers_had(tmp_path):
   torch = pytest.importorskip("torch")
