@@ -46,7 +46,8 @@ def _user_errors():
   from dapo_jax.hf import gguf
   from dapo_jax.model import lora
   from dapo_jax.rollout import dynamic_sampling
-  return (data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
+  from dapo_jax.serve import http
+  return (http.ServerConfigError, data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
           gguf.GGUFError, from_config.ConfigError, dynamic_sampling.DynamicSamplingCapError,
           metrics.MetricsConfigError, lora.LoraError, OutputExistsError)

@@ -45,6 +45,7 @@ def main(argv):
   from_config.validate(cfg)
   server_lib.http.check_bind(_HOST.value, _TOKEN.value or os.environ.get(server_lib.TOKEN_ENV),
                              server_lib.TOKEN_ENV)  # Before the model loads.
+  server_lib.http.check_port(_HOST.value, _PORT.value)
   mesh = sharding.make_mesh(cfg.mesh)
   model_cfg, params, tok, source, name = server_lib.load_policy(cfg, workdir, _MODEL_DIR.value,
                                                                 _ADAPTER_DIR.value, mesh)

@@ -22,7 +22,8 @@ _SCORER = flags.DEFINE_string("scorer", "dapo_jax.rewards.model:scorer",
 
 def main(argv):
   del argv
-  from dapo_jax.serve import rm_server
+  from dapo_jax.serve import http, rm_server
+  http.check_port(_HOST.value, _PORT.value)  # Before the scorer loads its model.
   score_fn = rm_server.load_scorer(_SCORER.value, _MODEL_DIR.value)
   server = rm_server.RMServer(score_fn, _HOST.value, _PORT.value, _TOKEN.value, _MAX_BATCH.value,
                               _MAX_WAIT_MS.value)

@@ -299,6 +299,11 @@ def test_launch_serve_rm_process_and_training_going_on_after_it_stops():
     url = line.split(" on ")[1].split()[0]
     client = rewards.HTTPReward(url, timeout_s=10, retries=1, backoff_s=0.01)
     assert [r["score"] for r in client(RESPONSES, [""] * 3, PROMPTS)] == [1.0, -1.0, 1.0]
+    port = url.rsplit(":", 1)[1]  # Taken: a second server says so in one line.
+    res = subprocess.run([sys.executable, "-m", "launch.serve_rm", "--scorer=dapo_jax.testing:arith_rm",
+                          f"--port={port}"], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot bind 127.0.0.1:{port}: [Errno 98]"), res.stderr[-2000:]
   finally:
     proc.kill()
     proc.wait()

@@ -269,13 +269,20 @@ def test_launch_serve_from_a_model_dir(policy):
     r = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "What is 40 + 2?"}],
                                   temperature=0, max_tokens=8)
     assert r.choices[0].message.content == "42"
+    port = url.rsplit(":", 1)[1]  # Taken: a second server says so in one line, before loading a model.
+    res = subprocess.run([sys.executable, "-m", "launch.serve", f"--model_dir={path}", f"--port={port}"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot bind 127.0.0.1:{port}: [Errno 98]"), res.stderr[-2000:]
+    assert c.models.list().data  # The first one serves on.
   finally:
     proc.kill()
     proc.wait()
   res = subprocess.run([sys.executable, "-m", "launch.serve", f"--model_dir={path}", "--host=0.0.0.0"], cwd=ROOT,
                        env={k: v for k, v in env.items() if k != "DAPO_SERVE_TOKEN"}, capture_output=True, text=True,
                        timeout=120)
-  assert res.returncode != 0 and "without a token" in res.stderr
+  assert res.returncode == 1 and res.stderr.strip().splitlines()[-1].startswith(
+      "error: refusing to serve on '0.0.0.0' without a token"), res.stderr[-2000:]
 
 
 def test_a_pool_whose_width_follows_the_load_gives_the_same_samples(policy, client):

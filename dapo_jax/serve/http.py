@@ -49,6 +49,18 @@ def check_bind(host: str, token: str | None, token_env: str) -> None:
                             "(only 127.0.0.1 / localhost may go without one)")
 
 
+def check_port(host: str, port: int) -> None:
+  """Fails fast, before a model loads, on a port another process listens on (port 0: any free one)."""
+  if not port:
+    return
+  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+      s.bind((host, port))
+    except OSError as e:
+      raise ServerConfigError(f"cannot bind {host}:{port}: {e}") from None
+
+
 def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> fastapi.FastAPI:
   """A FastAPI app whose every route but /health needs the token (when one is set), whose bodies
   are capped, and whose errors (ours, FastAPI's validation, anything raised) are error objects."""
