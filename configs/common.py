@@ -251,7 +251,9 @@ def base() -> mlc.ConfigDict:
                eval_greedy=64,               # held-out prompts whose greedy answers are rule-checked
                max_new_tokens=32)            # their generation budget
   c.mesh = dict(data=1, fsdp=-1, tensor=1,  # -1: the rest of the devices
-                expert=1)                  # devices that split a mixture's experts (rows elsewhere)
+                expert=1,                  # devices that split a mixture's experts (rows elsewhere)
+                rollout_devices=0)         # R > 0: the first R devices decode, the rest train, each on a
+                                           # mesh of these axes (docs/async.md); 0: both share all devices
   # Where metrics go: any of "tensorboard" (WORKDIR/tb), "jsonl" (WORKDIR/metrics.jsonl) and "wandb"
   # (pip install -e ".[wandb]"; WANDB_MODE=offline writes WORKDIR/wandb for a later `wandb sync`).
   c.metrics = dict(writers=("tensorboard", "jsonl"),

@@ -231,18 +231,29 @@ def validate(cfg, num_devices: int | None = None) -> None:
       logging.warning("data.max_prompt_len=%d + rollout.max_new_tokens=%d = %d tokens exceeds the model's "
                       "max_position_embeddings=%d (%s/config.json)", P, C, P + C, limit, m.hf_dir)
 
-  # Mesh against the devices, and the batch over its data shards.
+  # Mesh against the devices (split between rollout and training, or shared), and the batch over
+  # its data shards.
+  devices = jax.device_count() if num_devices is None else num_devices
+  R = c.mesh.get("rollout_devices", 0)
+  if not isinstance(R, int) or isinstance(R, bool) or not 0 <= R < devices:
+    raise ConfigError(f"mesh.rollout_devices={R!r}: expected 0 (rollout and training share the devices) or "
+                      f"1..{devices - 1} of the {devices} devices for the rollout engine")
+  if R and jax.process_count() > 1:
+    raise ConfigError(f"mesh.rollout_devices={R}: a split mesh runs in one process (this run has "
+                      f"{jax.process_count()})")
   try:
-    sizes = sharding.mesh_shape(dict(c.mesh), jax.device_count() if num_devices is None else num_devices)
+    sizes = sharding.mesh_shape(dict(c.mesh), devices - R)
+    rollout_sizes = sharding.mesh_shape(dict(c.mesh), R) if R else sizes
   except ValueError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError(f"{e}{f' (mesh.rollout_devices={R}: {R} rollout and {devices - R} training devices)' if R else ''}") from None
   shards = sharding.batch_shards(sizes)
   if per_mb % shards:
     raise ConfigError(f"train.minibatches={mb}: {per_mb} rows per mini-batch do not split over the "
                       f"mesh's data*fsdp*expert = {shards} batch shards")
-  if r.engine == "continuous" and r.slots % shards:
-    raise ConfigError(f"rollout.slots={r.slots}: the decode slots do not split over the mesh's "
-                      f"data*fsdp*expert = {shards} batch shards")
+  rollout_shards = sharding.batch_shards(rollout_sizes)
+  if r.engine == "continuous" and r.slots % rollout_shards:
+    raise ConfigError(f"rollout.slots={r.slots}: the decode slots do not split over the {'rollout ' if R else ''}"
+                      f"mesh's data*fsdp*expert = {rollout_shards} batch shards")
 
 
 def _check_token_estimators(c) -> None:

@@ -58,6 +58,8 @@ class Evaluator:
     if not self.examples:
       return {}
     key = jax.random.key(self.seed + 1) if key is None else key
+    if getattr(self.rollout, "owns_copy", None) and self.rollout.owns_copy(params):  # Trained on other devices.
+      params = self.rollout.sampling_params(params)
     self.sampled_rows = 0
     acc, preds = self.samples(params, self.k, key, self.sampler_cfg)
     n = self.k * max(set(self.copies), key=self.copies.count)  # samples per problem (the most common)

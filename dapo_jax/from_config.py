@@ -377,7 +377,8 @@ def evaluator(cfg, rollout: rollout_lib.Rollout, examples, progress: bool = Fals
 def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
   """Everything one DAPO run needs, built from its config (a context manager: see `loop.DAPO`)."""
   validate(cfg)  # Once, before the mesh, any worker process, compile or generation.
-  mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+  # The trainer's mesh; with mesh.rollout_devices, the rollout engine's own (else it shares this one).
+  mesh, rollout_mesh = (mesh, None) if mesh is not None else sharding.split_meshes(cfg.mesh)
   os.makedirs(workdir, exist_ok=True)
   workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
   save_run_config(cfg, workdir)  # A resume that changes the model, tokens or objective fails here.
@@ -392,7 +393,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     pg = pg_config(cfg)
     trainer_ = trainer(cfg, model_cfg, mesh, objectives.policy_gradient(model_cfg, pg))
     logprobs = trainer_.forward(objectives.completion_logprobs(model_cfg, pg.temperature, pg.group_size))
-    rollout = rollout_lib.Rollout(tok, model_cfg, mesh, rollout_config(cfg),
+    rollout = rollout_lib.Rollout(tok, model_cfg, rollout_mesh or mesh, rollout_config(cfg),
                                   sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_, *episodes(cfg))
     data_iter = data_lib.PromptIterator(train, seed=cfg.seed, process_index=jax.process_index(),
                                         process_count=jax.process_count())

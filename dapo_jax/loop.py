@@ -295,7 +295,9 @@ class DAPO:
     c, done = self.cfg, step + 1
     if self.prefetch is None or done >= c.num_steps or (c.ckpt_every and done % c.ckpt_every == 0):
       return
-    policy = pipelining.snapshot(self.rollout.sampling_params(self.state.params))  # before the update donates
+    policy = self.rollout.sampling_params(self.state.params)
+    if not self.rollout.owns_copy(self.state.params):
+      policy = pipelining.snapshot(policy)  # Before the update donates the state's buffers.
     self.prefetch_data = self.data_iter.state()
     self.prefetch_keep_rate = [self.keep_rate.kept, self.keep_rate.seen]
     self.prefetch.start(done, lambda: pipelining.stamp_collected(self.collect(done, policy), step))

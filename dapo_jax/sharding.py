@@ -68,7 +68,8 @@ def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, expert, tensor) mesh of `mesh_shape(mesh_cfg, len(devices))`."""
+  """Builds the (data, fsdp, expert, tensor) mesh of `mesh_shape(mesh_cfg, len(devices))` (other keys,
+  e.g. `rollout_devices`, are not axes: see `split_meshes`)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape({a: int(v) for a, v in mesh_cfg.items()}, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
@@ -77,6 +78,18 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
   except Exception:  # Host CPU devices have no topology to optimise for.
     dev_array = np.asarray(devices).reshape(shape)
   return Mesh(dev_array, MESH_AXES)
+
+
+def split_meshes(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh | None]:
+  """(the trainer's mesh, the rollout's mesh or None). With `mesh_cfg["rollout_devices"]` = R > 0 the
+  first R devices run the rollout engine and the rest train, each on the mesh of `mesh_cfg`'s axes
+  (a -1 axis takes the rest of its own devices); the policy moves over at each rollout step
+  (`Rollout.sampling_params`). R = 0: one mesh over every device, shared."""
+  devices = list(jax.devices() if devices is None else devices)
+  R = int(mesh_cfg.get("rollout_devices", 0) or 0)
+  if not R:
+    return make_mesh(mesh_cfg, devices), None
+  return make_mesh(mesh_cfg, devices[R:]), make_mesh(mesh_cfg, devices[:R])
 
 
 def batch_shards(mesh_shape: Mapping[str, int]) -> int:

@@ -128,3 +128,52 @@ def test_staleness_above_one_is_refused_in_one_line_naming_the_field():
   with pytest.raises(config_checks.ConfigError, match=r"^rollout.max_staleness=2: expected 0 \(synchronous\) or 1"):
     config_checks.validate(cfg, num_devices=1)
   config_checks.validate(run_config(1), num_devices=1)
+
+
+def split_config(rollout_devices: int, max_staleness: int = 0):
+  cfg = run_config(max_staleness, num_steps=2)
+  cfg.train.eval_every = 0
+  cfg.mesh.update(data=-1, fsdp=1, tensor=1, rollout_devices=rollout_devices)
+  return cfg
+
+
+@pytest.mark.slow  # three 2-step runlocal runs on 8 host devices
+def test_split_mesh_equals_the_shared_mesh_and_runs_one_step_off(tmp_path):
+  """`mesh.rollout_devices=4`: devices 0-3 decode, 4-7 train, the policy copied over each step. In
+  sync it is the run of one 4-device mesh doing both (same shapes: every value equal); one-step-off,
+  the rollout of step 2 decodes on its devices while update 1 runs on the others."""
+  from dapo_jax import from_config, sharding
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  runs = {}
+  for name, cfg, mesh in [("shared", split_config(0), sharding.make_mesh({"data": 4}, jax.devices()[:4])),
+                          ("split", split_config(4), None), ("split_off", split_config(4, 1), None)]:
+    with from_config.dapo(cfg, str(tmp_path / name), mesh=mesh) as run:
+      run.run()
+      params = jax.device_get(run.state.params)
+      devices = ({d.id for d in jax.tree.leaves(run.state.params)[0].sharding.device_set},
+                 {d.id for d in run.rollout.mesh.devices.flat})
+    runs[name] = logged(tmp_path / name), params, devices
+  assert runs["shared"][2] == ({0, 1, 2, 3}, {0, 1, 2, 3})
+  assert runs["split"][2] == runs["split_off"][2] == ({4, 5, 6, 7}, {0, 1, 2, 3})
+  for step in (1, 2):
+    assert untimed(runs["split"][0][step]) == untimed(runs["shared"][0][step]), step
+  jax.tree.map(np.testing.assert_array_equal, runs["split"][1], runs["shared"][1])
+  off = runs["split_off"][0]
+  assert [off[s]["rollout/staleness_max"] for s in (1, 2)] == [0, 1]
+  assert untimed(off[1]) == untimed(runs["split"][0][1])
+
+
+@pytest.mark.parametrize("rollout_devices,mesh,match", [
+    (8, {}, r"^mesh.rollout_devices=8: expected 0 \(rollout and training share the devices\) or 1..7 of the 8 devices"),
+    (-1, {}, r"^mesh.rollout_devices=-1: expected 0"),
+    (3, {"data": 2, "fsdp": 1}, r"^mesh=.*\(mesh.rollout_devices=3: 3 rollout and 5 training devices\)$"),
+])
+def test_a_split_that_cannot_work_is_one_line(rollout_devices, mesh, match):
+  from dapo_jax import config_checks
+  cfg = split_config(rollout_devices)
+  cfg.mesh.update(mesh)
+  with pytest.raises(config_checks.ConfigError, match=match):
+    config_checks.validate(cfg, num_devices=8)
+  cfg.mesh.update(rollout_devices=4, data=-1)
+  config_checks.validate(cfg, num_devices=8)

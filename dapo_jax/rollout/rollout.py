@@ -109,10 +109,21 @@ class Rollout:
   # --- generation ----------------------------------------------------------------------------
 
   def sampling_params(self, params):
-    """The policy placed for the sampler: FSDP shards gathered once per rollout step."""
+    """The policy placed for the sampler: FSDP shards gathered once per rollout step; a policy
+    trained on other devices (a split mesh) is first copied over, device to device, each array
+    with its own partitioning on this mesh."""
+    if self.owns_copy(params):
+      params = jax.device_put(params, jax.tree.map(
+          lambda x: jax.sharding.NamedSharding(self.mesh, x.sharding.spec), params))
     if self.mesh.shape["fsdp"] > 1 and not lora_lib.is_adapted(params):  # (LoRA: decode merges per call.)
       return jax.device_put(params, self.params_sharding)
     return params
+
+  def owns_copy(self, params) -> bool:
+    """Whether `sampling_params(params)` is a copy on other devices (a split mesh): then the train
+    step's donation of `params` cannot touch it."""
+    leaf = jax.tree.leaves(params)[0]
+    return isinstance(leaf, jax.Array) and leaf.sharding.device_set != set(self.mesh.devices.flat)
 
   def engine(self, sampler_cfg: sampling.SamplerConfig, rows: int) -> engine_lib.Engine:
     """The continuous-batching engine for `sampler_cfg` (`rollout.slots`, or `rows` when 0)."""
