@@ -226,8 +226,7 @@ class DAPO:
       groups, stats, info = self.prefetch.result()
       self.prefetch_data = None
     else:
-      groups, stats, info = self.collect(step)
-      pipelining.stamp(groups, step)
+      groups, stats, info = self._collect_stamped(step, None, step)
     self._prefetch_next(step)
     pipelining.mark_stale(groups, step, decoupled=self.cfg.use_decoupled_loss)
     if self.rollout.episodes is not None:
@@ -300,7 +299,11 @@ class DAPO:
       policy = pipelining.snapshot(policy)  # Before the update donates the state's buffers.
     self.prefetch_data = self.data_iter.state()
     self.prefetch_keep_rate = [self.keep_rate.kept, self.keep_rate.seen]
-    self.prefetch.start(done, lambda: pipelining.stamp_collected(self.collect(done, policy), step))
+    self.prefetch.start(done, lambda: self._collect_stamped(done, policy, step))
+
+  def _collect_stamped(self, step: int, policy, version: int):
+    """`collect`, its groups and the carry it leaves stamped with the sampling policy's version."""
+    return pipelining.stamp_collected(self.collect(step, policy), self.carry, version)
 
   # --- checkpoints ---------------------------------------------------------------------------
 

@@ -22,12 +22,13 @@ def snapshot(params):
   return jax.tree.map(jnp.copy, params)
 
 
-def stamp(groups, version: int):
-  """Stamps `groups`' unstamped rows (version -1): carried-over rows were sampled one step earlier
-  (fill_step uses its carry at the next step), the others by `version`. In place; returns groups."""
+def stamp(groups, version: int, carried_are_older: bool = True):
+  """Stamps `groups`' unstamped rows (version -1) with `version`; with `carried_are_older`,
+  carried-over rows with `version - 1` (unstamped ones come from a checkpoint written before the loop
+  stamped its carry as it made it, `stamp_collected`). In place; returns groups."""
   if groups is not None:
     fresh_QG = groups.version_QG < 0
-    sampled_QG = np.where(groups.carried_Q[:, None], version - 1, version)
+    sampled_QG = np.where(groups.carried_Q[:, None] & carried_are_older, version - 1, version)
     groups.version_QG = np.where(fresh_QG, sampled_QG, groups.version_QG).astype(np.int32)
   return groups
 
@@ -83,7 +84,9 @@ class Prefetch:
     self._pool.shutdown(wait=True)
 
 
-def stamp_collected(collected, version: int):
-  """`stamp` on `DAPO.collect`'s (groups, stats, info)."""
+def stamp_collected(collected, carry, version: int):
+  """Stamps `DAPO.collect`'s (groups, stats, info) and the surplus it carries to the next step, all
+  sampled by `version` (so a group carried over for several steps keeps its true version)."""
   stamp(collected[0], version)
+  stamp(carry, version, carried_are_older=False)
   return collected

@@ -38,6 +38,25 @@ def test_version_survives_take_concat_and_json_and_old_json_is_unstamped():
   np.testing.assert_array_equal(pipelining.staleness(both, 6), [[1, 1], [2, 2]])
 
 
+def test_a_group_carried_over_twice_keeps_the_version_that_sampled_it():
+  """`dapo.carry_over` with a surplus larger than Q: step 3 samples 6 kept groups and trains 2; step 4
+  and step 5 train the rest without sampling. The loop stamps the carry as it is made, so the groups
+  trained at step 5 show staleness 2 (stamped at use, they would claim 1)."""
+  from dapo_jax.rollout import dynamic_sampling
+  six = Groups.concat([groups()] * 3)  # Mixed rewards: all kept.
+  fill = lambda carry: dynamic_sampling.fill_batch(carry, lambda i: six, 2, filter_groups=True, max_gen_batches=3,
+                                                   on_cap="train", carry_over=True)
+  batch, carry, stats = fill(None)
+  pipelining.stamp_collected((batch, stats, {}), carry, 3)
+  assert stats.gen_batches == 1 and len(carry) == 4
+  for step, staleness in ((4, 1), (5, 2)):
+    batch, carry, stats = fill(carry)
+    pipelining.stamp_collected((batch, stats, {}), carry, step)
+    assert stats.gen_batches == 0 and batch.carried_Q.all()
+    np.testing.assert_array_equal(pipelining.staleness(batch, step), staleness)
+  assert carry is None
+
+
 def run_config(max_staleness: int, num_steps: int = 4, ckpt_every: int = 0):
   from configs import dapo_qwen2_5_32b
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
