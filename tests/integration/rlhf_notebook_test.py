@@ -24,6 +24,9 @@ def _check(args):
     if not a.startswith("--"):
       assert a in ast.literal_eval(src.split("commands = ", 1)[1].split("\n", 1)[0]), (module, a)
       continue
+    if "=" not in a:  # A boolean flag: --name (or --noname).
+      assert a[2:] in defined or (a.startswith("--no") and a[4:] in defined), f"{module}: no flag {a}"
+      continue
     name, value = a[2:].split("=", 1)
     if name == "config":
       path, _, arg = value.partition(":")
