@@ -298,7 +298,7 @@ class DAPO:
     if not self.rollout.owns_copy(self.state.params):
       policy = pipelining.snapshot(policy)  # Before the update donates the state's buffers.
     self.prefetch_data = self.data_iter.state()
-    self.prefetch_keep_rate = [self.keep_rate.kept, self.keep_rate.seen]
+    self.prefetch_keep_rate = self.keep_rate.state()
     self.prefetch.start(done, lambda: self._collect_stamped(done, policy, step))
 
   def _collect_stamped(self, step: int, policy, version: int):
@@ -308,7 +308,7 @@ class DAPO:
   # --- checkpoints ---------------------------------------------------------------------------
 
   def save(self, next_step: int) -> None:
-    data, keep_rate = self.data_iter.state(), [self.keep_rate.kept, self.keep_rate.seen]
+    data, keep_rate = self.data_iter.state(), self.keep_rate.state()
     if self.prefetch is not None and self.prefetch.pending:
       # A stop mid-step: the rollout in flight is dropped; the resumed run samples that step again
       # (by the saved params) from the data position before it.
@@ -318,8 +318,7 @@ class DAPO:
              "carry": self.carry.to_json() if self.carry is not None else None}
     if self.kl_ctrl is not None:
       extra["kl_coef"] = self.kl_ctrl.value
-    # How far streaming admits ahead depends on it; saved so a resumed run admits as the uninterrupted one.
-    extra["keep_rate"] = keep_rate
+    extra["keep_rate"] = keep_rate  # How far streaming admits ahead.
     self.ckpt.save(next_step, self.state, extra, critic=self.critic.state if self.critic is not None else None)
 
   def restore(self) -> int:
@@ -336,7 +335,7 @@ class DAPO:
     if self.kl_ctrl is not None and "kl_coef" in extra:
       self.kl_ctrl.value = float(extra["kl_coef"])
     if "keep_rate" in extra:
-      self.keep_rate.kept, self.keep_rate.seen = map(float, extra["keep_rate"])
+      self.keep_rate.restore(extra["keep_rate"])
     if extra["seed"] != self.cfg.seed:
       raise ckpt_lib.CheckpointMismatchError(
           f"checkpoint {self.ckpt.directory}/{step} was written with seed={extra['seed']}, config has "

@@ -149,6 +149,13 @@ class KeepRate:
   def value(self) -> float:
     return min(max(self.kept / self.seen, 0.05), 1.0)
 
+  def state(self) -> list[float]:
+    """What a checkpoint saves: a resumed run then admits ahead as the uninterrupted one."""
+    return [self.kept, self.seen]
+
+  def restore(self, state) -> None:
+    self.kept, self.seen = map(float, state)
+
 
 def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_prompts: int = 0,
                   filter_groups: bool = True, on_cap: str = "train", keep_rate: KeepRate | None = None,
@@ -204,8 +211,8 @@ class _StreamingStep:
     self.max_prompts, self.filter_groups, self.keep_rate, self.ahead = max_prompts, filter_groups, keep_rate, ahead
     self.stats = StreamStats()
     self.pending: dict[int, dict] = {}          # prompt number -> its prompt, example and ended samples
-    # (prompt numbers, their groups, scored by this host, scores, round submitted)
-    self.scoring: list[tuple[list[int], list[dict], list[bool], cf.Future, int]] = []
+    # (prompt numbers, their scores, the round they were submitted in)
+    self.scoring: list[tuple[list[int], cf.Future, int]] = []
     self.scored: dict[int, tuple[Groups, list[str], float]] = {}
     self.kept: dict[int, bool] = {}             # prompt number -> dynamic sampling kept its group
     self.truncated: dict[int, int] = {}         # prompt number -> 1 if it lost its beginning to max_prompt_len
@@ -242,9 +249,7 @@ class _StreamingStep:
       if done:
         groups = [_group(self.pending.pop(pid), self.G, self.C) for pid in done]
         # Every host scores every group: each then decides alike without a collective in the loop.
-        own = [True] * len(done)
-        self.scoring.append((done, groups, own, self.pool.submit(_score_groups, self.rollout, groups, own),
-                             session.rounds))
+        self.scoring.append((done, self.pool.submit(_score_groups, self.rollout, groups), session.rounds))
     end = self.frontier
     self.stats.returned = self.admitted - end
     if self.stats.returned:  # Admitted ahead, not needed: back to the data stream (unscored ones are dropped).
@@ -300,7 +305,7 @@ class _StreamingStep:
     fixed points keeps the admissions independent of the scorer's speed (every host alike)."""
     latest = self.session.rounds
     while len(self.scoring) > (1 if keep_last and self.scoring and self.scoring[-1][-1] == latest else 0):
-      pids, groups, own, fut, _ = self.scoring.pop(0)
+      pids, fut, _ = self.scoring.pop(0)
       t0 = time.perf_counter()
       results = fut.result()
       self.stats.reward_wait_s += time.perf_counter() - t0
@@ -334,14 +339,10 @@ def _group(entry: dict, G: int, C: int) -> dict:
           "rewards": None if rows[0].policy_C is None else [r.reward for r in rows]}  # Episodes' own.
 
 
-def _score_groups(rollout: Rollout, groups: list[dict], own: list[bool]) -> list[tuple[Groups | None, list[str], float]]:
-  """Scores this host's finished groups (`own`; in the reward thread, while the engine decodes).
-  Another host's group comes back as (None, [], 0.0): its scores arrive in `_share_scores`."""
+def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, list[str], float]]:
+  """(scored groups, texts, seconds) of finished groups (in the reward thread, while the engine decodes)."""
   out = []
-  for g, mine in zip(groups, own):
-    if not mine:
-      out.append((None, [], 0.0))
-      continue
+  for g in groups:
     t0 = time.perf_counter()
     s = g["samples"]
     G = s.tokens_BC.shape[0]

@@ -112,11 +112,11 @@ class Rollout:
     """The policy placed for the sampler: FSDP shards gathered once per rollout step; a policy
     trained on other devices (a split mesh) is first copied over, device to device, each array
     with its own partitioning on this mesh."""
-    if self.owns_copy(params):
-      params = jax.device_put(params, jax.tree.map(
-          lambda x: jax.sharding.NamedSharding(self.mesh, x.sharding.spec), params))
     if self.mesh.shape["fsdp"] > 1 and not lora_lib.is_adapted(params):  # (LoRA: decode merges per call.)
-      return jax.device_put(params, self.params_sharding)
+      return jax.device_put(params, self.params_sharding)  # From any devices, in one copy.
+    if self.owns_copy(params):
+      return jax.device_put(params, jax.tree.map(lambda x: jax.sharding.NamedSharding(self.mesh, x.sharding.spec),
+                                                 params))
     return params
 
   def owns_copy(self, params) -> bool:
