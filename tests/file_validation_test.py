@@ -4,6 +4,7 @@ import os
 import shutil
 import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -57,6 +58,28 @@ def test_malformed_safetensors_named_in_one_line(tmp_path, header, data, header_
   with pytest.raises(hf.CheckpointError, match=message) as e:
     hf.read_safetensors(path)
   assert str(e.value).startswith(path) and "\n" not in str(e.value)
+
+
+def test_what_only_the_package_refuses_is_one_line_with_its_reason(tmp_path):
+  # Bytes past the last tensor: our checks find nothing wrong, the safetensors package refuses the file.
+  path = str(tmp_path / "x.safetensors")
+  write_raw(path, {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8)
+  with pytest.raises(hf.CheckpointError, match=r"^" + path + r": incomplete metadata, file not fully covered$"):
+    hf.read_safetensors(path)
+
+
+def test_bfloat16_written_by_torch_reads_exactly(tmp_path):
+  torch = pytest.importorskip("torch")
+  from safetensors.torch import save_file
+  path = str(tmp_path / "t.safetensors")
+  w = torch.randn(3, 5).to(torch.bfloat16)
+  save_file({"w": w, "i": torch.arange(4)}, path)
+  got = hf.read_safetensors(path)
+  assert got["w"].dtype == ml_dtypes.bfloat16 and got["i"].dtype == np.int64
+  np.testing.assert_array_equal(got["w"].astype(np.float32), w.float().numpy())
+  hf.write_safetensors(str(tmp_path / "back.safetensors"), got)  # And back, read by torch's own reader.
+  from safetensors.torch import load_file
+  assert torch.equal(load_file(str(tmp_path / "back.safetensors"))["w"], w)
 
 
 def test_valid_safetensors_round_trip(tmp_path):

@@ -1,8 +1,10 @@
-"""safetensors files and HF checkpoint directories' tensors, read and written with NumPy only.
+"""safetensors files and HF checkpoint directories' tensors, on the `safetensors` package.
 
-Every file is validated before use: the header's length bounds and JSON, each tensor's dtype, shape
-and byte range against the file, and the index of a sharded checkpoint; a damaged file fails with
-one line naming it and what is wrong (`CheckpointError`).
+The package parses and checks every file (header JSON, dtypes, shapes, byte ranges covering the
+file) and writes them. Two things are ours: tensors are memory-mapped as NumPy views, bfloat16
+included (the package's NumPy API has no bfloat16), and a file the package refuses fails with one
+line naming the file and what is wrong in it (`CheckpointError`), not the package's generic reason.
+The index of a sharded checkpoint is checked here too.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import struct
 
 import ml_dtypes
 import numpy as np
+import safetensors
+import safetensors.numpy
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -43,20 +47,26 @@ def outside(directory: str, name: str) -> str | None:
   return f"{name!r} is a symlink to {real}, outside {directory}"
 
 
-# --- safetensors, read and written with NumPy only ---------------------------------------------
+# --- one .safetensors file ----------------------------------------------------------------------
 
 _MAX_HEADER = 100_000_000  # The safetensors spec's bound on the JSON header.
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """Memory-maps every tensor of one .safetensors file, after checking its header against its size."""
+  """Memory-maps every tensor of one .safetensors file, once the package has accepted the file."""
+  try:
+    with safetensors.safe_open(path, framework="np") as f:
+      names = list(f.keys())
+  except (safetensors.SafetensorError, OSError) as e:
+    _read_header(path)  # Raises naming what is wrong, where our checks can tell.
+    reason = str(e).removeprefix("Error while deserializing header: ")
+    raise CheckpointError(f"{path}: {reason}") from None
   header, data_len = _read_header(path)
   offset = os.path.getsize(path) - data_len
   data = np.memmap(path, dtype=np.uint8, mode="r", offset=offset) if data_len else np.zeros((0,), np.uint8)
   out = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
+  for name in names:
+    info = header[name]
     begin, end = info["data_offsets"]
     out[name] = data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
   return out
@@ -113,21 +123,10 @@ def _check_entry(path: str, name: str, info, data_len: int) -> None:
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-  header, offset, blobs = {}, 0, []
-  for name in sorted(tensors):
-    arr = np.ascontiguousarray(tensors[name])
-    header[name] = {"dtype": _DTYPE_NAMES[arr.dtype], "shape": list(arr.shape),
-                    "data_offsets": [offset, offset + arr.nbytes]}
-    offset += arr.nbytes
-    blobs.append(arr)
-  header["__metadata__"] = {"format": "pt"}
-  raw = json.dumps(header, separators=(",", ":")).encode()
-  raw += b" " * (-len(raw) % 8)  # The spec aligns the data section to 8 bytes.
-  with open(path, "wb") as f:
-    f.write(struct.pack("<Q", len(raw)))
-    f.write(raw)
-    for arr in blobs:
-      f.write(arr.tobytes())
+  """Writes `tensors` as one .safetensors file (the package's writer; bfloat16 through ml_dtypes)."""
+  # The package reads each array's buffer as it lies in memory, so it must be contiguous.
+  contiguous = {name: np.ascontiguousarray(tensors[name]) for name in sorted(tensors)}
+  safetensors.numpy.save_file(contiguous, path, metadata={"format": "pt"})
 
 
 def read_dir_tensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
