@@ -275,14 +275,13 @@ def check_teacher_vocab(student_vocab: int, teacher_vocab: int, *, student: str,
                      f"{student!r} {student_vocab}: distillation needs one tokenizer")
 
 
-def sequence_kl(logp_BC, ref_logp_BC, mask_BC) -> float:
-  """The batch's KL to the reference as verl's KL controller reads it: the k1 estimate log π - log π_ref
-  averaged over each row's tokens, then over the rows that have tokens."""
-  m = np.asarray(mask_BC, np.float64)
-  kl_B = (np.asarray(logp_BC, np.float64) - np.asarray(ref_logp_BC, np.float64)) * m
-  n_B = m.sum(1)
-  rows = n_B > 0
-  return float(np.mean(kl_B.sum(1)[rows] / n_B[rows])) if rows.any() else 0.0
+def sequence_kl(logp_BC, ref_logp_BC, mask_BC, num_rows: int | None = None) -> float:
+  """The batch's KL to the reference as verl's KL controller reads it (`apply_kl_penalty`): the k1
+  estimate log π - log π_ref averaged over each row's tokens (0 for a row without tokens), then over
+  the batch's own rows, the first `num_rows` (default all; the rest repeat groups to fill a short step)."""
+  m = np.asarray(mask_BC, np.float64)[:num_rows]
+  kl_B = ((np.asarray(logp_BC, np.float64) - np.asarray(ref_logp_BC, np.float64))[:num_rows] * m).sum(1)
+  return float(np.mean(kl_B / np.maximum(m.sum(1), 1.0))) if len(m) else 0.0
 
 
 class FixedKLController:

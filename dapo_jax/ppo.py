@@ -60,10 +60,11 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
   rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
       estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=gamma, lam=lam,
       teacher_logp_BC=teacher_BC))
-  kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC)
+  own_rows = groups.score_QG.size  # The rows after them repeat groups to fill a short step.
+  kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC, num_rows=own_rows)
   metrics = metrics_lib.token_level(rewards_BC, returns_BC, values_BC, mask_BC, kl=kl, beta=beta)
   if kl_ctrl is not None:
-    kl_ctrl.update(kl, n_steps=int(mask_BC.any(1).sum()))
+    kl_ctrl.update(kl, n_steps=own_rows)  # verl: n_steps = the batch size.
   # The ratio's π_old is the sampling policy's log-probs computed here (the update need not repeat
   # them); carried rows keep their sampling policy's log-probs.
   old_BC = logp_BC if batch.behaviour_B is None else np.where(batch.behaviour_B[:, None], batch.old_logp_BC, logp_BC)

@@ -156,6 +156,29 @@ def test_router_aux_loss_matches_transformers(tmp_path):
   assert metrics["router/load_min"] == pytest.approx(float(load.min()))
 
 
+def test_shared_prompt_routing_counts_each_rows_prompt():
+  """The shared-prompt forward passes each prompt once for its G rows; its routing statistics (so the
+  load-balancing loss) still equal the rows forward's, which sees every row's prompt."""
+  params = model.init_params(TINY, jax.random.key(5))
+  rng = np.random.default_rng(2)
+  Q, G, P, C = 2, 3, 5, 4
+  prompt = rng.integers(3, V, (Q, P)).astype(np.int32)
+  pmask = np.ones_like(prompt, bool)
+  pmask[1, :2] = False
+  comp = rng.integers(3, V, (Q * G, C)).astype(np.int32)
+  cmask = np.ones_like(comp, bool)
+  cmask[4, 2:] = False
+  rows = np.concatenate([np.repeat(prompt, G, 0), comp], 1)
+  rows_mask = np.concatenate([np.repeat(pmask, G, 0), cmask], 1)
+  _, want = model.logits(TINY, params, jnp.asarray(rows), jnp.asarray(rows_mask), with_router=True)
+  _, got = model.completion_logits(TINY, params, jnp.asarray(prompt), jnp.asarray(pmask), jnp.asarray(comp),
+                                   jnp.asarray(cmask), with_router=True)
+  np.testing.assert_array_equal(got["tokens_L"], rows_mask.sum())
+  np.testing.assert_array_equal(got["counts_LE"], want["counts_LE"])
+  np.testing.assert_allclose(got["probs_LE"], want["probs_LE"], rtol=1e-5)
+  np.testing.assert_allclose(loss.router_aux_loss(got)[0], loss.router_aux_loss(want)[0], rtol=1e-5)
+
+
 def test_sampler_greedy_and_logp_equal_the_forward():
   params = model.init_params(TINY, jax.random.key(3))
   rng = np.random.default_rng(0)

@@ -159,6 +159,15 @@ def test_token_advantages_match_a_naive_loop():
   # The KL the controller reads: per-row token means of log π - log π_ref, then their mean.
   kl = advantages.sequence_kl(logp, ref, mask)
   assert kl == pytest.approx(np.mean([np.mean((logp - ref)[0]), np.mean((logp - ref)[1, :2])]))
+  # As verl's `apply_kl_penalty`: a row without tokens counts 0 (its masked_mean), and rows after the batch's
+  # own (repeats filling a short step) do not count.
+  empty, repeat = np.zeros((1, 4), bool), mask[:1]
+  kl3 = advantages.sequence_kl(np.concatenate([logp, logp[:1]]), np.concatenate([ref, ref[:1] - 5.0]),
+                               np.concatenate([mask, empty]), num_rows=3)
+  assert kl3 == pytest.approx(2 * kl / 3)
+  kl_rep = advantages.sequence_kl(np.concatenate([logp, logp[:1]]), np.concatenate([ref, ref[:1] - 5.0]),
+                                  np.concatenate([mask, repeat]), num_rows=2)
+  assert kl_rep == pytest.approx(kl)
 
 
 def ppo_cfg(**train):

@@ -225,6 +225,8 @@ class Transformer(nn.Module):
     if self.has_variable("lora", "scale"):
       lora_switch = {k: self.get_variable("lora", k) for k in ("scale", "dropout_rate") if self.has_variable("lora", k)}
     real = tuple(jnp.diagonal(m, axis1=-2, axis2=-1) for m in masks)  # A token sees itself iff it is real.
+    if self.layout == "shared_prompt":  # Routing statistics count each prompt once per row, as the rows do.
+      real = (real[0] * (tokens[1].shape[0] // tokens[0].shape[0]), real[1])
     shared = (tables, local_tables, masks, lora_switch, real)
     kvs = []
     for r, (start, stop, moe) in enumerate(cfg.layer_runs):
