@@ -41,6 +41,7 @@ def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.nda
 # the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "reinforce_pp", "gae", "distill")
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")
+KL_SHAPED_ESTIMATORS = ("reinforce_pp", "gae")  # Token rewards -β·KL to a reference; not distill's.
 
 
 def _group_mean(r_QG: np.ndarray) -> np.ndarray:

@@ -309,8 +309,9 @@ def run_record_config(cfg) -> dict:
 
 
 def kl_in_reward(cfg) -> bool:
-  """Whether the token rewards carry -β·KL to a frozen reference (the token-level estimators, β > 0)."""
-  return cfg.dapo.adv_estimator in adv_lib.TOKEN_ESTIMATORS and cfg.ppo.kl_coef > 0
+  """Whether the token rewards carry -β·KL to a frozen reference (PPO's estimators, β > 0; distillation's
+  advantage is the teacher's, so it needs no reference)."""
+  return cfg.dapo.adv_estimator in adv_lib.KL_SHAPED_ESTIMATORS and cfg.ppo.kl_coef > 0
 
 
 def kl_controller(cfg):

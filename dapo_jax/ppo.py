@@ -63,6 +63,9 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
   own_rows = groups.score_QG.size  # The rows after them repeat groups to fill a short step.
   kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC, num_rows=own_rows)
   metrics = metrics_lib.token_level(rewards_BC, returns_BC, values_BC, mask_BC, kl=kl, beta=beta)
+  if teacher_BC is not None:  # What distillation minimises: the per-token reverse KL to the teacher (k1).
+    n = max(float(mask_BC.sum()), 1.0)
+    metrics["distill/reverse_kl"] = float(((logp_BC - teacher_BC) * mask_BC).sum() / n)
   if kl_ctrl is not None:
     kl_ctrl.update(kl, n_steps=own_rows)  # verl: n_steps = the batch size.
   # The ratio's π_old is the sampling policy's log-probs computed here (the update need not repeat

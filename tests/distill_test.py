@@ -59,7 +59,7 @@ def test_the_per_token_advantage_is_the_teachers_minus_the_students_log_prob(set
                   score_QG=np.array([[1.0, -1.0], [1.0, 1.0]]), acc_QG=np.ones((Q, G), bool),
                   filter_QG=np.ones((Q, G)), logp_QGC=np.zeros((Q, G, C), np.float32), carried_Q=np.zeros(Q, bool))
   batch, _ = adv_lib.to_train_batch(groups, Q, P, norm_adv_by_std=True, overlong_filter=False, estimator="distill")
-  out, _, _ = ppo.token_advantages(batch, groups, estimator="distill", logprobs=logprobs, trainer=trainer,
+  out, _, metrics = ppo.token_advantages(batch, groups, estimator="distill", logprobs=logprobs, trainer=trainer,
                                    params=params, ref_params=None, critic=None, kl_ctrl=None, Q=Q, G=G, gamma=1.0,
                                    lam=1.0, teacher=teacher)
   tokens, tmask = np.asarray(batch.tokens_BT), np.asarray(batch.mask_BT)
@@ -69,6 +69,8 @@ def test_the_per_token_advantage_is_the_teachers_minus_the_students_log_prob(set
   want = (picked(teacher_cfg, teacher_params) - picked(student_cfg, params)) * batch.loss_mask_BC
   np.testing.assert_allclose(out.adv_BC, want, atol=2e-5)
   assert (out.adv_BC[~batch.loss_mask_BC] == 0).all() and np.abs(want).max() > 0.1
+  # Logged: what distillation minimises, the per-token reverse KL (k1) to the teacher.
+  assert metrics["distill/reverse_kl"] == pytest.approx(-want.sum() / batch.loss_mask_BC.sum(), abs=1e-5)
 
 
 def test_a_run_with_a_teacher_trains(setup, tmp_path, tiny_tokenizer_dir):
@@ -79,10 +81,12 @@ def test_a_run_with_a_teacher_trains(setup, tmp_path, tiny_tokenizer_dir):
   cfg.dapo.dynamic_sampling = False
   with from_config.dapo(cfg, str(tmp_path / "run")) as run:
     assert run.teacher is not None
+    assert run.ref_params is None  # The teacher's log-probs are the advantage: no reference model to hold.
     run.run()
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   losses = [r["actor/pg_loss"] for r in rows if "actor/pg_loss" in r]
   assert losses and all(np.isfinite(losses))
+  assert all(np.isfinite(r["distill/reverse_kl"]) for r in rows if "actor/pg_loss" in r)
 
 
 def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_naming_both(setup, tmp_path):
