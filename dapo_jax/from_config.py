@@ -98,6 +98,12 @@ def user_prompt(cfg, question: str):
   return d.prompt_template.format(problem=question) if d.prompt_template else question
 
 
+def user_prompt_messages(cfg, question: str) -> list[dict]:
+  """`user_prompt` as chat messages (the policy server's form)."""
+  prompt = user_prompt(cfg, question)
+  return [dict(m) for m in prompt.messages] if not isinstance(prompt, str) else [{"role": "user", "content": prompt}]
+
+
 def gguf_model_dir(cfg, workdir: str) -> str:
   """The HF directory converted from `model.gguf` (a .gguf path, "smollm2" or "gemma3_270m"), made once per
   workdir."""

@@ -29,6 +29,9 @@ _ROUND_STEPS = flags.DEFINE_integer("round_steps", 4, "Tokens per decode round a
                                     "and streams advance between rounds).")
 _COMPACT = flags.DEFINE_bool("compact", False, "The pool's width follows the load (lower latency for few "
                               "clients; each width compiles when the load first meets it).")
+_RAW = flags.DEFINE_bool("raw", False, "Chat requests as sent. Default with --workdir: a request that is one user "
+                        "message is put as the run's training prompts were (the task's instruction and worked "
+                        "examples), as launch.sample puts --prompt.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask for (default: the directory's name).")
 
 
@@ -54,8 +57,8 @@ def main(argv):
       model_cfg, params, tok, eos_ids=eos, model_name=_MODEL_NAME.value or name, host=_HOST.value, port=_PORT.value,
       token=_TOKEN.value, slots=_SLOTS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
       max_new_tokens=_MAX_NEW_TOKENS.value, round_steps=_ROUND_STEPS.value, max_queue=_MAX_QUEUE.value,
-      compact=_COMPACT.value,
-      mesh=mesh)
+      compact=_COMPACT.value, mesh=mesh,
+      user_prompt=None if _RAW.value or not workdir else (lambda q: from_config.user_prompt_messages(cfg, q)))
   print(f"serving {server.policy.model_name} on {server.url} (OpenAI API: /v1/chat/completions, "
         "/v1/completions, /v1/models)", flush=True)
   common.serve_until_interrupted(server)

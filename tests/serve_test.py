@@ -349,3 +349,32 @@ def test_an_engine_failure_is_a_500_with_its_cause_and_the_next_request_is_serve
     ask(client, "What is 12 + 5?", max_tokens=8)
   assert ask(client, "What is 12 + 5?", max_tokens=8).choices[0].message.content == "17"
   assert server.scheduler.session is not session
+
+
+def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
+  """`launch.serve --workdir` (without --raw): a chat request that is one user message becomes the run's
+  training prompt (the arithmetic task's instruction and worked examples), as `launch.sample` puts
+  --prompt; longer conversations and requests with tools are served as sent."""
+  import copy
+
+  from configs import default
+  from dapo_jax import from_config
+  from dapo_jax.serve import openai_api
+  cfg, _, tok, _, _ = policy
+  run_cfg = default.get_config()
+  run_cfg.data.fewshot = 1
+  as_trained = copy.copy(server.policy)
+  as_trained.user_prompt = lambda q: from_config.user_prompt_messages(run_cfg, q)
+  body = lambda messages, **kw: openai_api.ChatBody(messages=messages, **kw)
+  question = [{"role": "user", "content": "What is 38+46?"}]
+  ids, _ = as_trained.chat_prompt(body(question))
+  trained = from_config.user_prompt(run_cfg, "What is 38+46?").messages
+  assert len(trained) == 3 and trained[-1]["content"] != "What is 38+46?"  # A worked example, then the question.
+  want = tok(tokenizer_lib.render(tok, [dict(m) for m in trained], True), add_special_tokens=False)["input_ids"]
+  assert ids == want
+  assert server.policy.chat_prompt(body(question))[0] == chat_ids(tok, "What is 38+46?")  # --raw
+  longer = question + [{"role": "assistant", "content": "84"}, {"role": "user", "content": "And 1+2?"}]
+  assert as_trained.chat_prompt(body(longer))[0] == server.policy.chat_prompt(body(longer))[0]
+  tools = [{"type": "function", "function": {"name": "calc", "description": "A calculator.",
+                                        "parameters": {"type": "object", "properties": {}}}}]
+  assert as_trained.chat_prompt(body(question, tools=tools))[0] == server.policy.chat_prompt(body(question, tools=tools))[0]

@@ -172,8 +172,12 @@ def assistant_message(text: str, tools, fmt: str, finish: str = "stop") -> tuple
 class OpenAIPolicy:
   """The routes' logic over a scheduler: prompts in, OpenAI answers out."""
 
-  def __init__(self, scheduler: scheduler_lib.Scheduler, tok, model_name: str, eos_ids: tuple[int, ...]):
+  def __init__(self, scheduler: scheduler_lib.Scheduler, tok, model_name: str, eos_ids: tuple[int, ...],
+               user_prompt=None):
+    """`user_prompt` (question -> messages): a chat request that is one user message, without tools, is put
+    as a run's training prompts were (`from_config.user_prompt`: the task's instruction, worked examples)."""
     self.scheduler, self.tok, self.model_name, self.eos_ids = scheduler, tok, model_name, tuple(eos_ids)
+    self.user_prompt = user_prompt
     self.tool_format = tool_formats.detect(tok)
     self.max_tokens = scheduler.engine.turn_tokens
     self.max_prompt = scheduler.engine.P
@@ -318,6 +322,8 @@ class OpenAIPolicy:
                          param=f"tools[{i}]")
     if not getattr(self.tok, "chat_template", None):
       raise APIError(400, "messages: the model has no chat template; use /v1/completions", param="messages")
+    if self.user_prompt is not None and tools is None and len(messages) == 1 and messages[0]["role"] == "user":
+      messages = self.user_prompt(messages[0]["content"])
     messages = tool_formats.prompt_messages(messages, tools, self.tool_format)
     native = tools if self.tool_format in ("qwen", "llama3") else None
     try:

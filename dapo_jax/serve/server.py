@@ -53,13 +53,13 @@ class PolicyServer:
   `max_new_tokens`. A decode round returns to the host whenever a sample ends and at least every
   `round_steps` tokens (new requests join then). `compact` lets the pool's width follow the load
   (lower latency for few clients, at the cost of compiling each width as the load first meets it);
-  off, every round runs all `slots` rows. A context manager; `start()` serves in a thread,
+  off, every round runs all `slots` rows. `user_prompt`: see `openai_api.OpenAIPolicy`. A context manager; `start()` serves in a thread,
   `serve_forever()` in front."""
 
   def __init__(self, model_cfg, params, tok, *, eos_ids, model_name: str = "dapo-policy", host: str = "127.0.0.1",
                port: int = 0, token: str | None = None, slots: int = 16, max_prompt_len: int = 512,
                max_new_tokens: int = 256, round_steps: int = 4, max_queue: int = 1024, top_k: int = 0, mesh=None,
-               compact: bool = False):
+               compact: bool = False, user_prompt=None):
     token = token or os.environ.get(TOKEN_ENV) or None
     http.check_bind(host, token, TOKEN_ENV)
     sampler_cfg = sampling.SamplerConfig(max_new_tokens=max_new_tokens, top_k=top_k, eos_ids=tuple(eos_ids),
@@ -69,7 +69,7 @@ class PolicyServer:
                                     round_steps=round_steps)
     self.scheduler = scheduler_lib.Scheduler(self.engine, params, max_queue=max_queue, compact=compact)
     app = http.new_app("dapo_jax policy server", token)
-    self.policy = openai_api.OpenAIPolicy(self.scheduler, tok, model_name, tuple(eos_ids))
+    self.policy = openai_api.OpenAIPolicy(self.scheduler, tok, model_name, tuple(eos_ids), user_prompt=user_prompt)
     openai_api.routes(app, self.policy)
     try:
       self.http = http.Server(app, host, port, name="policy-server")

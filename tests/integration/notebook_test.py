@@ -59,4 +59,6 @@ def test_quickstart_runs_the_default_job_which_learns_and_answers_the_readme_que
                        timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
   print(out.stdout)
-  assert answer.isdigit() and out.stdout.strip().endswith(f"Answer: {answer}"), (answer, out.stdout)
+  # launch.sample prints "prompt 1/1: '<the prompt as trained>'" then "  1: '<the completion>'".
+  completion = ast.literal_eval(out.stdout.strip().splitlines()[-1].split(": ", 1)[1])
+  assert answer.isdigit() and completion.endswith(f"Answer: {answer}"), (answer, out.stdout)

@@ -152,15 +152,15 @@ def _default_job(workdir, steps):
           "--config.model.head_dim=8", "--config.tokenizer.vocab_size=300", "--config.sft.steps=30",
           "--config.sft.target_acc=0.0", "--config.sft.batch_size=8", "--config.sft.seq_len=64",
           "--config.dapo.prompts_per_step=4", "--config.dapo.gen_prompts=8", "--config.rollout.group_size=4",
-          "--config.rollout.max_new_tokens=16", "--config.dapo.overlong_buffer=4", "--config.data.num_eval=8",
-          "--config.train.ckpt_every=1", "--config.train.eval_every=0", "--config.train.log_samples_every=0",
+          "--config.rollout.max_new_tokens=16", "--config.dapo.overlong_buffer=4", "--config.data.num_eval=32",
+          "--config.train.ckpt_every=1", "--config.train.eval_every=2", "--config.train.log_samples_every=0",
           "--config.reward.fn=dapo_jax.testing:length_reward"]
 
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_path):
-  """SIGKILL during SFT, mid rollout step and while a checkpoint is written; each resume ends with the
-  metrics of an uninterrupted run."""
+  """SIGKILL during SFT, mid rollout step, during a held-out evaluation and while a checkpoint is
+  written; each resume ends with the metrics of an uninterrupted run."""
   import random
   import signal
   import time
@@ -183,6 +183,8 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_pat
   moments = [  # (what, the condition to wait for, extra random delay in seconds)
       ("SFT", lambda: (dir_ / "tokenizer" / "tokenizer.json").exists(), rng.uniform(0.5, 3.0)),
       ("rollout/update", lambda: logged() >= 2, rng.uniform(0.0, 2.0)),  # steps 0 and 1 logged: step 2 runs
+      # Step 4's rollouts are dumped as it ends; its evaluation runs next, before its metrics are logged.
+      ("evaluation", lambda: (dir_ / "rollouts" / "step_4.jsonl.gz").exists(), 0.0),
       ("checkpoint write", saving, 0.0),
   ]
   killed = []
@@ -197,7 +199,10 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_pat
       p.send_signal(signal.SIGKILL)
       killed.append(what)
     p.wait()
-  assert "SFT" in killed and "rollout/update" in killed, killed
+    if what == "evaluation":  # Killed inside it: neither its samples nor step 4's metrics were written.
+      assert not (dir_ / "rollouts" / "eval_step_4.jsonl.gz").exists() and 4 not in metrics.read_jsonl(
+          str(dir_ / "metrics.jsonl")), "the kill missed the evaluation"
+  assert {"SFT", "rollout/update", "evaluation"} <= set(killed), killed
   out = subprocess.run(_default_job(dir_, steps), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   ref = metrics.read_jsonl(str(ref_dir / "metrics.jsonl"))
