@@ -444,6 +444,25 @@ RESUME_FIELDS = (tuple(f"model.{k}" for k in _MODEL_FIELDS if k not in _RUNTIME_
                     "tokenizer.path", "tokenizer.vocab_size", "dapo.adv_estimator", "dapo.policy_loss"))
 
 
+# The supervised pipelines' own records (WORKDIR/<pipeline>_config.json, beside a training run's):
+# what they start from, train on and optimise.
+_PAIR_FIELDS = ("init_dir", "train_files", "prompt_len", "response_len")
+PIPELINE_RESUME_FIELDS = {
+    "sft": RESUME_FIELDS[:-2] + ("data.task", "data.train_files", "chat_sft.assistant_only", "chat_sft.packing",
+                                 "sft.seq_len"),
+    "rm": tuple(f"rm.{k}" for k in _PAIR_FIELDS + ("margin",)) + ("tokenizer.path", "model.lora.rank"),
+    "dpo": tuple(f"dpo.{k}" for k in _PAIR_FIELDS + ("beta", "loss_type", "label_smoothing", "rpo_alpha"))
+           + ("tokenizer.path", "model.lora.rank"),
+}
+
+
+def save_pipeline_config(cfg, workdir: str, pipeline: str) -> None:
+  """`save_run_config` for `launch.sft|rm|dpo`: WORKDIR/<pipeline>_config.json, checked against
+  `PIPELINE_RESUME_FIELDS[pipeline]` when the pipeline resumes."""
+  save_run_config(cfg, workdir, fields=PIPELINE_RESUME_FIELDS[pipeline], name=f"{pipeline}_config.json",
+                  command_name=f"{pipeline}_command.txt")
+
+
 def _get(tree, path: str):
   for part in path.split("."):
     if not hasattr(tree, "get") or part not in tree:
@@ -457,17 +476,18 @@ def _plain(x):
   return json.loads(json.dumps(x.to_dict() if hasattr(x, "to_dict") else x, default=str))
 
 
-def save_run_config(cfg, workdir: str, argv=None) -> None:
+def save_run_config(cfg, workdir: str, argv=None, *, fields=RESUME_FIELDS, name: str = CONFIG_FILE,
+                    command_name: str = COMMAND_FILE) -> None:
   """Writes the resolved config to WORKDIR/config.json and appends the command line to command.txt;
-  refuses (CheckpointMismatchError) a config whose `RESUME_FIELDS` differ from the run's recorded ones."""
-  path = os.path.join(workdir, CONFIG_FILE)
+  refuses (CheckpointMismatchError) a config whose `fields` differ from the run's recorded ones."""
+  path = os.path.join(workdir, name)
   if os.path.exists(path):
     try:
       with open(path) as f:
         old = json.load(f)
     except ValueError as e:
       raise ConfigError(f"{path}: not a readable run config ({e}); move it away to start afresh") from None
-    for field in RESUME_FIELDS:
+    for field in fields:
       before, now = _get(old, field), _plain(_get(cfg, field))
       if before is not None and before != now:
         raise checkpoint.CheckpointMismatchError(
@@ -479,7 +499,7 @@ def save_run_config(cfg, workdir: str, argv=None) -> None:
   with open(path + ".tmp", "w") as f:
     f.write(cfg.to_json_best_effort(indent=1, sort_keys=True) + "\n")
   os.replace(path + ".tmp", path)
-  with open(os.path.join(workdir, COMMAND_FILE), "a") as f:
+  with open(os.path.join(workdir, command_name), "a") as f:
     f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}  {shlex.join(sys.argv if argv is None else argv)}\n")
 
 
@@ -634,6 +654,7 @@ def run_sft(cfg, workdir: str, mesh=None):
   from dapo_jax.pipelines import sft as sft_lib  # noqa: PLC0415
   from dapo_jax.pipelines import sft_chat  # noqa: PLC0415
   run_dir = os.path.join(workdir, "sft")
+  save_pipeline_config(cfg, workdir, "sft")
   if cfg.data.task != "file":
     train, _ = datasets(cfg)
     tok = tokenizer(cfg, workdir, train)

@@ -25,6 +25,7 @@ def main(argv):
   cfg = _CONFIG.value
   from_config.validate_pairs(cfg, "dpo")
   workdir = _WORKDIR.value or common.default_workdir()
+  from_config.save_pipeline_config(cfg, workdir, "dpo")  # A resume that changes its start or loss fails here.
   mesh = sharding.make_mesh(cfg.mesh)
   train, held = from_config.preference_data(cfg, "dpo")
   tok = tokenizer.load(cfg.tokenizer.path or cfg.dpo.init_dir)

@@ -26,6 +26,7 @@ def main(argv):
   cfg = _CONFIG.value
   from_config.validate_pairs(cfg, "rm")
   workdir = _WORKDIR.value or common.default_workdir()
+  from_config.save_pipeline_config(cfg, workdir, "rm")  # A resume that changes its start or loss fails here.
   train, held = from_config.preference_data(cfg, "rm")
   tok = tokenizer.load(cfg.tokenizer.path or cfg.rm.init_dir)
   model_cfg, lm_params = hf.load(cfg.rm.init_dir, **from_config.runtime_overrides(cfg))

@@ -89,3 +89,13 @@ def test_kill_9_then_resume_matches_uninterrupted_run(tmp_path, files, pipeline)
       if k.startswith(("timing_s/", "perf/")) or not isinstance(v, (int, float)):
         continue
       assert got[step][k] == pytest.approx(v, rel=1e-6, abs=1e-7), (step, k)
+  # The pipeline recorded what it starts from and optimises; a rerun that changes it is refused, naming it.
+  field, value = {"sft": ("sft.seq_len", 48), "chat_sft": ("chat_sft.assistant_only", False)}.get(
+      pipeline, (f"{pipeline}.prompt_len", 40))
+  name = "sft" if pipeline == "chat_sft" else pipeline
+  assert os.path.exists(os.path.join(str(tmp_path / "killed"), f"{name}_config.json"))
+  res = subprocess.run([sys.executable, "-m", *cmd, f"--config.{field}={value}"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+  last = res.stderr.strip().splitlines()[-1]
+  assert res.returncode == 1 and f"was started with {field}=" in last and f"this config has {field}={value!r}" in last, \
+      res.stderr[-2000:]
