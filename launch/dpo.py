@@ -19,12 +19,14 @@ def main(argv):
   del argv
   common.init_distributed()
   from dapo_jax import from_config, sharding
+  from dapo_jax import workdir as workdir_lib
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.pipelines import dpo
   cfg = _CONFIG.value
-  from_config.validate_pairs(cfg, "dpo")
   workdir = _WORKDIR.value or common.default_workdir()
+  workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
+  from_config.validate_pairs(cfg, "dpo")
   from_config.save_pipeline_config(cfg, workdir, "dpo")  # A resume that changes its start or loss fails here.
   mesh = sharding.make_mesh(cfg.mesh)
   train, held = from_config.preference_data(cfg, "dpo")

@@ -20,12 +20,14 @@ def main(argv):
   del argv
   common.init_distributed()
   from dapo_jax import from_config, sharding
+  from dapo_jax import workdir as workdir_lib
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.pipelines import rm
   cfg = _CONFIG.value
-  from_config.validate_pairs(cfg, "rm")
   workdir = _WORKDIR.value or common.default_workdir()
+  workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
+  from_config.validate_pairs(cfg, "rm")
   from_config.save_pipeline_config(cfg, workdir, "rm")  # A resume that changes its start or loss fails here.
   train, held = from_config.preference_data(cfg, "rm")
   tok = tokenizer.load(cfg.tokenizer.path or cfg.rm.init_dir)

@@ -46,10 +46,11 @@ def test_second_process_is_refused_naming_the_first_and_kill_9_frees_the_lock(tm
   assert out.returncode == 0 and out.stdout.strip() == "locked", out.stdout + out.stderr
 
 
-def test_launch_train_on_a_busy_workdir_is_one_line(tmp_path):
+@pytest.mark.parametrize("launcher,config", [("train", "dapo_qwen2_5_32b"), ("rm", "rm_arith"), ("dpo", "dpo_arith")])
+def test_launch_on_a_busy_workdir_is_one_line(tmp_path, launcher, config):
   p = holder(tmp_path)
   try:
-    out = subprocess.run([sys.executable, "-m", "launch.train", f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal",
+    out = subprocess.run([sys.executable, "-m", f"launch.{launcher}", f"--config={ROOT}/configs/{config}.py:runlocal",
                           f"--workdir={tmp_path}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
   finally:
     p.send_signal(signal.SIGKILL)
@@ -58,6 +59,7 @@ def test_launch_train_on_a_busy_workdir_is_one_line(tmp_path):
   assert out.stderr.strip().splitlines()[-1].startswith(f"error: workdir {tmp_path} is in use by another run: "
                                                         f"pid {p.pid} on host")
   assert not os.path.exists(tmp_path / "checkpoints")  # Refused before writing anything.
+  assert not os.path.exists(tmp_path / f"{launcher}_config.json")
 
 
 def test_lock_is_reentrant_in_a_process_and_release_frees_it(tmp_path):
