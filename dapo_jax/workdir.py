@@ -9,6 +9,11 @@ re-entrant within one process (a test or notebook that builds several runs on on
 
 Multi-host runs share one workdir: only process 0 locks it. A remote workdir (gs://...) has no
 POSIX locks and is not locked; a network file system's flock is as good as its server's.
+
+The model directories a run writes into its workdir (W/sft_model, W/rm_model, W/dpo_model, W/model)
+are written whole or not at all (`write_model_dir`: into a sibling, then swapped in, so a kill during
+the write never leaves a half-written model that a rerun would load), and never over files a model
+export does not write (`check_model_dir`, at start: a user's own files there are refused by name).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 
@@ -84,3 +90,59 @@ def release(workdir: str) -> None:
   fd = _held.pop(os.path.realpath(workdir), None)
   if fd is not None:
     os.close(fd)  # Closing the descriptor releases the flock.
+
+
+# What `hf.save`, `hf.save_scalar`, `gguf.to_hf_dir` and a tokenizer's `save_pretrained` write.
+MODEL_DIR_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "source.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+    "vocab.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json"})
+
+
+class ModelDirError(ConfigError):
+  """A workdir's model directory holds files the run did not write."""
+
+
+def check_model_dir(path: str, writer: str, overwrite: bool = False, extra=()) -> None:
+  """Refuses to go on (before any work) when `path`, the model directory `writer` will write, holds
+  files a model export does not write (`MODEL_DIR_FILES` and `extra`): they are someone else's (a
+  stale sharded index there would even shadow the new weights). `overwrite` lets the write replace
+  the whole directory."""
+  if os.path.isfile(path):
+    raise ModelDirError(f"{path} is a file; {writer} writes its model into a directory there: move the file away")
+  recover_model_dir(path)
+  if overwrite or not os.path.isdir(path):
+    return
+  foreign = sorted(set(os.listdir(path)) - MODEL_DIR_FILES - set(extra))
+  if foreign:
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise ModelDirError(f"{path} holds files {writer} does not write ({shown}); move them away, or pass "
+                        "--overwrite to replace the directory")
+
+
+def write_model_dir(path: str, write) -> str:
+  """Calls `write(tmp)` on an empty sibling directory, then swaps it in for `path`: a reader sees the
+  old directory or the new one, never a half-written one (a kill in `write` leaves only the
+  sibling, cleared by the next write). Returns `path`."""
+  path = path.rstrip("/")
+  tmp, old = path + ".partial", path + ".replaced"
+  recover_model_dir(path)
+  for leftover in (tmp, old):
+    shutil.rmtree(leftover, ignore_errors=True)
+  os.makedirs(tmp)
+  write(tmp)
+  if os.path.isdir(path):
+    os.rename(path, old)
+  os.rename(tmp, path)
+  shutil.rmtree(old, ignore_errors=True)
+  return path
+
+
+def recover_model_dir(path: str) -> None:
+  """A kill between `write_model_dir`'s two renames leaves the old directory set aside and the new
+  one complete beside it: finish the swap."""
+  path = path.rstrip("/")
+  tmp, old = path + ".partial", path + ".replaced"
+  if not os.path.exists(path) and os.path.isdir(old) and os.path.isdir(tmp):
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

@@ -13,6 +13,8 @@ from launch import common
 
 _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<config>).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace WORKDIR/dpo_model even if it holds files this "
+                               "command does not write.")
 
 
 def main(argv):
@@ -26,6 +28,8 @@ def main(argv):
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or common.default_workdir()
   workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
+  out = os.path.join(workdir, "dpo_model")
+  workdir_lib.check_model_dir(out, "launch.dpo", _OVERWRITE.value)  # Before any work: refused by name.
   from_config.validate_pairs(cfg, "dpo")
   from_config.save_pipeline_config(cfg, workdir, "dpo")  # A resume that changes its start or loss fails here.
   mesh = sharding.make_mesh(cfg.mesh)
@@ -35,9 +39,9 @@ def main(argv):
   evaluator = from_config.dpo_evaluator(cfg, tok, model_cfg, mesh, held)
   params, ev = dpo.train(from_config.dpo_config(cfg), model_cfg, params, tok, train, held, mesh, workdir,
                          evaluator=evaluator, lora=from_config.lora_config(cfg))
-  out = os.path.join(workdir, "dpo_model")
   if jax.process_index() == 0:
-    hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)
+    params = jax.device_get(params)
+    workdir_lib.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))
   print(f"DPO model written to {out}")
 
 

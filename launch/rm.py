@@ -14,6 +14,8 @@ from launch import common
 
 _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<config>).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace WORKDIR/rm_model even if it holds files this "
+                               "command does not write.")
 
 
 def main(argv):
@@ -27,6 +29,8 @@ def main(argv):
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or common.default_workdir()
   workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
+  out = os.path.join(workdir, "rm_model")
+  workdir_lib.check_model_dir(out, "launch.rm", _OVERWRITE.value)  # Before any work: refused by name.
   from_config.validate_pairs(cfg, "rm")
   from_config.save_pipeline_config(cfg, workdir, "rm")  # A resume that changes its start or loss fails here.
   train, held = from_config.preference_data(cfg, "rm")
@@ -34,9 +38,9 @@ def main(argv):
   model_cfg, lm_params = hf.load(cfg.rm.init_dir, **from_config.runtime_overrides(cfg))
   params, ev = rm.train(from_config.rm_config(cfg), model_cfg, rm.from_lm(lm_params), tok, train, held,
                         sharding.make_mesh(cfg.mesh), workdir, lora=from_config.lora_config(cfg))
-  out = os.path.join(workdir, "rm_model")
   if jax.process_index() == 0:
-    hf.save_scalar(out, model_cfg, jax.device_get(params), tokenizer=tok)
+    params = jax.device_get(params)
+    workdir_lib.write_model_dir(out, lambda d: hf.save_scalar(d, model_cfg, params, tokenizer=tok))
   print(f"reward model written to {out}; held-out pairwise accuracy "
         f"{ev.get('val/rm/accuracy', float('nan')):.3f}, margin {ev.get('val/rm/margin', float('nan')):.3f}")
 

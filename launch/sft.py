@@ -17,17 +17,22 @@ from launch import common
 
 _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<config>).")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace WORKDIR/sft_model even if it holds files this "
+                               "command does not write.")
 
 
 def main(argv):
   del argv
   common.init_distributed()
   from dapo_jax import from_config, hf
+  from dapo_jax import workdir as workdir_lib
   workdir = _WORKDIR.value or common.default_workdir()
-  model_cfg, params, tok = from_config.run_sft(_CONFIG.value, workdir)
   out = os.path.join(workdir, "sft_model")
+  workdir_lib.check_model_dir(out, "launch.sft", _OVERWRITE.value)  # Before any work: refused by name.
+  model_cfg, params, tok = from_config.run_sft(_CONFIG.value, workdir)
   if jax.process_index() == 0:
-    hf.save(out, model_cfg, jax.device_get(params), tokenizer=tok)
+    params = jax.device_get(params)
+    workdir_lib.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))
   print(f"SFT model written to {out}")
 
 

@@ -78,3 +78,76 @@ def test_remote_workdirs_and_other_hosts_take_no_lock(tmp_path, where):
     assert not os.path.exists(tmp_path / workdir.LOCK_FILE)
   else:
     assert workdir.lock(where) == ""
+
+
+# --- the model directories a run writes into its workdir -----------------------------------------
+
+@pytest.mark.parametrize("launcher,config,out", [("sft", "sft_chat_arith", "sft_model"), ("rm", "rm_arith", "rm_model"),
+                                                 ("dpo", "dpo_arith", "dpo_model"), ("train", "default", "sft_model")])
+def test_a_model_dir_holding_a_users_files_is_refused_before_any_work(tmp_path, launcher, config, out):
+  """launch.sft|rm|dpo (and launch.train's SFT warm start) never write over files they did not write:
+  a user's file in W/<out> stops the command in one line naming the directory and the file."""
+  (tmp_path / out).mkdir()
+  (tmp_path / out / "notes.txt").write_text("mine")
+  (tmp_path / out / "config.json").write_text("{}")  # A name a model export writes: not named below.
+  config_arg = f"--config={ROOT}/configs/{config}.py" + ("" if config == "default" else ":runlocal")
+  out_ = subprocess.run([sys.executable, "-m", f"launch.{launcher}", config_arg, f"--workdir={tmp_path}"], cwd=ROOT,
+                        env=ENV, capture_output=True, text=True, timeout=300)
+  assert out_.returncode == 1 and "Traceback" not in out_.stderr, out_.stderr[-2000:]
+  assert out_.stderr.strip().splitlines()[-1] == (
+      f"error: {tmp_path / out} holds files {'the SFT warm start' if launcher == 'train' else 'launch.' + launcher} "
+      "does not write (notes.txt); move them away, or pass --overwrite to replace the directory")
+  assert sorted(os.listdir(tmp_path / out)) == ["config.json", "notes.txt"]
+  assert (tmp_path / out / "notes.txt").read_text() == "mine"
+  assert not os.path.exists(tmp_path / "checkpoints") and not os.path.exists(tmp_path / "sft" / "checkpoints")
+
+
+def test_check_model_dir_accepts_what_an_export_writes_and_names_the_rest(tmp_path):
+  d = tmp_path / "m"
+  workdir.check_model_dir(str(d), "x")  # Absent: fine.
+  d.mkdir()
+  for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    (d / name).write_text("")
+  workdir.check_model_dir(str(d), "x")  # Our own earlier write: a rerun replaces it.
+  for i in range(7):
+    (d / f"model-0000{i}-of-00007.safetensors").write_text("")
+  with pytest.raises(workdir.ModelDirError, match=r"holds files x does not write \(model-00000-of-00007.safetensors, "
+                     r".*model-00004-of-00007.safetensors and 2 more\)"):
+    workdir.check_model_dir(str(d), "x")
+  workdir.check_model_dir(str(d), "x", overwrite=True)
+  workdir.check_model_dir(str(d), "x", extra=[f"model-0000{i}-of-00007.safetensors" for i in range(7)])
+  (tmp_path / "f").write_text("")
+  with pytest.raises(workdir.ModelDirError, match="is a file"):
+    workdir.check_model_dir(str(tmp_path / "f"), "x", overwrite=True)
+
+
+WRITE = ("import os, sys, time; from dapo_jax import workdir\n"
+         "def write(d):\n"
+         "  open(os.path.join(d, 'config.json'), 'w').write('new')\n"
+         "  print('writing', flush=True); time.sleep(600)\n"
+         "workdir.write_model_dir(sys.argv[1], write)")
+
+
+def test_a_kill_during_a_model_write_leaves_the_old_model_whole(tmp_path):
+  d = tmp_path / "sft_model"
+  workdir.write_model_dir(str(d), lambda t: (open(os.path.join(t, "config.json"), "w").write("old"),
+                                             open(os.path.join(t, "model.safetensors"), "w").write("old")))
+  p = subprocess.Popen([sys.executable, "-c", WRITE, str(d)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+  assert p.stdout.readline().strip() == "writing"
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  assert {f: (d / f).read_text() for f in os.listdir(d)} == {"config.json": "old", "model.safetensors": "old"}
+  assert (tmp_path / "sft_model.partial" / "config.json").read_text() == "new"  # The cut write, set apart.
+  workdir.write_model_dir(str(d), lambda t: open(os.path.join(t, "config.json"), "w").write("newer"))
+  assert {f: (d / f).read_text() for f in os.listdir(d)} == {"config.json": "newer"}  # Replaced whole.
+  assert sorted(os.listdir(tmp_path)) == ["sft_model"]
+
+
+def test_a_kill_between_the_swaps_renames_is_finished_by_the_next_reader(tmp_path):
+  d = tmp_path / "m"
+  (tmp_path / "m.replaced").mkdir()
+  (tmp_path / "m.replaced" / "config.json").write_text("old")
+  (tmp_path / "m.partial").mkdir()
+  (tmp_path / "m.partial" / "config.json").write_text("new")  # Complete: the first rename had happened.
+  workdir.recover_model_dir(str(d))
+  assert sorted(os.listdir(tmp_path)) == ["m"] and (d / "config.json").read_text() == "new"
