@@ -23,7 +23,12 @@ _SCORER = flags.DEFINE_string("scorer", "dapo_jax.rewards.model:scorer",
 def main(argv):
   del argv
   from dapo_jax.serve import http, rm_server
-  http.check_port(_HOST.value, _PORT.value)  # Before the scorer loads its model.
+  import os  # noqa: PLC0415
+  try:  # Before the scorer loads its model: a public address without a token, a taken port.
+    http.check_bind(_HOST.value, _TOKEN.value or os.environ.get(rm_server.TOKEN_ENV), rm_server.TOKEN_ENV)
+  except http.ServerConfigError as e:
+    raise rm_server.ServerConfigError(str(e)) from None
+  http.check_port(_HOST.value, _PORT.value)
   score_fn = rm_server.load_scorer(_SCORER.value, _MODEL_DIR.value)
   server = rm_server.RMServer(score_fn, _HOST.value, _PORT.value, _TOKEN.value, _MAX_BATCH.value,
                               _MAX_WAIT_MS.value)

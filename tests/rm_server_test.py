@@ -242,24 +242,30 @@ def test_unknown_routes_404_too_large_413_non_finite_null():
 
 
 def test_32_concurrent_clients_x_40_requests_all_answered():
-  # The standard-library server reset some of these connections (its listen backlog was 5).
-  body = json.dumps({"prompts": ["What is 1+1?"], "responses": ["Answer: 2"]}).encode()
+  # The standard-library server reset some of these connections (its listen backlog was 5). Every
+  # request is distinct (its own sums, right and wrong answers, 1-3 of them), so an answer sent to
+  # the wrong client, or scores shuffled inside a batch, shows.
   failures, answered, lock = collections.Counter(), [0], threading.Lock()
+  reference = testing.arith_rm()
 
   with rm_server.RMServer(testing.arith_rm(), port=0, max_wait_ms=2) as server:
-    def client():
-      for _ in range(40):  # A new connection per request (urllib), the case that reset.
+    def client(k):
+      for i in range(40):  # A new connection per request (urllib), the case that reset.
+        n = 1 + (k + i) % 3
+        prompts = [f"What is {k}+{i * 3 + j}?" for j in range(n)]
+        responses = [f"Answer: {k + i * 3 + j + (j + i) % 2}" for j in range(n)]
+        body = json.dumps({"prompts": prompts, "responses": responses}).encode()
         req = urllib.request.Request(server.url + "/score", data=body, headers={"Content-Type": "application/json"})
         try:
           with urllib.request.urlopen(req, timeout=30) as r:
-            assert json.loads(r.read()) == {"scores": [1.0]}
+            assert json.loads(r.read()) == {"scores": reference(prompts, responses)}
           with lock:
             answered[0] += 1
         except Exception as e:  # Counted, so the assertion below says what went wrong.
           with lock:
             failures[f"{type(e).__name__}: {e}"] += 1
 
-    threads = [threading.Thread(target=client) for _ in range(32)]
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(32)]
     t0 = time.time()
     for t in threads:
       t.start()
@@ -275,8 +281,11 @@ def test_non_local_bind_needs_a_token(monkeypatch):
   with pytest.raises(rm_server.ServerConfigError, match="refusing to serve on '0.0.0.0' without a token"):
     rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=0)
   monkeypatch.setenv(rm_server.TOKEN_ENV, "t")
-  server = rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=0)
+  server = rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=0).start()
   assert server.token == "t"
+  body = {"prompts": PROMPTS[:1], "responses": RESPONSES[:1]}  # Served on every address, with the token only.
+  assert post(server.url, body)[0] == 401
+  assert post(server.url, body, {"Authorization": "Bearer t"}) == (200, {"scores": [1.0]})
   # A taken port is refused too; the error is both a reward and a server configuration error.
   with pytest.raises(rm_server.ServerConfigError, match="cannot bind") as e:
     rm_server.RMServer(testing.arith_rm(), host="0.0.0.0", port=int(server.url.rsplit(":", 1)[1]))

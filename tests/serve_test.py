@@ -19,6 +19,7 @@ from dapo_jax import testing
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve import server as server_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,6 +227,8 @@ def test_a_full_queue_answers_429_and_a_token_is_enforced(policy):
                                max_queue=2, token="s3cret") as s:
     with pytest.raises(openai.AuthenticationError):
       openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    no_token = httpx.post(s.url + "/v1/chat/completions", json={"model": "m", "messages": []})
+    assert no_token.status_code == 401 and no_token.json()["error"]["code"] == "invalid_api_key"
     ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
     with pytest.raises(openai.RateLimitError):
       ask(ok, "What is 12 + 5?", n=3, max_tokens=8)
@@ -246,6 +249,59 @@ def test_a_client_that_goes_away_frees_its_slots(server, client):
       break
     threading.Event().wait(0.05)
   assert done.is_set(), server.scheduler.pending
+  assert ask(client, "What is 40 + 2?", max_tokens=8).choices[0].message.content == "42"
+
+
+def test_a_whole_answer_whose_client_went_away_is_cancelled(server, client):
+  """Not streamed: the client sends its request and leaves while its samples wait behind others; the
+  server cancels them at once (`http.until_disconnected`) rather than decoding them for nobody, and
+  a chunked body past the cap is a 413 (`http.new_app`)."""
+  import socket  # noqa: PLC0415
+  cancels, submitted, theirs = [], threading.Event(), []
+  cancel, submit = server.scheduler.cancel, server.scheduler.submit
+
+  def spy_submit(req):
+    rid = submit(req)
+    if req.n == 5:  # The client's request (the work ahead asks for 8).
+      theirs.append(rid)
+      submitted.set()
+    return rid
+
+  server.scheduler.cancel = lambda rid, sample=None: (cancels.append((rid, sample)), cancel(rid, sample))
+  server.scheduler.submit = spy_submit
+  try:
+    body = json.dumps({"model": server.policy.model_name, "messages": [{"role": "user", "content": "What is 1 + 1?"}], "n": 5,
+                       "temperature": 1.0, "max_tokens": MAX_NEW}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    ids = chat_ids(server.policy.tok, "What is 12 + 5?")
+    for _ in range(16):  # Work ahead of it (16 x 8 samples on 8 slots), so it is still queued when its client leaves.
+      submit(scheduler_lib.Request(prompt_ids=ids, n=8, max_tokens=MAX_NEW, temperature=1.0, top_p=1.0,
+                                   on_event=lambda *ev: None))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+      s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body)
+      assert submitted.wait(30)
+    for _ in range(600):
+      if cancels:
+        break
+      threading.Event().wait(0.05)
+    assert cancels == [(theirs[0], None)]  # The whole request, by the server, once.
+    for _ in range(1200):  # The work ahead runs to its end; nothing is left in flight.
+      if server.scheduler.pending == 0:
+        break
+      threading.Event().wait(0.05)
+    assert server.scheduler.pending == 0 and theirs[0] not in server.scheduler.requests
+  finally:
+    server.scheduler.cancel, server.scheduler.submit = cancel, submit
+  big = b"x" * (server_lib.http.MAX_BODY_BYTES // 4)
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    try:
+      for _ in range(5):
+        s.sendall(b"%x\r\n" % len(big) + big + b"\r\n")
+    except OSError:  # The server answered and closed before the last chunks.
+      pass
+    assert s.recv(4096).split(b" ", 2)[1] == b"413"
   assert ask(client, "What is 40 + 2?", max_tokens=8).choices[0].message.content == "42"
 
 

@@ -15,6 +15,7 @@ import threading
 
 import fastapi
 import starlette.exceptions
+import starlette.requests
 import uvicorn
 from fastapi import responses
 
@@ -65,6 +66,7 @@ def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES)
   """A FastAPI app whose every route but /health needs the token (when one is set), whose bodies
   are capped, and whose errors (ours, FastAPI's validation, anything raised) are error objects."""
   app = fastapi.FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+  app.add_middleware(_BodyCap, max_body_bytes=max_body_bytes)
   expected = f"Bearer {token}".encode() if token else None
 
   @app.middleware("http")
@@ -93,6 +95,11 @@ def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES)
     what = "no route" if e.status_code == 404 else str(e.detail).lower()
     return APIError(e.status_code, f"{what}: {request.method} {request.url.path}").response()
 
+  @app.exception_handler(starlette.requests.ClientDisconnect)
+  async def gone(request, e):  # The client left while sending its body: nobody reads the answer.
+    logging.info("%s %s: the client went away before its body was sent", request.method, request.url.path)
+    return APIError(400, "the client went away before its body was sent").response()
+
   @app.exception_handler(Exception)
   async def internal(request, e):
     logging.exception("%s %s failed", request.method, request.url.path)
@@ -103,6 +110,49 @@ def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES)
     return {"status": "ok"}
 
   return app
+
+
+class _BodyCap:
+  """Caps the bytes a request body may bring, as they arrive: a chunked body declares no length, so
+  the Content-Length check alone would let it grow without bound (413 once it passes the cap)."""
+
+  def __init__(self, app, max_body_bytes: int):
+    self.app, self.max = app, max_body_bytes
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    seen = 0
+
+    async def capped():
+      nonlocal seen
+      message = await receive()
+      seen += len(message.get("body", b""))
+      if seen > self.max:  # An HTTPException: FastAPI's body parsing passes it on as it is (413).
+        raise starlette.exceptions.HTTPException(413, f"request body exceeds {self.max} bytes")
+      return message
+
+    await self.app(scope, capped, send)
+
+
+async def until_disconnected(request: fastapi.Request, work):
+  """Awaits `work` (a coroutine) unless the client goes away first: then it is cancelled (with it the
+  samples it runs) and this raises ClientDisconnect. A streamed answer notices on its next write; a
+  whole one would otherwise decode to its end for nobody. (After the body, the next ASGI message is
+  the disconnect; `Request.is_disconnected` cannot see it through the middleware's task group.)"""
+  async def gone():
+    while (await request.receive())["type"] != "http.disconnect":
+      pass
+
+  task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+  try:
+    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+      return task.result()
+    raise starlette.requests.ClientDisconnect()
+  finally:
+    for t in (task, watch):
+      t.cancel()
 
 
 class Server:

@@ -23,6 +23,7 @@ from fastapi import responses
 
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import tool_formats
+from dapo_jax.serve import http
 from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve.http import APIError
 
@@ -441,9 +442,9 @@ def routes(app: fastapi.FastAPI, policy: OpenAIPolicy) -> None:
     return {"id": name, "object": "model", "created": 0, "owned_by": "dapo_jax"}
 
   @app.post("/v1/completions")
-  async def completions(body: CompletionBody):
-    return await policy.completions(body)
+  async def completions(body: CompletionBody, request: fastapi.Request):
+    return await http.until_disconnected(request, policy.completions(body))
 
   @app.post("/v1/chat/completions")
-  async def chat(body: ChatBody):
-    return await policy.chat(body)
+  async def chat(body: ChatBody, request: fastapi.Request):
+    return await http.until_disconnected(request, policy.chat(body))

@@ -129,9 +129,7 @@ def make_app(batcher: Batcher, token: str | None, request_timeout_s: float = 600
   async def score(request: fastapi.Request):
     # The body is read and checked here rather than by a typed parameter, so that any Content-Type
     # is taken (as the standard-library server took it) and a bad body is a 400 naming the field.
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:  # A chunked body carries no Content-Length for the middleware to check.
-      raise http.APIError(413, f"request body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+    body = await request.body()  # Capped as it arrives (`http.new_app`), chunked or not.
     try:
       req = ScoreRequest.model_validate_json(body)
     except pydantic.ValidationError as e:
