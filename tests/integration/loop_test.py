@@ -1,5 +1,7 @@
 """The DAPO loop end to end on a tiny config: metrics, checkpoints, resume, stop signals."""
+import ast
 import glob
+import json
 import math
 import os
 import signal
@@ -44,6 +46,25 @@ def test_runlocal_loop_logs_checkpoints_and_resumes(tmp_path):
   recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   assert sorted(recs) == [0, 1, 2, 3]
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))
+
+  # The run remembers how it was made: sample, eval and export need no --config. Each answer shows
+  # the recorded config, not the default one: the length reward scores, eval.k=2, a 32-wide model.
+  def launch(*args):
+    res = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env(), capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+  out = launch("launch.sample", f"--workdir={workdir}", "--prompt=What is 38+46?", "--ground_truth=84", "--k=2",
+               "--max_new_tokens=4").splitlines()
+  assert out[0] == "prompt 1/1: 'What is 38+46? End with: Answer: <number>'  (ground truth '84')"
+  for line in [x for x in out if x.startswith("  ")]:
+    text, score = line.split(": ", 1)[1].rsplit("  [score ", 1)
+    assert score.startswith(f"{testing.length_reward(ast.literal_eval(text), '84')['score']:+.2f},"), line
+  result = json.loads(launch("launch.eval", f"--workdir={workdir}").splitlines()[-1])
+  assert result["rollout_step"] == 3 and result["num_prompts"] == 8 and "val/acc/mean@2" in result, result
+  launch("launch.export", f"--workdir={workdir}", f"--out={tmp_path / 'exported'}")
+  exported = json.load(open(tmp_path / "exported" / "config.json"))
+  assert (exported["hidden_size"], exported["num_hidden_layers"]) == (32, 2), exported
 
 
 def test_bad_reward_path_fails_at_start(tmp_path):
