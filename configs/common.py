@@ -73,7 +73,7 @@ def base() -> mlc.ConfigDict:
                 prompt_template="",          # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
                 max_prompt_len=2048,         # tokens; longer prompts keep their end (truncation left)
                 prompt_buckets=(),            # prompt lengths compiled for; () = just max_prompt_len
-                missing_answer="error",      # error | skip rows without a ground truth
+                missing_answer="error",      # error | skip rows without a (usable) ground truth
                 digits=2, ops="+", heldout_fraction=0.1, num_eval=128,   # arith task knobs
                 digits_b=0,                  # digits of the second operand (0 = digits)
                 fewshot=0,                   # worked examples in the chat before each question

@@ -81,10 +81,38 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
   if not files:
     raise ValueError("data.train_files is empty; set --config.data.train_files=/path/to/train.parquet")
   template = d.prompt_template or None
-  load = lambda f: data_lib.load_file(f, missing_answer=d.missing_answer, prompt_template=template)
+  check = row_check(cfg)
+  load = lambda f: data_lib.load_file(f, missing_answer=d.missing_answer, prompt_template=template, check=check)
   train = [ex for f in files for ex in load(f)]
   evals = [ex for f in d.eval_files if f for ex in load(f)]
   return train, evals[: d.num_eval] if d.num_eval else evals
+
+
+def row_check(cfg):
+  """What every dataset row must pass for this run to use it: the `check_ground_truth` of each reward
+  function that has one (`rewards.code.python_tests`: a HumanEval task object) and the environment's
+  `check_example`; None when nothing checks. Each raises a ValueError saying what is wrong."""
+  r = cfg.reward
+  fns = [f for f in r.get("fns") or () if f]
+  specs = [spec for spec, _ in rewards_lib.parse_weighted(fns)] if fns else [r.fn]
+  checks = []
+  for spec in specs:
+    if ":" in spec and not spec.startswith(("http://", "https://", "rm:")):  # A function, not a server.
+      check = getattr(rewards_lib.resolve(spec), "check_ground_truth", None)
+      if check is not None:
+        checks.append(lambda ex, check=check: check(ex.ground_truth))
+  if cfg.rollout.env:
+    make_env, _ = episodes(cfg)
+    check = getattr(make_env(), "check_example", None)  # Any class with reset and step is an environment.
+    if check is not None:
+      checks.append(check)
+  if not checks:
+    return None
+
+  def check_all(ex) -> None:
+    for check in checks:
+      check(ex)
+  return check_all
 
 
 def user_prompt(cfg, question: str):

@@ -223,3 +223,30 @@ def test_guess_number_examples():
   assert "from 5 to 9" in rows[0].messages[0]["content"] and rows[0].messages[0]["role"] == "user"
   env = base.resolve("dapo_jax.envs.games:GuessNumberEnv", {"max_guesses": 4})()
   assert env.reset(rows[0]) == list(rows[0].messages)
+
+
+def test_rows_an_environment_cannot_run_are_named_at_load(tmp_path):
+  """An episode dataset is checked by its environment as it loads: a guessing game's secret that is
+  not an integer, or a tool episode whose reward cannot read the ground truth, is named by file and
+  row; the rows it can run load."""
+  import json  # noqa: PLC0415
+
+  from configs import dapo_qwen2_5_32b  # noqa: PLC0415
+  from dapo_jax import from_config  # noqa: PLC0415
+  from dapo_jax.data import prompts  # noqa: PLC0415
+  path = tmp_path / "games.jsonl"
+  rows = [{"prompt": "Guess my number (1-100).", "reward_model": {"ground_truth": gt}} for gt in ("42", "seven", "7")]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  cfg.data.update(task="file", train_files=(str(path),), eval_files=())
+  cfg.rollout.update(env="dapo_jax.envs.games:GuessNumberEnv", env_args='{"max_guesses": 3}')
+  with pytest.raises(prompts.DataError, match=rf"^{path}: row 1: an unusable ground truth: GuessNumberEnv needs an "
+                                              r"integer ground truth, got 'seven'"):
+    from_config.datasets(cfg)
+  cfg.data.missing_answer = "skip"
+  assert [ex.ground_truth for ex in from_config.datasets(cfg)[0]] == ["42", "7"]
+  # A tool environment asks the reward that scores its answers.
+  env = tool_env.ToolEnv(reward="dapo_jax.rewards:python_tests")
+  with pytest.raises(ValueError, match="ground_truth is not a JSON object \\(a int"):
+    env.check_example(EXAMPLE)
+  tool_env.ToolEnv().check_example(EXAMPLE)  # math_dapo reads any answer.

@@ -7,12 +7,13 @@ Row schema (verl RL format, DAPO_SPEC §4.2):
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
 import os
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -88,26 +89,35 @@ def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Exa
                  index=i)
 
 
-def load_file(path: str, missing_answer: str = "error", prompt_template: str | None = None) -> list[Example]:
+def load_file(path: str, missing_answer: str = "error", prompt_template: str | None = None,
+              check: Callable[[Example], None] | None = None) -> list[Example]:
   """All examples of a parquet/jsonl file in the DAPO-Math schema.
 
-  missing_answer: "error" fails naming the row; "skip" drops such rows and logs how many.
+  check: raises a ValueError for an example the run could never use (a reward's
+  `check_ground_truth`, an environment's `check_example`). missing_answer: "error" fails naming the
+  row without a ground truth or with an unusable one; "skip" drops such rows and logs how many.
   """
   rows = read_rows(path)
   if not rows:
     raise DataError(f"dataset file {path!r} has no rows")
-  out, skipped = [], 0
+  out, skipped = [], collections.Counter()
   for i, row in enumerate(rows):
-    ex = _parse_row(row, path, i, prompt_template)
+    ex, kind, why = _parse_row(row, path, i, prompt_template), "no ground truth", " (field 'reward_model.ground_truth')"
+    if ex is not None and check is not None:
+      try:
+        check(ex)
+      except ValueError as e:
+        ex, kind, why = None, "an unusable ground truth", f": {e}"
     if ex is None:
       if missing_answer == "skip":
-        skipped += 1
+        skipped[kind] += 1
         continue
-      raise DataError(f"{path}: row {i}: no ground truth (field 'reward_model.ground_truth'); "
-                      "set --config.data.missing_answer=skip to skip such rows")
+      raise DataError(f"{path}: row {i}: {kind}{why}; set --config.data.missing_answer=skip to skip such rows")
     out.append(ex)
-  if skipped:
-    logging.warning("%s: skipped %d rows without a ground truth", path, skipped)
+  for what, n in skipped.items():
+    logging.warning("%s: skipped %d rows with %s", path, n, what)
+  if not out:
+    raise DataError(f"dataset file {path!r}: every row was skipped ({dict(skipped)})")
   return out
 
 

@@ -6,7 +6,8 @@
         reward: the final reward, {"score", "acc", "pred"} (a float is a score), when obs is None
         info:   anything to log (str/number values)
 
-One instance per episode (the runner builds `Class(**rollout.env_args)` for each), so an environment
+`check_example(example)` (optional) refuses a row the environment could never run; datasets call it
+as they load, naming the file and row. One instance per episode (the runner builds `Class(**rollout.env_args)` for each), so an environment
 keeps its episode's state in `self`. Before `reset` the runner sets `env.tokenizer` (the policy's
 tokenizer: tool environments read its chat template's format). `env.tools` lists the tool schemas the
 prompt is rendered with (the chat template's own `tools=` support); None renders no tools.
@@ -42,6 +43,10 @@ class Env:
   def step(self, assistant_text: str):
     """(observation messages or None when done, reward or None, info) after one policy turn."""
     raise NotImplementedError
+
+  def check_example(self, example) -> None:
+    """Raises a ValueError saying what is wrong when this environment could not run `example`.
+    Datasets call it on every row as they load, so a bad row is named by file and row at start."""
 
   def close(self) -> None:
     """Releases the episode's resources (a sandbox, a connection); called once it ends."""

@@ -45,12 +45,19 @@ class GuessNumberEnv(base.Env):
     self.secret, self.guesses = None, 0
 
   def reset(self, example) -> list[dict]:
-    try:
-      self.secret = int(str(example.ground_truth).strip())
-    except ValueError:
-      raise ValueError(f"GuessNumberEnv needs an integer ground truth, got {example.ground_truth!r}") from None
+    self.secret = self._secret(example)
     self.guesses = 0
     return list(example.messages)
+
+  def check_example(self, example) -> None:
+    self._secret(example)
+
+  @staticmethod
+  def _secret(example) -> int:
+    try:
+      return int(str(example.ground_truth).strip())
+    except ValueError:
+      raise ValueError(f"GuessNumberEnv needs an integer ground truth, got {example.ground_truth!r}") from None
 
   def step(self, assistant_text: str) -> base.StepResult:
     guess = last_integer(assistant_text)

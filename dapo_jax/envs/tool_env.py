@@ -155,6 +155,11 @@ class ToolEnv(base.Env):
     self.tools = schemas if self.fmt in ("qwen", "llama3") else None
     return tool_formats.prompt_messages(example.messages, schemas, self.fmt)
 
+  def check_example(self, example) -> None:
+    check = getattr(self.reward_fn, "check_ground_truth", None)  # The reward that scores the answer.
+    if check is not None:
+      check(example.ground_truth)
+
   def _answer(self, text: str, info: dict) -> base.StepResult:
     return base.StepResult(observation=None, reward=self.reward_fn(text, self.example.ground_truth), info=info)
 
