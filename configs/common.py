@@ -103,6 +103,11 @@ def base() -> mlc.ConfigDict:
                    # the proximal policy (this step's params) and π_prox/π_behav is weighted through
                    # dapo.rollout_correction (AReaL's actor.use_decoupled_loss).
                    use_decoupled_loss=False,
+                   # Partial rollouts (max_staleness=1, streaming): once update k ends, the samples of
+                   # step k+1 still in flight continue with the new params (their KV cache kept) and
+                   # the prompts not yet started start with them; each token keeps its sampler's
+                   # log-prob and version (docs/async.md).
+                   partial_rollouts=False,
                    # What ends a completion: "generation_config" = the model's EOS ids as verl reads
                    # them (generation_config.json, else config.json, else the tokenizer's EOS; for a
                    # base model often <|endoftext|> alone), "chat" = those plus the chat template's

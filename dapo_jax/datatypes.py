@@ -59,12 +59,17 @@ class Groups:
   # int32: the policy version (rollout step whose params sampled the row); -1 = not stamped yet
   # (the loop stamps rows as it receives them, `loop.DAPO.stamp`).
   version_QG: np.ndarray | None = None
+  # int32: partial rollouts (`rollout.partial_rollouts`): the row's first token sampled by version
+  # version_QG + 1, whose params reached the rollout while the row was in flight; -1 = none was.
+  switch_QG: np.ndarray | None = None
 
   def __post_init__(self):
     if self.policy_QGC is None:
       self.policy_QGC = self.mask_QGC
     if self.version_QG is None:
       self.version_QG = np.full(np.shape(self.length_QG), -1, np.int32)
+    if self.switch_QG is None:
+      self.switch_QG = np.full(np.shape(self.length_QG), -1, np.int32)
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
@@ -78,7 +83,8 @@ class Groups:
                mask_QGC=samples.mask_BC.reshape(Q, G, C), length_QG=samples.length_B.reshape(Q, G),
                truncated_QG=samples.truncated_B.reshape(Q, G), score_QG=score_QG, acc_QG=acc_QG, filter_QG=filter_QG,
                logp_QGC=samples.logp_BC.reshape(Q, G, C), carried_Q=np.zeros(Q, bool),
-               policy_QGC=None if samples.policy_BC is None else samples.policy_BC.reshape(Q, G, C))
+               policy_QGC=None if samples.policy_BC is None else samples.policy_BC.reshape(Q, G, C),
+               switch_QG=None if samples.switch_B is None else np.asarray(samples.switch_B, np.int32).reshape(Q, G))
 
   def take(self, idx) -> "Groups":
     return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
@@ -104,6 +110,8 @@ class Groups:
     if "version_QG" not in d:  # Saved before versions were stamped: unknown (the loop stamps them).
       d = dict(d, version_QG=np.full(np.shape(d["length_QG"]), -1, np.int32),
                dtypes=dict(d["dtypes"], version_QG="int32"))
+    if "switch_QG" not in d:  # Saved before partial rollouts: every row had one sampler.
+      d = dict(d, switch_QG=np.full(np.shape(d["length_QG"]), -1, np.int32), dtypes=dict(d["dtypes"], switch_QG="int32"))
     return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
 
 

@@ -333,6 +333,7 @@ def loop_config(cfg) -> loop.LoopConfig:
       admit_ahead=d.get("admit_ahead", True),
       max_staleness=cfg.rollout.get("max_staleness", 0),
       use_decoupled_loss=cfg.rollout.get("use_decoupled_loss", False),
+      partial_rollouts=cfg.rollout.get("partial_rollouts", False),
       length_buckets=train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else (),
       **run_record_config(cfg))
 

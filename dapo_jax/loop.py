@@ -16,7 +16,10 @@ Staleness (`rollout.max_staleness=1`, `pipelining`): step k+1's groups are sampl
 ones (π_old = their sampler log-probs), or, with `use_decoupled_loss`, with π_old = this step's
 params (AReaL's proximal policy) and π_prox/π_behav through `dapo.rollout_correction`. A rollout
 step followed by a periodic checkpoint prefetches nothing, so the step after a checkpoint is sampled
-synchronously and a resumed run repeats an uninterrupted one exactly.
+synchronously and a resumed run repeats an uninterrupted one exactly. With `partial_rollouts`, the
+params of update k reach step k+1's rollout as soon as the update ends: its samples in flight draw
+their remaining tokens with them (`Groups.switch_QG` marks where), and its prompts not yet started
+are sampled by them alone.
 """
 from __future__ import annotations
 
@@ -76,6 +79,7 @@ class LoopConfig:
   peak_flops: float = 0.0       # per device, for perf/mfu; 0 = from the device kind (`metrics.PEAK_FLOPS`)
   max_staleness: int = 0        # 0: synchronous; 1: the next step's rollout is sampled during this update
   use_decoupled_loss: bool = False  # stale rows' π_old: False = sampler log-probs; True = this step's policy
+  partial_rollouts: bool = False  # the rollout in flight continues with each update's params as it ends
 
   @property
   def updates_per_step(self) -> int:
@@ -125,6 +129,7 @@ class DAPO:
     self.prefetch = pipelining.Prefetch() if cfg.max_staleness else None
     self.prefetch_data = None  # the data position before the rollout in flight
     self.prefetch_keep_rate = None  # and the keep rate
+    self.feed = None  # partial rollouts: where the rollout in flight takes newer params from
     kind = jax.devices()[0].device_kind
     self.peak_flops = cfg.peak_flops or metrics_lib.peak_flops(kind)
 
@@ -224,7 +229,7 @@ class DAPO:
     if self.prefetch is not None and self.prefetch.pending:
       assert self.prefetch.step == step, (self.prefetch.step, step)
       groups, stats, info = self.prefetch.result()
-      self.prefetch_data = None
+      self.prefetch_data, self.feed = None, None
     else:
       groups, stats, info = self._collect_stamped(step, None, step)
     self._prefetch_next(step)
@@ -260,6 +265,8 @@ class DAPO:
       train_metrics, update_timing = self.update(batch, have_logprobs=token_level)
       timing.update(update_timing)
       host_memory.release()
+    if self.feed is not None:  # Partial rollouts: the next step's samples in flight go on with version step + 1.
+      self.feed.publish(self.rollout.sampling_params(self.state.params))
     step_s = time.perf_counter() - t_step
     m = metrics_lib.step_metrics(
         groups, stats, info, train_metrics, timing, adv, step_s, max_new_tokens=self.rollout.sampler_cfg.max_new_tokens,
@@ -299,6 +306,8 @@ class DAPO:
       policy = pipelining.snapshot(policy)  # Before the update donates the state's buffers.
     self.prefetch_data = self.data_iter.state()
     self.prefetch_keep_rate = self.keep_rate.state()
+    if c.partial_rollouts:
+      policy = self.feed = dynamic_sampling.PolicyFeed(policy)
     self.prefetch.start(done, lambda: self._collect_stamped(done, policy, step))
 
   def _collect_stamped(self, step: int, policy, version: int):

@@ -206,6 +206,12 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
     if policy_version is not None and len(groups):
       stale_QG = policy_version - groups.version_QG
       m["rollout/staleness_mean"], m["rollout/staleness_max"] = float(stale_QG.mean()), int(stale_QG.max())
+      if (groups.switch_QG >= 0).any():  # Partial rollouts: tokens after a row's switch are one version newer.
+        C = groups.tokens_QGC.shape[-1]
+        newer_QGC = (groups.switch_QG[..., None] >= 0) & (np.arange(C) >= groups.switch_QG[..., None])
+        stale_QGC = stale_QG[..., None] - newer_QGC
+        m["rollout/partial_rows"] = float((groups.switch_QG >= 0).mean())
+        m["rollout/staleness_token_mean"] = float(stale_QGC[groups.mask_QGC].mean())
     if adv.size:  # Per response, or per loss token (REINFORCE++, GAE).
       m.update({"critic/advantages/mean": float(adv.mean()), "critic/advantages/max": float(adv.max()),
                 "critic/advantages/min": float(adv.min())})

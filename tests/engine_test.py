@@ -219,3 +219,84 @@ def test_eval_of_the_aime_file_samples_its_960_rows_once(tiny_tokenizer_dir):
     pool.close()
   assert ev.copies == [32] * 30 and ev.sampled_rows == 960
   assert set(m) == {"val/acc/mean@32", "val/acc/best@32", "val/acc/maj@32"}
+
+
+def test_updated_params_take_over_the_samples_in_flight_and_each_token_keeps_its_samplers_logprob():
+  """Partial rollouts: after a round, `update_params(B)`; the samples in flight draw their remaining
+  tokens with B (their cache kept), the queued ones start with B. B differs from A in the final norm
+  alone, so the KV cache is the same under both and each token's recorded log-prob can be checked
+  against a teacher-forced forward: A's before the sample's switch, B's from it on."""
+  tokens, mask = prompts()
+  G, C, T = 4, 10, 1.0
+  B = dict(PARAMS, final_norm={"scale_D": PARAMS["final_norm"]["scale_D"] * 1.7})
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=T, eos_ids=(5, 9), pad_id=0)
+  session = engine.Engine(CFG, sc, slots=3, prompt_len=7).session(PARAMS, jax.random.key(3))
+  session.add(list(range(5)), tokens, mask, G)
+  session.close()
+  finished = session.step(round_steps=3)
+  session.update_params(B)
+  while session.busy:
+    finished += session.step()
+  assert len(finished) == 5 * G
+  switch = np.array([f.switch_at for f in finished])
+  length = np.array([f.length for f in finished])
+  assert ((0 < switch) & (switch < length)).any() and (switch == 0).sum() >= 5 * G - 3  # Mid-sample and queued.
+  rows = sorted(finished, key=lambda f: (f.prompt_id, f.sample))
+  out = engine.stack(rows, C)
+  np.testing.assert_array_equal(out.switch_B, [f.switch_at for f in rows])
+  batch = RLBatch(tokens_BT=np.concatenate([np.repeat(tokens, G, 0), out.tokens_BC], 1),
+                  mask_BT=np.concatenate([np.repeat(mask, G, 0), out.mask_BC], 1), loss_mask_BC=out.mask_BC,
+                  old_logp_BC=out.logp_BC, adv_B=np.zeros(len(out.length_B), np.float32), ref_logp_BC=out.logp_BC)
+  logp_A, logp_B = (np.asarray(objectives.completion_logprobs(CFG, T)(p, batch)) for p in (PARAMS, B))
+  by_B = np.arange(C)[None, :] >= out.switch_B[:, None]
+  expected = np.where(by_B, logp_B, logp_A)
+  np.testing.assert_allclose(np.where(out.mask_BC, expected, 0), np.where(out.mask_BC, out.logp_BC, 0), atol=2e-5)
+  assert np.abs(np.where(out.mask_BC & by_B, logp_A - logp_B, 0)).max() > 1e-2  # B is not A on those tokens.
+
+
+class _FeedAfter(dynamic_sampling.PolicyFeed):
+  """A feed whose newer params arrive at the rollout's `at`-th round (as an update ending then would)."""
+
+  def __init__(self, params, newer, at: int):
+    super().__init__(params)
+    self.newer, self.at, self.rounds = newer, at, 0
+
+  def take(self):
+    self.rounds += 1
+    return self.newer if self.rounds == self.at else None
+
+
+def test_a_streamed_rollout_takes_newer_params_mid_step_and_marks_each_row(arith_rollout):
+  """Partial rollouts through streaming dynamic sampling: the groups carry each row's switch
+  (`Groups.switch_QG`), the rows that started after it are the newer params' alone, and every
+  recorded log-prob is its sampler's (teacher-forced: the older params before the switch, the newer
+  from it; they differ in the final norm only, so the cache is the same under both)."""
+  r, params = arith_rollout
+  newer = dict(params, final_norm={"scale_D": params["final_norm"]["scale_D"] * 1.7})
+  examples = data.arith_examples(64, seed=0)
+  feed = _FeedAfter(params, newer, at=2)
+  got, stats, _ = dynamic_sampling.stream_groups(r, feed, data.PromptIterator(examples, shuffle=False), 4, 6,
+                                                 jax.random.key(7))
+  switch = got.switch_QG
+  # Groups sampled before the switch, and after it (here every sample of a round ends in it: the
+  # mid-sample switch is the engine test's above).
+  assert (switch == -1).any() and (switch == 0).any() and feed.rounds > 2, switch
+  Q, G, C = got.tokens_QGC.shape
+  batch = RLBatch(tokens_BT=np.concatenate([np.repeat(got.prompt_QP, G, 0), got.tokens_QGC.reshape(-1, C)], 1),
+                  mask_BT=np.concatenate([np.repeat(got.prompt_mask_QP, G, 0), got.mask_QGC.reshape(-1, C)], 1),
+                  loss_mask_BC=got.mask_QGC.reshape(-1, C), old_logp_BC=got.logp_QGC.reshape(-1, C),
+                  adv_B=np.zeros(Q * G, np.float32), ref_logp_BC=got.logp_QGC.reshape(-1, C))
+  old, new = (np.asarray(objectives.completion_logprobs(r.model_cfg, 1.0)(p, batch)) for p in (params, newer))
+  s_B = switch.reshape(-1, 1)
+  by_new = (s_B >= 0) & (np.arange(C)[None, :] >= s_B)
+  mask = batch.loss_mask_BC
+  np.testing.assert_allclose(np.where(mask, np.where(by_new, new, old), 0), np.where(mask, batch.old_logp_BC, 0),
+                             atol=2e-5)
+  # The metrics: the share of rows that switched, and per-token staleness below the rows'.
+  from dapo_jax import metrics, pipelining
+  pipelining.stamp(got, 3)
+  m = metrics.step_metrics(got, stats, {"gen_tokens": 1, "gen_s": 1.0, "reward_s": 0.0}, {}, {}, np.zeros(0), 1.0,
+                           max_new_tokens=6, group_size=4, reward=r.reward, skipped=0, truncated_prompts=0, policy_version=4)
+  assert m["rollout/staleness_max"] == 1 and m["rollout/partial_rows"] == float((switch >= 0).mean())
+  expected = float((1 - by_new.reshape(Q, G, C))[got.mask_QGC].mean())
+  assert m["rollout/staleness_token_mean"] == pytest.approx(expected) and expected < 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import threading
 import time
 from typing import Callable
 
@@ -174,8 +175,10 @@ def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_pr
   while kept + in flight < Q. With several processes every host runs the same step in lockstep
   (scores are collected at fixed rounds, so every host admits alike); every host scores
   every group."""
+  feed = params if isinstance(params, PolicyFeed) else None
   eng = rollout.engine(rollout.sampler_cfg, Q * G)
-  step = _StreamingStep(rollout, eng.session(params, key, rollout.episodes), G, Q, max_prompts=max_prompts,
+  session = eng.session(feed.params if feed else params, key, rollout.episodes)
+  step = _StreamingStep(rollout, session, G, Q, max_prompts=max_prompts, feed=feed,
                         filter_groups=filter_groups, keep_rate=keep_rate or KeepRate(),
                         ahead=ahead and rollout.episodes is None, C=eng.C)
   t_start = time.perf_counter()
@@ -206,8 +209,8 @@ class _StreamingStep:
   of prompt numbers whose groups are all scored."""
 
   def __init__(self, rollout: Rollout, session, G: int, Q: int, *, max_prompts: int, filter_groups: bool,
-               keep_rate: KeepRate, ahead: bool, C: int):
-    self.rollout, self.session, self.G, self.Q, self.C = rollout, session, G, Q, C
+               keep_rate: KeepRate, ahead: bool, C: int, feed: "PolicyFeed | None" = None):
+    self.rollout, self.session, self.G, self.Q, self.C, self.feed = rollout, session, G, Q, C, feed
     self.max_prompts, self.filter_groups, self.keep_rate, self.ahead = max_prompts, filter_groups, keep_rate, ahead
     self.stats = StreamStats()
     self.pending: dict[int, dict] = {}          # prompt number -> its prompt, example and ended samples
@@ -240,6 +243,8 @@ class _StreamingStep:
           break
         self.collect(keep_last=False)
         continue
+      if self.feed is not None and (new := self.feed.take()) is not None:
+        session.update_params(new)  # Partial rollouts: newer params take over the samples in flight.
       done = []
       for f in session.step():
         entry = self.pending[f.prompt_id]
@@ -330,6 +335,28 @@ class _StreamingStep:
       s.all_correct += int(groups.acc_QG.all())
       s.all_wrong += int((~groups.acc_QG).all())
       self.rollout.truncated_prompts += self.truncated[pid]
+
+
+class PolicyFeed:
+  """The params a streamed rollout samples with, and newer ones handed to it while it runs (partial
+  rollouts, `rollout.partial_rollouts`): `publish` from the training thread, `take` from the rollout's
+  between rounds (the newest published, once; None when there is nothing new)."""
+
+  def __init__(self, params):
+    self.params = params
+    self._new = None
+    self._lock = threading.Lock()
+    self.published = 0
+
+  def publish(self, params) -> None:
+    with self._lock:
+      self._new = params
+      self.published += 1
+
+  def take(self):
+    with self._lock:
+      new, self._new = self._new, None
+    return new
 
 
 def _group(entry: dict, G: int, C: int) -> dict:

@@ -72,6 +72,9 @@ class Finished:
   policy_C: np.ndarray | None = None   # episodes: the tokens the policy sampled (the rest: observations)
   reward: dict | None = None           # episodes: the environment's final reward
   turns: int = 1
+  # Partial rollouts: the first token drawn by the params of `Session.update_params` (-1: none was;
+  # 0: all were). The tokens before it were drawn by the session's earlier params.
+  switch_at: int = -1
 
 
 @dataclasses.dataclass
@@ -87,6 +90,7 @@ class _Work:
   top_p: float
   paused: bool = False             # episodes: waiting for its environment
   last: Finished | None = None     # episodes: the episode so far, at its last turn's end
+  switch_at: int = -1              # partial rollouts: its first token drawn by updated params (`Finished`)
 
 
 def _buckets(n: int) -> list[int]:
@@ -352,9 +356,10 @@ def stack(rows: list[Finished], C: int) -> sampling.Samples:
   length_B = np.array([r.length for r in rows], np.int32)
   mask_BC = np.arange(C)[None, :] < length_B[:, None]
   policy_BC = None if rows[0].policy_C is None else np.stack([r.policy_C for r in rows]) & mask_BC
+  switch = np.array([r.switch_at for r in rows], np.int32)
   return sampling.Samples(tokens_BC=np.stack([r.tokens_C for r in rows]), logp_BC=np.stack([r.logp_C for r in rows]),
                           mask_BC=mask_BC, length_B=length_B, truncated_B=np.array([r.truncated for r in rows], bool),
-                          policy_BC=policy_BC)
+                          policy_BC=policy_BC, switch_B=switch if (switch >= 0).any() else None)
 
 
 class Session:
@@ -372,6 +377,7 @@ class Session:
     self.paused = 0
     self.params = params
     self.dparams = _decode_params(engine.model_cfg, params)
+    self.updated = False  # `update_params` was called: samples started from now on are all the new params'.
     self.rep = sharding.replicated(engine.mesh)
     self.key_data = sharding.put(np.asarray(jax.random.key_data(key)), self.rep)
     self.state = engine.empty_state()
@@ -423,7 +429,23 @@ class Session:
       for g in range(G):
         stop = self.e.C + 1 if stop_at_B is None else int(stop_at_B[q * G + g])
         self.queue.append(_Work(int(pid), g, prompt_QP[q], prompt_mask_QP[q], stop, key_id, budget, temperature,
-                                top_p))
+                                top_p, switch_at=0 if self.updated else -1))
+
+  def update_params(self, params) -> None:
+    """Partial rollouts: the samples in flight continue with `params` from the token after next on
+    (the next one's logits were computed with the last token), and the queued ones start with them. The KV cache of the tokens drawn so far is kept: it was computed
+    by the earlier params (as verl and slime accept; rebuilding it would cost a prefill of every row),
+    and each token's recorded log-prob is that of the params that drew it. Each sample records where
+    the new params took over (`Finished.switch_at`). Call it between rounds, from the thread that
+    steps the session."""
+    self.params = params
+    self.dparams = _decode_params(self.e.model_cfg, params)
+    for s, w in enumerate(self.slot_work):
+      if w is not None and w.switch_at < 0:  # Its next token's logits were computed by the old params.
+        w.switch_at = int(self.drawn[s]) + 1
+    for w in self.queue:
+      w.switch_at = 0
+    self.updated = True
 
   def cancel(self, prompt_id: int, sample: int | None = None) -> list[int]:
     """Drops the queued samples of `prompt_id` (or its one `sample`) and ends the running ones: the
@@ -505,7 +527,7 @@ class Session:
     for i, s in enumerate(ended):
       w, n = self.slot_work[s], int(step_S[s])
       f = Finished(w.prompt_id, w.sample, tokens[i], logp[i], n, truncated=int(tokens[i][n - 1]) not in eos,
-                   policy_C=policy[i] if self.episodes else None)
+                   policy_C=policy[i] if self.episodes else None, switch_at=w.switch_at if w.switch_at < n else -1)
       if self.episodes:  # A turn ended: the environment answers while the other slots decode.
         key = (w.prompt_id, w.sample)
         start = self.turn_start.get(key, 0)

@@ -47,6 +47,7 @@ class Samples:
   length_B: jax.Array      # int32 number of completion tokens (EOS included)
   truncated_B: jax.Array   # bool: no EOS within the budget
   policy_BC: jax.Array | None = None   # episodes: tokens the policy sampled (None: all of mask_BC)
+  switch_B: jax.Array | None = None    # partial rollouts: first token drawn by updated params (-1: none)
 
 
 @struct.dataclass
