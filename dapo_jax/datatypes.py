@@ -111,7 +111,8 @@ class Groups:
       d = dict(d, version_QG=np.full(np.shape(d["length_QG"]), -1, np.int32),
                dtypes=dict(d["dtypes"], version_QG="int32"))
     if "switch_QG" not in d:  # Saved before partial rollouts: every row had one sampler.
-      d = dict(d, switch_QG=np.full(np.shape(d["length_QG"]), -1, np.int32), dtypes=dict(d["dtypes"], switch_QG="int32"))
+      d = dict(d, switch_QG=np.full(np.shape(d["length_QG"]), -1, np.int32),
+               dtypes=dict(d["dtypes"], switch_QG="int32"))
     return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
 
 

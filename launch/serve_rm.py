@@ -22,8 +22,9 @@ _SCORER = flags.DEFINE_string("scorer", "dapo_jax.rewards.model:scorer",
 
 def main(argv):
   del argv
-  from dapo_jax.serve import http, rm_server
   import os  # noqa: PLC0415
+
+  from dapo_jax.serve import http, rm_server
   try:  # Before the scorer loads its model: a public address without a token, a taken port.
     http.check_bind(_HOST.value, _TOKEN.value or os.environ.get(rm_server.TOKEN_ENV), rm_server.TOKEN_ENV)
   except http.ServerConfigError as e:

@@ -296,7 +296,8 @@ def test_a_streamed_rollout_takes_newer_params_mid_step_and_marks_each_row(arith
   from dapo_jax import metrics, pipelining
   pipelining.stamp(got, 3)
   m = metrics.step_metrics(got, stats, {"gen_tokens": 1, "gen_s": 1.0, "reward_s": 0.0}, {}, {}, np.zeros(0), 1.0,
-                           max_new_tokens=6, group_size=4, reward=r.reward, skipped=0, truncated_prompts=0, policy_version=4)
+                           max_new_tokens=6, group_size=4, reward=r.reward, skipped=0, truncated_prompts=0,
+                           policy_version=4)
   assert m["rollout/staleness_max"] == 1 and m["rollout/partial_rows"] == float((switch >= 0).mean())
   expected = float((1 - by_new.reshape(Q, G, C))[got.mask_QGC].mean())
   assert m["rollout/staleness_token_mean"] == pytest.approx(expected) and expected < 1

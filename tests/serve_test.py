@@ -270,8 +270,8 @@ def test_a_whole_answer_whose_client_went_away_is_cancelled(server, client):
   server.scheduler.cancel = lambda rid, sample=None: (cancels.append((rid, sample)), cancel(rid, sample))
   server.scheduler.submit = spy_submit
   try:
-    body = json.dumps({"model": server.policy.model_name, "messages": [{"role": "user", "content": "What is 1 + 1?"}], "n": 5,
-                       "temperature": 1.0, "max_tokens": MAX_NEW}).encode()
+    body = json.dumps({"model": server.policy.model_name, "messages": [{"role": "user", "content": "What is 1 + 1?"}],
+                       "n": 5, "temperature": 1.0, "max_tokens": MAX_NEW}).encode()
     port = int(server.url.rsplit(":", 1)[1])
     ids = chat_ids(server.policy.tok, "What is 12 + 5?")
     for _ in range(16):  # Work ahead of it (16 x 8 samples on 8 slots), so it is still queued when its client leaves.

@@ -7,7 +7,9 @@
         info:   anything to log (str/number values)
 
 `check_example(example)` (optional) refuses a row the environment could never run; datasets call it
-as they load, naming the file and row. One instance per episode (the runner builds `Class(**rollout.env_args)` for each), so an environment
+as they load, naming the file and row.
+
+One instance per episode (the runner builds `Class(**rollout.env_args)` for each), so an environment
 keeps its episode's state in `self`. Before `reset` the runner sets `env.tokenizer` (the policy's
 tokenizer: tool environments read its chat template's format). `env.tools` lists the tool schemas the
 prompt is rendered with (the chat template's own `tools=` support); None renders no tools.

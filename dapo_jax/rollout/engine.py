@@ -433,11 +433,11 @@ class Session:
 
   def update_params(self, params) -> None:
     """Partial rollouts: the samples in flight continue with `params` from the token after next on
-    (the next one's logits were computed with the last token), and the queued ones start with them. The KV cache of the tokens drawn so far is kept: it was computed
-    by the earlier params (as verl and slime accept; rebuilding it would cost a prefill of every row),
-    and each token's recorded log-prob is that of the params that drew it. Each sample records where
-    the new params took over (`Finished.switch_at`). Call it between rounds, from the thread that
-    steps the session."""
+    (the next one's logits were computed with the last token), and the queued ones start with them.
+    The KV cache of the tokens drawn so far is kept: it was computed by the earlier params (as verl
+    and slime accept; rebuilding it would cost a prefill of every row), and each token's recorded
+    log-prob is that of the params that drew it. Each sample records where the new params took over
+    (`Finished.switch_at`). Call it between rounds, from the thread that steps the session."""
     self.params = params
     self.dparams = _decode_params(self.e.model_cfg, params)
     for s, w in enumerate(self.slot_work):
@@ -527,7 +527,8 @@ class Session:
     for i, s in enumerate(ended):
       w, n = self.slot_work[s], int(step_S[s])
       f = Finished(w.prompt_id, w.sample, tokens[i], logp[i], n, truncated=int(tokens[i][n - 1]) not in eos,
-                   policy_C=policy[i] if self.episodes else None, switch_at=w.switch_at if w.switch_at < n else -1)
+                   policy_C=policy[i] if self.episodes else None,
+                   switch_at=w.switch_at if w.switch_at < n else -1)  # -1: no token of the new params
       if self.episodes:  # A turn ended: the environment answers while the other slots decode.
         key = (w.prompt_id, w.sample)
         start = self.turn_start.get(key, 0)
