@@ -145,12 +145,14 @@ def validate(cfg, num_devices: int | None = None) -> None:
   if "max_staleness" in r:
     n("rollout.max_staleness", 0, 1, integer=True, allowed="0 (synchronous) or 1 (one-step-off)")
   if r.get("partial_rollouts"):
-    why = ("rollout.max_staleness=1 (a rollout in flight while the policy updates)" if not r.get("max_staleness")
-           else "dapo.streaming=True and rollout.engine='continuous' (params change between engine rounds)"
-           if not (d.streaming and r.engine == "continuous")
-           else "single-turn samples (rollout.env is set)" if r.env else None)
-    if why:
-      raise ConfigError(f"rollout.partial_rollouts=True needs {why}")
+    if not r.get("max_staleness"):
+      raise ConfigError("rollout.partial_rollouts=True needs rollout.max_staleness=1 (a rollout in flight while "
+                        "the policy updates)")
+    if not (d.streaming and r.engine == "continuous"):
+      raise ConfigError("rollout.partial_rollouts=True needs dapo.streaming=True and rollout.engine='continuous' "
+                        "(params change between engine rounds)")
+    if r.env:
+      raise ConfigError("rollout.partial_rollouts=True needs single-turn samples (rollout.env is set)")
   kv = r.get("kv_cache_dtype", "")
   check(kv in ("", "float32", "bfloat16", "float16"), "rollout.kv_cache_dtype", kv,
         "'' (the model's dtype), 'float32', 'bfloat16' or 'float16'")

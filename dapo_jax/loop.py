@@ -265,8 +265,8 @@ class DAPO:
       train_metrics, update_timing = self.update(batch, have_logprobs=token_level)
       timing.update(update_timing)
       host_memory.release()
-    if self.feed is not None:  # Partial rollouts: the next step's samples in flight go on with version step + 1.
-      self.feed.publish(self.rollout.sampling_params(self.state.params))
+    if self.feed is not None and self.prefetch.running:  # Partial rollouts: the next step's samples in
+      self.feed.publish(self.rollout.sampling_params(self.state.params))  # flight go on with version step + 1.
     step_s = time.perf_counter() - t_step
     m = metrics_lib.step_metrics(
         groups, stats, info, train_metrics, timing, adv, step_s, max_new_tokens=self.rollout.sampler_cfg.max_new_tokens,

@@ -59,6 +59,11 @@ class Prefetch:
   def pending(self) -> bool:
     return self._future is not None
 
+  @property
+  def running(self) -> bool:
+    """The rollout in flight has not finished yet."""
+    return self._future is not None and not self._future.done()
+
   def start(self, step: int, fn, *args) -> None:
     assert self._future is None, "one rollout in flight at most"
     self.step, self._future = step, self._pool.submit(fn, *args)

@@ -346,12 +346,10 @@ class PolicyFeed:
     self.params = params
     self._new = None
     self._lock = threading.Lock()
-    self.published = 0
 
   def publish(self, params) -> None:
     with self._lock:
       self._new = params
-      self.published += 1
 
   def take(self):
     with self._lock:
