@@ -8,6 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dapo_jax.paths import outside
+
 
 class TokenizerError(ValueError):
   pass
@@ -64,7 +66,6 @@ def check_dir(path: str) -> None:
   """Fails naming the directory when it has no vocabulary files or a tokenizer.json that is not JSON,
   and naming the file and the path when one of its files, or a `*_file` field of its
   tokenizer_config.json, points outside it (an absolute path, '..', a symlink out)."""
-  from dapo_jax.hf.safetensors import outside  # noqa: PLC0415 (NumPy only)
   if not os.path.isdir(path):
     raise TokenizerError(f"tokenizer directory {path!r} does not exist")
   for fn in TOKENIZER_FILES:

@@ -133,14 +133,15 @@ class ToolEnv(base.Env):
   def __init__(self, tools: Sequence = ("dapo_jax.envs.tool_env:calculator_tool",),
                reward: str | Callable = "dapo_jax.rewards:math_dapo", max_tool_calls: int = 4,
                tool_format: str | None = None):
-    from dapo_jax.rewards import clients  # noqa: PLC0415  (keeps this module light to import)
     if max_tool_calls < 0:
       raise ValueError(f"max_tool_calls={max_tool_calls} must be >= 0")
     if tool_format is not None and tool_format not in tool_formats.FORMATS:
       raise ValueError(f"tool_format={tool_format!r}: expected one of {tool_formats.FORMATS}")
     self.tool_list = [_resolve_tool(t) for t in tools]
     self.by_name = {t.name: t for t in self.tool_list}
-    self.reward_fn = clients.resolve(reward) if isinstance(reward, str) else reward
+    self.reward_fn = base.import_object(reward, "ToolEnv reward") if isinstance(reward, str) else reward
+    if not callable(self.reward_fn):
+      raise ValueError(f"ToolEnv reward={reward!r} is not a function (response, ground_truth) -> dict")
     self.max_tool_calls = max_tool_calls
     self.tool_format = tool_format
     self.fmt = tool_format or "qwen"

@@ -17,9 +17,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dapo_jax.hf.safetensors import CheckpointError, outside, read_dir_tensors, read_safetensors, write_safetensors  # noqa: F401 (public)
+from dapo_jax.hf.safetensors import CheckpointError, read_dir_tensors, read_safetensors, write_safetensors  # noqa: F401 (public)
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.paths import outside
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
              "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3"}

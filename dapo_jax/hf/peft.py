@@ -10,9 +10,10 @@ import os
 
 import numpy as np
 
-from dapo_jax.hf.safetensors import CheckpointError, outside, read_safetensors, write_safetensors
+from dapo_jax.hf.safetensors import CheckpointError, read_safetensors, write_safetensors
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.paths import outside
 
 # PEFT's Linear adapter computes y = x W^T + (alpha / r) * (x A^T) B^T with lora_A.weight [r, in]
 # and lora_B.weight [out, in->r]: ours are a = A^T and b = B^T with the in/out axes unflattened in

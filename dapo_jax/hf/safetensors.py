@@ -17,6 +17,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from dapo_jax.paths import outside
+
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
            "BOOL": np.bool_}
@@ -25,26 +27,6 @@ _DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 class CheckpointError(ValueError):
   """A checkpoint directory that cannot be read; the message names the file and field."""
-
-
-def outside(directory: str, name: str) -> str | None:
-  """Why `name` (a file a directory's metadata names) points outside `directory`, or None if it does not.
-
-  Refused: an absolute path, a path through '..', and a symlink that resolves outside the directory.
-  The Hugging Face cache's layout is inside its repository: snapshots/REV/FILE links to ../../blobs/HASH.
-  """
-  if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-    return f"{name!r} is a path outside {directory}"
-  path = os.path.join(directory, name)
-  if not os.path.islink(path):
-    return None
-  real, root = os.path.realpath(path), os.path.realpath(directory)
-  allowed = [root]
-  if os.path.basename(os.path.dirname(os.path.abspath(directory))) == "snapshots":
-    allowed.append(os.path.realpath(os.path.join(directory, "..", "..", "blobs")))
-  if any(os.path.commonpath([real, a]) == a for a in allowed):
-    return None
-  return f"{name!r} is a symlink to {real}, outside {directory}"
 
 
 # --- one .safetensors file ----------------------------------------------------------------------
