@@ -16,9 +16,6 @@ import functools
 import json
 import logging
 import os
-import shlex
-import sys
-import time
 
 import jax
 
@@ -474,8 +471,7 @@ def run(cfg, workdir: str, mesh=None) -> dict:
 
 # --- The run's own record of its config: WORKDIR/config.json and command.txt -----------------------
 
-CONFIG_FILE = "config.json"
-COMMAND_FILE = "command.txt"
+CONFIG_FILE, COMMAND_FILE = workdir_lib.CONFIG_FILE, workdir_lib.COMMAND_FILE
 # Fields a run cannot change between starts: its parameters' shapes and meaning, its tokens, what its
 # checkpoints hold (a value model with gae) and what it optimises.
 RESUME_FIELDS = (tuple(f"model.{k}" for k in _MODEL_FIELDS if k not in _RUNTIME_FIELDS)
@@ -502,61 +498,17 @@ def save_pipeline_config(cfg, workdir: str, pipeline: str) -> None:
                   command_name=f"{pipeline}_command.txt")
 
 
-def _get(tree, path: str):
-  for part in path.split("."):
-    if not hasattr(tree, "get") or part not in tree:
-      return None
-    tree = tree[part]
-  return tree
-
-
-def _plain(x):
-  """A config value as JSON reads it back (tuples as lists, ConfigDicts as dicts)."""
-  return json.loads(json.dumps(x.to_dict() if hasattr(x, "to_dict") else x, default=str))
-
-
 def save_run_config(cfg, workdir: str, argv=None, *, fields=RESUME_FIELDS, name: str = CONFIG_FILE,
                     command_name: str = COMMAND_FILE) -> None:
   """Writes the resolved config to WORKDIR/config.json and appends the command line to command.txt;
   refuses (CheckpointMismatchError) a config whose `fields` differ from the run's recorded ones."""
-  path = os.path.join(workdir, name)
-  if os.path.exists(path):
-    try:
-      with open(path) as f:
-        old = json.load(f)
-    except ValueError as e:
-      raise ConfigError(f"{path}: not a readable run config ({e}); move it away to start afresh") from None
-    for field in fields:
-      before, now = _get(old, field), _plain(_get(cfg, field))
-      if before is not None and before != now:
-        raise checkpoint.CheckpointMismatchError(
-            f"{path}: the run was started with {field}={before!r}, this config has {field}={now!r}; a run "
-            "cannot change it (use another --workdir)")
-  if jax.process_index() != 0:
-    return
-  os.makedirs(workdir, exist_ok=True)
-  with open(path + ".tmp", "w") as f:
-    f.write(cfg.to_json_best_effort(indent=1, sort_keys=True) + "\n")
-  os.replace(path + ".tmp", path)
-  with open(os.path.join(workdir, command_name), "a") as f:
-    f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}  {shlex.join(sys.argv if argv is None else argv)}\n")
+  workdir_lib.record_config(cfg, workdir, fields, argv=argv, name=name, command_name=command_name,
+                            write=jax.process_index() == 0)
 
 
 def load_run_config(workdir: str):
-  """The ConfigDict a run in `workdir` recorded (`save_run_config`), or None if it has none. JSON
-  lists come back as tuples, as the recipes write them."""
-  import ml_collections  # noqa: PLC0415
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      raw = json.load(f)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"{path}: not a readable run config ({e})") from None
-  tuples = lambda x: (tuple(tuples(v) for v in x) if isinstance(x, list)
-                      else {k: tuples(v) for k, v in x.items()} if isinstance(x, dict) else x)
-  return ml_collections.ConfigDict(tuples(raw))
+  """The ConfigDict a run in `workdir` recorded (`save_run_config`), or None if it has none."""
+  return workdir_lib.recorded_config(workdir)
 
 
 def restore_policy(cfg, workdir: str, mesh=None):

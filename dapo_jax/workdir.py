@@ -10,6 +10,10 @@ re-entrant within one process (a test or notebook that builds several runs on on
 Multi-host runs share one workdir: only process 0 locks it. A remote workdir (gs://...) has no
 POSIX locks and is not locked; a network file system's flock is as good as its server's.
 
+A run records its resolved config in WORKDIR/config.json at each start and its command lines in
+command.txt (`record_config`); a restart that changes one of the fields a run cannot change (the
+caller names them) is refused naming the field and both values.
+
 The model directories a run writes into its workdir (W/sft_model, W/rm_model, W/dpo_model, W/model)
 are written whole or not at all (`write_model_dir`: into a sibling, then swapped in, so a kill during
 the write never leaves a half-written model that a rerun would load), and never over files a model
@@ -22,13 +26,17 @@ import fcntl
 import json
 import logging
 import os
+import shlex
 import shutil
 import socket
 import sys
+import time
 
 from dapo_jax.config_checks import ConfigError
 
 LOCK_FILE = "run.lock"
+CONFIG_FILE = "config.json"
+COMMAND_FILE = "command.txt"
 
 _held: dict[str, int] = {}  # realpath of a workdir -> the open file descriptor holding its lock
 
@@ -146,3 +154,65 @@ def recover_model_dir(path: str) -> None:
   if not os.path.exists(path) and os.path.isdir(old) and os.path.isdir(tmp):
     os.rename(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# --- The run's own record of its config -------------------------------------------------------------
+
+def record_config(cfg, workdir: str, fields, *, argv=None, name: str = CONFIG_FILE,
+                  command_name: str = COMMAND_FILE, write: bool = True) -> None:
+  """Writes the resolved config (a ConfigDict) to WORKDIR/`name` and appends the command line to
+  `command_name`; refuses (CheckpointMismatchError) a config whose `fields` (dotted paths) differ from
+  the ones recorded there. `write`: this process writes (process 0 of a multi-host run); every
+  process checks."""
+  path = os.path.join(workdir, name)
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        old = json.load(f)
+    except ValueError as e:
+      raise ConfigError(f"{path}: not a readable run config ({e}); move it away to start afresh") from None
+    for field in fields:
+      before, now = _get(old, field), _plain(_get(cfg, field))
+      if before is not None and before != now:
+        from dapo_jax.checkpoint import CheckpointMismatchError  # noqa: PLC0415 (jax: only when refusing)
+        raise CheckpointMismatchError(
+            f"{path}: the run was started with {field}={before!r}, this config has {field}={now!r}; a run "
+            "cannot change it (use another --workdir)")
+  if not write:
+    return
+  os.makedirs(workdir, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    f.write(cfg.to_json_best_effort(indent=1, sort_keys=True) + "\n")
+  os.replace(path + ".tmp", path)
+  with open(os.path.join(workdir, command_name), "a") as f:
+    f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}  {shlex.join(sys.argv if argv is None else argv)}\n")
+
+
+def recorded_config(workdir: str, name: str = CONFIG_FILE):
+  """The ConfigDict WORKDIR/`name` holds (`record_config`), or None if there is none. JSON lists come
+  back as tuples, as the recipes write them."""
+  import ml_collections  # noqa: PLC0415
+  path = os.path.join(workdir, name)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"{path}: not a readable run config ({e})") from None
+  tuples = lambda x: (tuple(tuples(v) for v in x) if isinstance(x, list)
+                      else {k: tuples(v) for k, v in x.items()} if isinstance(x, dict) else x)
+  return ml_collections.ConfigDict(tuples(raw))
+
+
+def _get(tree, path: str):
+  for part in path.split("."):
+    if not hasattr(tree, "get") or part not in tree:
+      return None
+    tree = tree[part]
+  return tree
+
+
+def _plain(x):
+  """A config value as JSON reads it back (tuples as lists, ConfigDicts as dicts)."""
+  return json.loads(json.dumps(x.to_dict() if hasattr(x, "to_dict") else x, default=str))

@@ -11,6 +11,7 @@ from dapo_jax.data import prompts as data
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.model import transformer as model
 from dapo_jax.rollout import dynamic_sampling, engine, rollout, sampling
+from dapo_jax.rollout import slots as slots_lib
 
 CFG = testing.tiny_model_config(vocab_size=64)
 PARAMS = testing.sharp_params(CFG, seed=2)
@@ -52,8 +53,8 @@ def test_prefill_in_chunks_of_prefill_tokens_gives_the_same_samples(monkeypatch)
   tokens, mask = prompts()
   sc = sampling.SamplerConfig(max_new_tokens=8, temperature=1.0, eos_ids=(5,))
   widths = []
-  prefill = engine._prefill
-  monkeypatch.setattr(engine, "_prefill", lambda cfg, p, prompt_UP, mask_UP: widths.append(
+  prefill = slots_lib.prefill
+  monkeypatch.setattr(slots_lib, "prefill", lambda cfg, p, prompt_UP, mask_UP: widths.append(
       int((np.asarray(mask_UP).sum(1) > 1).sum())) or prefill(cfg, p, prompt_UP, mask_UP))
   outs = {}
   for budget in (10_000, 14, 6):

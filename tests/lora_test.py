@@ -393,23 +393,23 @@ def test_int8_decode_loop_never_holds_a_float_copy_of_the_base():
   """XLA hoists a loop-invariant cast out of a while loop: without `quant.cast_after` the engine's
   decode round held every layer's float matrices for its whole duration (its temp memory was the
   float base); with it, one layer's matrix at a time."""
-  from dapo_jax.rollout import engine
+  from dapo_jax.rollout import engine, slots
   cfg = testing.tiny_model_config(vocab_size=64, embed_dim=128, mlp_dim=512, num_layers=4, head_dim=32)
   p = lora.adapt(cfg, lora.LoraConfig(rank=4, base_quant="int8"), base_params(cfg), jax.random.key(1))
   sc = sampling.SamplerConfig(max_new_tokens=8)
   e = engine.Engine(cfg, sc, slots=4, prompt_len=6)
-  dparams = engine._decode_params(cfg, p)
+  dparams = slots.decode_params(cfg, p)
   matrices = [w for layer in dparams["layers"] for w in layer.values() if quant.is_quantized(w)]
   float_bytes = sum(w["int8"].size * 4 for w in matrices)
   largest = max(w["int8"].size * 4 for w in matrices)
   args = (cfg, sc, dparams, e.empty_state(), jnp.asarray(4, jnp.int32), jnp.asarray(8, jnp.int32))
-  temp = engine._decode_round.lower(*args).compile().memory_analysis().temp_size_in_bytes
+  temp = slots.decode_round.lower(*args).compile().memory_analysis().temp_size_in_bytes
   assert temp < largest + float_bytes / 4, (temp, float_bytes)
   # The control: a bare cast is hoisted and the loop holds the float base.
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(quant, "cast_after", lambda w, x, dtype: w.astype(dtype))
     def decode_round(*a):  # A new function: jit's trace cache would return the first trace.
-      return engine._decode_round.__wrapped__(*a)
+      return slots.decode_round.__wrapped__(*a)
     hoisted = jax.jit(decode_round, static_argnums=(0, 1), donate_argnums=(3,))
     assert hoisted.lower(*args).compile().memory_analysis().temp_size_in_bytes >= float_bytes
 

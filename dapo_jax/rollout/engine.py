@@ -18,46 +18,24 @@ Each sample's randomness comes from (key, prompt id, sample index) and the numbe
 drawn, never from its slot or the width it runs in, so the same key gives the same samples whatever
 the number of slots or the order of admission. Every host runs the same host loop on the same
 (gathered) prompts, so all agree on the admission order.
+
+This module is the host side (which slot holds which sample, when each program runs); the pool's
+arrays and its jitted programs are `slots`.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from dapo_jax import sharding
 from dapo_jax.data import tokenizer as tokenizer_lib
-from dapo_jax.model import kv_cache as kvc
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import sampling
-
-
-@struct.dataclass
-class SlotState:
-  """The device side of the pool: S slots, C completion positions, a cache of P + C per slot."""
-  tokens_SC: jax.Array     # completion tokens of each slot's sample (pad after its end)
-  logp_SC: jax.Array       # fp32 log-probs of those tokens (temperature-scaled logits)
-  step_S: jax.Array        # tokens the slot's sample has drawn
-  done_S: jax.Array        # the sample ended (EOS or budget), or the slot is empty
-  logits_SV: jax.Array     # fp32 logits of each slot's next token
-  prompt_len_S: jax.Array  # real prompt tokens (positions continue from there)
-  key_S: jax.Array         # uint32 key data of each slot's sample
-  stop_at_S: jax.Array     # forced EOS as token stop_at (benchmarks' length hook); C + 1 = never
-  cache: kvc.KVCache
-  # Episodes: tokens_SC[s, step:force_end_S[s]] are an observation's tokens, fed (not sampled)
-  # one per decode step beside the other slots' sampling; policy_SC marks the sampled ones; the
-  # current turn ends at EOS or once the sample has drawn turn_end_S tokens.
-  policy_SC: jax.Array     # bool: the token was sampled by the policy
-  force_end_S: jax.Array
-  turn_end_S: jax.Array
-  # Per-request sampling (`SamplerConfig.per_request`, a server): each slot's temperature and top-p.
-  temperature_S: jax.Array
-  top_p_S: jax.Array
+from dapo_jax.rollout import slots as slots_lib
 
 
 @dataclasses.dataclass
@@ -114,12 +92,6 @@ def decode_widths(slots: int, shards: int = 1, thirds: bool = True) -> list[int]
   return sorted(w * shards for w in out)
 
 
-def sample_key_data(key_data: jax.Array, prompt_id: jax.Array, sample: jax.Array) -> jax.Array:
-  """The key of sample g of prompt q: fold_in(fold_in(key, q), g), as raw key data."""
-  key = jax.random.wrap_key_data(key_data)
-  return jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, prompt_id), sample))
-
-
 class Engine:
   """A pool of `slots` decode rows for one model and sampler config; `session(params, key)` runs it."""
 
@@ -172,22 +144,9 @@ class Engine:
     """The smallest decode width that holds `rows` busy rows."""
     return next((w for w in self.widths if w >= rows), self.S)
 
-  def empty_state(self) -> SlotState:
-    cfg, S, C = self.model_cfg, self.S, self.C
-    T = self.P + C
-    dt = self.kv_cache_dtype  # Writes into the cache cast to it (`kv_cache.update`, `write_row`).
-    cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
-                        v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],
-                        mask_BS=jnp.zeros((S, T), bool))
-    state = SlotState(tokens_SC=jnp.full((S, C), self.sampler_cfg.pad_id, jnp.int32),
-                      logp_SC=jnp.zeros((S, C), jnp.float32), step_S=jnp.zeros((S,), jnp.int32),
-                      done_S=jnp.ones((S,), bool), logits_SV=jnp.zeros((S, cfg.vocab_size), jnp.float32),
-                      prompt_len_S=jnp.zeros((S,), jnp.int32), key_S=jnp.zeros((S, 2), jnp.uint32),
-                      stop_at_S=jnp.full((S,), C + 1, jnp.int32), cache=cache,
-                      policy_SC=jnp.zeros((S, C), bool), force_end_S=jnp.zeros((S,), jnp.int32),
-                      turn_end_S=jnp.full((S,), C, jnp.int32),
-                      temperature_S=jnp.full((S,), self.sampler_cfg.temperature, jnp.float32),
-                      top_p_S=jnp.full((S,), self.sampler_cfg.top_p, jnp.float32))
+  def empty_state(self) -> slots_lib.SlotState:
+    """Every slot free: the pool's arrays, on the mesh (rows over the data shards)."""
+    state = slots_lib.empty(self.model_cfg, self.sampler_cfg, self.S, self.P + self.C, self.kv_cache_dtype)
     return jax.device_put(state, self.row_sharding)
 
   # --- the host loop -------------------------------------------------------------------------
@@ -201,7 +160,7 @@ class Engine:
     """G samples of each prompt as host arrays, prompt-major (rows qG..qG+G-1 for prompt q: the
     layout of `sampling.generate`), and the session's statistics. G may differ per prompt (a list);
     `on_samples(n)` hears of every n samples that end (progress). Prompt q is prompt number
-    first_prompt_id + q of `key`'s samples (`sample_key_data`). With `episodes` (a driver whose
+    first_prompt_id + q of `key`'s samples (`slots_lib.sample_key_data`). With `episodes` (a driver whose
     examples are registered under those prompt numbers) every sample is an episode; the stats then
     hold each row's reward (`episode_rewards`)."""
     counts = [G] * len(prompt_QP) if np.isscalar(G) else list(G)
@@ -224,132 +183,6 @@ class Engine:
       stats["episode_rewards"] = [r.reward for r in rows]
       stats["turns"] = [r.turns for r in rows]
     return stack(rows, self.C), stats
-
-
-# --- device programs: jitted per model (a decode round: and sampler config), shared by every engine --
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP):
-  """The next-token logits [U, V] of U distinct prompts and their keys and values [L, U, K, P, H]: the
-  model's part of an insert, one program per (U, P) bucket, shared by every sampler of the model."""
-  logits_U1V, (k_LUKPH, v_LUKPH) = model_lib.forward(
-      model_cfg, params, prompt_UP, model_lib.positions(mask_UP), model_lib.causal_mask(mask_UP),
-      logits_from=prompt_UP.shape[1] - 1, emit_kv=True)
-  return logits_U1V[:, -1], k_LUKPH, v_LUKPH
-
-
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-def _start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKPH, mask_UP, src_S, slot_S,
-                   stop_at_S, turn_end_S, temperature_S, top_p_S, n) -> SlotState:
-  """Starts sample a < n in slot slot_S[a] from prefilled prompt src_S[a] with key key_S[a]. The
-  arguments are slot-sized whatever the number of samples (entries a >= n: slot ids out of range),
-  and the cache rows are written one by one in place, so an insert compiles once per prefill shape
-  and costs the rows it writes."""
-  P, C = mask_UP.shape[1], state.tokens_SC.shape[1]
-  start = state.cache.size - C - P
-  mask_UT = jnp.pad(mask_UP, ((0, 0), (start, C)))
-
-  def write(a, cache):
-    u = src_S[a]
-    return kvc.write_row(cache, slot_S[a], start, k_LUKPH[:, u], v_LUKPH[:, u], mask_UT[u])
-
-  cache = jax.lax.fori_loop(0, n, write, state.cache)
-  put = lambda x, v: x.at[slot_S].set(v, mode="drop")
-  return SlotState(
-      tokens_SC=put(state.tokens_SC, pad_id), logp_SC=put(state.logp_SC, 0.0),
-      step_S=put(state.step_S, 0), done_S=put(state.done_S, False),
-      logits_SV=put(state.logits_SV, logits_UV[src_S]),
-      prompt_len_S=put(state.prompt_len_S, jnp.sum(mask_UP, axis=1, dtype=jnp.int32)[src_S]),
-      key_S=put(state.key_S, key_S), stop_at_S=put(state.stop_at_S, stop_at_S), cache=cache,
-      policy_SC=put(state.policy_SC, False), force_end_S=put(state.force_end_S, 0),
-      turn_end_S=put(state.turn_end_S, turn_end_S), temperature_S=put(state.temperature_S, temperature_S),
-      top_p_S=put(state.top_p_S, top_p_S))
-
-
-_sample_keys = jax.jit(jax.vmap(sample_key_data, in_axes=(None, 0, 0)))  # [A, 2] key data, one program per width.
-
-
-@functools.partial(jax.jit, static_argnums=(2,))
-def _move_rows(state: SlotState, rows_N, row_sharding) -> SlotState:
-  """A pool of N rows: row n is row rows_N[n] of `state` (cache included), or empty where out of range."""
-  take = lambda x, fill=0: jax.lax.with_sharding_constraint(
-      jnp.take(x, rows_N, axis=0, mode="fill", fill_value=fill), row_sharding)
-  return jax.tree.map(take, state).replace(done_S=take(state.done_S, True))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, dparams, state: SlotState, target_ended,
-            max_steps) -> tuple[SlotState, jax.Array]:
-  """Decodes until `target_ended` samples have ended in this round, all have, or `max_steps`."""
-  C = sc.max_new_tokens
-  P = state.cache.size - C
-  eos = jnp.asarray(sc.eos_ids or (-1,), jnp.int32)
-  rows_S = jnp.arange(state.step_S.shape[0])
-  done_at_start = state.done_S
-
-  def cond(carry):
-    i, s = carry
-    ended = jnp.sum(s.done_S & ~done_at_start)
-    return (i < max_steps) & (ended < target_ended) & ~jnp.all(s.done_S)
-
-  def body(carry):
-    i, s = carry
-    keys = jax.random.wrap_key_data(s.key_S)
-    u_S = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(keys, s.step_S)
-    if sc.per_request:
-      tok_S, logp_S = sampling.choose_rows(s.logits_SV, u_S, s.temperature_S, s.top_p_S, sc.top_k)
-    else:
-      tok_S, logp_S = sampling.choose(s.logits_SV, u_S, sc)
-    running_S = ~s.done_S
-    forced_S = s.step_S == s.stop_at_S - 1
-    tok_S = jnp.where(forced_S, eos[0], tok_S)
-    observed_S = s.step_S < s.force_end_S  # An observation's token: fed, not sampled.
-    tok_S = jnp.where(observed_S, s.tokens_SC[rows_S, jnp.minimum(s.step_S, C - 1)], tok_S)
-    logp_S = jnp.where(observed_S, 0.0, logp_S)
-    tok_S = jnp.where(running_S, tok_S, sc.pad_id)
-    col_S = jnp.where(running_S, s.step_S, C)  # Out of range: ended rows write nothing.
-    tokens_SC = s.tokens_SC.at[rows_S, col_S].set(tok_S, mode="drop")
-    logp_SC = s.logp_SC.at[rows_S, col_S].set(logp_S, mode="drop")
-    policy_SC = s.policy_SC.at[rows_S, col_S].set(~observed_S, mode="drop")
-    ended_S = running_S & ~observed_S & (jnp.isin(tok_S, eos) | (s.step_S + 1 >= jnp.minimum(s.turn_end_S, C)))
-    index_S = jnp.minimum(P + s.step_S, P + C - 1)
-    cache = kvc.write_mask_rows(s.cache, running_S, index_S)
-    logits_SV, cache = model_lib.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
-    return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, policy_SC=policy_SC, step_S=s.step_S + running_S,
-                            done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)
-
-  steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-  return state, steps
-
-
-_decode_layers = jax.jit(model_lib.decode_layers, static_argnums=(0,))
-
-
-def _decode_params(model_cfg: model_lib.ModelConfig, params) -> dict:
-  """`model.decode_params`, with only the per-layer weights made by a program (its outputs are new
-  arrays): the embedding and final norm are the params' own arrays where their dtype matches."""
-  return dict(layers=_decode_layers(model_cfg, params), **model_lib.decode_ends(model_cfg, params))
-
-
-_end_rows = jax.jit(lambda state, end_S: state.replace(done_S=state.done_S | end_S), donate_argnums=(0,))
-
-_take_rows = jax.jit(lambda tokens_SC, logp_SC, policy_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A],
-                                                                    policy_SC[rows_A]))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _resume(state: SlotState, slot, obs_N, n, turn_tokens) -> SlotState:
-  """Slot `slot` continues its episode: the observation obs_N[:n] is written after the tokens it
-  has drawn, to be fed through the decode loop (`force_end_S`); its next turn may draw
-  `turn_tokens` tokens after that. One program per observation bucket N."""
-  C = state.tokens_SC.shape[1]
-  step = state.step_S[slot]
-  cols_N = jnp.where(jnp.arange(obs_N.shape[0]) < n, step + jnp.arange(obs_N.shape[0]), C)
-  return state.replace(tokens_SC=state.tokens_SC.at[slot, cols_N].set(obs_N, mode="drop"),
-                       force_end_S=state.force_end_S.at[slot].set(step + n),
-                       turn_end_S=state.turn_end_S.at[slot].set(step + n + turn_tokens),
-                       done_S=state.done_S.at[slot].set(False))
 
 
 def stack(rows: list[Finished], C: int) -> sampling.Samples:
@@ -376,7 +209,7 @@ class Session:
     self.turns: dict[tuple[int, int], int] = {}
     self.paused = 0
     self.params = params
-    self.dparams = _decode_params(engine.model_cfg, params)
+    self.dparams = slots_lib.decode_params(engine.model_cfg, params)
     self.updated = False  # `update_params` was called: samples started from now on are all the new params'.
     self.rep = sharding.replicated(engine.mesh)
     self.key_data = sharding.put(np.asarray(jax.random.key_data(key)), self.rep)
@@ -439,7 +272,7 @@ class Session:
     log-prob is that of the params that drew it. Each sample records where the new params took over
     (`Finished.switch_at`). Call it between rounds, from the thread that steps the session."""
     self.params = params
-    self.dparams = _decode_params(self.e.model_cfg, params)
+    self.dparams = slots_lib.decode_params(self.e.model_cfg, params)
     for s, w in enumerate(self.slot_work):
       if w is not None and w.switch_at < 0:  # Its next token's logits were computed by the old params.
         w.switch_at = int(self.drawn[s]) + 1
@@ -458,7 +291,7 @@ class Session:
     if rows:
       end_S = np.zeros(self.width, bool)
       end_S[rows] = True
-      self.state = _end_rows(self.state, sharding.put(end_S, self.rep))
+      self.state = slots_lib.end_rows(self.state, sharding.put(end_S, self.rep))
     return dropped
 
   def progress(self) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
@@ -512,7 +345,7 @@ class Session:
       target = busy - smaller[-1] if smaller else busy
     else:  # Still being fed (a stream), or a short tail: until all have ended, at this width.
       target = busy
-    self.state, steps = _decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
+    self.state, steps = slots_lib.decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(max_steps, jnp.int32))
     self.rounds += 1
     done_S, step_S, steps = sharding.fetch((self.state.done_S, self.state.step_S, steps))
@@ -546,7 +379,7 @@ class Session:
     """Host copies of the token, log-prob and policy-mask rows of these slots."""
     rows_A = np.zeros(next(b for b in _buckets(self.width) if b >= len(rows)), np.int32)  # Few shapes.
     rows_A[:len(rows)] = rows
-    return sharding.fetch(_take_rows(self.state.tokens_SC, self.state.logp_SC, self.state.policy_SC,
+    return sharding.fetch(slots_lib.take_rows(self.state.tokens_SC, self.state.logp_SC, self.state.policy_SC,
                                      sharding.put(rows_A, self.rep)))
 
   def _continue_episodes(self) -> list[Finished]:
@@ -562,7 +395,7 @@ class Session:
         N = next(b for b in _buckets(self.e.C) if b >= len(obs_tokens))
         obs_N = np.zeros(N, np.int32)
         obs_N[:len(obs_tokens)] = obs_tokens
-        self.state = _resume(self.state, *sharding.put((np.int32(s), obs_N, np.int32(len(obs_tokens)),
+        self.state = slots_lib.resume(self.state, *sharding.put((np.int32(s), obs_N, np.int32(len(obs_tokens)),
                                                         np.int32(self.e.turn_tokens)), self.rep))
         self.turn_start[key] = f.length + len(obs_tokens)
         self.turns[key] = self.turns.get(key, 1) + 1
@@ -591,7 +424,7 @@ class Session:
     rows = [s for s, w in enumerate(self.slot_work) if w is not None]
     rows_N = np.full((width,), self.width, np.int32)  # Out of range: an empty row.
     rows_N[:len(rows)] = rows
-    self.state = _move_rows(self.state, sharding.put(rows_N, self.rep), self.e.row_sharding)
+    self.state = slots_lib.move_rows(self.state, sharding.put(rows_N, self.rep), self.e.row_sharding)
     self.slot_work = [self.slot_work[s] for s in rows] + [None] * (width - len(rows))
     self.drawn = np.concatenate([self.drawn[rows], np.zeros(width - len(rows), np.int32)])
     self.resizes += 1
@@ -642,9 +475,9 @@ class Session:
     arrays = sharding.put((prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A, stop_A, turn_end_A, temperature_A,
                            top_p_A), self.rep)
     prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A = arrays[:6]
-    prefilled = _prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
-    key_A = _sample_keys(self.key_data, key_id_A, sample_A)
-    self.state = _start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A,
+    prefilled = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
+    key_A = slots_lib.sample_keys(self.key_data, key_id_A, sample_A)
+    self.state = slots_lib.start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A,
                                 *arrays[6:], jnp.asarray(n, jnp.int32))
     for s, w in zip(slots, work):
       self.slot_work[s] = w
