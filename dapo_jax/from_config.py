@@ -300,7 +300,7 @@ def rollout_config(cfg) -> rollout_lib.RolloutConfig:
       chat_template=cfg.data.chat_template, rows_per_call=cfg.rollout.rows_per_call,
       engine=cfg.rollout.engine, slots=cfg.rollout.slots or cfg.dapo.prompts_per_step * cfg.rollout.group_size,
       prefill_tokens=cfg.rollout.prefill_tokens, turn_tokens=cfg.rollout.max_new_tokens if cfg.rollout.env else 0,
-      kv_cache_dtype=cfg.rollout.get("kv_cache_dtype", ""),
+      kv_cache_dtype=cfg.rollout.get("kv_cache_dtype", ""), shared_prefix=cfg.rollout.get("shared_prefix", 0),
       overlong_buffer=d.overlong_buffer, overlong_penalty=d.overlong_penalty, filter_metric=d.filter_metric)
 
 

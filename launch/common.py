@@ -46,8 +46,12 @@ def _user_errors():
   from dapo_jax.hf import gguf
   from dapo_jax.model import lora
   from dapo_jax.rollout import dynamic_sampling
-  from dapo_jax.serve import http
-  return (http.ServerConfigError, data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
+  try:  # The serve extra (fastapi, uvicorn) may not be installed: its errors cannot occur then.
+    from dapo_jax.serve import http
+    server_errors = (http.ServerConfigError,)
+  except ImportError:
+    server_errors = ()
+  return (*server_errors, data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
           gguf.GGUFError, from_config.ConfigError, dynamic_sampling.DynamicSamplingCapError,
           metrics.MetricsConfigError, lora.LoraError, OutputExistsError)

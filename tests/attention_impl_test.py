@@ -147,14 +147,20 @@ def test_cudnn_needs_a_16_bit_dtype_and_unknown_impls_fail():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
-def test_cudnn_core_close_to_einsum_in_bf16():
+@pytest.mark.parametrize("T", [128, 127])
+def test_cudnn_core_close_to_einsum_in_bf16(T):
   """cuDNN flash attention (the mask as a bias) against the einsum core, both bf16, on a causal,
-  left-padded, windowed mask at a flash-friendly shape (H=64, T=S=128)."""
-  q, k, v = (a.astype(jnp.bfloat16) for a in _qkv(B=2, K=2, R=2, T=128, S=128, H=64))
-  mask = layers.windowed(_causal_padded_mask(2, 128, [0, 16]), 32)
+  left-padded, windowed mask (H=64), values and query gradients; T=127 is a training row of 128
+  tokens, which cuDNN's masked kernels take only padded to an even length."""
+  q, k, v = (a.astype(jnp.bfloat16) for a in _qkv(B=2, K=2, R=2, T=T, S=T, H=64))
+  mask = layers.windowed(_causal_padded_mask(2, T, [0, 16]), 32)
   real = np.asarray(mask).any(-1)  # [B, T]: queries that see at least one key.
   ref = np.asarray(layers.attention(q, k, v, mask).astype(jnp.float32))
   out = np.asarray(layers.attention(q, k, v, mask, impl="cudnn").astype(jnp.float32))
   # Both round probabilities to bf16 before the value matmul; cuDNN's blockwise softmax rounds at
   # other points, so they agree to a few bf16 steps of the output (|o| <~ 3).
   np.testing.assert_allclose(out.transpose(0, 3, 1, 2, 4)[real], ref.transpose(0, 3, 1, 2, 4)[real], atol=3e-2)
+  grad = lambda impl: np.asarray(jax.grad(lambda q: jnp.sum(layers.attention(q, k, v, mask, impl=impl).astype(
+      jnp.float32) ** 2))(q).astype(jnp.float32)).transpose(0, 3, 1, 2, 4)[real]
+  ref_grad = grad("einsum")
+  np.testing.assert_allclose(grad("cudnn"), ref_grad, atol=3e-2 * np.abs(ref_grad).max())

@@ -8,6 +8,8 @@ from dapo_jax.testing import FAST_COMPILE_XLA_FLAGS  # noqa: E402  (jax-free)
 
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] != "cpu":  # On an accelerator, float32 means float32 (not TF32 or bf16 passes).
+  os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One compilation cache for the whole test run: many tests jit the same tiny programs, which then

@@ -118,6 +118,15 @@ def test_prepare_never_writes_over_a_users_files_unasked(tmp_path):
   assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
       f"error: --out={model} is a directory; expected a file")
 
+  # Without the serve extra (fastapi), a user error is still its own line, not an ImportError.
+  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  code = ("import runpy, sys; sys.modules['fastapi'] = None; "
+          f"sys.argv = ['prepare', 'arith_sft', '--out={model}', '--num=4']; "
+          "runpy.run_module('launch.prepare', run_name='__main__')")
+  res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+      f"error: --out={model} is a directory; expected a file"), res.stderr[-2000:]
+
 
 @pytest.mark.slow
 def test_prepare_gguf_gives_the_model_transformers_had(tmp_path):

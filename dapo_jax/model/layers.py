@@ -219,9 +219,16 @@ def _dot_product_attention(q_BKRTH, k_BKxx, v_BKSH, mask_BTS, k_layout, scale, i
   k_BSKH = k_BKxx.transpose(0, 3, 1, 2) if k_layout == "BKHS" else k_BKxx.transpose(0, 2, 1, 3)
   # The API wants one dtype; a bf16 KV cache under fp32 queries is widened, as einsum would promote it.
   k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BKSH.transpose(0, 2, 1, 3).astype(q_BTNH.dtype)
+  S = k_BSKH.shape[1]
+  if impl == "cudnn" and (T % 2 or S % 2):
+    # cuDNN's masked kernels take even lengths only (a training row of 2n tokens feeds 2n - 1): one
+    # more query, sliced off below, and one more key that no query sees.
+    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
+    q_BTNH, k_BSKH, v_BSKH = pad(q_BTNH, T % 2), pad(k_BSKH, S % 2), pad(v_BSKH, S % 2)
+    mask_BTS = jnp.pad(mask_BTS, ((0, 0), (0, T % 2), (0, S % 2)))
   o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], scale=scale,
                                         implementation=impl)
-  return o_BTNH.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4)
+  return o_BTNH[:, :T].reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4)
 
 
 def soft_cap(x: jax.Array, c: float) -> jax.Array:

@@ -64,7 +64,8 @@ class Block(nn.Module):
   Layout "rows": one segment [B, T, D]. Layout "shared_prompt": Q prompts [Q, P, D] and their
   B = Q*G completions [B, C, D], completion row qG+g continuing prompt q (a rollout group shares one
   prompt forward). Dense layers run on every token of every segment at once; only attention sees
-  the segments. With `emit_kv` (rows), also returns this call's keys and values ([B, K, T, H] each).
+  the segments. With `emit_kv`, also returns this call's keys and values ([B, K, T, H] each; the
+  shared-prompt layout: the prompts' pair, then the completions').
   `local` (scanned over layers, a traced bool) selects the sliding window and the local RoPE table.
   With `moe`, the MLP is a router and E experts; the layer then sows its routing statistics
   (`router_stats`) into the "router" collection.
@@ -139,7 +140,8 @@ class Block(nn.Module):
         outs = [layers_lib.attend_rows(qs[0], ks[0], vs[0], mask_QPP, **kw),
                 layers_lib.attend_shared_prompt(qs[1], ks[1], vs[1], mask_BCC, ks[0], vs[0], shared[2][0][:, -1],
                                      window=window, **kw)]
-      kv = (ks[0].transpose(0, 2, 1, 3), vs[0].transpose(0, 2, 1, 3)) if self.emit_kv else None
+      # [B, K, T, H] per segment: (k, v) of the rows, or (k, v) of the prompts then of the completions.
+      kv = tuple(a.transpose(0, 2, 1, 3) for pair in zip(ks, vs) for a in pair) if self.emit_kv else None
       return jnp.concatenate([o.reshape(-1, N, H) for o in outs]), kv
 
     # Dense projections run on flattened tokens: 2-D matmuls whose gradients XLA computes
@@ -207,7 +209,7 @@ class Transformer(nn.Module):
   cfg: ModelConfig
   head: str = "lm"
   layout: str = "rows"
-  emit_kv: bool = False  # also return every layer's keys/values: ([L, B, K, T, H], [L, B, K, T, H])
+  emit_kv: bool = False  # also return every layer's keys/values: ([L, B, K, T, H], [L, B, K, T, H]), per segment
 
   @nn.compact
   def __call__(self, tokens: tuple, pos: tuple, masks: tuple, logits_from: int = 0):
@@ -237,7 +239,9 @@ class Transformer(nn.Module):
       kvs.append(kv)
     kv = jax.tree.map(lambda *a: jnp.concatenate(a), *kvs) if self.emit_kv else None
 
-    if self.layout == "shared_prompt":
+    if self.layout == "shared_prompt" and self.emit_kv:  # A prefill after a shared prefix: each row's next token.
+      x_BTD = x[1][:, -1:]
+    elif self.layout == "shared_prompt":
       # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
       x_QPD, x_BCD = x
       G = x_BCD.shape[0] // x_QPD.shape[0]
@@ -322,6 +326,24 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logit
   """
   return _apply(Transformer(cfg, head, "rows", emit_kv), params, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from,
                 with_router=with_router)
+
+
+def prefill_after_prefix(cfg: ModelConfig, params: Params, prefix_1N: jax.Array, suffix_UT: jax.Array,
+                         suffix_mask_UT: jax.Array):
+  """U prompts that share their first N tokens, the prefix running through the model once.
+
+  Row u is [prefix_1N | suffix_UT[u]] with the suffix left-padded (positions continue from N). Returns
+  the next-token logits [U, V] (fp32) and every layer's keys and values of the prefix ([L, 1, K, N, H]
+  each) and of the suffixes ([L, U, K, T, H] each): what `forward` with `emit_kv` gives on the whole
+  rows, up to the order in which a softmax adds its terms.
+  """
+  N = prefix_1N.shape[1]
+  prefix_mask_1N = jnp.ones(prefix_1N.shape, bool)
+  logits_U1V, (k_L1KNH, v_L1KNH, k_LUKTH, v_LUKTH) = _apply(
+      Transformer(cfg, "lm", "shared_prompt", emit_kv=True), params, (prefix_1N, suffix_UT),
+      (positions(prefix_mask_1N), N + positions(suffix_mask_UT)),
+      (causal_mask(prefix_mask_1N), causal_mask(suffix_mask_UT)))
+  return logits_U1V[:, -1], (k_L1KNH, v_L1KNH), (k_LUKTH, v_LUKTH)
 
 
 def causal_mask(mask_BT: jax.Array) -> jax.Array:

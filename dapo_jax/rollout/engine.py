@@ -98,7 +98,7 @@ class Engine:
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
                prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
                min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0, round_steps: int = 0,
-               kv_cache_dtype: str = ""):
+               kv_cache_dtype: str = "", shared_prefix: int = 0):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
@@ -112,7 +112,12 @@ class Engine:
     `round_steps` > 0 (a server) returns to the host whenever a sample ends and at least every
     `round_steps` tokens, so new requests join and streams advance while others decode.
     `kv_cache_dtype` stores the cache's keys and values ("" = the model's compute dtype; bfloat16
-    halves the bytes each decode step reads: tests/kv_cache_dtype_test.py bounds its log-prob shift)."""
+    halves the bytes each decode step reads: tests/kv_cache_dtype_test.py bounds its log-prob shift).
+    `shared_prefix` > 0: the prompts of one prefill that begin with the same `shared_prefix` tokens or
+    more (few-shot examples, a system prompt) run that common start through the model once
+    (`slots.prefill_shared`), rounded down to a multiple of `shared_prefix` so that few shapes compile;
+    not for sliding-window models (a window counts cache indices, and the shared layout moves the
+    padding between prefix and suffix)."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -127,6 +132,9 @@ class Engine:
     if prefill_tokens < 1:
       raise ValueError(f"rollout.prefill_tokens={prefill_tokens}: expected a positive number of prompt tokens")
     self.prefill_tokens = prefill_tokens
+    if shared_prefix < 0:
+      raise ValueError(f"rollout.shared_prefix={shared_prefix}: expected 0 (off) or a number of tokens")
+    self.shared_prefix = 0 if model_cfg.local_layers or model_cfg.sliding_window else shared_prefix
     self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or model_cfg.dtype)
     # Episodes: the sampler's max_new_tokens is the whole episode after the prompt (policy and
     # observation tokens); one policy turn draws at most turn_tokens of them (0 = no per-turn limit).
@@ -454,10 +462,13 @@ class Session:
     index = {w.prompt_id: u for u, w in enumerate(uniq)}
     U = next(b for b in _buckets(e.S) if b >= len(uniq))
     P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in uniq)), e.prompt_buckets)
+    N = self._shared_prefix(uniq)
     prompt_UP = np.zeros((U, P), np.int32)
     mask_UP = np.zeros((U, P), bool)
-    for u, w in enumerate(uniq):
-      prompt_UP[u], mask_UP[u] = w.prompt_P[-P:], w.mask_P[-P:]
+    for u, w in enumerate(uniq):  # Left-padded; with a shared prefix, [prefix | left-padded suffix].
+      real = w.prompt_P[w.mask_P.astype(bool)]
+      prompt_UP[u, :N], mask_UP[u, :N] = real[:N], True
+      prompt_UP[u, P - len(real) + N:], mask_UP[u, P - len(real) + N:] = real[N:], True
     mask_UP[len(uniq):, -1] = True  # Padding rows: one real token, so their softmax is defined.
     A = self.width  # Slot-sized: one program whatever the number of samples started.
     slot_A = np.full((A,), A, np.int32)  # Out of range: padding writes nothing.
@@ -475,13 +486,29 @@ class Session:
     arrays = sharding.put((prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A, stop_A, turn_end_A, temperature_A,
                            top_p_A), self.rep)
     prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A = arrays[:6]
-    prefilled = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
+    if N:
+      prefilled = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:], mask_UP[:, N:])
+    else:
+      prefilled = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
     key_A = slots_lib.sample_keys(self.key_data, key_id_A, sample_A)
     self.state = slots_lib.start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A,
                                 *arrays[6:], jnp.asarray(n, jnp.int32))
     for s, w in zip(slots, work):
       self.slot_work[s] = w
       self.drawn[s] = 0
+
+  def _shared_prefix(self, uniq: list[_Work]) -> int:
+    """The tokens all of `uniq`'s prompts begin with, each keeping at least one of its own (its first
+    logits come from its last token), rounded down to a multiple of `shared_prefix`; 0 for one prompt."""
+    q = self.e.shared_prefix
+    if not q or len(uniq) < 2:
+      return 0
+    reals = [w.prompt_P[w.mask_P.astype(bool)] for w in uniq]
+    n = min(len(r) for r in reals) - 1
+    for r in reals[1:]:
+      differ = np.flatnonzero(r[:n] != reals[0][:n])
+      n = int(differ[0]) if differ.size else n
+    return n // q * q
 
   def stats(self) -> dict:
     return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,

@@ -42,6 +42,7 @@ class RolloutConfig:
   slots: int = 0                       # continuous: decode slots (0 = the rows of one generation batch)
   prefill_tokens: int = 2048           # continuous: prompt tokens prefilled at once (whole prompts, at least one)
   kv_cache_dtype: str = ""             # continuous: dtype of the KV cache ("" = the model's compute dtype)
+  shared_prefix: int = 0               # continuous: a common prompt start of >= this many tokens prefills once
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
@@ -136,6 +137,7 @@ class Rollout:
                                           prompt_buckets=self.buckets, mesh=self.mesh,
                                           prefill_tokens=self.cfg.prefill_tokens, turn_tokens=self.cfg.turn_tokens,
                                           kv_cache_dtype=self.cfg.kv_cache_dtype,
+                                          shared_prefix=self.cfg.shared_prefix,
                                           **self.engine_options)
     return self.engines[k]
 

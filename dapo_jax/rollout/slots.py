@@ -3,6 +3,7 @@ them. Each program is compiled per model (a decode round: and sampler config) an
 by every engine and session.
 
     prefill        a chunk of distinct prompts' keys, values and first-token logits
+    prefill_shared the same for prompts sharing a prefix, which runs once
     start_samples  their samples into free slots: cache rows written, keys and budgets set
     decode_round   every busy slot one token per step, until enough have ended
     take_rows      ended slots' tokens and log-probs to the host
@@ -85,6 +86,17 @@ def prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP):
       model_cfg, params, prompt_UP, model_lib.positions(mask_UP), model_lib.causal_mask(mask_UP),
       logits_from=prompt_UP.shape[1] - 1, emit_kv=True)
   return logits_U1V[:, -1], k_LUKPH, v_LUKPH
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def prefill_shared(model_cfg: model_lib.ModelConfig, params, prefix_1N, suffix_UT, suffix_mask_UT):
+  """`prefill` of U prompts [prefix_1N | suffix u] whose common prefix runs through the model once:
+  the same logits [U, V], and keys and values [L, U, K, N + T, H] laid out as the prompts
+  [prefix | left-padded suffix]. One program per (N, U, T)."""
+  logits_UV, (k_L1KNH, v_L1KNH), (k_LUKTH, v_LUKTH) = model_lib.prefill_after_prefix(
+      model_cfg, params, prefix_1N, suffix_UT, suffix_mask_UT)
+  whole = lambda p, s: jnp.concatenate([jnp.broadcast_to(p, (*s.shape[:3], *p.shape[3:])), s], axis=3)
+  return logits_UV, whole(k_L1KNH, k_LUKTH), whole(v_L1KNH, v_LUKTH)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))

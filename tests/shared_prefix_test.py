@@ -1,0 +1,113 @@
+"""`rollout.shared_prefix`: prompts that begin alike (few-shot examples, a system prompt) prefill
+their common start once. Against the whole-row forward and the static sampler, which never share."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from dapo_jax import objectives, testing
+from dapo_jax.datatypes import RLBatch
+from dapo_jax.model import transformer as model
+from dapo_jax.rollout import engine, sampling
+from dapo_jax.rollout import slots as slots_lib
+
+CFG = testing.tiny_model_config(vocab_size=64)
+PARAMS = testing.sharp_params(CFG, seed=2)
+
+
+def prefixed_prompts(Q=5, N=21, P=30, seed=0):
+  """Q left-padded prompts of P tokens whose first N real tokens are the same, suffixes of 1-9 tokens."""
+  rng = np.random.default_rng(seed)
+  prefix = rng.integers(4, 64, size=N)
+  tokens, mask = np.zeros((Q, P), np.int32), np.zeros((Q, P), bool)
+  for q, n in enumerate(rng.integers(1, P - N + 1, size=Q)):
+    real = np.concatenate([prefix, rng.integers(4, 64, size=n)])
+    tokens[q, P - len(real):], mask[q, P - len(real):] = real, True
+  return tokens, mask
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama_qknorm"])
+def test_prefill_after_a_prefix_equals_the_whole_rows(family):
+  """Logits and every real position's keys and values equal `forward` on the left-padded whole rows."""
+  cfg = CFG if family == "qwen2" else dataclasses.replace(CFG, qkv_bias=False, qk_norm=True)
+  params = model.init_params(cfg, jax.random.key(1))
+  tokens, mask = prefixed_prompts()
+  Q, P, N = *tokens.shape, 16
+  logits_Q1V, (k_whole, v_whole) = model.forward(cfg, params, tokens, model.positions(mask), model.causal_mask(mask),
+                                                 logits_from=P - 1, emit_kv=True)
+  T = P - N  # The suffixes, left-padded to T.
+  suffix_QT, suffix_mask_QT = tokens[:, N:].copy(), mask[:, N:].copy()
+  for q in range(Q):
+    real = tokens[q][mask[q]][N:]
+    suffix_QT[q], suffix_mask_QT[q] = 0, False
+    suffix_QT[q, T - len(real):], suffix_mask_QT[q, T - len(real):] = real, True
+  prefix_1N = tokens[:1][:, P - mask[0].sum():][:, :N]
+  logits_QV, (k_pre, v_pre), (k_suf, v_suf) = model.prefill_after_prefix(cfg, params, prefix_1N, suffix_QT,
+                                                                         suffix_mask_QT)
+  np.testing.assert_allclose(logits_QV, logits_Q1V[:, -1], atol=1e-5, rtol=1e-5)
+  for q in range(Q):  # Real positions: [prefix | suffix] against the whole row's last mask.sum() positions.
+    n = mask[q].sum() - N
+    for whole, pre, suf in ((k_whole, k_pre, k_suf), (v_whole, v_pre, v_suf)):
+      shared = np.concatenate([pre[:, 0], suf[:, q, :, T - n:]], axis=2)
+      np.testing.assert_allclose(shared, whole[:, q, :, P - N - n:], atol=1e-5, rtol=1e-5)
+
+
+def _generate(shared_prefix, sc, G=3, slots=8, **kw):
+  tokens, mask = prefixed_prompts(**kw)
+  eng = engine.Engine(CFG, sc, slots=slots, prompt_len=tokens.shape[1], shared_prefix=shared_prefix)
+  return eng.generate(PARAMS, tokens, mask, G, jax.random.key(5))[0]
+
+
+def test_samples_with_a_shared_prefix_are_the_unshared_engines_and_the_static_samplers(monkeypatch):
+  """Greedy: the static sampler's tokens; temperature 1: the unshared engine's samples, with log-probs
+  the training forward's. The shared path runs (a 16-token prefix; the 21 shared tokens round down)."""
+  shared = []
+  prefill_shared = slots_lib.prefill_shared
+  monkeypatch.setattr(slots_lib, "prefill_shared", lambda cfg, p, pre, suf, m: shared.append(pre.shape[1]) or
+                      prefill_shared(cfg, p, pre, suf, m))
+  tokens, mask = prefixed_prompts()
+  G, C = 3, 10
+  greedy = sampling.SamplerConfig(max_new_tokens=C, temperature=0.0, eos_ids=(1,))
+  ref = jax.device_get(sampling.generate(CFG, greedy, PARAMS, tokens, mask, jax.random.key(0), num_samples=G))
+  out = _generate(16, greedy, G)
+  np.testing.assert_array_equal(out.tokens_BC, ref.tokens_BC)
+  np.testing.assert_allclose(out.logp_BC, ref.logp_BC, atol=1e-5)
+  assert shared and set(shared) == {16}
+
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(5, 9), pad_id=0)
+  plain, out = _generate(0, sc, G), _generate(16, sc, G)
+  np.testing.assert_array_equal(out.tokens_BC, plain.tokens_BC)
+  np.testing.assert_allclose(out.logp_BC, plain.logp_BC, atol=1e-5)
+  batch = RLBatch(tokens_BT=np.concatenate([np.repeat(tokens, G, 0), out.tokens_BC], 1),
+                  mask_BT=np.concatenate([np.repeat(mask, G, 0), out.mask_BC], 1), loss_mask_BC=out.mask_BC,
+                  old_logp_BC=out.logp_BC, adv_B=np.zeros(len(out.length_B), np.float32), ref_logp_BC=out.logp_BC)
+  logp = objectives.completion_logprobs(CFG, 1.0)(PARAMS, batch)
+  np.testing.assert_allclose(np.where(out.mask_BC, logp, 0), np.where(out.mask_BC, out.logp_BC, 0), atol=2e-5)
+
+
+def _work(real):
+  P = 12
+  prompt, mask = np.zeros(P, np.int32), np.zeros(P, bool)
+  prompt[P - len(real):], mask[P - len(real):] = real, True
+  return engine._Work(prompt_id=0, sample=0, prompt_P=prompt, mask_P=mask, stop_at=0, key_id=0, max_tokens=1,
+                      temperature=1.0, top_p=1.0)
+
+
+def test_the_shared_length_is_the_common_start_rounded_down_and_leaves_each_prompt_a_token():
+  session = engine.Engine(CFG, sampling.SamplerConfig(max_new_tokens=4), slots=2, prompt_len=12,
+                          shared_prefix=4).session(PARAMS, jax.random.key(0))
+  common = list(range(10, 19))  # 9 tokens in common.
+  assert session._shared_prefix([_work(common + [1]), _work(common + [2, 3])]) == 8
+  assert session._shared_prefix([_work(common[:6] + [1]), _work(common)]) == 4  # 6 in common -> 4.
+  assert session._shared_prefix([_work(common), _work(common)]) == 8  # Each keeps its last token.
+  assert session._shared_prefix([_work(common[:3] + [1]), _work(common)]) == 0  # Fewer than 4.
+  assert session._shared_prefix([_work(common)]) == 0  # One prompt: nothing to share.
+
+
+def test_sliding_window_models_and_bad_values():
+  windowed = dataclasses.replace(CFG, sliding_window=4, local_layers=(0,))
+  sc = sampling.SamplerConfig(max_new_tokens=4)
+  assert engine.Engine(windowed, sc, slots=2, prompt_len=12, shared_prefix=4).shared_prefix == 0
+  with pytest.raises(ValueError, match="rollout.shared_prefix=-1"):
+    engine.Engine(CFG, sc, slots=2, prompt_len=12, shared_prefix=-1)
