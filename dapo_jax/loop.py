@@ -116,17 +116,14 @@ class DAPO:
     # Rollout dumps: every scored sample of the steps (and evaluations) that `_dump` picks.
     self.dumps = dumps.RolloutRecorder(workdir, rollout, filter_groups=cfg.dynamic_sampling,
                                        enabled=jax.process_index() == 0) if cfg.dump_rollouts_every else None
-    if cfg.max_staleness and jax.process_count() > 1:
-      # Every process must issue the same collectives in the same order; a rollout thread's programs
-      # interleave with the update's in an order no process agrees on.
-      raise ValueError(f"rollout.max_staleness={cfg.max_staleness} runs one process only "
-                       f"({jax.process_count()} here); use max_staleness=0 on several hosts")
     if cfg.max_staleness and self.dumps is not None:
       # A dump records one step's rollouts while the next one's are being sampled in the thread.
       logging.warning("rollout.max_staleness=%d: no rollout dumps (train.dump_rollouts_every=%d is ignored)",
                       cfg.max_staleness, cfg.dump_rollouts_every)
       self.dumps = None
-    self.prefetch = pipelining.Prefetch() if cfg.max_staleness else None
+    # Several processes must issue the same collectives in the same order: there, the next step's
+    # rollout runs before the update instead of beside it (the same samples, no overlap).
+    self.prefetch = pipelining.Prefetch(in_order=jax.process_count() > 1) if cfg.max_staleness else None
     self.prefetch_data = None  # the data position before the rollout in flight
     self.prefetch_keep_rate = None  # and the keep rate
     self.feed = None  # partial rollouts: where the rollout in flight takes newer params from

@@ -48,10 +48,18 @@ def mark_stale(groups, step: int, decoupled: bool):
 
 
 class Prefetch:
-  """At most one rollout in flight on a worker thread: `start(fn, *args)`, then `result()`."""
+  """At most one rollout in flight on a worker thread: `start(fn, *args)`, then `result()`.
 
-  def __init__(self):
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+  `in_order`: `start` runs the rollout at once on the calling thread instead. Several JAX processes
+  must issue the same device programs in the same order, which a thread racing the update cannot
+  promise; run in order, the rollout of step k+1 still samples by the params before update k (the
+  same samples, staleness and losses as the threaded one), only without the overlap.
+  """
+
+  def __init__(self, in_order: bool = False):
+    self.in_order = in_order
+    self._pool = None if in_order else concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                             thread_name_prefix="rollout")
     self._future = None
     self.step = None  # the rollout step the pending result is for
 
@@ -66,7 +74,15 @@ class Prefetch:
 
   def start(self, step: int, fn, *args) -> None:
     assert self._future is None, "one rollout in flight at most"
-    self.step, self._future = step, self._pool.submit(fn, *args)
+    if self.in_order:
+      future = concurrent.futures.Future()
+      try:
+        future.set_result(fn(*args))
+      except Exception as e:  # noqa: BLE001 (re-raised by `result`, as the thread's would be)
+        future.set_exception(e)
+    else:
+      future = self._pool.submit(fn, *args)
+    self.step, self._future = step, future
 
   def wait(self) -> None:
     """Blocks until the rollout in flight is done (its result kept), e.g. before an evaluation that
@@ -86,7 +102,8 @@ class Prefetch:
       except Exception:  # noqa: BLE001 (it is being discarded)
         pass
       self._future = None
-    self._pool.shutdown(wait=True)
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
 
 
 def stamp_collected(collected, carry, version: int):

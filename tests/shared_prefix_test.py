@@ -53,19 +53,20 @@ def test_prefill_after_a_prefix_equals_the_whole_rows(family):
       np.testing.assert_allclose(shared, whole[:, q, :, P - N - n:], atol=1e-5, rtol=1e-5)
 
 
-def _generate(shared_prefix, sc, G=3, slots=8, **kw):
-  tokens, mask = prefixed_prompts(**kw)
-  eng = engine.Engine(CFG, sc, slots=slots, prompt_len=tokens.shape[1], shared_prefix=shared_prefix)
+def _generate(shared_prefix, sc, G=3, slots=8, prompt_len=30):
+  """With `prompt_len` > 30 the unshared prefill runs at that width, the shared one at 16 + 16."""
+  tokens, mask = prefixed_prompts()
+  eng = engine.Engine(CFG, sc, slots=slots, prompt_len=prompt_len, shared_prefix=shared_prefix)
   return eng.generate(PARAMS, tokens, mask, G, jax.random.key(5))[0]
 
 
 def test_samples_with_a_shared_prefix_are_the_unshared_engines_and_the_static_samplers(monkeypatch):
   """Greedy: the static sampler's tokens; temperature 1: the unshared engine's samples, with log-probs
   the training forward's. The shared path runs (a 16-token prefix; the 21 shared tokens round down)."""
-  shared = []
+  shared = []  # (prefix, suffix width) of each shared prefill
   prefill_shared = slots_lib.prefill_shared
-  monkeypatch.setattr(slots_lib, "prefill_shared", lambda cfg, p, pre, suf, m: shared.append(pre.shape[1]) or
-                      prefill_shared(cfg, p, pre, suf, m))
+  monkeypatch.setattr(slots_lib, "prefill_shared", lambda cfg, p, pre, suf, m: shared.append(
+      (pre.shape[1], suf.shape[1])) or prefill_shared(cfg, p, pre, suf, m))
   tokens, mask = prefixed_prompts()
   G, C = 3, 10
   greedy = sampling.SamplerConfig(max_new_tokens=C, temperature=0.0, eos_ids=(1,))
@@ -73,12 +74,16 @@ def test_samples_with_a_shared_prefix_are_the_unshared_engines_and_the_static_sa
   out = _generate(16, greedy, G)
   np.testing.assert_array_equal(out.tokens_BC, ref.tokens_BC)
   np.testing.assert_allclose(out.logp_BC, ref.logp_BC, atol=1e-5)
-  assert shared and set(shared) == {16}
+  assert shared and set(shared) == {(16, 14)}  # The prompts' 30 columns: 16 shared and 14.
 
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(5, 9), pad_id=0)
   plain, out = _generate(0, sc, G), _generate(16, sc, G)
   np.testing.assert_array_equal(out.tokens_BC, plain.tokens_BC)
   np.testing.assert_allclose(out.logp_BC, plain.logp_BC, atol=1e-5)
+  wide = _generate(16, sc, G, prompt_len=64)  # The suffixes' width follows them, not the prompt bucket.
+  np.testing.assert_array_equal(wide.tokens_BC, plain.tokens_BC)
+  np.testing.assert_allclose(wide.logp_BC, plain.logp_BC, atol=1e-5)
+  assert shared[-1] == (16, 16)
   batch = RLBatch(tokens_BT=np.concatenate([np.repeat(tokens, G, 0), out.tokens_BC], 1),
                   mask_BT=np.concatenate([np.repeat(mask, G, 0), out.mask_BC], 1), loss_mask_BC=out.mask_BC,
                   old_logp_BC=out.logp_BC, adv_B=np.zeros(len(out.length_B), np.float32), ref_logp_BC=out.logp_BC)

@@ -463,6 +463,8 @@ class Session:
     U = next(b for b in _buckets(e.S) if b >= len(uniq))
     P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in uniq)), e.prompt_buckets)
     N = self._shared_prefix(uniq)
+    if N:  # Suffixes at the smallest power of two (>= 8) that holds them: all the prefill computes.
+      P = min(P, N + max(8, 1 << (int(max(w.mask_P.sum() for w in uniq)) - N - 1).bit_length()))
     prompt_UP = np.zeros((U, P), np.int32)
     mask_UP = np.zeros((U, P), bool)
     for u, w in enumerate(uniq):  # Left-padded; with a shared prefix, [prefix | left-padded suffix].

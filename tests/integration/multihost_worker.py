@@ -1,7 +1,8 @@
 """One process of the multi-host test: `python multihost_worker.py WORKDIR OUT [RANK NPROC PORT]`.
 
-Runs two steps with generation batches, then two streamed (in WORKDIR/<mode>, results in
-OUT_<mode>.npz): one process start and one compile of the update for both."""
+Runs two steps with generation batches, two streamed, and two streamed one step off (step 1 sampled
+by the params before update 0), each in WORKDIR/<mode> with results in OUT_<mode>.npz: one process
+start and one compile of the update for all."""
 import os
 import sys
 
@@ -18,12 +19,13 @@ def main():
   from configs import dapo_qwen2_5_32b
 
   assert jax.device_count() == 2, jax.devices()
-  for mode in ("generation_batches", "streaming"):
+  for mode in ("generation_batches", "streaming", "one_step_off"):
     cfg = dapo_qwen2_5_32b.get_config("runlocal")
     cfg.reward.fn = "dapo_jax.testing:length_reward"
     cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
     cfg.mesh.update(data=-1, fsdp=1, tensor=1)
-    cfg.dapo.streaming = mode == "streaming"  # Every host runs the same streamed step.
+    cfg.dapo.streaming = mode != "generation_batches"  # Every host runs the same streamed step.
+    cfg.rollout.max_staleness = int(mode == "one_step_off")
     run(cfg, os.path.join(workdir, mode), f"{out}_{mode}.npz")
   print("done", jax.process_index())
 
