@@ -93,7 +93,7 @@ def base() -> mlc.ConfigDict:
                                              # for every layer exist at once beside the cache
                    kv_cache_dtype="",        # continuous: KV-cache dtype ("" = model.dtype); bfloat16 halves
                                              # the bytes a decode step reads (log-prob shift: docs/benchmarks.md)
-                   shared_prefix=0,          # continuous: prompts of one prefill sharing >= this many first
+                   shared_prefix=32,         # continuous: prompts of one prefill sharing >= this many first
                                              # tokens (few-shot examples) run them once (0 = off; docs/benchmarks.md)
                    rows_per_call=0,          # static: rows per sampler call (0 = the whole generation batch)
                    # Rollout versions a trained sample may lag the policy it updates (docs/async.md):

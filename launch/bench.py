@@ -11,6 +11,7 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
 DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
 Without --model_dir the config's model is built with random weights.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -200,6 +201,25 @@ def bench_e2e(cfg, peak):
                     _NEW_TOKENS.value, _RUNS.value)
 
 
+@contextlib.contextmanager
+def compile_seconds():
+  """A list whose last entry accumulates the seconds JAX spends tracing, lowering and compiling
+  (the caller appends a new entry per step): what makes one step of a steady run slower than another."""
+  import jax
+  spent = [0.0]
+  events = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
+
+  def listen(event, duration, **_):
+    if event in events:
+      spent[-1] += duration
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield spent
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, runs: int) -> dict:
   """`runs` DAPO rollout steps after a warm-up on Q x G samples of C new tokens from `prompts`
   (jsonl with a "prompt" text; 32-token prompts), the model of `model_dir`: median timings."""
@@ -238,9 +258,11 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
         "thirds": None, "pow2": engine.decode_widths(slots, thirds=False), "off": (slots,)}[_WIDTHS.value]}
     dapo.step(0)  # Warm-up: compiles, starts the reward pool.
     steps, engine_stats = [], []
-    for i in range(runs):
-      steps.append(dapo.step(i + 1)[0])
-      engine_stats.append(dapo.rollout.last_stats)
+    with compile_seconds() as compiled:
+      for i in range(runs):
+        steps.append(dapo.step(i + 1)[0])
+        engine_stats.append(dapo.rollout.last_stats)
+        compiled.append(0.0)  # The next step's.
   med = lambda k: statistics.median(m[k] for m in steps)
   mc = dapo.rollout.model_cfg
   B, P = Q * G, 32
@@ -250,6 +272,9 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
   return {"bench": "e2e", "step_s": med("timing_s/step"), "rollout_s": med("timing_s/gen"),
           "reward_s": med("timing_s/reward"), "old_log_prob_s": med("timing_s/old_log_prob"),
           "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
+          "runs_compile_s": [round(x, 3) for x in compiled[:runs]],  # tracing, lowering, compiling in each step
+          "runs_phase_s": {k.split("/")[1]: [round(m.get(k, 0.0), 4) for m in steps]  # where a step's spread comes from
+                           for k in sorted(steps[0]) if k.startswith("timing_s/") and k != "timing_s/step"},
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(
               [m["perf/throughput"] * m["timing_s/step"] for m in steps])),
           "slot_utilisation": statistics.median(s["slot_utilisation"] for s in engine_stats),
