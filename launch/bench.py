@@ -220,6 +220,24 @@ def compile_seconds():
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
+@contextlib.contextmanager
+def gc_seconds():
+  """As `compile_seconds`, for the main thread's pauses in Python's garbage collector."""
+  import gc
+  spent, started = [0.0], {}
+
+  def listen(phase, info):
+    if phase == "start":
+      started["t"] = time.perf_counter()
+    elif "t" in started:
+      spent[-1] += time.perf_counter() - started.pop("t")
+  gc.callbacks.append(listen)
+  try:
+    yield spent
+  finally:
+    gc.callbacks.remove(listen)
+
+
 def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, runs: int) -> dict:
   """`runs` DAPO rollout steps after a warm-up on Q x G samples of C new tokens from `prompts`
   (jsonl with a "prompt" text; 32-token prompts), the model of `model_dir`: median timings."""
@@ -258,11 +276,12 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
         "thirds": None, "pow2": engine.decode_widths(slots, thirds=False), "off": (slots,)}[_WIDTHS.value]}
     dapo.step(0)  # Warm-up: compiles, starts the reward pool.
     steps, engine_stats = [], []
-    with compile_seconds() as compiled:
+    with compile_seconds() as compiled, gc_seconds() as collected:
       for i in range(runs):
         steps.append(dapo.step(i + 1)[0])
         engine_stats.append(dapo.rollout.last_stats)
         compiled.append(0.0)  # The next step's.
+        collected.append(0.0)
   med = lambda k: statistics.median(m[k] for m in steps)
   mc = dapo.rollout.model_cfg
   B, P = Q * G, 32
@@ -273,6 +292,7 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
           "reward_s": med("timing_s/reward"), "old_log_prob_s": med("timing_s/old_log_prob"),
           "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
           "runs_compile_s": [round(x, 3) for x in compiled[:runs]],  # tracing, lowering, compiling in each step
+          "runs_gc_s": [round(x, 3) for x in collected[:runs]],  # Python's garbage collections in each step
           "runs_phase_s": {k.split("/")[1]: [round(m.get(k, 0.0), 4) for m in steps]  # where a step's spread comes from
                            for k in sorted(steps[0]) if k.startswith("timing_s/") and k != "timing_s/step"},
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(
