@@ -489,7 +489,8 @@ class Session:
                            top_p_A), self.rep)
     prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A = arrays[:6]
     if N:
-      prefilled = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:], mask_UP[:, N:])
+      prefilled = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:],
+                                           mask_UP[:, N:])
     else:
       prefilled = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
     key_A = slots_lib.sample_keys(self.key_data, key_id_A, sample_A)
