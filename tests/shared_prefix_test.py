@@ -8,6 +8,7 @@ import pytest
 
 from dapo_jax import objectives, testing
 from dapo_jax.datatypes import RLBatch
+from dapo_jax.model import lora
 from dapo_jax.model import transformer as model
 from dapo_jax.rollout import engine, sampling
 from dapo_jax.rollout import slots as slots_lib
@@ -27,11 +28,21 @@ def prefixed_prompts(Q=5, N=21, P=30, seed=0):
   return tokens, mask
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama_qknorm"])
+FAMILIES = {"qwen2": CFG, "llama_qknorm": dataclasses.replace(CFG, qkv_bias=False, qk_norm=True),
+            "qwen3_moe": dataclasses.replace(CFG, qkv_bias=False, qk_norm=True, arch="qwen3_moe", num_experts=4,
+                                             experts_per_token=2, expert_mlp_dim=16, norm_topk_prob=True)}
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "lora_int8"])
 def test_prefill_after_a_prefix_equals_the_whole_rows(family):
-  """Logits and every real position's keys and values equal `forward` on the left-padded whole rows."""
-  cfg = CFG if family == "qwen2" else dataclasses.replace(CFG, qkv_bias=False, qk_norm=True)
+  """Logits and every real position's keys and values equal `forward` on the left-padded whole rows
+  (dense, mixture-of-experts, and LoRA adapters on an int8 base)."""
+  cfg = FAMILIES.get(family, CFG)
   params = model.init_params(cfg, jax.random.key(1))
+  if family == "lora_int8":
+    params = lora.adapt(cfg, lora.LoraConfig(rank=4, base_quant="int8"), params, jax.random.key(2))
+    keys = iter(jax.random.split(jax.random.key(3), 64))  # Adapters that change the outputs (B = 0 at init).
+    params["lora"] = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape), params["lora"])
   tokens, mask = prefixed_prompts()
   Q, P, N = *tokens.shape, 16
   logits_Q1V, (k_whole, v_whole) = model.forward(cfg, params, tokens, model.positions(mask), model.causal_mask(mask),
