@@ -126,6 +126,7 @@ class DAPO:
     self.prefetch = pipelining.Prefetch(in_order=jax.process_count() > 1) if cfg.max_staleness else None
     self.prefetch_data = None  # the data position before the rollout in flight
     self.prefetch_keep_rate = None  # and the keep rate
+    self.prefetch_carry = None  # and the groups carried into it
     self.feed = None  # partial rollouts: where the rollout in flight takes newer params from
     kind = jax.devices()[0].device_kind
     self.peak_flops = cfg.peak_flops or metrics_lib.peak_flops(kind)
@@ -303,6 +304,7 @@ class DAPO:
       policy = pipelining.snapshot(policy)  # Before the update donates the state's buffers.
     self.prefetch_data = self.data_iter.state()
     self.prefetch_keep_rate = self.keep_rate.state()
+    self.prefetch_carry = self.carry
     if c.partial_rollouts:
       policy = self.feed = dynamic_sampling.PolicyFeed(policy)
     self.prefetch.start(done, lambda: self._collect_stamped(done, policy, step))
@@ -314,14 +316,14 @@ class DAPO:
   # --- checkpoints ---------------------------------------------------------------------------
 
   def save(self, next_step: int) -> None:
-    data, keep_rate = self.data_iter.state(), self.keep_rate.state()
+    data, keep_rate, carry = self.data_iter.state(), self.keep_rate.state(), self.carry
     if self.prefetch is not None and self.prefetch.pending:
       # A stop mid-step: the rollout in flight is dropped; the resumed run samples that step again
-      # (by the saved params) from the data position before it.
+      # (by the saved params) from the data position, keep rate and carried groups before it.
       self.prefetch.result()
-      data, keep_rate = self.prefetch_data, self.prefetch_keep_rate
+      data, keep_rate, carry = self.prefetch_data, self.prefetch_keep_rate, self.prefetch_carry
     extra = {"rollout_step": next_step, "data": data, "seed": self.cfg.seed,
-             "carry": self.carry.to_json() if self.carry is not None else None}
+             "carry": carry.to_json() if carry is not None else None}
     if self.kl_ctrl is not None:
       extra["kl_coef"] = self.kl_ctrl.value
     extra["keep_rate"] = keep_rate  # How far streaming admits ahead.

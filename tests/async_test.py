@@ -108,6 +108,31 @@ def test_one_step_off_bound_sync_equality_and_exact_resume(tmp_path):
     assert untimed(again[step]) == untimed(off[step]), step
 
 
+def test_a_stop_while_the_next_rollout_is_in_flight_saves_the_state_from_before_it(tmp_path):
+  """The stop-signal path: the rollout in flight is dropped, and the checkpoint holds the data
+  position, keep rate and carried-over groups from before it (those of a synchronous run's step 0)."""
+  from dapo_jax import from_config
+  states = {}
+  for staleness in (0, 1):
+    cfg = run_config(staleness)
+    cfg.dapo.carry_over = True  # Kept groups beyond Q wait for the next step.
+    workdir = str(tmp_path / str(staleness))
+    with from_config.dapo(cfg, workdir) as run:
+      run.step(0)
+      if staleness:
+        assert run.prefetch.pending  # Step 1's rollout, started before update 0.
+        run.save(1)
+        run.ckpt.wait()
+      else:
+        states[0] = (run.carry.to_json(), run.data_iter.state(), run.keep_rate.state())
+    if staleness:
+      with from_config.dapo(cfg, workdir) as again:
+        assert again.restore() == 1
+        states[1] = (again.carry.to_json(), again.data_iter.state(), again.keep_rate.state())
+  assert states[0][0]["prompt_QP"], "step 0 kept more groups than Q: something to carry"
+  assert json.dumps(states[1], sort_keys=True, default=str) == json.dumps(states[0], sort_keys=True, default=str)
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_two_version_batch_loss_equals_numpy(tmp_path, decoupled):
   """Group 0 sampled by version 0 (params A), group 1 by version 1 (params B), trained at step 1 by
