@@ -222,7 +222,8 @@ def compile_seconds():
 
 @contextlib.contextmanager
 def gc_seconds():
-  """As `compile_seconds`, for the main thread's pauses in Python's garbage collector."""
+  """As `compile_seconds`, for the pauses of Python's garbage collector (in any thread: a collection
+  holds the interpreter lock, so every thread waits)."""
   import gc
   spent, started = [0.0], {}
 

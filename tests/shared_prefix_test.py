@@ -103,11 +103,7 @@ def test_samples_with_a_shared_prefix_are_the_unshared_engines_and_the_static_sa
 
 
 def _work(real):
-  P = 12
-  prompt, mask = np.zeros(P, np.int32), np.zeros(P, bool)
-  prompt[P - len(real):], mask[P - len(real):] = real, True
-  return engine._Work(prompt_id=0, sample=0, prompt_P=prompt, mask_P=mask, stop_at=0, key_id=0, max_tokens=1,
-                      temperature=1.0, top_p=1.0)
+  return np.asarray(real, np.int32)  # A prompt's real tokens.
 
 
 def test_the_shared_length_is_the_common_start_rounded_down_and_leaves_each_prompt_a_token():

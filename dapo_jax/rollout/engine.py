@@ -461,14 +461,15 @@ class Session:
     n = len(work)
     index = {w.prompt_id: u for u, w in enumerate(uniq)}
     U = next(b for b in _buckets(e.S) if b >= len(uniq))
-    P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in uniq)), e.prompt_buckets)
-    N = self._shared_prefix(uniq)
+    reals = [w.prompt_P[w.mask_P.astype(bool)] for w in uniq]  # each prompt's real tokens
+    longest = max(len(r) for r in reals)
+    P = tokenizer_lib.bucket(longest, e.prompt_buckets)
+    N = self._shared_prefix(reals)
     if N:  # Suffixes at the smallest power of two (>= 8) that holds them: all the prefill computes.
-      P = min(P, N + max(8, 1 << (int(max(w.mask_P.sum() for w in uniq)) - N - 1).bit_length()))
+      P = min(P, N + max(8, 1 << (longest - N - 1).bit_length()))
     prompt_UP = np.zeros((U, P), np.int32)
     mask_UP = np.zeros((U, P), bool)
-    for u, w in enumerate(uniq):  # Left-padded; with a shared prefix, [prefix | left-padded suffix].
-      real = w.prompt_P[w.mask_P.astype(bool)]
+    for u, real in enumerate(reals):  # Left-padded; with a shared prefix, [prefix | left-padded suffix].
       prompt_UP[u, :N], mask_UP[u, :N] = real[:N], True
       prompt_UP[u, P - len(real) + N:], mask_UP[u, P - len(real) + N:] = real[N:], True
     mask_UP[len(uniq):, -1] = True  # Padding rows: one real token, so their softmax is defined.
@@ -500,13 +501,12 @@ class Session:
       self.slot_work[s] = w
       self.drawn[s] = 0
 
-  def _shared_prefix(self, uniq: list[_Work]) -> int:
-    """The tokens all of `uniq`'s prompts begin with, each keeping at least one of its own (its first
+  def _shared_prefix(self, reals: list[np.ndarray]) -> int:
+    """The tokens all the prompts `reals` begin with, each keeping at least one of its own (its first
     logits come from its last token), rounded down to a multiple of `shared_prefix`; 0 for one prompt."""
     q = self.e.shared_prefix
-    if not q or len(uniq) < 2:
+    if not q or len(reals) < 2:
       return 0
-    reals = [w.prompt_P[w.mask_P.astype(bool)] for w in uniq]
     n = min(len(r) for r in reals) - 1
     for r in reals[1:]:
       differ = np.flatnonzero(r[:n] != reals[0][:n])
