@@ -143,9 +143,9 @@ def validate(cfg, num_devices: int | None = None) -> None:
   check(r.engine in ("continuous", "static"), "rollout.engine", r.engine, "'continuous' or 'static'")
   n("rollout.slots", 0, integer=True, allowed=">= 0 (0 = the rows of one generation batch)")
   if "max_staleness" in r:
-    n("rollout.max_staleness", 0, 1, integer=True, allowed="0 (synchronous) or 1 (one-step-off)")
+    n("rollout.max_staleness", 0, integer=True, allowed=">= 0 (0: synchronous, 1: one-step-off)")
   if r.get("partial_rollouts"):
-    if not r.get("max_staleness"):
+    if r.get("max_staleness") != 1:
       raise ConfigError("rollout.partial_rollouts=True needs rollout.max_staleness=1 (a rollout in flight while "
                         "the policy updates)")
     if not (d.streaming and r.engine == "continuous"):

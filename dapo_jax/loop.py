@@ -11,11 +11,12 @@ epoch) π_old is exactly the current policy, and that forward pass is skipped. G
 from an earlier step (`dapo.carry_over`) were sampled by an older policy: their π_old is the
 sampler's log-probs recorded then, so the clip bounds their off-policy ratio.
 
-Staleness (`rollout.max_staleness=1`, `pipelining`): step k+1's groups are sampled by version k
-(the params before update k) in a thread while update k runs. Those rows are trained like carried
+Staleness (`rollout.max_staleness=S`, `pipelining`): step k+1's groups are sampled by version k
+(the params before update k) in a thread while update k runs; with S > 1 the rollouts of steps up
+to k+S are queued by version k behind it. Those rows are trained like carried
 ones (π_old = their sampler log-probs), or, with `use_decoupled_loss`, with π_old = this step's
-params (AReaL's proximal policy) and π_prox/π_behav through `dapo.rollout_correction`. A rollout
-step followed by a periodic checkpoint prefetches nothing, so the step after a checkpoint is sampled
+params (AReaL's proximal policy) and π_prox/π_behav through `dapo.rollout_correction`. No queued
+rollout crosses a periodic checkpoint, so the step after a checkpoint is sampled
 synchronously and a resumed run repeats an uninterrupted one exactly. With `partial_rollouts`, the
 params of update k reach step k+1's rollout as soon as the update ends: its samples in flight draw
 their remaining tokens with them (`Groups.switch_QG` marks where), and its prompts not yet started
@@ -77,7 +78,7 @@ class LoopConfig:
   dump_rollouts_every: int = 0  # rollout steps between WORKDIR/rollouts dumps (`dumps`); 0 = none
   profile_steps: tuple[int, ...] = ()  # (a, b): a JAX profiler trace of rollout steps a..b in WORKDIR/profile
   peak_flops: float = 0.0       # per device, for perf/mfu; 0 = from the device kind (`metrics.PEAK_FLOPS`)
-  max_staleness: int = 0        # 0: synchronous; 1: the next step's rollout is sampled during this update
+  max_staleness: int = 0        # 0: synchronous; S: the rollouts of the next S steps are sampled during this update
   use_decoupled_loss: bool = False  # stale rows' π_old: False = sampler log-probs; True = this step's policy
   partial_rollouts: bool = False  # the rollout in flight continues with each update's params as it ends
 
@@ -124,9 +125,6 @@ class DAPO:
     # Several processes must issue the same collectives in the same order: there, the next step's
     # rollout runs before the update instead of beside it (the same samples, no overlap).
     self.prefetch = pipelining.Prefetch(in_order=jax.process_count() > 1) if cfg.max_staleness else None
-    self.prefetch_data = None  # the data position before the rollout in flight
-    self.prefetch_keep_rate = None  # and the keep rate
-    self.prefetch_carry = None  # and the groups carried into it
     self.feed = None  # partial rollouts: where the rollout in flight takes newer params from
     kind = jax.devices()[0].device_kind
     self.peak_flops = cfg.peak_flops or metrics_lib.peak_flops(kind)
@@ -227,7 +225,7 @@ class DAPO:
     if self.prefetch is not None and self.prefetch.pending:
       assert self.prefetch.step == step, (self.prefetch.step, step)
       groups, stats, info = self.prefetch.result()
-      self.prefetch_data, self.feed = None, None
+      self.feed = None
     else:
       groups, stats, info = self._collect_stamped(step, None, step)
     self._prefetch_next(step)
@@ -293,21 +291,33 @@ class DAPO:
     return out
 
   def _prefetch_next(self, step: int) -> None:
-    """Starts step+1's rollout by this step's params in a thread (max_staleness > 0), unless a
-    periodic checkpoint follows this step: the step after it is then sampled synchronously, by the
-    params the checkpoint holds, so a resume repeats it."""
-    c, done = self.cfg, step + 1
-    if self.prefetch is None or done >= c.num_steps or (c.ckpt_every and done % c.ckpt_every == 0):
+    """Queues the rollouts of steps up to step + max_staleness not queued yet, all sampled in the
+    worker thread by this step's params (version `step`), so a row is trained at most max_staleness
+    versions after the one that sampled it. None crosses a periodic checkpoint: the step after it
+    is sampled synchronously, by the params the checkpoint holds, so a resume repeats it."""
+    c = self.cfg
+    if self.prefetch is None:
+      return
+    first = step + 1 if self.prefetch.last_step is None else self.prefetch.last_step + 1
+    todo = []
+    for ahead in range(first, min(step + c.max_staleness, c.num_steps - 1) + 1):
+      if c.ckpt_every and ahead % c.ckpt_every == 0:
+        break
+      todo.append(ahead)
+    if not todo:
       return
     policy = self.rollout.sampling_params(self.state.params)
     if not self.rollout.owns_copy(self.state.params):
       policy = pipelining.snapshot(policy)  # Before the update donates the state's buffers.
-    self.prefetch_data = self.data_iter.state()
-    self.prefetch_keep_rate = self.keep_rate.state()
-    self.prefetch_carry = self.carry
-    if c.partial_rollouts:
+    if c.partial_rollouts:  # (max_staleness=1: one rollout queued at a time)
       policy = self.feed = dynamic_sampling.PolicyFeed(policy)
-    self.prefetch.start(done, lambda: self._collect_stamped(done, policy, step))
+    for ahead in todo:
+      self.prefetch.start(ahead, functools.partial(self._collect_stamped, ahead, policy, step),
+                          before=self._rollout_state)
+
+  def _rollout_state(self):
+    """What a rollout changes as it runs: the data position, the keep rate and the carried groups."""
+    return self.data_iter.state(), self.keep_rate.state(), self.carry
 
   def _collect_stamped(self, step: int, policy, version: int):
     """`collect`, its groups and the carry it leaves stamped with the sampling policy's version."""
@@ -316,12 +326,11 @@ class DAPO:
   # --- checkpoints ---------------------------------------------------------------------------
 
   def save(self, next_step: int) -> None:
-    data, keep_rate, carry = self.data_iter.state(), self.keep_rate.state(), self.carry
+    data, keep_rate, carry = self._rollout_state()
     if self.prefetch is not None and self.prefetch.pending:
-      # A stop mid-step: the rollout in flight is dropped; the resumed run samples that step again
-      # (by the saved params) from the data position, keep rate and carried groups before it.
-      self.prefetch.result()
-      data, keep_rate, carry = self.prefetch_data, self.prefetch_keep_rate, self.prefetch_carry
+      # A stop mid-step: the rollouts queued are dropped; the resumed run samples those steps again
+      # (by the saved params) from the data position, keep rate and carried groups before the oldest.
+      data, keep_rate, carry = self.prefetch.drain()
     extra = {"rollout_step": next_step, "data": data, "seed": self.cfg.seed,
              "carry": carry.to_json() if carry is not None else None}
     if self.kl_ctrl is not None:

@@ -1,5 +1,6 @@
-"""One-step-off rollouts (`rollout.max_staleness=1`, docs/async.md): step k+1's groups are generated
-in a background thread by the policy before update k while update k runs on the main thread.
+"""Rollouts ahead of the update (`rollout.max_staleness=S`, docs/async.md): the groups of steps up to
+k+S are generated in a background thread by the policy before update k while update k runs on the
+main thread; S=1 is one-step-off.
 
 JAX releases the GIL while its programs run, so the rollout's host work (scoring, batching, admission)
 and its device programs interleave with the update's. The train step donates the state's buffers, so
@@ -10,7 +11,9 @@ by version v and trained at step k has staleness k - v (`staleness`).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -47,61 +50,93 @@ def mark_stale(groups, step: int, decoupled: bool):
   return groups
 
 
+@dataclasses.dataclass
+class _Queued:
+  step: int                                   # the rollout step it samples for
+  future: concurrent.futures.Future | None = None
+  before: object = None                       # what `start`'s `before` returned as the rollout began
+
+
 class Prefetch:
-  """At most one rollout in flight on a worker thread: `start(fn, *args)`, then `result()`.
+  """Rollouts queued ahead of the loop, run one after the other on one worker thread, in the order
+  they were started: `start(step, fn)`, then `result()` for the oldest.
+
+  One worker, because successive rollouts share the engine, the data stream, the keep rate and the
+  carried groups: rollout j+1 reads them as rollout j leaves them. `start`'s `before` runs on the
+  worker as the rollout begins (e.g. the data position before it), so a stop can drop every rollout
+  queued and keep the state before the oldest (`drain`).
 
   `in_order`: `start` runs the rollout at once on the calling thread instead. Several JAX processes
   must issue the same device programs in the same order, which a thread racing the update cannot
-  promise; run in order, the rollout of step k+1 still samples by the params before update k (the
-  same samples, staleness and losses as the threaded one), only without the overlap.
+  promise; run in order, the rollout of step j still samples by the params it was given (the same
+  samples, staleness and losses as the threaded one), only without the overlap.
   """
 
   def __init__(self, in_order: bool = False):
     self.in_order = in_order
     self._pool = None if in_order else concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                              thread_name_prefix="rollout")
-    self._future = None
-    self.step = None  # the rollout step the pending result is for
+    self._queue: collections.deque[_Queued] = collections.deque()
 
   @property
   def pending(self) -> bool:
-    return self._future is not None
+    return bool(self._queue)
+
+  @property
+  def step(self) -> int | None:
+    """The rollout step the oldest pending result is for."""
+    return self._queue[0].step if self._queue else None
+
+  @property
+  def last_step(self) -> int | None:
+    """The rollout step queued last."""
+    return self._queue[-1].step if self._queue else None
 
   @property
   def running(self) -> bool:
-    """The rollout in flight has not finished yet."""
-    return self._future is not None and not self._future.done()
+    """The oldest rollout queued has not finished yet."""
+    return bool(self._queue) and not self._queue[0].future.done()
 
-  def start(self, step: int, fn, *args) -> None:
-    assert self._future is None, "one rollout in flight at most"
+  def start(self, step: int, fn, before=None) -> None:
+    assert self.last_step is None or step == self.last_step + 1, (self.last_step, step)
+    item = _Queued(step)
+
+    def job():
+      if before is not None:
+        item.before = before()
+      return fn()
+
     if self.in_order:
-      future = concurrent.futures.Future()
+      item.future = concurrent.futures.Future()
       try:
-        future.set_result(fn(*args))
+        item.future.set_result(job())
       except Exception as e:  # noqa: BLE001 (re-raised by `result`, as the thread's would be)
-        future.set_exception(e)
+        item.future.set_exception(e)
     else:
-      future = self._pool.submit(fn, *args)
-    self.step, self._future = step, future
+      item.future = self._pool.submit(job)
+    self._queue.append(item)
 
   def wait(self) -> None:
-    """Blocks until the rollout in flight is done (its result kept), e.g. before an evaluation that
-    shares its engine."""
-    if self._future is not None:
-      concurrent.futures.wait([self._future])
+    """Blocks until every queued rollout is done (results kept), e.g. before an evaluation that
+    shares their engine."""
+    concurrent.futures.wait([q.future for q in self._queue])
 
   def result(self):
-    """The pending rollout's result (waiting for it); re-raises its exception."""
-    future, self._future = self._future, None
-    return future.result()
+    """The oldest pending rollout's result (waiting for it); re-raises its exception."""
+    return self._queue.popleft().future.result()
+
+  def drain(self):
+    """Drops every queued rollout (letting each finish: they share the engine and reward workers) and
+    returns what `before` returned as the oldest began; None when nothing was queued."""
+    if not self._queue:
+      return None
+    self.wait()
+    before = self._queue[0].before
+    self._queue.clear()
+    return before
 
   def close(self) -> None:
-    if self._future is not None:  # Let the rollout finish: its engine and reward workers are shared.
-      try:
-        self._future.result()
-      except Exception:  # noqa: BLE001 (it is being discarded)
-        pass
-      self._future = None
+    self.drain()
     if self._pool is not None:
       self._pool.shutdown(wait=True)
 
@@ -112,3 +147,25 @@ def stamp_collected(collected, carry, version: int):
   stamp(collected[0], version)
   stamp(carry, version, carried_are_older=False)
   return collected
+
+
+def schedule_seconds(rollout_s, train_s, max_staleness: int) -> float:
+  """The wall time of rollout steps whose rollouts take `rollout_s[k]` and whose training (π_old,
+  update and the main thread's host work) takes `train_s[k]`, as `loop.DAPO` orders them when the
+  two never slow each other down (disjoint devices, host work that fits beside both).
+
+  Rollout j starts when rollout j-1 has ended (one engine) and the params that sample it exist:
+  those of update max(j - S, 0) (queued as that update starts); update k starts when update k-1
+  and rollout k have ended. S = 0 is the synchronous loop, the sum of both.
+  """
+  r, t = list(rollout_s), list(train_s)
+  assert len(r) == len(t) and r, (len(r), len(t))
+  if max_staleness == 0:
+    return float(sum(r) + sum(t))
+  rollout_end, update_start, update_end = [], [], []
+  for k in range(len(r)):
+    start = 0.0 if k == 0 else max(rollout_end[k - 1], update_start[max(k - max_staleness, 0)])
+    rollout_end.append(start + r[k])
+    update_start.append(max(update_end[k - 1] if k else 0.0, rollout_end[k]))
+    update_end.append(update_start[k] + t[k])
+  return float(update_end[-1])

@@ -7,6 +7,8 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
   python -m launch.bench episodes --tool_ms=50    # 3-turn episodes, environment latency vs a turn-synchronous loop
   python -m launch.bench serve --batch=64 --new_tokens=64   # the OpenAI server at 1/8/32 clients vs offline
   python -m launch.bench device   # what a GPU/TPU run reports: decode roofline, bf16 MFU, DAPO steps
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m launch.bench async --rollout_devices=4
+                                  # a split mesh's phases and the async step they predict
 
 DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
 Without --model_dir the config's model is built with random weights.
@@ -59,6 +61,9 @@ _MEDIUM_DIR = flags.DEFINE_string("medium_dir", "/tmp/peers/medium-qwen2", "devi
 _DEVICE_PROMPTS = flags.DEFINE_string("device_prompts", "/tmp/peers/data/prompts_32tok.jsonl",
                                       "device: prompts of the DAPO steps (jsonl with a 'prompt').")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 64, "device: rows decoded at once.")
+_ROLLOUT_DEVICES = flags.DEFINE_integer("rollout_devices", 0, "async: devices that decode (default: half).")
+_WARM_START = flags.DEFINE_string("warm_start", "", "async: a workdir whose sft_model (and tokenizer) the run "
+                                  "starts from instead of running SFT.")
 _TRAIN_BATCH = flags.DEFINE_integer("train_batch", 32, "device: rows of the bf16 update (x --seq_len tokens).")
 
 
@@ -304,6 +309,66 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
           "length_buckets": list(dapo.cfg.length_buckets), "mean_length": _MEAN_LENGTH.value,
           **({"widths": _WIDTHS.value, "round_fraction": _ROUND_FRACTION.value}
              if cfg.rollout.engine == "continuous" else {})}
+
+
+def bench_async(cfg, peak):
+  """Phase times of synchronous rollout steps on a split mesh (`mesh.rollout_devices`: the first R
+  devices decode, the rest train) and the step time `pipelining.schedule_seconds` predicts from
+  them for `rollout.max_staleness` = 0, 1, 2, 4 when the two sides never slow each other (what
+  disjoint chips give; on forced CPU devices the sides share the cores, so only the phases are
+  measured). Rollout = the whole `collect` (policy copy, prefill, decode, scoring, dynamic
+  sampling); train = the rest of the step (advantages, π_old, update, metrics)."""
+  import shutil
+
+  import jax
+
+  from dapo_jax import from_config, pipelining
+  R = _ROLLOUT_DEVICES.value or jax.device_count() // 2
+  if not 0 < R < jax.device_count():
+    raise SystemExit(f"--rollout_devices={R}: expected 1..{jax.device_count() - 1} of {jax.device_count()} devices "
+                     "(more devices on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  runs = _RUNS.value
+  tmp = tempfile.mkdtemp(prefix="dapo_bench_async_")
+  if _WARM_START.value:  # A finished run's SFT warm start (and tokenizer): no SFT here.
+    for name in ("sft_model", "tokenizer"):
+      src = os.path.join(_WARM_START.value, name)
+      if os.path.isdir(src):
+        shutil.copytree(src, os.path.join(tmp, name))
+  with cfg.unlocked():
+    cfg.mesh.rollout_devices = R
+    cfg.rollout.max_staleness = 0
+    cfg.train.update(num_steps=runs + 1, eval_every=0, ckpt_every=0, log_samples_every=0, dump_rollouts_every=0)
+  rollout_s, train_s, steps = [], [], []
+  with from_config.dapo(cfg, tmp) as dapo:
+    collect = dapo.collect
+
+    def timed_collect(*args, **kwargs):
+      t0 = time.perf_counter()
+      out = collect(*args, **kwargs)
+      rollout_s.append(time.perf_counter() - t0)
+      return out
+
+    dapo.collect = timed_collect
+    for step in range(runs + 1):  # Step 0 compiles.
+      m, _ = dapo.step(step)
+      steps.append(m)
+      train_s.append(m["timing_s/step"] - rollout_s[-1])
+  r, t = rollout_s[1:], train_s[1:]
+  predicted = {S: pipelining.schedule_seconds(r, t, S) / runs for S in (0, 1, 2, 4)}
+  return {"bench": "async", "rollout_devices": R, "train_devices": jax.device_count() - R, "steps": runs,
+          "runs_rollout_s": [round(x, 4) for x in r], "runs_train_s": [round(x, 4) for x in t],
+          "rollout_median_s": statistics.median(r), "train_median_s": statistics.median(t),
+          "gen_median_s": statistics.median(m["timing_s/gen"] for m in steps[1:]),
+          "update_median_s": statistics.median(m["timing_s/update_actor"] + m["timing_s/old_log_prob"]
+                                               for m in steps[1:]),
+          "measured_sync_step_s": statistics.mean(m["timing_s/step"] for m in steps[1:]),
+          "predicted_step_s": {str(S): round(v, 4) for S, v in predicted.items()},
+          "predicted_speedup": {str(S): round(predicted[0] / v, 3) for S, v in predicted.items()},
+          "assumptions": ["the rollout and train devices never slow each other (disjoint chips)",
+                          "the two threads' host work fits beside each other (no GIL or core contention)",
+                          "each step's phases take what they took synchronously (the same samples, "
+                          "dynamic-sampling waves and update)",
+                          "the policy copy to the rollout side stays inside the rollout phase"]}
 
 
 class LatencyEnv:
@@ -622,15 +687,16 @@ def _print_device(out: dict) -> None:
 
 
 def main(argv):
-  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e", "episodes", "serve", "device"):
-    raise SystemExit("usage: python -m launch.bench sampler|train|e2e|episodes|serve|device [flags]")
+  if len(argv) != 2 or argv[1] not in ("sampler", "train", "e2e", "episodes", "serve", "device", "async"):
+    raise SystemExit("usage: python -m launch.bench sampler|train|e2e|episodes|serve|device|async [flags]")
   import jax
   cfg = _CONFIG.value
   dtypes = numerics(cfg)
   operand_dtype = dtypes["matmul_dtype"] or dtypes["dtype"]
   peak = matmul_peak(operand_dtype)
   result = {"sampler": bench_sampler, "train": bench_train, "e2e": bench_e2e,
-            "episodes": bench_episodes, "serve": bench_serve, "device": bench_device}[argv[1]](cfg, peak)
+            "episodes": bench_episodes, "serve": bench_serve, "device": bench_device,
+            "async": bench_async}[argv[1]](cfg, peak)
   result.update(matmul_peak_flops_per_s=peak, matmul_dtype=operand_dtype, backend=jax.default_backend(),
                 devices=jax.device_count(), model_dir=_MODEL_DIR.value)
   print(json.dumps(result))

@@ -1,5 +1,6 @@
 """One-step-off rollouts (`rollout.max_staleness`, `pipelining`): the synchronous path unchanged, the
 staleness bound, stale rows trained against their sampler's log-probs, and an exact resume."""
+import functools
 import json
 import os
 import shutil
@@ -108,19 +109,71 @@ def test_one_step_off_bound_sync_equality_and_exact_resume(tmp_path):
     assert untimed(again[step]) == untimed(off[step]), step
 
 
-def test_a_stop_while_the_next_rollout_is_in_flight_saves_the_state_from_before_it(tmp_path):
-  """The stop-signal path: the rollout in flight is dropped, and the checkpoint holds the data
-  position, keep rate and carried-over groups from before it (those of a synchronous run's step 0)."""
+@pytest.mark.slow  # three 6-step runlocal runs
+def test_two_steps_off_bound_threaded_equals_in_order_and_exact_resume(tmp_path):
+  """max_staleness=2: after a synchronous step, the next two rollouts are queued by its params
+  (staleness 1, then 2), and no queued rollout crosses a checkpoint. The rollouts are a function of
+  the schedule, not of the thread's timing: run in order on the main thread (as several processes
+  do) they log the same values, and a resume from the step-3 checkpoint repeats steps 4-6."""
+  from dapo_jax import from_config
+  threaded = train(run_config(2, num_steps=6, ckpt_every=3), str(tmp_path / "threaded"))
+  assert [threaded[s]["rollout/staleness_max"] for s in range(1, 7)] == [0, 1, 2, 0, 1, 2]
+  assert threaded[3]["rollout/staleness_mean"] == 2
+  with from_config.dapo(run_config(2, num_steps=6, ckpt_every=3), str(tmp_path / "in_order")) as run:
+    run.prefetch = pipelining.Prefetch(in_order=True)
+    run.run()
+  in_order = logged(str(tmp_path / "in_order"))
+  for step in range(1, 7):
+    assert untimed(in_order[step]) == untimed(threaded[step]), step
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(str(tmp_path / "threaded"), resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "6"))
+  again = train(run_config(2, num_steps=6, ckpt_every=3), resumed)
+  for step in (4, 5, 6):
+    assert untimed(again[step]) == untimed(threaded[step]), step
+
+
+def test_the_queue_runs_rollouts_in_order_and_a_drain_keeps_the_state_before_the_oldest():
+  import threading
+  for in_order in (False, True):
+    queue, state, release = pipelining.Prefetch(in_order=in_order), {"n": 0}, threading.Event()
+    if in_order:
+      release.set()
+
+    def rollout(step):
+      release.wait()
+      state["n"] += 1
+      return step, threading.current_thread() is threading.main_thread()
+
+    for step in (3, 4, 5):
+      queue.start(step, functools.partial(rollout, step), before=lambda: state["n"])
+    assert (queue.step, queue.last_step) == (3, 5)
+    release.set()
+    assert queue.result() == (3, in_order)
+    assert queue.step == 4
+    assert queue.drain() == 1  # the state as rollout 4 began: one rollout done
+    assert not queue.pending and state["n"] == 3
+    queue.start(6, lambda: None)
+    with pytest.raises(AssertionError):  # steps queue consecutively
+      queue.start(8, lambda: None)
+    queue.close()
+
+
+def test_a_stop_while_the_next_rollouts_are_in_flight_saves_the_state_from_before_them(tmp_path):
+  """The stop-signal path: the rollouts queued are dropped, and the checkpoint holds the data
+  position, keep rate and carried-over groups from before the oldest (those of a synchronous run's
+  step 0), one rollout queued or two."""
   from dapo_jax import from_config
   states = {}
-  for staleness in (0, 1):
+  for staleness in (0, 1, 2):
     cfg = run_config(staleness)
     cfg.dapo.carry_over = True  # Kept groups beyond Q wait for the next step.
     workdir = str(tmp_path / str(staleness))
     with from_config.dapo(cfg, workdir) as run:
       run.step(0)
       if staleness:
-        assert run.prefetch.pending  # Step 1's rollout, started before update 0.
+        # The rollouts of steps 1..staleness, started before update 0.
+        assert (run.prefetch.step, run.prefetch.last_step) == (1, staleness)
         run.save(1)
         run.ckpt.wait()
       else:
@@ -128,9 +181,11 @@ def test_a_stop_while_the_next_rollout_is_in_flight_saves_the_state_from_before_
     if staleness:
       with from_config.dapo(cfg, workdir) as again:
         assert again.restore() == 1
-        states[1] = (again.carry.to_json(), again.data_iter.state(), again.keep_rate.state())
+        states[staleness] = (again.carry.to_json(), again.data_iter.state(), again.keep_rate.state())
   assert states[0][0]["prompt_QP"], "step 0 kept more groups than Q: something to carry"
-  assert json.dumps(states[1], sort_keys=True, default=str) == json.dumps(states[0], sort_keys=True, default=str)
+  for staleness in (1, 2):
+    assert json.dumps(states[staleness], sort_keys=True, default=str) == json.dumps(states[0], sort_keys=True,
+                                                                                    default=str)
 
 
 @pytest.mark.parametrize("decoupled", [False, True])
@@ -166,12 +221,12 @@ def test_two_version_batch_loss_equals_numpy(tmp_path, decoupled):
   assert (abs(ref["ppo_kl"]) > 1e-2) != decoupled  # the stale rows' ratio is off-policy unless decoupled
 
 
-def test_staleness_above_one_is_refused_in_one_line_naming_the_field():
+def test_a_negative_staleness_is_refused_in_one_line_naming_the_field():
   from dapo_jax import config_checks
-  cfg = run_config(2)
-  with pytest.raises(config_checks.ConfigError, match=r"^rollout.max_staleness=2: expected 0 \(synchronous\) or 1"):
+  cfg = run_config(-1)
+  with pytest.raises(config_checks.ConfigError, match=r"^rollout.max_staleness=-1: expected >= 0 \(0: synchronous"):
     config_checks.validate(cfg, num_devices=1)
-  config_checks.validate(run_config(1), num_devices=1)
+  config_checks.validate(run_config(3), num_devices=1)
 
 
 def split_config(rollout_devices: int, max_staleness: int = 0):
@@ -227,6 +282,9 @@ def test_partial_rollouts_need_one_step_off_and_streaming_in_one_line():
   from dapo_jax import config_checks
   cfg = run_config(0)
   cfg.rollout.partial_rollouts, cfg.dapo.streaming = True, True
+  with pytest.raises(config_checks.ConfigError, match=r"^rollout.partial_rollouts=True needs rollout.max_staleness=1"):
+    config_checks.validate(cfg, num_devices=1)
+  cfg.rollout.max_staleness = 2  # the params of one update go to one rollout in flight
   with pytest.raises(config_checks.ConfigError, match=r"^rollout.partial_rollouts=True needs rollout.max_staleness=1"):
     config_checks.validate(cfg, num_devices=1)
   cfg.rollout.max_staleness = 1
