@@ -217,6 +217,9 @@ def base() -> mlc.ConfigDict:
                  microbatch_tokens=2048,     # the fewest micro-batches of at most this many tokens
                                              # per data shard (the SFT warm start always uses auto)
                  share_prompt=True,          # a group's prompt runs through the model once (exact)
+                 shared_prefix=32,           # and the first tokens every prompt of a mini-batch shares (a
+                                             # system prompt, few-shot examples), in multiples of this many,
+                                             # once per mini-batch (exact up to summation order; 0 = off)
                  length_buckets=8,           # micro-batches of groups sorted by length, each cut to one
                                              # of this many lengths (eighths of max_new_tokens) and, with
                                              # auto micro-batches, packed to microbatch_tokens at that

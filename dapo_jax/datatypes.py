@@ -31,6 +31,11 @@ class RLBatch:
   behaviour_B: jax.Array | None = None
   adv_BC: jax.Array | None = None  # fp32 advantage per token (GAE, REINFORCE++); None: adv_B on every token
   rollout_logp_BC: jax.Array | None = None  # fp32 the sampler's log-probs (mismatch, rollout correction)
+  # The shared-prefix layout (`train_step.shared_prefix_layout`; static, so a new pair compiles anew):
+  # every prompt begins with the same `prefix_len` real tokens, which the model then runs once per
+  # batch, and the rest of each prompt fits in its last `suffix_len` columns. 0: each group's prompt whole.
+  prefix_len: int = struct.field(pytree_node=False, default=0)
+  suffix_len: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass

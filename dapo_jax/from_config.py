@@ -332,6 +332,7 @@ def loop_config(cfg) -> loop.LoopConfig:
       use_decoupled_loss=cfg.rollout.get("use_decoupled_loss", False),
       partial_rollouts=cfg.rollout.get("partial_rollouts", False),
       length_buckets=train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else (),
+      shared_prefix=t.get("shared_prefix", 0) if t.get("share_prompt", True) else 0,
       **run_record_config(cfg))
 
 

@@ -67,6 +67,8 @@ class LoopConfig:
   admit_ahead: bool = True      # streaming admits by the running keep rate, cancelling what the step
                                 # did not need (same kept groups); False: only while kept + in flight < Q
   length_buckets: tuple[int, ...] = ()  # completion lengths micro-batches are cut to; () = pad to C
+  shared_prefix: int = 0        # a mini-batch's prompts sharing >= this many first tokens run them once
+                                # (`train_step.shared_prefix_layout`; off for sliding-window models)
   adv_estimator: str = "grpo"   # advantages.ESTIMATORS; "gae" needs a `Critic`
   gamma: float = 1.0            # discount of the token-level estimators
   lam: float = 1.0              # GAE's λ
@@ -126,6 +128,8 @@ class DAPO:
     # rollout runs before the update instead of beside it (the same samples, no overlap).
     self.prefetch = pipelining.Prefetch(in_order=jax.process_count() > 1) if cfg.max_staleness else None
     self.feed = None  # partial rollouts: where the rollout in flight takes newer params from
+    mc = getattr(rollout, "model_cfg", None)  # The prefix layout has no sliding window.
+    self.shared_prefix = 0 if mc is None or mc.local_layers or mc.sliding_window else cfg.shared_prefix
     kind = jax.devices()[0].device_kind
     self.peak_flops = cfg.peak_flops or metrics_lib.peak_flops(kind)
 
@@ -189,6 +193,9 @@ class DAPO:
                      for mb, parts in ((mb, cut(mb)) for mb in minibatches)]
     else:
       minibatches = [[mb] for mb in minibatches]
+    layout = functools.partial(train_step.shared_prefix_layout, group_size=self.trainer.group_size,
+                               multiple=self.shared_prefix)
+    minibatches = [[layout(mb) for mb in parts] for parts in minibatches]
     log_r = []  # log π_old - log π_rollout at the loss tokens' extremes, from the π_old pass
     for parts in [] if have_logprobs else minibatches:
       for i, mb in enumerate(parts):

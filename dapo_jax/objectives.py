@@ -140,6 +140,9 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
   the routing statistics of an MoE model, `model.routing`)."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
+  if group_size and mb.prefix_len:
+    return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
+                                                    mb.tokens_BT[:, P:], mb.mask_BT[:, P:], with_router=with_router)
   if group_size:
     return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
                                        mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:],
@@ -149,11 +152,26 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
                           with_router=with_router)
 
 
+def _prefix_and_rest(mb: RLBatch, group_size: int, P: int):
+  """(the prefix every prompt begins with [1, N], the prompts' rest [Q, W] and its mask) of a batch
+  in the shared-prefix layout (`RLBatch.prefix_len`). Prompts are left-padded, so prompt q's rest is
+  its last L_q - N columns, real where its whole-prompt mask is real N columns further left."""
+  N, W = mb.prefix_len, mb.suffix_len
+  prompt_QP, mask_QP = mb.tokens_BT[::group_size, :P], mb.mask_BT[::group_size, :P]
+  start = P - jnp.sum(mask_QP[0], dtype=jnp.int32)  # Prompt 0's first real token.
+  prefix_1N = jax.lax.dynamic_slice_in_dim(prompt_QP[0], start, N)[None]
+  return prefix_1N, prompt_QP[:, P - W:], mask_QP[:, P - W - N:P - N]
+
+
 def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch,
                        with_router: bool = False):
   """`completion_logits`' final hidden states [B, C, D] (head "hidden"), before the unembedding."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
+  if group_size and mb.prefix_len:
+    return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
+                                                    mb.tokens_BT[:, P:], mb.mask_BT[:, P:], head="hidden",
+                                                    with_router=with_router)
   if group_size:
     return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
                                        mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:],

@@ -383,6 +383,24 @@ def length_buckets(max_new_tokens: int, count: int = 8) -> tuple[int, ...]:
   return tuple(sorted({min(step * i, max_new_tokens) for i in range(1, count + 1)}))
 
 
+def shared_prefix_layout(batch: RLBatch, group_size: int, multiple: int) -> RLBatch:
+  """`batch` (host) marked for the shared-prefix layout when its prompts begin with the same
+  `multiple` real tokens or more (a system prompt, few-shot examples): the model then runs that
+  prefix once per batch rather than once per group (`RLBatch.prefix_len`). Prefix and rest are
+  multiples of `multiple`, so a run compiles few shapes. `multiple` 0: unchanged."""
+  if not (multiple and group_size):
+    return batch
+  C = batch.loss_mask_BC.shape[1]
+  P = batch.tokens_BT.shape[1] - C
+  prompts, masks = np.asarray(batch.tokens_BT[::group_size, :P]), np.asarray(batch.mask_BT[::group_size, :P])
+  reals = [p[m] for p, m in zip(prompts, masks)]
+  N = model_lib.shared_prefix_len(reals, multiple)
+  if not N:
+    return batch
+  rest = max(len(r) for r in reals) - N
+  return batch.replace(prefix_len=N, suffix_len=min(P - N, -(-rest // multiple) * multiple))
+
+
 def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int, buckets: Sequence[int], *,
                           max_tokens: int = 0, shards: int = 1) -> list[RLBatch]:
   """A mini-batch's micro-batches with their completion axis cut to a length bucket (host, pure).

@@ -159,6 +159,17 @@ def test_the_queue_runs_rollouts_in_order_and_a_drain_keeps_the_state_before_the
     queue.close()
 
 
+def test_the_schedule_model_by_hand():
+  """Rollouts of 3, 1, 3, 1 s and trainings of 2 s each. Synchronous: 16 s. One step off: rollout 1
+  runs beside update 0 (3-5), rollout 2 waits for update 1's params (5-8), so update 2 waits for it
+  (8-10) and update 3 ends at 12. Two steps off: rollout 2 is queued at update 0 and runs 4-7, so
+  the updates run back to back from 3: 11 s, the floor (first rollout + every training)."""
+  r, t = [3.0, 1.0, 3.0, 1.0], [2.0] * 4
+  assert [pipelining.schedule_seconds(r, t, S) for S in (0, 1, 2, 4)] == [16.0, 12.0, 11.0, 11.0]
+  # Generation-bound: rollouts back to back, the last update after the last rollout.
+  assert pipelining.schedule_seconds([3.0] * 4, [1.0] * 4, 1) == 13.0
+
+
 def test_a_stop_while_the_next_rollouts_are_in_flight_saves_the_state_from_before_them(tmp_path):
   """The stop-signal path: the rollouts queued are dropped, and the checkpoint holds the data
   position, keep rate and carried-over groups from before the oldest (those of a synchronous run's

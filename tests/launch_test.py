@@ -16,8 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNLOCAL = f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal"
 
 
-def launch(verb, *args, timeout=600):
-  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+def launch(verb, *args, timeout=600, devices=1):
+  xla_flags = testing.FAST_COMPILE_XLA_FLAGS + (f" --xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+  env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-m", f"launch.{verb}", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
   return out
@@ -189,6 +190,20 @@ def test_sft_writes_a_model_transformers_loads(tmp_path):
   tok = AutoTokenizer.from_pretrained(out)
   ids = np.asarray([tok.encode("What is 12+34?")] * 2)
   np.testing.assert_allclose(transformers_logits(out, ids), our_logits(out, ids), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_bench_async_measures_a_split_mesh_and_predicts_from_its_phases():
+  from dapo_jax import pipelining
+  stdout = ok(launch("bench", "async", RUNLOCAL, "--rollout_devices=2", "--runs=3", "--config.mesh.fsdp=-1",
+                     devices=4))
+  result = json.loads(stdout.strip().splitlines()[-1])
+  assert (result["bench"], result["rollout_devices"], result["train_devices"]) == ("async", 2, 2)
+  r, t = result["runs_rollout_s"], result["runs_train_s"]
+  assert len(r) == len(t) == 3 and min(r + t) > 0
+  assert result["predicted_step_s"]["0"] == pytest.approx(sum(r + t) / 3, rel=1e-3)
+  assert result["predicted_step_s"]["1"] == pytest.approx(pipelining.schedule_seconds(r, t, 1) / 3, rel=1e-3)
+  assert result["predicted_speedup"]["4"] >= result["predicted_speedup"]["1"] >= 1
 
 
 @pytest.mark.slow

@@ -123,3 +123,68 @@ def test_sliding_window_models_and_bad_values():
   assert engine.Engine(windowed, sc, slots=2, prompt_len=12, shared_prefix=4).shared_prefix == 0
   with pytest.raises(ValueError, match="rollout.shared_prefix=-1"):
     engine.Engine(CFG, sc, slots=2, prompt_len=12, shared_prefix=-1)
+
+
+# --- The update: `train.shared_prefix` -----------------------------------------------------------
+
+def prefixed_batch(Q=5, G=3, C=7, seed=1) -> RLBatch:
+  """Q groups of G rows [left-padded prompt (21 shared tokens) | right-padded completion]."""
+  tokens, mask = prefixed_prompts(Q=Q, N=21, P=30)
+  rng = np.random.default_rng(seed)
+  completion_BC = rng.integers(4, 64, size=(Q * G, C)).astype(np.int32)
+  completion_mask_BC = np.arange(C)[None] < rng.integers(1, C + 1, size=(Q * G, 1))
+  zeros_BC = np.zeros((Q * G, C), np.float32)
+  return RLBatch(tokens_BT=np.concatenate([np.repeat(tokens, G, 0), completion_BC], 1),
+                 mask_BT=np.concatenate([np.repeat(mask, G, 0), completion_mask_BC], 1),
+                 loss_mask_BC=completion_mask_BC, old_logp_BC=zeros_BC, adv_B=rng.normal(size=Q * G).astype(np.float32),
+                 ref_logp_BC=zeros_BC)
+
+
+def test_the_update_layout_is_the_common_start_in_multiples_and_the_rest_rounded_up():
+  from dapo_jax import train_step
+  batch = prefixed_batch()
+  real_lengths = batch.mask_BT[::3, :30].sum(1)  # 21 shared + 1-9 own tokens each
+  laid = train_step.shared_prefix_layout(batch, group_size=3, multiple=8)
+  rest = real_lengths.max() - 16
+  assert (laid.prefix_len, laid.suffix_len) == (16, min(-(-rest // 8) * 8, 30 - 16))  # 30 prompt columns
+  assert train_step.shared_prefix_layout(batch, group_size=3, multiple=32).prefix_len == 0  # 21 < 32
+  assert train_step.shared_prefix_layout(batch, group_size=3, multiple=0) is batch
+  one = jax.tree.map(lambda x: x[:3], batch)  # One prompt: already run once.
+  assert train_step.shared_prefix_layout(one, group_size=3, multiple=8).prefix_len == 0
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "lora_int8"])
+def test_the_update_with_a_shared_prefix_equals_each_groups_whole_prompt(family):
+  """Log-probs, their gradients and (MoE) the routing statistics of the prefix layout equal the
+  layout that runs each group's prompt whole, which tests elsewhere hold to the whole rows."""
+  from dapo_jax import train_step
+  cfg = FAMILIES.get(family, CFG)
+  params = model.init_params(cfg, jax.random.key(1))
+  if family == "lora_int8":
+    params = lora.adapt(cfg, lora.LoraConfig(rank=4, base_quant="int8"), params, jax.random.key(2))
+    keys = iter(jax.random.split(jax.random.key(3), 64))
+    params["lora"] = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(next(keys), x.shape), params["lora"])
+  G = 3
+  batch = prefixed_batch(G=G)
+  laid = train_step.shared_prefix_layout(batch, G, 8)
+  assert laid.prefix_len == 16
+  moe = bool(cfg.num_experts)
+
+  def loss(p, mb):
+    out = objectives.completion_logits(cfg, G, p, mb, with_router=moe)
+    z_BCV, routing = out if moe else (out, None)
+    logp_BC = jax.numpy.take_along_axis(jax.nn.log_softmax(z_BCV), mb.tokens_BT[:, -z_BCV.shape[1]:, None], -1)[..., 0]
+    return (logp_BC * mb.loss_mask_BC * mb.adv_B[:, None]).sum(), (logp_BC, routing)
+
+  trainable = params["lora"] if family == "lora_int8" else params
+  grad = lambda mb: jax.grad(lambda t: loss({**params, "lora": t} if family == "lora_int8" else t, mb),
+                             has_aux=True)(trainable)
+  (want_grads, (want_logp, want_routing)), (got_grads, (got_logp, got_routing)) = grad(batch), grad(laid)
+  np.testing.assert_allclose(np.where(batch.loss_mask_BC, got_logp, 0), np.where(batch.loss_mask_BC, want_logp, 0),
+                             atol=1e-5)
+  for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(got, want, atol=1e-5 * max(1.0, float(np.abs(want).max())), rtol=1e-4)
+  if moe:
+    for k in ("counts_LE", "tokens_L"):
+      np.testing.assert_array_equal(got_routing[k], want_routing[k])
+    np.testing.assert_allclose(got_routing["probs_LE"], want_routing["probs_LE"], rtol=1e-5)

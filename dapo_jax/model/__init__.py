@@ -8,6 +8,7 @@ from dapo_jax.model.transformer import (
                                         Transformer,
                                         causal_mask,
                                         completion_logits,
+                                        completion_logits_after_prefix,
                                         decode_params,
                                         decode_step,
                                         embed,

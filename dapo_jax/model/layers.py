@@ -299,6 +299,34 @@ def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask
   return o_QKGRCH.transpose(0, 2, 4, 1, 3, 5).reshape(B, C, K, R, H)
 
 
+def attend_after_contexts(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, contexts, scale=None, softcap=0.0, impl="einsum"):
+  """Attention of B rows to blocks of keys they share, then to their own: `contexts` is a sequence
+  of (k_ZSKH, v_ZSKH, mask_ZS), Z dividing B, row b seeing entry b // (B / Z) of each (e.g. a prefix
+  every row shares, Z = 1, then each group's prompt, Z = Q). One softmax over every block, as
+  `attention` over the concatenated row would compute; each shared block is read once per entry,
+  never copied per row. Always einsum (see `attend_shared_prompt`)."""
+  del impl
+  B, C, K, R, H = q_BCKRH.shape
+  f32 = dict(preferred_element_type=jnp.float32)
+  scores, masks = [], []
+  for k_ZSKH, _, mask_ZS in contexts:
+    Z, S = mask_ZS.shape
+    q_ZgCKRH = q_BCKRH.reshape(Z, B // Z, C, K, R, H)
+    scores.append(jnp.einsum("ZgCKRH,ZSKH->ZgKRCS", q_ZgCKRH, k_ZSKH, **f32).reshape(B, K, R, C, S))
+    masks.append(jnp.broadcast_to(jnp.repeat(mask_ZS, B // Z, axis=0)[:, None, None, None, :], (B, 1, 1, C, S)))
+  scores.append(jnp.einsum("BCKRH,BSKH->BKRCS", q_BCKRH, k_BCKH, **f32))
+  masks.append(mask_BCC[:, None, None])
+  scores_BKRCS = soft_cap(jnp.concatenate(scores, -1) * (H ** -0.5 if scale is None else scale), softcap)
+  probs_BKRCS = masked_softmax(scores_BKRCS, jnp.concatenate(masks, -1)).astype(q_BCKRH.dtype)
+  o_BCKRH, start = 0, 0
+  for k_ZSKH, v_ZSKH, mask_ZS in contexts:
+    Z, S = mask_ZS.shape
+    probs_ZgKRCS = probs_BKRCS[..., start:start + S].reshape(Z, B // Z, K, R, C, S)
+    o_BCKRH += jnp.einsum("ZgKRCS,ZSKH->ZgCKRH", probs_ZgKRCS, v_ZSKH).reshape(B, C, K, R, H)
+    start += S
+  return o_BCKRH + jnp.einsum("BKRCS,BSKH->BCKRH", probs_BKRCS[..., start:], v_BCKH)
+
+
 # --- One layer, shared by teacher forcing, prefill and decode ---------------------------------------
 # `layer` runs on flattened tokens X (every row and position of a call) with a dict of one layer's
 # weights: the stacked training weights (`Block`) or the fused decode weights (`decode_params`).

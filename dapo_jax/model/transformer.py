@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from dapo_jax import sharding
@@ -63,7 +64,8 @@ class Block(nn.Module):
 
   Layout "rows": one segment [B, T, D]. Layout "shared_prompt": Q prompts [Q, P, D] and their
   B = Q*G completions [B, C, D], completion row qG+g continuing prompt q (a rollout group shares one
-  prompt forward). Dense layers run on every token of every segment at once; only attention sees
+  prompt forward). Layout "prefix_prompt": a prefix [1, N, D] every prompt begins with, the Q
+  prompts' rest [Q, P, D] and the completions [B, C, D] (no sliding window). Dense layers run on every token of every segment at once; only attention sees
   the segments. With `emit_kv`, also returns this call's keys and values ([B, K, T, H] each; the
   shared-prompt layout: the prompts' pair, then the completions').
   `local` (scanned over layers, a traced bool) selects the sliding window and the local RoPE table.
@@ -134,6 +136,13 @@ class Block(nn.Module):
       vs = per_segment(v_XKH, K, H)
       if self.layout == "rows":
         outs = [self._attend_rows(qs[0], ks[0], vs[0], masks[0])]
+      elif self.layout == "prefix_prompt":  # The prefix; the prompts after it; completions after both.
+        kw = layers_lib.attn_kw(cfg)
+        real_1N, real_QP = masks[0][:, -1], masks[1][:, -1]
+        outs = [layers_lib.attend_rows(qs[0], ks[0], vs[0], masks[0], **kw),
+                layers_lib.attend_after_contexts(qs[1], ks[1], vs[1], masks[1], [(ks[0], vs[0], real_1N)], **kw),
+                layers_lib.attend_after_contexts(qs[2], ks[2], vs[2], masks[2],
+                                                 [(ks[0], vs[0], real_1N), (ks[1], vs[1], real_QP)], **kw)]
       else:  # Prompts attend among themselves; completions to their prompt, then to themselves.
         mask_QPP, mask_BCC = masks  # mask_QPP is windowed already; its last row is not.
         kw = layers_lib.attn_kw(cfg)
@@ -150,7 +159,9 @@ class Block(nn.Module):
     x_XD, kv, routing = layers_lib.layer(cfg, p, x_XD, attend)
     if routing is not None:
       self.sow("router", "stats", router_stats(*routing, jnp.concatenate([r.reshape(-1) for r in real])))
-    return tuple(sharding.constrain(s, "BTD") for s in per_segment(x_XD, D)), kv
+    # A one-row segment (a shared prefix) is whole on every batch shard.
+    return tuple(sharding.constrain(s, "BTD" if s.shape[0] > 1 else (None, "seq", "embed"))
+                 for s in per_segment(x_XD, D)), kv
 
   def _attend_rows(self, q_BTKRH, k_BTKH, v_BTKH, mask_BTS):
     B, T, K, R, H = q_BTKRH.shape
@@ -203,8 +214,9 @@ class Transformer(nn.Module):
   Head "lm": logits [B, T, V] (fp32). Head "scalar": one value per position [B, T] (fp32) from a
   D-vector `score_D` (a reward model's or value model's head). Head "hidden": the final norm's
   output [B, T, D], for `unembed` to turn into logits a chunk of positions at a time. Inputs are one segment of rows
-  (layout "rows") or (prompts, completions) (layout "shared_prompt", see `Block`): then the outputs
-  are those at the positions predicting each completion token, [B, C, ...].
+  (layout "rows"), (prompts, completions) (layout "shared_prompt", see `Block`) or (prefix, prompts,
+  completions) (layout "prefix_prompt"): then the outputs are those at the positions predicting each
+  completion token, [B, C, ...].
   """
   cfg: ModelConfig
   head: str = "lm"
@@ -227,8 +239,8 @@ class Transformer(nn.Module):
     if self.has_variable("lora", "scale"):
       lora_switch = {k: self.get_variable("lora", k) for k in ("scale", "dropout_rate") if self.has_variable("lora", k)}
     real = tuple(jnp.diagonal(m, axis1=-2, axis2=-1) for m in masks)  # A token sees itself iff it is real.
-    if self.layout == "shared_prompt":  # Routing statistics count each prompt once per row, as the rows do.
-      real = (real[0] * (tokens[1].shape[0] // tokens[0].shape[0]), real[1])
+    if self.layout != "rows":  # Routing statistics count a shared segment once per row, as the rows do.
+      real = tuple(r * (tokens[-1].shape[0] // t.shape[0]) for r, t in zip(real, tokens))
     shared = (tables, local_tables, masks, lora_switch, real)
     kvs = []
     for r, (start, stop, moe) in enumerate(cfg.layer_runs):
@@ -241,9 +253,9 @@ class Transformer(nn.Module):
 
     if self.layout == "shared_prompt" and self.emit_kv:  # A prefill after a shared prefix: each row's next token.
       x_BTD = x[1][:, -1:]
-    elif self.layout == "shared_prompt":
+    elif self.layout in ("shared_prompt", "prefix_prompt"):
       # Completion token 0 is predicted at the prompt's last position, token t at completion t-1.
-      x_QPD, x_BCD = x
+      x_QPD, x_BCD = x[-2:]
       G = x_BCD.shape[0] // x_QPD.shape[0]
       x_BTD = jnp.concatenate([jnp.repeat(x_QPD[:, -1:], G, axis=0), x_BCD[:, :-1]], axis=1)
     else:
@@ -377,6 +389,38 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
   return _apply(Transformer(model_cfg, head, "shared_prompt"), params, (prompt_QP, completion_BC),
                 (positions(prompt_mask_QP), pos_BC), (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)),
+                with_router=with_router)
+
+
+def shared_prefix_len(reals, multiple: int) -> int:
+  """The tokens all the prompts `reals` (each its real tokens) begin with, each keeping at least one
+  of its own (its first logits come from its last token), rounded down to a multiple of `multiple`;
+  0 for fewer than two prompts or `multiple` 0. What the prefix layouts share."""
+  if not multiple or len(reals) < 2:
+    return 0
+  n = min(len(r) for r in reals) - 1
+  for r in reals[1:]:
+    differ = np.flatnonzero(np.asarray(r[:n]) != np.asarray(reals[0][:n]))
+    n = int(differ[0]) if differ.size else n
+  return n // multiple * multiple
+
+
+def completion_logits_after_prefix(model_cfg: ModelConfig, params: Params, prefix_1N: jax.Array,
+                                   suffix_QP: jax.Array, suffix_mask_QP: jax.Array, completion_BC: jax.Array,
+                                   completion_mask_BC: jax.Array, head: str = "lm",
+                                   with_router: bool = False) -> jax.Array:
+  """`completion_logits` of prompts that all begin with `prefix_1N`: prompt q is [prefix | the
+  real tokens of suffix_QP[q]] (left-padded; positions continue from N). The prefix passes through
+  the model once for the whole batch, each prompt's rest once per group. No sliding window."""
+  N = prefix_1N.shape[1]
+  G = completion_BC.shape[0] // suffix_QP.shape[0]
+  C = completion_BC.shape[1]
+  prefix_mask_1N = jnp.ones(prefix_1N.shape, bool)
+  prompt_len_B = N + jnp.repeat(jnp.sum(suffix_mask_QP, axis=-1, dtype=jnp.int32), G)
+  pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
+  return _apply(Transformer(model_cfg, head, "prefix_prompt"), params, (prefix_1N, suffix_QP, completion_BC),
+                (positions(prefix_mask_1N), N + positions(suffix_mask_QP), pos_BC),
+                (causal_mask(prefix_mask_1N), causal_mask(suffix_mask_QP), causal_mask(completion_mask_BC)),
                 with_router=with_router)
 
 

@@ -502,16 +502,8 @@ class Session:
       self.drawn[s] = 0
 
   def _shared_prefix(self, reals: list[np.ndarray]) -> int:
-    """The tokens all the prompts `reals` begin with, each keeping at least one of its own (its first
-    logits come from its last token), rounded down to a multiple of `shared_prefix`; 0 for one prompt."""
-    q = self.e.shared_prefix
-    if not q or len(reals) < 2:
-      return 0
-    n = min(len(r) for r in reals) - 1
-    for r in reals[1:]:
-      differ = np.flatnonzero(r[:n] != reals[0][:n])
-      n = int(differ[0]) if differ.size else n
-    return n // q * q
+    """The prefix all the prompts `reals` share, in multiples of `shared_prefix` (`model.shared_prefix_len`)."""
+    return model_lib.shared_prefix_len(reals, self.e.shared_prefix)
 
   def stats(self) -> dict:
     return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
