@@ -17,7 +17,9 @@ RUNLOCAL = f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:runlocal"
 
 
 def launch(verb, *args, timeout=600, devices=1):
-  xla_flags = testing.FAST_COMPILE_XLA_FLAGS + (f" --xla_force_host_platform_device_count={devices}" if devices > 1 else "")
+  xla_flags = testing.FAST_COMPILE_XLA_FLAGS
+  if devices > 1:
+    xla_flags += f" --xla_force_host_platform_device_count={devices}"
   env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   out = subprocess.run([sys.executable, "-m", f"launch.{verb}", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
