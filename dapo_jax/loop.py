@@ -181,7 +181,10 @@ class DAPO:
     # (and overwrites). It has had the whole rollout phase to finish.
     self.ckpt.wait()
     t0 = time.perf_counter()
-    minibatches = self.split(batch)
+    # Prompts that begin alike run their common start once (before the cut: micro-batches are
+    # sized by what that layout computes).
+    minibatches = [train_step.shared_prefix_layout(mb, self.trainer.group_size, self.shared_prefix)
+                   for mb in self.split(batch)]
     C = batch.loss_mask_BC.shape[1]
     if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
       # A set micro-batch count is kept; auto (0) packs each bucket's rows to the token budget.
@@ -193,9 +196,6 @@ class DAPO:
                      for mb, parts in ((mb, cut(mb)) for mb in minibatches)]
     else:
       minibatches = [[mb] for mb in minibatches]
-    layout = functools.partial(train_step.shared_prefix_layout, group_size=self.trainer.group_size,
-                               multiple=self.shared_prefix)
-    minibatches = [[layout(mb) for mb in parts] for parts in minibatches]
     log_r = []  # log π_old - log π_rollout at the loss tokens' extremes, from the π_old pass
     for parts in [] if have_logprobs else minibatches:
       for i, mb in enumerate(parts):

@@ -66,21 +66,32 @@ def split_microbatches(batch, num_microbatches: int, group_size: int = 1):
 
 
 def auto_microbatches(rows: int, seq_len: int, *, group_size: int = 1, shards: int = 1,
-                      max_tokens: int = 2048) -> int:
+                      max_tokens: int = 2048, prefix: tuple[int, int] = (0, 0), prompt_len: int = 0) -> int:
   """The fewest micro-batches that keep each one's tokens per data shard at or below `max_tokens`.
 
   A count is valid when every shard's rows split into it in whole groups (`split_microbatches`),
   so it divides the groups per shard; past the last valid count it returns the largest (one group
   per shard per micro-batch). On CPU, activations that stay in cache make a 3M model's update ~15%
   faster at ~2K tokens than at 6K, and SmolLM2-135M's 1.4x (its 49K-entry logits alone are 1.4 GB
-  at 7K tokens); a compute-bound 30M model with a small vocabulary is indifferent.
+  at 7K tokens); a compute-bound 30M model with a small vocabulary is indifferent. Tokens count as
+  `group_tokens` says (rows whole, or what the shared-prefix layout `prefix` computes; `prompt_len`:
+  the prompt's columns of a row).
   """
   G = max(group_size, 1)
   if rows % (G * shards):
     return 1  # Uneven shards: `split_microbatches` needs whole groups per shard.
   groups = rows // (G * shards)
   counts = [m for m in range(1, groups + 1) if groups % m == 0]
-  return next((m for m in counts if rows // (m * shards) * seq_len <= max_tokens), counts[-1])
+  per_group = group_tokens(G, prompt_len, seq_len - prompt_len, prefix)
+  return next((m for m in counts if groups // m * per_group + prefix[0] <= max_tokens), counts[-1])
+
+
+def group_tokens(G: int, P: int, C: int, prefix: tuple[int, int] = (0, 0)) -> int:
+  """The tokens a group of G rows [P prompt | C completion columns] costs a micro-batch's budget:
+  its rows whole, G x (P + C); in the shared-prefix layout (`prefix` = (N, W), `RLBatch.prefix_len`,
+  `suffix_len`) what the model computes, W + G x C (and N once per micro-batch)."""
+  N, W = prefix
+  return W + G * C if N else G * (P + C)
 
 
 def merge_microbatches(x_M, group_size: int = 1):
@@ -344,8 +355,10 @@ class Trainer:
       return self.num_microbatches
     rows, seq_len = batch.tokens_BT.shape
     shards = sharding.batch_shards(self.mesh.shape)
+    prefix = (getattr(batch, "prefix_len", 0), getattr(batch, "suffix_len", 0))
+    prompt_len = seq_len - batch.loss_mask_BC.shape[1] if prefix[0] else 0
     return auto_microbatches(rows, seq_len, group_size=self.group_size, shards=shards,
-                             max_tokens=self.microbatch_tokens)
+                             max_tokens=self.microbatch_tokens, prefix=prefix, prompt_len=prompt_len)
 
   def init(self, rng: jax.Array | None = None, params=None) -> TrainState:
     """A fresh state from given params (e.g. `hf.load`) or from random ones. With LoRA, plain params
@@ -411,7 +424,9 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
   at that bucket's length (short rows go many to a micro-batch, long ones few: one shape per bucket);
   a bucket's leftover groups join the next bucket's, and the last bucket's leftovers form micro-batches
   of power-of-two sizes: a few compiled shapes. Otherwise each micro-batch is cut to the smallest
-  bucket that holds its longest row. Rows keep all their tokens.
+  bucket that holds its longest row. Rows keep all their tokens. A batch in the shared-prefix layout
+  (`shared_prefix_layout`) keeps it in every micro-batch, and its groups cost what that layout
+  computes (`group_tokens`).
   """
   B, C = batch.loss_mask_BC.shape
   P = batch.tokens_BT.shape[1] - C
@@ -428,7 +443,8 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
     chunks = [order_n[m * per_mb:(m + 1) * per_mb] for m in range(num_microbatches)]
     chunks = [(groups, bucket(int(longest_n[groups].max()))) for groups in chunks]
   else:
-    chunks = _token_budget_chunks(order_n, longest_n[order_n], edges, P, G, max_tokens, shards)
+    chunks = _token_budget_chunks(order_n, longest_n[order_n], edges, P, G, max_tokens, shards,
+                                  (batch.prefix_len, batch.suffix_len))
   out = []
   for groups, Cb in chunks:
     idx = (groups[:, None] * G + np.arange(G)[None]).reshape(-1)
@@ -437,12 +453,14 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
                        adv_B=batch.adv_B[idx], ref_logp_BC=batch.ref_logp_BC[idx, :Cb],
                        behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx],
                        adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb],
-                       rollout_logp_BC=None if batch.rollout_logp_BC is None else batch.rollout_logp_BC[idx, :Cb]))
+                       rollout_logp_BC=None if batch.rollout_logp_BC is None else batch.rollout_logp_BC[idx, :Cb],
+                       prefix_len=batch.prefix_len, suffix_len=batch.suffix_len))
   return out
 
 
 def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edges: Sequence[int],
-                         P: int, G: int, max_tokens: int, shards: int) -> list[tuple[np.ndarray, int]]:
+                         P: int, G: int, max_tokens: int, shards: int,
+                         prefix: tuple[int, int] = (0, 0)) -> list[tuple[np.ndarray, int]]:
   """(group indices, completion length) of micro-batches of whole groups per shard that fit
   `max_tokens` per shard at their bucket's length; see `bucketed_microbatches`."""
   chunks, pending, lo = [], sorted_n[:0], 0
@@ -450,7 +468,7 @@ def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edg
     hi = int(np.searchsorted(longest_sorted_n, Cb, side="right"))
     pending = np.concatenate([pending, sorted_n[lo:hi]])
     lo = hi
-    per_mb = max(1, max_tokens // (G * (P + Cb))) * shards
+    per_mb = max(1, (max_tokens - prefix[0]) // group_tokens(G, P, Cb, prefix)) * shards
     full = len(pending) // per_mb * per_mb
     chunks += [(pending[i:i + per_mb], Cb) for i in range(0, full, per_mb)]
     pending = pending[full:]

@@ -225,6 +225,22 @@ def compile_seconds():
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
+def cpu_seconds() -> dict:
+  """Core-seconds since boot from /proc: this process's (every thread), the whole machine's busy
+  time, and the time the hypervisor gave the virtual cores to others (steal); {} where there is no
+  /proc. Differences between two readings say whether a slow step ran on a machine busy with other
+  work, or one whose cores were taken away."""
+  try:
+    hz = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+      user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    with open("/proc/self/stat") as f:
+      utime, stime = (int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+  except (OSError, ValueError):
+    return {}
+  return {"own": (utime + stime) / hz, "busy": (user + nice + system + irq + softirq) / hz, "steal": steal / hz}
+
+
 @contextlib.contextmanager
 def gc_seconds():
   """As `compile_seconds`, for the pauses of Python's garbage collector (in any thread: a collection
@@ -281,10 +297,13 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
     dapo.rollout.engine_options = {"round_fraction": _ROUND_FRACTION.value, "widths": {
         "thirds": None, "pow2": engine.decode_widths(slots, thirds=False), "off": (slots,)}[_WIDTHS.value]}
     dapo.step(0)  # Warm-up: compiles, starts the reward pool.
-    steps, engine_stats = [], []
+    steps, engine_stats, load = [], [], []
     with compile_seconds() as compiled, gc_seconds() as collected:
       for i in range(runs):
+        before = cpu_seconds()
         steps.append(dapo.step(i + 1)[0])
+        after = cpu_seconds()
+        load.append({k: round(after[k] - before[k], 3) for k in after})
         engine_stats.append(dapo.rollout.last_stats)
         compiled.append(0.0)  # The next step's.
         collected.append(0.0)
@@ -299,6 +318,11 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
           "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
           "runs_compile_s": [round(x, 3) for x in compiled[:runs]],  # tracing, lowering, compiling in each step
           "runs_gc_s": [round(x, 3) for x in collected[:runs]],  # Python's garbage collections in each step
+          # Core-seconds in each step: this process's, other processes' (the machine's busy time less
+          # ours: the reward pool's workers and anything else running) and the hypervisor's steal.
+          "runs_cpu_s": {"own": [x.get("own") for x in load],
+                         "others": [round(x["busy"] - x["own"], 3) if x else None for x in load],
+                         "steal": [x.get("steal") for x in load]},
           "runs_phase_s": {k.split("/")[1]: [round(m.get(k, 0.0), 4) for m in steps]  # where a step's spread comes from
                            for k in sorted(steps[0]) if k.startswith("timing_s/") and k != "timing_s/step"},
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(

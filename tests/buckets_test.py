@@ -28,6 +28,22 @@ def long_tail_batch(Q=4, G=2, P=5, C=24, seed=0):
                  adv_B=rng.normal(size=Q * G).astype(np.float32), ref_logp_BC=np.zeros((Q * G, C), np.float32))
 
 
+def test_a_shared_prefix_layout_is_budgeted_by_what_it_computes():
+  """Groups of 2 in the shared-prefix layout (N = 16 shared tokens, the rest in W = 8 columns of a
+  P = 30 prompt): a group costs W + 2 x C tokens and a micro-batch N once, not 2 x (P + C)."""
+  assert train_step.group_tokens(2, 30, 8) == 76
+  assert train_step.group_tokens(2, 30, 8, prefix=(16, 8)) == 8 + 16
+  batch = long_tail_batch(P=5).replace(prefix_len=16, suffix_len=8)  # (only the budget reads them here)
+  cut = train_step.bucketed_microbatches(batch, 0, 2, (8, 16, 24), max_tokens=16 + 2 * (8 + 2 * 8))
+  # Bucket 8 (groups of longest 4 and 5): 2 groups of 24 tokens after the prefix's 16; the two
+  # others wait for bucket 24, which fits one group of 8 + 48 tokens per micro-batch.
+  assert [(mb.tokens_BT.shape, mb.prefix_len, mb.suffix_len) for mb in cut] == [
+      ((4, 13), 16, 8), ((2, 29), 16, 8), ((2, 29), 16, 8)]
+  # The auto count: 8 groups of 2 rows of 30 + 24 columns; 4 fit 16 + 4 x (8 + 48) = 240 tokens.
+  assert train_step.auto_microbatches(16, 54, group_size=2, max_tokens=240, prefix=(16, 8), prompt_len=30) == 2
+  assert train_step.auto_microbatches(16, 54, group_size=2, max_tokens=240) == 4  # rows whole: 2 x 108
+
+
 def test_buckets_and_microbatches_by_hand():
   assert train_step.length_buckets(512) == (64, 128, 192, 256, 320, 384, 448, 512)
   assert train_step.length_buckets(32) == (8, 16, 24, 32)
