@@ -142,6 +142,8 @@ def base() -> mlc.ConfigDict:
                                              # the groups in flight >= those needed + 1 std), cancelling and
                                              # rewinding what the step did not need: the same groups, in
                                              # fewer waves. False: admit only while kept + in flight < Q
+                admit_margin=1.0,            # that margin in standard deviations: lower wastes fewer
+                                             # prompts (work-bound CPUs), higher needs fewer waves
                 filter_metric="acc",         # what must vary in a group: acc | score (the scorer's) |
                                              # seq_reward | seq_final_reward (score + overlong penalty)
                 # Ours below; the reference (verl's recipe, configs/dapo_qwen2_5_32b.py) raises at the

@@ -169,6 +169,8 @@ def validate(cfg, num_devices: int | None = None) -> None:
           f"rollout.max_new_tokens = {least}")
     check(r.engine == "continuous", "rollout.engine", r.engine, "'continuous' when rollout.env is set")
   n("train.length_buckets", 0, integer=True, allowed=">= 0 (0 = every row padded to rollout.max_new_tokens)")
+  if "admit_margin" in d:
+    n("dapo.admit_margin", 0, allowed=">= 0 (standard deviations of the expected keeps)")
   if "shared_prefix" in cfg.train:
     n("train.shared_prefix", 0, integer=True, allowed=">= 0 (0 = each group's prompt whole)")
   check(d.kl_estimator in ("k1", "k3"), "dapo.kl_estimator", d.kl_estimator, "'k1' or 'k3'")

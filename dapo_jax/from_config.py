@@ -327,7 +327,7 @@ def loop_config(cfg) -> loop.LoopConfig:
       reference=d.kl_coef > 0 or kl_in_reward(cfg), seed=cfg.seed, adv_estimator=d.adv_estimator,
       gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, ckpt_every=t.ckpt_every, eval_every=t.eval_every,
       log_samples_every=t.log_samples_every, max_bad_steps=t.max_bad_steps, streaming=d.streaming,
-      admit_ahead=d.get("admit_ahead", True),
+      admit_ahead=d.get("admit_ahead", True), admit_margin=float(d.get("admit_margin", 1.0)),
       max_staleness=cfg.rollout.get("max_staleness", 0),
       use_decoupled_loss=cfg.rollout.get("use_decoupled_loss", False),
       partial_rollouts=cfg.rollout.get("partial_rollouts", False),

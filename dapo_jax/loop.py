@@ -66,6 +66,7 @@ class LoopConfig:
                                 # generation batches, then the filter (the reference)
   admit_ahead: bool = True      # streaming admits by the running keep rate, cancelling what the step
                                 # did not need (same kept groups); False: only while kept + in flight < Q
+  admit_margin: float = 1.0     # how far ahead: standard deviations of the expected keeps
   length_buckets: tuple[int, ...] = ()  # completion lengths micro-batches are cut to; () = pad to C
   shared_prefix: int = 0        # a mini-batch's prompts sharing >= this many first tokens run them once
                                 # (`train_step.shared_prefix_layout`; off for sliding-window models)
@@ -161,7 +162,7 @@ class DAPO:
           self.rollout, params(), self.data_iter, c.group_size, c.prompts_per_step,
           jax.random.fold_in(step_key, 0), max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling
           else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap, keep_rate=self.keep_rate,
-          ahead=c.admit_ahead)
+          ahead=c.admit_ahead, margin=c.admit_margin)
     batch, self.carry, stats, info = dynamic_sampling.fill_step(
         self.rollout, params, self.data_iter.next_batch, self.carry, step_key, Q=c.prompts_per_step, G=c.group_size,
         batch_prompts=c.gen_prompts if c.dynamic_sampling else c.prompts_per_step, filter_groups=c.dynamic_sampling,

@@ -26,7 +26,7 @@ def setup(tiny_tokenizer_dir):
     p.close()
 
 
-def two_steps(setup, *, slots, ahead, reward="length_reward", keep_rate=None):
+def two_steps(setup, *, slots, ahead, reward="length_reward", keep_rate=None, margin=1.0):
   """Two streamed steps from one data stream: each step's groups and stats, and the stream's state after."""
   tok, cfg, params, sc, mesh, pools = setup
   r = rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=24, slots=slots), sc, pools[reward])
@@ -34,7 +34,7 @@ def two_steps(setup, *, slots, ahead, reward="length_reward", keep_rate=None):
   out = []
   for step in range(2):
     groups, stats, _ = dynamic_sampling.stream_groups(r, params, it, G, Q, jax.random.key(step), ahead=ahead,
-                                                      keep_rate=keep_rate)
+                                                      keep_rate=keep_rate, margin=margin)
     out.append((groups, stats, dict(it.state())))
   return out
 
@@ -43,7 +43,9 @@ def test_kept_groups_and_consumed_prompts_do_not_depend_on_slots_admission_or_re
   ref = two_steps(setup, slots=4, ahead=False)
   runs = [two_steps(setup, slots=4, ahead=True),
           two_steps(setup, slots=32, ahead=True, keep_rate=dynamic_sampling.KeepRate(1.0, 20.0)),  # far ahead
-          two_steps(setup, slots=12, ahead=True, reward="slow_length_reward")]
+          two_steps(setup, slots=12, ahead=True, reward="slow_length_reward"),
+          two_steps(setup, slots=12, ahead=True, margin=0.0),  # no safety margin: more, smaller waves
+          two_steps(setup, slots=32, ahead=True, margin=3.0)]
   for (groups, stats, state), _ in zip(ref, range(2)):
     assert len(groups) == Q and stats.kept == Q and stats.returned == 0
     assert stats.admitted == stats.generated >= Q

@@ -160,7 +160,7 @@ class KeepRate:
 
 def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_prompts: int = 0,
                   filter_groups: bool = True, on_cap: str = "train", keep_rate: KeepRate | None = None,
-                  ahead: bool = True) -> tuple[Groups | None, StreamStats, dict]:
+                  ahead: bool = True, margin: float = 1.0) -> tuple[Groups | None, StreamStats, dict]:
   """Samples and scores prompts of `data` (`take(n)`: the next n of the data order, the same on
   every host; `rewind(n)`: give back the last n) until the first Q kept groups in prompt order are
   known, or `max_prompts` were consumed (0 = no cap; then it returns what was kept,
@@ -169,8 +169,9 @@ def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_pr
   The step consumes the shortest prefix of the data order that holds Q kept groups, and each
   prompt's samples depend only on (key, prompt number, sample index): the groups returned, in
   prompt order, are a function of the key and the data order alone, whatever the slots, reward
-  latency or admission. `ahead` admits beyond the groups still needed (by `keep_rate`); the prompts
-  admitted past that prefix are cancelled at the end and rewound.
+  latency or admission. `ahead` admits beyond the groups still needed (by `keep_rate`, with a safety
+  `margin` in standard deviations of the keeps); the prompts admitted past that prefix are cancelled
+  at the end and rewound.
   Without `ahead` (and always with episodes, whose environments act), prompts are admitted only
   while kept + in flight < Q. With several processes every host runs the same step in lockstep
   (scores are collected at fixed rounds, so every host admits alike); every host scores
@@ -180,7 +181,7 @@ def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_pr
   session = eng.session(feed.params if feed else params, key, rollout.episodes)
   step = _StreamingStep(rollout, session, G, Q, max_prompts=max_prompts, feed=feed,
                         filter_groups=filter_groups, keep_rate=keep_rate or KeepRate(),
-                        ahead=ahead and rollout.episodes is None, C=eng.C)
+                        ahead=ahead and rollout.episodes is None, margin=margin, C=eng.C)
   t_start = time.perf_counter()
   try:
     step.run(data)
@@ -209,9 +210,10 @@ class _StreamingStep:
   of prompt numbers whose groups are all scored."""
 
   def __init__(self, rollout: Rollout, session, G: int, Q: int, *, max_prompts: int, filter_groups: bool,
-               keep_rate: KeepRate, ahead: bool, C: int, feed: "PolicyFeed | None" = None):
+               keep_rate: KeepRate, ahead: bool, C: int, feed: "PolicyFeed | None" = None, margin: float = 1.0):
     self.rollout, self.session, self.G, self.Q, self.C, self.feed = rollout, session, G, Q, C, feed
     self.max_prompts, self.filter_groups, self.keep_rate, self.ahead = max_prompts, filter_groups, keep_rate, ahead
+    self.margin = margin
     self.stats = StreamStats()
     self.pending: dict[int, dict] = {}          # prompt number -> its prompt, example and ended samples
     # (prompt numbers, their scores, the round they were submitted in)
@@ -276,8 +278,8 @@ class _StreamingStep:
 
   def wants_more(self) -> bool:
     """Admit while the groups in flight may not make up the Q kept ones; ahead, while their
-    expected keeps (at the running keep rate) fall short of those still needed by a margin of
-    one standard deviation. Not further: a prompt admitted in vain costs its prefill and decode."""
+    expected keeps (at the running keep rate) fall short of those still needed by `margin`
+    standard deviations. Not further: a prompt admitted in vain costs its prefill and decode."""
     if self.capped():
       return False
     kept = sum(self.kept.values())
@@ -288,7 +290,7 @@ class _StreamingStep:
     if flight >= 4 * max(self.Q, self.session.e.S // self.G):  # Bounds the queue on data that keeps little.
       return False
     p = self.keep_rate.value
-    return p * flight < need + (need * p * (1 - p)) ** 0.5 + 0.5
+    return p * flight < need + self.margin * (need * p * (1 - p)) ** 0.5 + 0.5
 
   def admit(self, data) -> None:
     rollout = self.rollout
