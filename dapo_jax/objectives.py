@@ -140,7 +140,7 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
   the routing statistics of an MoE model, `model.routing`)."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
-  if group_size and mb.prefix_len:
+  if group_size and getattr(mb, "prefix_len", 0):  # (RLBatch: other batches have no such layout)
     return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
                                                     mb.tokens_BT[:, P:], mb.mask_BT[:, P:], with_router=with_router)
   if group_size:
@@ -168,7 +168,7 @@ def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params
   """`completion_logits`' final hidden states [B, C, D] (head "hidden"), before the unembedding."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
-  if group_size and mb.prefix_len:
+  if group_size and getattr(mb, "prefix_len", 0):  # (RLBatch: other batches have no such layout)
     return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
                                                     mb.tokens_BT[:, P:], mb.mask_BT[:, P:], head="hidden",
                                                     with_router=with_router)
