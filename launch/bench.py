@@ -225,6 +225,16 @@ def compile_seconds():
     jax.monitoring.unregister_event_duration_listener(listen)
 
 
+def core_speed(n: int = 200_000) -> float:
+  """Seconds of a fixed single-threaded Python loop: how fast a core runs right now, apart from JAX
+  (its thread pools, programs and memory): a slower reading is a slower machine."""
+  t0 = time.perf_counter()
+  total = 0
+  for i in range(n):
+    total += i * i
+  return time.perf_counter() - t0
+
+
 def cpu_seconds() -> dict:
   """Core-seconds since boot from /proc: this process's (every thread), the whole machine's busy
   time, and the time the hypervisor gave the virtual cores to others (steal); {} where there is no
@@ -235,10 +245,12 @@ def cpu_seconds() -> dict:
     with open("/proc/stat") as f:
       user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
     with open("/proc/self/stat") as f:
-      utime, stime = (int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])
+      fields = f.read().rsplit(")", 1)[1].split()
+    minflt, utime, stime = int(fields[7]), int(fields[11]), int(fields[12])
   except (OSError, ValueError):
     return {}
-  return {"own": (utime + stime) / hz, "busy": (user + nice + system + irq + softirq) / hz, "steal": steal / hz}
+  return {"own": (utime + stime) / hz, "own_system": stime / hz, "page_faults": minflt,
+          "busy": (user + nice + system + irq + softirq) / hz, "steal": steal / hz}
 
 
 @contextlib.contextmanager
@@ -300,10 +312,12 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
     steps, engine_stats, load = [], [], []
     with compile_seconds() as compiled, gc_seconds() as collected:
       for i in range(runs):
+        probe = core_speed()
         before = cpu_seconds()
         steps.append(dapo.step(i + 1)[0])
         after = cpu_seconds()
         load.append({k: round(after[k] - before[k], 3) for k in after})
+        load[-1]["probe"] = round((probe + core_speed()) / 2, 5)
         engine_stats.append(dapo.rollout.last_stats)
         compiled.append(0.0)  # The next step's.
         collected.append(0.0)
@@ -318,11 +332,14 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
           "update_s": med("timing_s/update_actor"), "runs_step_s": [m["timing_s/step"] for m in steps],
           "runs_compile_s": [round(x, 3) for x in compiled[:runs]],  # tracing, lowering, compiling in each step
           "runs_gc_s": [round(x, 3) for x in collected[:runs]],  # Python's garbage collections in each step
+          "runs_gen_tokens": [int(round(m["perf/throughput"] * m["timing_s/step"])) for m in steps],
           # Core-seconds in each step: this process's, other processes' (the machine's busy time less
           # ours: the reward pool's workers and anything else running) and the hypervisor's steal.
-          "runs_cpu_s": {"own": [x.get("own") for x in load],
+          "runs_cpu_s": {"own": [x.get("own") for x in load], "own_system": [x.get("own_system") for x in load],
+                         "page_faults": [x.get("page_faults") for x in load],
                          "others": [round(x["busy"] - x["own"], 3) if x else None for x in load],
                          "steal": [x.get("steal") for x in load]},
+          "runs_core_probe_s": [x["probe"] for x in load],  # `core_speed` around each step
           "runs_phase_s": {k.split("/")[1]: [round(m.get(k, 0.0), 4) for m in steps]  # where a step's spread comes from
                            for k in sorted(steps[0]) if k.startswith("timing_s/") and k != "timing_s/step"},
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(

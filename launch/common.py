@@ -80,8 +80,23 @@ def check_output_file(path: str, overwrite: bool, flag: str = "--out") -> None:
     raise OutputExistsError(f"{flag}={path} already exists; pass --overwrite to replace it")
 
 
+# XLA:CPU's multi-threaded Eigen pool made the same step ~30% slower for stretches of steps (30% more
+# of this process's user time: no other load, steal, GC or compile); without it the median is the
+# same and the spread a quarter (docs/benchmarks.md, "A steady step"). Only the CPU backend reads it.
+CPU_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+
+
+def with_cpu_xla_flags(xla_flags: str) -> str:
+  """`XLA_FLAGS` with `CPU_XLA_FLAGS` added, unless it already sets that flag (a user's choice wins)."""
+  if "xla_cpu_multi_thread_eigen" in xla_flags:
+    return xla_flags
+  return f"{xla_flags} {CPU_XLA_FLAGS}".strip()
+
+
 def run(main) -> None:
   """absl's app.run, with our known input errors printed as one line instead of a stack trace."""
+  os.environ["XLA_FLAGS"] = with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))  # Before any backend starts.
+
   def wrapped(argv):
     from absl import flags
     if not flags.FLAGS["verbosity"].present:

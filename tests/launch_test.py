@@ -97,6 +97,17 @@ def _byte_to_unicode():
   return dict(zip(bs, map(chr, cs)))
 
 
+def test_launchers_run_xla_cpu_without_the_eigen_pool_unless_told():
+  from launch import common
+  assert common.with_cpu_xla_flags("") == "--xla_cpu_multi_thread_eigen=false"
+  assert common.with_cpu_xla_flags("--a=1") == "--a=1 --xla_cpu_multi_thread_eigen=false"
+  assert common.with_cpu_xla_flags("--xla_cpu_multi_thread_eigen=true") == "--xla_cpu_multi_thread_eigen=true"
+  out = subprocess.run([sys.executable, "-c", "import os, sys; sys.argv = ['x']; from launch import common; "
+                        "common.run(lambda argv: print(os.environ['XLA_FLAGS']))"], cwd=ROOT, capture_output=True,
+                       text=True, env=dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", PYTHONPATH=ROOT))
+  assert out.stdout.strip() == "--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false", out.stderr
+
+
 def test_prepare_never_writes_over_a_users_files_unasked(tmp_path):
   """A dataset file that exists, or a directory holding files, is refused in one line and left as it
   was; --overwrite replaces the file (the same rows as a fresh write)."""
