@@ -93,9 +93,12 @@ def with_cpu_xla_flags(xla_flags: str) -> str:
   return f"{xla_flags} {CPU_XLA_FLAGS}".strip()
 
 
+# At import, before any launcher imports JAX (set later, from `run`, it did not take effect).
+os.environ["XLA_FLAGS"] = with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
+
+
 def run(main) -> None:
   """absl's app.run, with our known input errors printed as one line instead of a stack trace."""
-  os.environ["XLA_FLAGS"] = with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))  # Before any backend starts.
 
   def wrapped(argv):
     from absl import flags

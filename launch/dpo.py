@@ -6,7 +6,6 @@ writes WORKDIR/dpo_model (an HF directory). Reruns resume.
 """
 import os
 
-import jax
 from absl import flags
 
 from launch import common
@@ -20,6 +19,8 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace WORKDIR/dpo_model ev
 def main(argv):
   del argv
   common.init_distributed()
+  import jax  # (after launch.common has set XLA_FLAGS)
+
   from dapo_jax import from_config, sharding
   from dapo_jax import workdir as workdir_lib
   from dapo_jax.data import tokenizer

@@ -7,7 +7,6 @@ loads, `launch.serve_rm --model_dir` serves and `reward.fn=rm:DIR` scores with. 
 """
 import os
 
-import jax
 from absl import flags
 
 from launch import common
@@ -21,6 +20,8 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace WORKDIR/rm_model eve
 def main(argv):
   del argv
   common.init_distributed()
+  import jax  # (after launch.common has set XLA_FLAGS)
+
   from dapo_jax import from_config, sharding
   from dapo_jax import workdir as workdir_lib
   from dapo_jax.data import tokenizer

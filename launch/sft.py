@@ -10,7 +10,6 @@ WORKDIR/sft holds its checkpoints (a rerun resumes) and metrics.
 """
 import os
 
-import jax
 from absl import flags
 
 from launch import common
@@ -24,6 +23,8 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace WORKDIR/sft_model ev
 def main(argv):
   del argv
   common.init_distributed()
+  import jax  # (after launch.common has set XLA_FLAGS)
+
   from dapo_jax import from_config, hf
   from dapo_jax import workdir as workdir_lib
   workdir = _WORKDIR.value or common.default_workdir()

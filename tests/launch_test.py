@@ -103,7 +103,7 @@ def test_launchers_run_xla_cpu_without_the_eigen_pool_unless_told():
   assert common.with_cpu_xla_flags("--a=1") == "--a=1 --xla_cpu_multi_thread_eigen=false"
   assert common.with_cpu_xla_flags("--xla_cpu_multi_thread_eigen=true") == "--xla_cpu_multi_thread_eigen=true"
   out = subprocess.run([sys.executable, "-c", "import os, sys; sys.argv = ['x']; from launch import common; "
-                        "common.run(lambda argv: print(os.environ['XLA_FLAGS']))"], cwd=ROOT, capture_output=True,
+                        "print(os.environ['XLA_FLAGS'])"], cwd=ROOT, capture_output=True,
                        text=True, env=dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", PYTHONPATH=ROOT))
   assert out.stdout.strip() == "--xla_backend_optimization_level=0 --xla_cpu_multi_thread_eigen=false", out.stderr
 
