@@ -140,16 +140,24 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
   the routing statistics of an MoE model, `model.routing`)."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
-  if group_size and getattr(mb, "prefix_len", 0):  # (RLBatch: other batches have no such layout)
-    return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
-                                                    mb.tokens_BT[:, P:], mb.mask_BT[:, P:], with_router=with_router)
   if group_size:
-    return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
-                                       mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:],
-                                       with_router=with_router)
+    return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "lm", with_router)
   # Logits at position P-1+t predict completion token t.
   return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1,
                           with_router=with_router)
+
+
+def _shared_prompt_outputs(model_cfg: model_lib.ModelConfig, group_size: int, params, mb, P: int, head: str,
+                           with_router: bool):
+  """The `head` outputs predicting each completion token when each group's prompt runs once, and
+  an RLBatch in the shared-prefix layout runs its common prefix once too (other batches, e.g. DPO's
+  preference pairs, have no such layout)."""
+  completion = (mb.tokens_BT[:, P:], mb.mask_BT[:, P:])
+  if getattr(mb, "prefix_len", 0):
+    return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
+                                                    *completion, head=head, with_router=with_router)
+  return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P], mb.mask_BT[::group_size, :P],
+                                     *completion, head=head, with_router=with_router)
 
 
 def _prefix_and_rest(mb: RLBatch, group_size: int, P: int):
@@ -168,14 +176,8 @@ def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params
   """`completion_logits`' final hidden states [B, C, D] (head "hidden"), before the unembedding."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
-  if group_size and getattr(mb, "prefix_len", 0):  # (RLBatch: other batches have no such layout)
-    return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
-                                                    mb.tokens_BT[:, P:], mb.mask_BT[:, P:], head="hidden",
-                                                    with_router=with_router)
   if group_size:
-    return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P],
-                                       mb.mask_BT[::group_size, :P], mb.tokens_BT[:, P:], mb.mask_BT[:, P:],
-                                       head="hidden", with_router=with_router)
+    return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "hidden", with_router)
   tokens_BT, mask_BT = mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1]
   return model_lib.forward(model_cfg, params, tokens_BT, model_lib.positions(mask_BT),
                            model_lib.causal_mask(mask_BT), logits_from=P - 1, head="hidden", with_router=with_router)
