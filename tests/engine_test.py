@@ -75,10 +75,13 @@ def test_samples_depend_on_key_prompt_and_index_not_on_slots_and_logps_match_tra
   tokens, mask = prompts()
   G, C = 4, 10
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=temperature, eos_ids=(5, 9), pad_id=0)
-  outs = [engine.Engine(CFG, sc, slots=s, prompt_len=7).generate(PARAMS, tokens, mask, G, jax.random.key(3))[0]
+  runs = [engine.Engine(CFG, sc, slots=s, prompt_len=7).generate(PARAMS, tokens, mask, G, jax.random.key(3))
           for s in (1, 3, 8)]  # One group's samples split across rounds (3 slots), or spread.
+  outs = [o for o, _ in runs]
   for o in outs[1:]:
     np.testing.assert_array_equal(o.tokens_BC, outs[0].tokens_BC)
+  # A group started over several rounds (one slot: 4 rounds per prompt) prefills its prompt once.
+  assert [stats["prefilled_prompts"] for _, stats in runs] == [len(tokens)] * 3
   out = outs[1]
   assert out.length_B.min() < out.length_B.max() and out.truncated_B.any()  # EOS at different steps.
   # The sampler's log-probs are the training forward's (temperature-scaled) on the same rows.

@@ -71,6 +71,17 @@ class _Work:
   switch_at: int = -1              # partial rollouts: its first token drawn by updated params (`Finished`)
 
 
+@dataclasses.dataclass
+class _Prefill:
+  """Prompts run through the model by one insert (on the device), kept while samples of them wait."""
+  logits_UV: jax.Array
+  k_LUKPH: jax.Array
+  v_LUKPH: jax.Array
+  mask_UP: jax.Array
+  row: dict[int, int]              # prompt id -> its row u
+  prompts: dict[int, np.ndarray]   # prompt id -> its (left-padded) tokens, to check a reuse
+
+
 def _buckets(n: int) -> list[int]:
   """Powers of two up to n, and n: the row counts an insert compiles for."""
   out = [1]
@@ -223,12 +234,14 @@ class Session:
     self.key_data = sharding.put(np.asarray(jax.random.key_data(key)), self.rep)
     self.state = engine.empty_state()
     self.queue: collections.deque[_Work] = collections.deque()
+    self.prefills: dict[int, _Prefill] = {}  # prompt id -> its prefill, while samples of it wait
     self.slot_work: list[_Work | None] = [None] * engine.S  # One entry per row of the current width.
     self.drawn = np.zeros(engine.S, np.int32)  # Tokens each row's sample had drawn at the last harvest.
     self.decode_steps = 0
     self.slot_steps = 0    # Rows computed: each decode step counts the width it ran at.
     self.generated = 0
     self.samples = 0
+    self.prefilled = 0     # Prompts run through the model (a prompt whose samples wait is run once).
     self.rounds = 0
     self.resizes = 0
     self.closed = False
@@ -286,6 +299,7 @@ class Session:
         w.switch_at = int(self.drawn[s]) + 1
     for w in self.queue:
       w.switch_at = 0
+    self.prefills = {}  # The earlier params' prefills: waiting samples start from the new params'.
     self.updated = True
 
   def cancel(self, prompt_id: int, sample: int | None = None) -> list[int]:
@@ -438,8 +452,10 @@ class Session:
     self.resizes += 1
 
   def _insert(self) -> None:
-    """Freed slots take the next queued samples; their distinct prompts are prefilled together, in
-    chunks of at most `prefill_tokens` prompt tokens."""
+    """Freed slots take the next queued samples. Prompts not prefilled yet are prefilled together,
+    in chunks of at most `prefill_tokens` prompt tokens; a prompt whose samples still wait keeps its
+    prefill until they start (slots free one or two at a time, so a group often starts over several
+    rounds: each would otherwise prefill its prompt anew)."""
     free = [s for s, w in enumerate(self.slot_work) if w is None]
     n = min(len(free), len(self.queue))
     if not n:
@@ -447,19 +463,42 @@ class Session:
     work = [self.queue.popleft() for _ in range(n)]
     firsts: dict[int, _Work] = {}
     for w in work:  # A group's samples that start together share one prefill.
-      firsts.setdefault(w.prompt_id, w)
-    P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in firsts.values())), self.e.prompt_buckets)
-    chunk = 1 << (max(self.e.prefill_tokens // P, 1).bit_length() - 1)  # Prompts per prefill.
-    part = {pid: u // chunk for u, pid in enumerate(firsts)}  # Each prompt's prefill.
-    for c in range(max(part.values()) + 1):
-      take = [a for a, w in enumerate(work) if part[w.prompt_id] == c]
-      self._start([work[a] for a in take], [free[a] for a in take], [w for pid, w in firsts.items() if part[pid] == c])
+      if not self._prefilled_for(w):
+        firsts.setdefault(w.prompt_id, w)
+    if firsts:
+      P = tokenizer_lib.bucket(int(max(w.mask_P.sum() for w in firsts.values())), self.e.prompt_buckets)
+      chunk = 1 << (max(self.e.prefill_tokens // P, 1).bit_length() - 1)  # Prompts per prefill.
+      chunk = min(chunk, self.e.S)
+      # The last chunk also takes the next waiting prompts (of this length bucket): each prefill runs
+      # the prompts' shared prefix once, so a prompt prefilled alone as its first sample starts costs
+      # its whole length; beside others, its suffix.
+      for w in self.queue:
+        if len(firsts) % chunk == 0:
+          break
+        if (w.prompt_id not in firsts and not self._prefilled_for(w)
+            and tokenizer_lib.bucket(int(w.mask_P.sum()), self.e.prompt_buckets) <= P):
+          firsts[w.prompt_id] = w
+      uniq = list(firsts.values())
+      for c in range(0, len(uniq), chunk):
+        prefill = self._prefill(uniq[c:c + chunk])
+        for w in uniq[c:c + chunk]:
+          self.prefills[w.prompt_id] = prefill
+    by_prefill: dict[int, list[int]] = {}
+    for a, w in enumerate(work):
+      by_prefill.setdefault(id(self.prefills[w.prompt_id]), []).append(a)
+    for take in by_prefill.values():
+      self._start(self.prefills[work[take[0]].prompt_id], [work[a] for a in take], [free[a] for a in take])
+    waiting = {w.prompt_id for w in self.queue}
+    self.prefills = {pid: p for pid, p in self.prefills.items() if pid in waiting}
 
-  def _start(self, work: list[_Work], slots: list[int], uniq: list[_Work]) -> None:
-    """Prefills the distinct prompts `uniq` and starts `work[a]` (one of their samples) in slot `slots[a]`."""
+  def _prefilled_for(self, w: _Work) -> bool:
+    """Whether `w`'s prompt has a kept prefill (the same tokens: a prompt id names one prompt)."""
+    p = self.prefills.get(w.prompt_id)
+    return p is not None and np.array_equal(p.prompts[w.prompt_id], w.prompt_P)
+
+  def _prefill(self, uniq: list[_Work]) -> "_Prefill":
+    """Runs the distinct prompts `uniq` through the model: their next-token logits, keys and values."""
     e = self.e
-    n = len(work)
-    index = {w.prompt_id: u for u, w in enumerate(uniq)}
     U = next(b for b in _buckets(e.S) if b >= len(uniq))
     reals = [w.prompt_P[w.mask_P.astype(bool)] for w in uniq]  # each prompt's real tokens
     longest = max(len(r) for r in reals)
@@ -473,11 +512,24 @@ class Session:
       prompt_UP[u, :N], mask_UP[u, :N] = real[:N], True
       prompt_UP[u, P - len(real) + N:], mask_UP[u, P - len(real) + N:] = real[N:], True
     mask_UP[len(uniq):, -1] = True  # Padding rows: one real token, so their softmax is defined.
+    prompt_UP, mask_UP = sharding.put((prompt_UP, mask_UP), self.rep)
+    self.prefilled += len(uniq)
+    if N:
+      out = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:], mask_UP[:, N:])
+    else:
+      out = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
+    return _Prefill(*out, mask_UP, {w.prompt_id: u for u, w in enumerate(uniq)},
+                    {w.prompt_id: w.prompt_P for w in uniq})
+
+  def _start(self, prefill: "_Prefill", work: list[_Work], slots: list[int]) -> None:
+    """Starts `work[a]` in slot `slots[a]` from its prompt's row of `prefill`."""
+    e = self.e
+    n = len(work)
     A = self.width  # Slot-sized: one program whatever the number of samples started.
     slot_A = np.full((A,), A, np.int32)  # Out of range: padding writes nothing.
     slot_A[:n] = slots
     src_A, key_id_A, sample_A = np.zeros((3, A), np.int32)
-    src_A[:n] = [index[w.prompt_id] for w in work]
+    src_A[:n] = [prefill.row[w.prompt_id] for w in work]
     key_id_A[:n] = [w.key_id for w in work]
     sample_A[:n] = [w.sample for w in work]
     stop_A, turn_end_A = np.full((2, A), e.C + 1, np.int32)
@@ -486,17 +538,12 @@ class Session:
     temperature_A, top_p_A = np.ones((2, A), np.float32)
     temperature_A[:n] = [w.temperature for w in work]
     top_p_A[:n] = [w.top_p for w in work]
-    arrays = sharding.put((prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A, stop_A, turn_end_A, temperature_A,
-                           top_p_A), self.rep)
-    prompt_UP, mask_UP, src_A, slot_A, key_id_A, sample_A = arrays[:6]
-    if N:
-      prefilled = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:],
-                                           mask_UP[:, N:])
-    else:
-      prefilled = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
+    arrays = sharding.put((src_A, slot_A, key_id_A, sample_A, stop_A, turn_end_A, temperature_A, top_p_A), self.rep)
+    src_A, slot_A, key_id_A, sample_A = arrays[:4]
     key_A = slots_lib.sample_keys(self.key_data, key_id_A, sample_A)
-    self.state = slots_lib.start_samples(e.sampler_cfg.pad_id, self.state, key_A, *prefilled, mask_UP, src_A, slot_A,
-                                *arrays[6:], jnp.asarray(n, jnp.int32))
+    self.state = slots_lib.start_samples(e.sampler_cfg.pad_id, self.state, key_A, prefill.logits_UV, prefill.k_LUKPH,
+                                         prefill.v_LUKPH, prefill.mask_UP, src_A, slot_A, *arrays[4:],
+                                         jnp.asarray(n, jnp.int32))
     for s, w in zip(slots, work):
       self.slot_work[s] = w
       self.drawn[s] = 0
@@ -507,5 +554,5 @@ class Session:
 
   def stats(self) -> dict:
     return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
-            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes,
+            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes, "prefilled_prompts": self.prefilled,
             "slot_utilisation": self.generated / max(self.slot_steps, 1)}
