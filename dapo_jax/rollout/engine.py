@@ -357,7 +357,9 @@ class Session:
     elif self.episodes:  # Return at every turn's end (its environment starts), and now and then
       target = 1       # while environments work, to resume their slots.
       max_steps = self.episodes.poll_steps if self.paused else e.C
-    elif self.queue:  # Every slot is busy: return once a few have ended, to refill them.
+    elif self.queue or not self.closed:
+      # Every slot is busy, or more may come (a stream, whose scores of ended samples decide what is
+      # admitted next and when the step ends): return once a few have ended.
       target = max(1, int(busy * e.round_fraction))
     elif self.closed and self._worth_compacting():
       # The tail: the smallest width that holds the busy rows, until they fit the next.
@@ -365,7 +367,7 @@ class Session:
         self._resize(e.width_for(busy))
       smaller = [w for w in e.widths if w < busy]
       target = busy - smaller[-1] if smaller else busy
-    else:  # Still being fed (a stream), or a short tail: until all have ended, at this width.
+    else:  # A short tail: until all have ended, at this width.
       target = busy
     self.state, steps = slots_lib.decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(max_steps, jnp.int32))
