@@ -2,7 +2,8 @@
 
     queue of (prompt q, sample g)          slots (static: `slots` rows x one KV-cache length)
       ──► insert  freed slots take the next samples; their prompts are prefilled into those slots'
-                  cache rows, each distinct prompt once (`kv_cache.write_row`)
+                  cache rows, each distinct prompt once however many rounds its samples take
+                  to start, beside the next waiting prompts (`kv_cache.write_row`)
       ──► decode  every busy slot advances one token per step at its own position, inside one jitted
                   loop, until enough slots have ended (EOS or budget)
       ──► harvest ended slots hand back their completions and are free again ──► insert ...
@@ -330,7 +331,7 @@ class Session:
   def close(self) -> None:
     """No more samples will be added. From then on, once the queue is empty, the busy rows move into
     ever smaller decode widths as they end (a session still being fed keeps its width, so it compiles
-    few programs and returns to the host only to refill)."""
+    few programs, and returns to the host as rows end: its caller may add samples or stop)."""
     self.closed = True
 
   def step(self, round_steps: int | None = None) -> list[Finished]:
