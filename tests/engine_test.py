@@ -125,6 +125,26 @@ def test_compaction_keeps_the_samples_and_counts_the_rows_it_computes():
   np.testing.assert_allclose(a.logp_BC, b.logp_BC, atol=1e-6)
 
 
+def test_a_session_still_being_fed_returns_as_rows_end_and_a_closed_one_at_its_tail():
+  """Four samples ending after 2, 5, 8 and 11 tokens fill four slots. While the session may still be
+  fed (a stream), a round returns as soon as a row ends, though nothing waits: its caller may add
+  samples or stop. Closed, with no compaction worth its copy, it decodes until all have ended."""
+  tokens, mask = prompts(Q=4)
+  sc = sampling.SamplerConfig(max_new_tokens=12, temperature=0.0, eos_ids=(1,))
+  e = engine.Engine(CFG, sc, slots=4, prompt_len=7)
+  stop_at_B = np.array([2, 5, 8, 11])
+  for closed, rounds in ((False, [[2], [5], [8], [11]]), (True, [[2, 5, 8, 11]])):
+    s = e.session(PARAMS, jax.random.key(0))
+    s.add(list(range(4)), tokens, mask, 1, stop_at_B)
+    if closed:
+      s.close()
+    ended = []
+    while s.busy:
+      ended.append(sorted(f.length for f in s.step()))
+    assert ended == rounds
+    assert s.stats()["decode_steps"] == 11
+
+
 def test_sample_distribution_is_the_models():
   """The first token of 4000 samples of one prompt (200 slots, refilled 20 times) follows softmax."""
   cfg = testing.tiny_model_config(vocab_size=16)

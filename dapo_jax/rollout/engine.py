@@ -557,5 +557,6 @@ class Session:
 
   def stats(self) -> dict:
     return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
-            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes, "prefilled_prompts": self.prefilled,
+            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes,
+            "prefilled_prompts": self.prefilled,
             "slot_utilisation": self.generated / max(self.slot_steps, 1)}
