@@ -235,6 +235,22 @@ def core_speed(n: int = 200_000) -> float:
   return time.perf_counter() - t0
 
 
+_MEMORY_PROBE = []  # Two 128 MB buffers, made once: far larger than any cache.
+
+
+def memory_speed() -> float:
+  """Seconds of one single-threaded copy of 128 MB: how fast this machine's memory answers right now,
+  which `core_speed` (a loop that lives in a core's L1 cache) cannot see. Slower here and not there:
+  memory bandwidth or the last-level cache shared with other work (another tenant of the host)."""
+  import numpy as np
+  if not _MEMORY_PROBE:
+    _MEMORY_PROBE.extend(np.ones(2, np.float32).repeat(1 << 25).reshape(2, -1))
+  src, dst = _MEMORY_PROBE
+  t0 = time.perf_counter()
+  np.copyto(dst, src)
+  return time.perf_counter() - t0
+
+
 def cpu_seconds() -> dict:
   """Core-seconds since boot from /proc: this process's (every thread), the whole machine's busy
   time, and the time the hypervisor gave the virtual cores to others (steal); {} where there is no
@@ -312,12 +328,13 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
     steps, engine_stats, load = [], [], []
     with compile_seconds() as compiled, gc_seconds() as collected:
       for i in range(runs):
-        probe = core_speed()
+        probe, memory = core_speed(), memory_speed()
         before = cpu_seconds()
         steps.append(dapo.step(i + 1)[0])
         after = cpu_seconds()
         load.append({k: round(after[k] - before[k], 3) for k in after})
         load[-1]["probe"] = round((probe + core_speed()) / 2, 5)
+        load[-1]["memory"] = round((memory + memory_speed()) / 2, 5)
         engine_stats.append(dapo.rollout.last_stats)
         compiled.append(0.0)  # The next step's.
         collected.append(0.0)
@@ -340,6 +357,7 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
                          "others": [round(x["busy"] - x["own"], 3) if x else None for x in load],
                          "steal": [x.get("steal") for x in load]},
           "runs_core_probe_s": [x["probe"] for x in load],  # `core_speed` around each step
+          "runs_memory_probe_s": [x["memory"] for x in load],  # `memory_speed` around each step
           "runs_phase_s": {k.split("/")[1]: [round(m.get(k, 0.0), 4) for m in steps]  # where a step's spread comes from
                            for k in sorted(steps[0]) if k.startswith("timing_s/") and k != "timing_s/step"},
           "mfu": flops / med("timing_s/step") / peak, "generated_tokens_per_step": int(np.median(
