@@ -242,6 +242,7 @@ def base() -> mlc.ConfigDict:
                target_acc=0.0,       # >0: stop early once greedy solves this fraction of a probe
                probe_size=256,       # training problems in that probe
                probe_every=25,       # steps between probes
+               completion_only=False,  # loss on the solution's tokens only (prompt, tool results masked)
                ckpt_every=100,       # updates between checkpoints in WORKDIR/sft (a rerun resumes)
                keep_ckpts=2)
   # SFT on conversation files (`launch.sft` with data.task="file"; steps, sizes and lr from `sft`).

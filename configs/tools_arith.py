@@ -21,5 +21,5 @@ def get_config(arg=None):
   c.rollout.update(env="dapo_jax.envs.tasks:CalculatorArith", env_args="{}", max_turns=3, max_new_tokens=40,
                    max_episode_tokens=96 + 96, env_timeout_s=10.0)
   c.dapo.update(overlong_buffer=8)
-  c.sft.update(steps=1500, lr=3e-3, target_acc=0.2, seq_len=256, batch_size=16)
+  c.sft.update(steps=1500, lr=3e-3, target_acc=0.2, seq_len=256, batch_size=16, completion_only=True)
   return c

@@ -397,7 +397,8 @@ def sft_config(cfg):
                       "use model.init='hf' for other tasks")
   return sft.SFTConfig(steps=s.steps, batch_size=s.batch_size, seq_len=s.seq_len, lr=s.lr,
                        warmup_steps=s.warmup_steps, num_examples=s.num_examples, target_acc=s.target_acc,
-                       probe_size=s.probe_size, probe_every=s.probe_every, seed=cfg.seed,
+                       probe_size=s.probe_size, probe_every=s.probe_every, completion_only=s.completion_only,
+                       seed=cfg.seed,
                        chat_template=cfg.data.chat_template, solution_style=cfg.data.solution_style,
                        microbatch_tokens=cfg.train.microbatch_tokens, ckpt_every=s.ckpt_every,
                        keep_ckpts=s.keep_ckpts)

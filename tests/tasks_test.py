@@ -64,3 +64,31 @@ def test_the_reference_episode_is_what_the_template_and_the_environment_agree_on
   assert rest.startswith(tok.eos_token + render.observation_text(tok, obs, ended_with=tok.eos_token))
   _, reward, _ = step(env, text.rsplit("\n", 1)[-1])
   assert reward["acc"]
+
+
+def test_completion_only_sft_rows_train_the_policys_turns_and_nothing_else(tiny_tokenizer_dir, tmp_path):
+  """`sft.completion_only`: a calculator episode's loss mask covers the call with its end-of-turn and
+  the answer; the prompt and the calculator's result are context. Packed rows keep tokens and masks aligned."""
+  from dapo_jax import testing
+  from dapo_jax.pipelines import sft
+  tok = tokenizer_lib.train_bpe(str(tmp_path), testing.corpus(200), vocab_size=300,
+                                chat_template=tokenizer_lib.CHATML_TOOLS_TEMPLATE)
+  exs = data.arith_examples(3, digits=4, ops="*", seed=5)
+  rows = sft.sft_rows(tok, exs, chat_template=True, style="tool")
+  for ex, (ids, mask) in zip(exs, rows):
+    trained = tok.decode([t for t, m in zip(ids, mask) if m])
+    context = tok.decode([t for t, m in zip(ids, mask) if not m])
+    assert trained == data.arith_solution(ex, "tool") + tok.eos_token + f"Answer: {ex.ground_truth}"
+    assert tok.decode(ids) == tasks.calculator_episode_text(tok, ex)
+    prompt = tokenizer_lib.render(tok, ex.messages, tools=tasks.calculator_schemas())
+    assert context == prompt + render.observation_text(
+        tok, [{"role": "tool", "name": "calculator", "content": ex.ground_truth}], ended_with=tok.eos_token)
+  tokens, masks = sft.pack_masked(rows, seq_len=64, eos_id=tok.eos_token_id)
+  stream = [t for ids, _ in rows for t in [*ids, tok.eos_token_id]]
+  mstream = [m for _, mask in rows for m in [*mask, True]]
+  n = len(stream) // 64
+  assert tokens.shape == masks.shape == (n, 64)
+  assert tokens.ravel().tolist() == stream[: n * 64] and masks.ravel().tolist() == mstream[: n * 64]
+  steps_rows = sft.sft_rows(tok, exs, chat_template=True, style="direct")
+  assert [tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in steps_rows] == [
+      f"Answer: {ex.ground_truth}" for ex in exs]

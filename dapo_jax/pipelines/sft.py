@@ -25,6 +25,13 @@ def pack(token_lists, seq_len: int, eos_id: int) -> np.ndarray:
   return stream[: n * seq_len].reshape(n, seq_len)
 
 
+def pack_masked(rows, seq_len: int, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """`pack` for (tokens, loss mask) rows: the EOS that joins two rows is a target (it ends the turn)."""
+  tokens = pack([t for t, _ in rows], seq_len, eos_id)
+  masks = np.concatenate([np.append(np.asarray(m, bool), True) for _, m in rows])
+  return tokens, masks[: tokens.size].reshape(tokens.shape)
+
+
 def sft_texts(tok, examples, chat_template: bool, style: str = "steps") -> list[str]:
   """Prompt + reference solution. "tool": the whole calculator episode (`envs.tasks`): the call,
   the calculator's result in the template's tool role, the answer."""
@@ -33,6 +40,29 @@ def sft_texts(tok, examples, chat_template: bool, style: str = "steps") -> list[
     return [tasks.calculator_episode_text(tok, ex) for ex in examples]
   return [tokenizer_lib.render(tok, ex.messages, chat_template) + data_lib.arith_solution(ex, style)
           for ex in examples]
+
+
+def sft_rows(tok, examples, chat_template: bool, style: str = "steps") -> list[tuple[list[int], list[bool]]]:
+  """(tokens, loss mask) per example, the mask True on the policy's tokens only. Each piece is
+  tokenized on its own, as an episode sees it: the prompt, the solution (for "tool": the call, its
+  end-of-turn, the calculator's result in the tool role, unmasked, then the answer)."""
+  def ids(text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+  rows = []
+  for ex in examples:
+    prompt = ids(_prompt_text(tok, ex, chat_template, style))
+    if style == "tool":
+      from dapo_jax.envs import render, tasks  # noqa: PLC0415
+      call = ids(data_lib.arith_solution(ex, "tool")) + [tok.eos_token_id]
+      result = ids(render.observation_text(tok, [{"role": "tool", "name": "calculator", "content": ex.ground_truth}],
+                                           ended_with=tok.eos_token, tools=tasks.calculator_schemas()))
+      answer = ids(data_lib.arith_solution(ex, "direct"))
+      pieces = [(prompt, False), (call, True), (result, False), (answer, True)]
+    else:
+      pieces = [(prompt, False), (ids(data_lib.arith_solution(ex, style)), True)]
+    rows.append(([t for p, _ in pieces for t in p], [m for p, m in pieces for _ in p]))
+  return rows
 
 
 def _prompt_text(tok, ex, chat_template: bool, style: str) -> str:
@@ -83,6 +113,7 @@ class SFTConfig:
   seed: int = 0
   chat_template: bool = True
   solution_style: str = "steps"    # data.arith_solution's style
+  completion_only: bool = False    # loss on the solution's tokens only (the prompt and a tool's result masked)
   microbatch_tokens: int = 2048    # automatic micro-batches of at most this many tokens
   ckpt_every: int = 100            # updates between checkpoints (0 = at the end only)
   keep_ckpts: int = 2
@@ -92,10 +123,14 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
         lora: lora_lib.LoraConfig | None = None):
   """Returns SFT-trained params (random init unless `params` is given), resuming from
   WORKDIR/checkpoints; with `lora`, adapters trained on the frozen params (an adapted tree, see `lora`)."""
-  texts = sft_texts(tok, examples[: s.num_examples], s.chat_template, s.solution_style)
-  ids = tok(texts, add_special_tokens=False)["input_ids"]
   # Each example ends with the chat's end-of-turn token, which is what stops generation.
-  chunks = pack(ids, s.seq_len, tok.eos_token_id)
+  if s.completion_only:
+    chunks, loss_masks = pack_masked(sft_rows(tok, examples[: s.num_examples], s.chat_template, s.solution_style),
+                                     s.seq_len, tok.eos_token_id)
+  else:
+    texts = sft_texts(tok, examples[: s.num_examples], s.chat_template, s.solution_style)
+    chunks = pack(tok(texts, add_special_tokens=False)["input_ids"], s.seq_len, tok.eos_token_id)
+    loss_masks = np.ones_like(chunks, bool)
   opt = optim.OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=0.0, grad_clip=1.0)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.language_model(model_cfg), num_microbatches=0,
                                microbatch_tokens=s.microbatch_tokens, lora=lora, seed=s.seed)
@@ -104,7 +139,7 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
   ones = np.ones((s.batch_size, s.seq_len), bool)
 
   def batch_at(step: int) -> LMBatch:
-    return LMBatch(tokens_BT=chunks[rows(step)], mask_BT=ones, loss_mask_BT=ones)
+    return LMBatch(tokens_BT=chunks[rows(step)], mask_BT=ones, loss_mask_BT=loss_masks[rows(step)])
 
   done = None
   if s.target_acc:
