@@ -297,6 +297,15 @@ def test_sample_eval_export_read_the_runs_own_config(trained, tmp_path):
   rows = dumps.read(dump)
   assert len(rows) == 8 and sum(r["acc"] for r in rows) / 8 == out["val/acc/mean@1"]
   assert {r["policy_step"] for r in rows} == {2}
+  # With an environment the evaluation runs episodes (as training's does): a wrong guess is answered.
+  out = json.loads(ok(launch("eval", f"--workdir={trained}", "--k=1", f"--dump={dump}",
+                             "--config.rollout.env=dapo_jax.envs.games:GuessNumberEnv",
+                             "--config.rollout.env_args={\"max_guesses\": 2}", "--config.rollout.max_turns=2"))
+                   .strip().splitlines()[-1])
+  rows = dumps.read(dump)
+  assert sum(r["acc"] for r in rows) / 8 == out["val/acc/mean@1"] < 1
+  assert all(("higher" in r["response"] or "lower" in r["response"] or "one integer" in r["response"])
+             for r in rows if not r["acc"])
   exported = str(tmp_path / "exported")
   assert f"wrote rollout step 2 of {trained} to {exported}" in ok(launch("export", f"--workdir={trained}",
                                                                          f"--out={exported}"))
