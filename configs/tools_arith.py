@@ -5,9 +5,12 @@ r"""A calculator tool and 4-digit x 4-digit products: multi-turn episodes on a 2
 The tiny model of the default job cannot multiply 4-digit numbers in its head. Each episode offers
 it a calculator (`envs.tasks.CalculatorArith`): the policy calls it with an expression, the tool's
 result comes back in the template's tool role (token-in/token-out, masked out of the loss), and the
-policy answers; `math_dapo` scores the final answer. A short SFT on reference episodes stops once
-greedy decoding writes the right call for 20% of a probe, so RL starts with room to improve; DAPO then
-learns to call the calculator with the right expression and copy its result.
+policy answers; `math_dapo` scores the final answer. The SFT warm start trains on reference episodes
+with the loss on the policy's tokens only (`sft.completion_only`: the call and the answer; the
+question and the tool's result are context) and stops at the first probe where greedy decoding
+writes the right call for 20% of training problems; the copy is learned abruptly, so that probe
+reads ~95%. DAPO then runs 30 steps. On 2 cores the whole command takes ~18 minutes: held-out
+greedy 0% (a fresh model) -> 77% after the warm start -> 81% after RL.
 
   --config.rollout.env_args='{"use_tool": false}'    the same episodes with no calculator (near 0%)
 """
@@ -21,5 +24,6 @@ def get_config(arg=None):
   c.rollout.update(env="dapo_jax.envs.tasks:CalculatorArith", env_args="{}", max_turns=3, max_new_tokens=40,
                    max_episode_tokens=96 + 96, env_timeout_s=10.0)
   c.dapo.update(overlong_buffer=8)
+  c.train.update(num_steps=30)
   c.sft.update(steps=1500, lr=3e-3, target_acc=0.2, seq_len=256, batch_size=16, completion_only=True)
   return c
