@@ -128,7 +128,9 @@ def base() -> mlc.ConfigDict:
                    env="", env_args="{}", max_turns=4, max_episode_tokens=0,
                    env_timeout_s=30.0,       # one environment step; a hung one ends its episode
                    env_workers=8,            # environment steps running at once (threads)
-                   env_failure_score=-1.0)   # the reward of an episode whose environment failed or was cut
+                   env_failure_score=-1.0,   # the reward of an episode whose environment failed or was cut
+                   turn_stop=())             # tokens that also end a policy turn, kept in its text: a tool
+                                             # call's closing tag that is one token ("</tool_call>" in Qwen's)
   c.dapo = dict(prompts_per_step=512,        # Q, prompts in a train batch
                 gen_prompts=1536,            # prompts per generation batch (3x for dynamic sampling)
                 dynamic_sampling=True,       # drop groups whose correctness is all equal (Eq. 11)

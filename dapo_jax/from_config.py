@@ -271,20 +271,39 @@ def completion_len(cfg) -> int:
   return (r.max_episode_tokens or cfg.data.max_prompt_len + r.max_turns * r.max_new_tokens) - cfg.data.max_prompt_len
 
 
-def episodes(cfg):
+def episodes(cfg, tok=None):
   """(environment factory, EpisodeConfig) of `rollout.env`, or (None, None) for single turns."""
   r = cfg.rollout
   if not r.env:
     return None, None
   return env_lib.resolve(r.env, r.env_args), episodes_lib.EpisodeConfig(
-      max_turns=r.max_turns, timeout_s=r.env_timeout_s, workers=r.env_workers, failure_score=r.env_failure_score)
+      max_turns=r.max_turns, timeout_s=r.env_timeout_s, workers=r.env_workers, failure_score=r.env_failure_score,
+      turn_stop_ids=turn_stop_ids(cfg, tok) if tok is not None else ())
+
+
+def turn_stop_ids(cfg, tok) -> tuple[int, ...]:
+  """The ids of `rollout.turn_stop` (episodes only), each a single token of the vocabulary."""
+  stops = tuple(cfg.rollout.get("turn_stop", ()) or ())
+  if not stops:
+    return ()
+  if not cfg.rollout.env:
+    raise ConfigError(f"rollout.turn_stop={stops!r} ends turns of episodes; set rollout.env or leave it empty")
+  ids = []
+  for s in stops:
+    found = tok(s, add_special_tokens=False)["input_ids"] if isinstance(s, str) and s else []
+    if len(found) != 1:
+      raise ConfigError(f"rollout.turn_stop: {s!r} is {len(found)} tokens of this tokenizer ({found}); "
+                        "each must be exactly one token")
+    ids.append(found[0])
+  return tuple(ids)
 
 
 def sampler_config(cfg, tok, source_dir: str = "") -> sampling.SamplerConfig:
   r = cfg.rollout
+  eos = tuple(dict.fromkeys((*tokenizer_lib.stop_ids(tok, source_dir, r.stop), *turn_stop_ids(cfg, tok))))
   return sampling.SamplerConfig(
       max_new_tokens=completion_len(cfg), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-      eos_ids=tokenizer_lib.stop_ids(tok, source_dir, r.stop), pad_id=tok.pad_token_id)
+      eos_ids=eos, pad_id=tok.pad_token_id)
 
 
 def eval_sampler_config(cfg, sampler_cfg: sampling.SamplerConfig) -> sampling.SamplerConfig:
@@ -439,7 +458,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     trainer_ = trainer(cfg, model_cfg, mesh, objectives.policy_gradient(model_cfg, pg))
     logprobs = trainer_.forward(objectives.completion_logprobs(model_cfg, pg.temperature, pg.group_size))
     rollout = rollout_lib.Rollout(tok, model_cfg, rollout_mesh or mesh, rollout_config(cfg),
-                                  sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_, *episodes(cfg))
+                                  sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_, *episodes(cfg, tok))
     data_iter = data_lib.PromptIterator(train, seed=cfg.seed, process_index=jax.process_index(),
                                         process_count=jax.process_count())
     critic_ = critic(cfg, model_cfg, params, tok, mesh, pg.group_size) if cfg.dapo.adv_estimator == "gae" else None

@@ -46,7 +46,7 @@ def main(argv):
   try:
     # With rollout.env every prompt is an episode, as in training's evaluation.
     r = rollout.Rollout(tok, model_cfg, mesh, from_config.rollout_config(cfg),
-                        from_config.sampler_config(cfg, tok, source), reward, *from_config.episodes(cfg))
+                        from_config.sampler_config(cfg, tok, source), reward, *from_config.episodes(cfg, tok))
     recorder = dumps.RolloutRecorder("", r, filter_groups=False, enabled=bool(_DUMP.value))
     with recorder.recording("eval", step, step, file=_DUMP.value):
       result = from_config.evaluator(cfg, r, examples, progress=True).run(params)

@@ -250,3 +250,25 @@ def test_rows_an_environment_cannot_run_are_named_at_load(tmp_path):
   with pytest.raises(ValueError, match="ground_truth is not a JSON object \\(a int"):
     env.check_example(EXAMPLE)
   tool_env.ToolEnv().check_example(EXAMPLE)  # math_dapo reads any answer.
+
+
+def test_turn_stop_names_one_token_and_the_sampler_stops_on_it(tiny_tokenizer_dir):
+  """`rollout.turn_stop` strings become stop ids of the sampler for episodes; a string that is not
+  exactly one token, or turn_stop without an environment, is a one-line config error."""
+  from configs import default  # noqa: PLC0415
+  from dapo_jax import from_config  # noqa: PLC0415
+  from dapo_jax.data import tokenizer as tokenizer_lib  # noqa: PLC0415
+  tok = tokenizer_lib.load(tiny_tokenizer_dir)
+  cfg = default.get_config()
+  cfg.rollout.turn_stop = ("<|endoftext|>",)
+  with pytest.raises(from_config.ConfigError, match=r"rollout.turn_stop=\('<\|endoftext\|>',\) ends turns of episodes"):
+    from_config.sampler_config(cfg, tok)
+  cfg.rollout.env = "dapo_jax.envs.games:GuessNumberEnv"
+  (stop,) = from_config.turn_stop_ids(cfg, tok)
+  assert stop == tok.convert_tokens_to_ids("<|endoftext|>") and stop in from_config.sampler_config(cfg, tok).eos_ids
+  assert from_config.episodes(cfg, tok)[1].turn_stop_ids == (stop,)
+  cfg.rollout.turn_stop = ("</tool_call>",)
+  n = len(tok("</tool_call>", add_special_tokens=False)["input_ids"])
+  with pytest.raises(from_config.ConfigError, match=rf"rollout.turn_stop: '</tool_call>' is {n} tokens of this "
+                                                    r"tokenizer .* each must be exactly one token"):
+    from_config.turn_stop_ids(cfg, tok)

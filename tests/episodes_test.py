@@ -81,13 +81,13 @@ def setup(tok):
 
 
 def run(tok, setup, env_cls, *, Q=2, G=3, C=64, turn_tokens=6, slots=4, timeout_s=5.0, max_turns=4, seed=0,
-        on_samples=None):
+        on_samples=None, turn_stop_ids=()):
   cfg, params = setup
   # Half the vocabulary ends a turn, so a random model's turns are a few tokens long.
   eos = tuple(range(3, 160))
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=eos)
-  driver = episodes.EpisodeDriver(tok, env_cls, episodes.EpisodeConfig(max_turns=max_turns, timeout_s=timeout_s,
-                                                                      poll_steps=2), eos_ids=eos)
+  driver = episodes.EpisodeDriver(tok, env_cls, episodes.EpisodeConfig(
+      max_turns=max_turns, timeout_s=timeout_s, poll_steps=2, turn_stop_ids=turn_stop_ids), eos_ids=eos)
   messages, _ = driver.prompt(0)
   for q in range(Q):
     driver.register(q, q)
@@ -132,6 +132,40 @@ def test_recorded_logprobs_equal_the_teacher_forced_episode_and_observations_are
         assert (samples.logp_BC[b, start:end] == 0).all()
   assert checked >= 1
   assert stats["turns"].count(3) == checked
+
+
+class Recorder(Countdown):
+  """Countdown that keeps the text of every turn it was handed."""
+  texts: list = []
+
+  def step(self, text):
+    self.texts.append(text)
+    return super().step(text)
+
+
+def test_a_turn_stop_token_ends_the_turn_and_stays_in_its_text(tok, setup):
+  """`rollout.turn_stop`: a turn that ends on such a token (a tool call's closing tag) hands the
+  environment its text with that token, and the observation then opens with the template's own end
+  of the assistant turn (the policy did not write it); earlier tokens are never re-tokenised."""
+  stop_ids = tuple(range(3, 160))  # Every token that ends a turn in `run` is a kept one here.
+  Recorder.texts = []
+  samples, stats, _, _ = run(tok, setup, Recorder, turn_stop_ids=stop_ids)
+  checked = 0
+  for b, reward in enumerate(stats["episode_rewards"]):
+    n = int(samples.length_B[b])
+    policy = samples.policy_BC[b, :n]
+    for start in np.flatnonzero(np.diff(policy.astype(int)) == -1) + 1:  # Where observations start.
+      last = int(samples.tokens_BC[b, start - 1])
+      assert last in stop_ids
+      end = start + np.argmax(policy[start:])
+      turn = int(np.sum(~policy[:start]) > 0)  # Observations before this one (0 or 1): "again 1" or "again 2".
+      want = render.observation_tokens(tok, [{"role": "user", "content": f"again {turn + 1}"}], ended_with="")
+      np.testing.assert_array_equal(samples.tokens_BC[b, start:end], want)
+      assert tok.decode(want).startswith(tok.eos_token)  # The template's end of turn comes first.
+      checked += 1
+  assert checked >= 2
+  handed = [t for t in Recorder.texts if t]
+  assert handed and all(any(t.endswith(tok.decode([i])) for i in stop_ids) for t in handed)
 
 
 def test_a_slow_environment_does_not_stall_the_other_slots(tok, setup):

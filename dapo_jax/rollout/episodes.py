@@ -39,6 +39,10 @@ class EpisodeConfig:
   # True: the reference loop of turn-synchronous systems, for benchmarks: no slot continues until
   # every busy slot's turn has ended and every environment has answered (the batch idles meanwhile).
   barrier: bool = False
+  # Tokens that end a turn as its end-of-turn does but belong to its text (a tool call's closing tag,
+  # e.g. Qwen's "</tool_call>"): the environment reads them, and the observation then opens with the
+  # template's end of the assistant turn. The sampler must stop on them too (its eos_ids).
+  turn_stop_ids: tuple[int, ...] = ()
 
 
 def failure(why: str, score: float) -> dict:
@@ -113,8 +117,9 @@ class EpisodeDriver:
   def submit(self, key: Key, turn_tokens, *, ended_by_eos: bool, turn: int) -> None:
     """The policy's turn `turn` of episode `key` ended with these tokens: its environment steps."""
     tokens = [int(t) for t in turn_tokens]
-    end = self.tok.decode(tokens[-1:]) if ended_by_eos and tokens else ""
-    text = self.tok.decode(tokens[:-1] if ended_by_eos else tokens, skip_special_tokens=False)
+    kept_end = ended_by_eos and tokens and tokens[-1] in self.cfg.turn_stop_ids  # Part of the turn's text.
+    end = self.tok.decode(tokens[-1:]) if ended_by_eos and tokens and not kept_end else ""
+    text = self.tok.decode(tokens[:-1] if ended_by_eos and not kept_end else tokens, skip_special_tokens=False)
     self.counts["turns"] += 1
     fut = self.pool.submit(self._step, key, text, end, ended_by_eos, turn)
     self.calls[key] = (fut, time.monotonic() + self.cfg.timeout_s)
