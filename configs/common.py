@@ -1,4 +1,6 @@
 """Shared config pieces: the base recipe every config starts from, and `parse_arg`."""
+import json
+
 import ml_collections as mlc
 
 
@@ -77,7 +79,7 @@ def base() -> mlc.ConfigDict:
                 digits=2, ops="+", heldout_fraction=0.1, num_eval=128,   # arith task knobs
                 digits_b=0,                  # digits of the second operand (0 = digits)
                 fewshot=0,                   # worked examples in the chat before each question
-                solution_style="steps",      # SFT targets for arith: "steps" (column addition) | "direct"
+                solution_style="steps",      # SFT targets for arith: "steps" (column addition) | "column" | "mixed" | "direct"
                 rg_tasks=(),                 # task="reasoning_gym": its generators, e.g. ("chain_sum",)
                 rg_settings="",              # JSON {task: generator kwargs}, e.g. '{"chain_sum": {"max_terms": 3}}'
                 rg_num_train=2000)           # training items per reasoning-gym task (held-out: num_eval)
@@ -313,3 +315,31 @@ def runlocal(c: mlc.ConfigDict) -> None:
   c.eval.update(k=2, max_new_tokens=0)
   c.sft.steps = 0
   c.mesh.update(data=1, fsdp=-1, tensor=1, expert=1)
+
+
+# reasoning-gym tasks the small checkpoints train on (configs/smollm2_135m_reasoning.py,
+# configs/gemma3_270m_reasoning.py), with their generator settings: one-digit operands, short answers.
+# Greedy before RL, SmolLM2-135M-Instruct with 3 worked examples: chain_sum 27%, basic_arithmetic 6%.
+RG_TASKS = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1},
+            "basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+# No "e.g. <answer>42</answer>" (data.reasoning_gym.INSTRUCTION): with worked examples before the
+# question it only teaches a small model to answer 42.
+RG_INSTRUCTION = "{question}\nGive your final answer inside <answer></answer> tags."
+
+
+def reasoning_gym(c: mlc.ConfigDict, tasks: str) -> None:
+  """DAPO on reasoning-gym tasks ("chain_sum+basic_arithmetic"), each scored by its own verifier,
+  with three worked examples before each question."""
+  names = tuple(tasks.split("+"))
+  for name in names:
+    if name not in RG_TASKS:
+      raise ValueError(f"tasks={tasks!r}: {name!r} is not one of {sorted(RG_TASKS)}")
+  c.data.update(task="reasoning_gym", rg_tasks=names, rg_settings=json.dumps({t: RG_TASKS[t] for t in names}),
+                rg_num_train=4000, num_eval=48, fewshot=3, prompt_template=RG_INSTRUCTION,
+                max_prompt_len=224, prompt_buckets=(224,))
+  c.reward.update(fn="dapo_jax.rewards:reasoning_gym", workers=2)
+  c.rollout.update(group_size=8, max_new_tokens=32, temperature=1.0, top_p=1.0, top_k=0)
+  c.dapo.update(prompts_per_step=8, gen_prompts=12, max_gen_batches=3, overlong_buffer=8)
+  c.train.update(num_steps=30, minibatches=1, ckpt_every=5, eval_every=10, log_samples_every=5)
+  c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
+  c.mesh.update(data=1, fsdp=-1, tensor=1)

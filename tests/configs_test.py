@@ -14,8 +14,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
                  if not os.path.basename(p).startswith(("_", "common")))
 ARGS = [(n, None) for n in CONFIGS] + [(n, "runlocal") for n in CONFIGS if n != "default"] + [
-    ("ablation", f"stage={s}") for s in ablation.STAGES] + [("ablation", f"stage={s},task=arith") for s in
-                                                           ablation.STAGES] + [("dapo_qwen2_5_32b", "mesh=gpu16x8"),
+    ("ablation", f"stage={s}") for s in ablation.STAGES] + [("ablation", f"stage={s},task={t}") for s in
+                                                           ablation.STAGES for t in ("arith", "arith_long")] + [("dapo_qwen2_5_32b", "mesh=gpu16x8"),
                                                            ("dapo_qwen2_5_32b", "mesh=v5p256")] + [
     ("dapo_qwen3_30b_a3b", f"mesh={m}") for m in ("gpu8", "gpu2x8", "v5p64")]
 
@@ -92,6 +92,19 @@ def test_ablation_on_arith_differs_from_the_default_job_only_where_it_says():
   assert {k for k in default if default[k] != stages["dapo"][k]} == {
       "data.digits", "rollout.max_new_tokens", "dapo.overlong_buffer", "train.num_steps"}
   assert stages["naive_grpo"]["dapo.overlong_buffer"] == 0 and stages["soft_overlong"]["dapo.overlong_buffer"] == 3
+
+
+def test_ablation_on_arith_long_differs_from_arith_only_in_the_length_lever():
+  long = {s: flat(load("ablation", f"stage={s},task=arith_long")) for s in ablation.STAGES}
+  short = {s: flat(load("ablation", f"stage={s},task=arith")) for s in ablation.STAGES}
+  algorithm = {"dapo.eps_high", "dapo.overlong_filter", "dapo.overlong_buffer", "dapo.loss_agg",
+               "dapo.dynamic_sampling", "dapo.gen_prompts"}
+  for s, c in long.items():
+    assert {k for k in c if c[k] != long["dapo"][k]} <= algorithm, s
+  assert {k for k in short["dapo"] if short["dapo"][k] != long["dapo"][k]} == {
+      "data.solution_style", "rollout.max_new_tokens", "dapo.overlong_buffer", "train.num_steps",
+      "train.minibatches", "sft.target_acc"}
+  assert long["naive_grpo"]["dapo.overlong_buffer"] == 0 and long["soft_overlong"]["dapo.overlong_buffer"] == 8
 
 
 def test_locked_config_rejects_typos():

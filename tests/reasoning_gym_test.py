@@ -72,3 +72,28 @@ def test_unknown_task_names_the_field():
   with pytest.raises(prompts.DataError, match=r"data\.rg_tasks: unknown reasoning-gym task 'chain_summ'") as e:
     from_config.datasets(_cfg(rg_tasks=("chain_summ",), rg_settings=""))
   assert "\n" not in str(e.value)
+
+
+def test_worked_examples_open_every_prompt_and_are_never_held_out():
+  settings = {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
+  train, heldout = rg_data.examples(("chain_sum",), 60, 40, seed=2, settings=settings, fewshot=3,
+                                    template=common.RG_INSTRUCTION)
+  shots = heldout[0].messages[:-1]
+  assert len(shots) == 6 and all(ex.messages[:-1] == shots for ex in train + heldout)
+  # The shots are reasoning-gym's own items of their seed (less any held-out question), answered with
+  # the item's expression worked out, then its answer in tags.
+  held_questions = {json.loads(ex.ground_truth)["question"] for ex in heldout}
+  ref = [it for it in rg.create_dataset("chain_sum", size=20, seed=2 + rg_data.SHOT_SEED_OFFSET, **settings["chain_sum"])
+         if it["question"] not in held_questions][:3]
+  assert [m["content"] for m in shots[0::2]] == [common.RG_INSTRUCTION.format(question=it["question"]) for it in ref]
+  assert [m["content"] for m in shots[1::2]] == [f"{it['metadata']['expression']} = {it['answer']}\n"
+                                                 f"<answer>{it['answer']}</answer>" for it in ref]
+  assert not {m["content"] for m in shots[0::2]} & {ex.messages[-1]["content"] for ex in heldout}
+  # What the model is shown is what the verifier accepts.
+  for it, m in zip(ref, shots[1::2]):
+    assert rewards.reasoning_gym(m["content"], json.dumps(it))["acc"] is True
+
+
+def test_fewshot_reaches_the_data_through_the_config():
+  train, heldout = from_config.datasets(_cfg(fewshot=2))
+  assert len(heldout[0].messages) == 5 and heldout[0].messages[:4] == train[0].messages[:4]

@@ -62,6 +62,26 @@ def test_arith_solution_by_hand(question, solution):
   assert data.arith_solution(ex) == solution
 
 
+@pytest.mark.parametrize("question,solution", [
+    ("What is 47+38?", "ones 7+8=15 write 5 carry 1; tens 4+3+1=8 write 8. Answer: 85"),
+    ("What is 695+7?", "ones 5+7=12 write 2 carry 1; tens 9+0+1=10 write 0 carry 1; hundreds 6+0+1=7 write 7. "
+                       "Answer: 702"),
+])
+def test_arith_column_solution_by_hand(question, solution):
+  gt = str(sum(int(x) for x in question[8:-1].split("+")))
+  ex = data.Example(messages=({"role": "user", "content": question},), ground_truth=gt)
+  assert data.arith_solution(ex, "column") == solution
+
+
+def test_mixed_style_writes_each_problem_in_one_form_half_each():
+  exs = data.arith_examples(2000, seed=1, digits=3)
+  styles = [data.arith_solution(ex, "mixed") for ex in exs]
+  assert all(m in (data.arith_solution(ex, "steps"), data.arith_solution(ex, "column")) for m, ex in zip(styles, exs))
+  assert styles == [data.arith_solution(ex, "mixed") for ex in exs]  # by the problem, not by the call
+  column = np.mean([m.startswith("ones ") for m in styles])
+  assert 0.45 < column < 0.55, column
+
+
 def test_arith_solution_carries_add_up_to_the_integer_sum():
   """Each step adds one digit of each operand (right to left) and the previous step's carry; the
   digits the steps write, with the last carry, are the integer sum."""

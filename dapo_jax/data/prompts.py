@@ -199,11 +199,16 @@ def arith_solution(ex: Example, style: str = "steps") -> str:
 
   "direct": just the answer line. "steps": column addition written out digit by digit, right
   to left with carries ("7+8=15, 4+3+1=8."), then the answer line; each step is a one-digit fact,
-  which a small model learns far faster than the whole sum at once.
+  which a small model learns far faster than the whole sum at once. "column": the same steps in
+  words, each with the digit written and the carry ("ones 7+8=15 write 5 carry 1; tens ..."),
+  about twice as long. "mixed": "steps" or "column" by a hash of the problem, half each: a warm
+  start that writes either, for a budget only the short form fits (configs/ablation.py:task=arith_long).
   """
   if style == "direct":
     return f"Answer: {ex.ground_truth}"
   expr = ex.messages[-1]["content"].split("What is ")[1].split("?")[0]
+  if style == "mixed":
+    style = "column" if zlib.crc32(("style:" + expr).encode()) % 2 else "steps"
   if style == "tool":  # The first turn of a calculator episode (envs.tasks): the call, as the template writes it.
     return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>' % expr
   if "+" not in expr:
@@ -214,9 +219,15 @@ def arith_solution(ex: Example, style: str = "steps") -> str:
   for i in range(max(len(da), len(db))):
     x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
     s = x + y + carry
-    steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={s}")
+    step = f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={s}"
     carry = s // 10
-  return ", ".join(steps) + f". Answer: {ex.ground_truth}"
+    if style == "column":
+      step = f"{_COLUMNS[min(i, len(_COLUMNS) - 1)]} {step} write {s % 10}" + (f" carry {carry}" if carry else "")
+    steps.append(step)
+  return ("; " if style == "column" else ", ").join(steps) + f". Answer: {ex.ground_truth}"
+
+
+_COLUMNS = ("ones", "tens", "hundreds", "thousands", "higher")
 
 
 # --- the iterator ------------------------------------------------------------------------------
