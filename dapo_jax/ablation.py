@@ -138,7 +138,9 @@ def table(curves: Mapping[str, Sequence[dict]], eval_name: str = "mean@k") -> di
            "step_at_samples": spread([np.interp(budget, np.append(0, c["samples"]), np.append(0, c["steps"]))
                                       for c in cs]),
            f"{eval_name}_at_step": by_step("mean"), "greedy_at_step": by_step("greedy"),
-           "samples_at_step": by_step("eval_samples"), "before_rl": spread([c["mean"][0] for c in cs])}
+           "samples_at_step": by_step("eval_samples"), "before_rl": spread([c["mean"][0] for c in cs]),
+           # What the overlong techniques have to act on: the responses cut off by the budget at first.
+           "truncated_start": spread([c["response_length/clip_ratio"][0] for c in cs])}
     for k, name in END_METRICS.items():
       ends = [np.nanmean(c[k][-END_STEPS:]) if np.isfinite(c[k][-END_STEPS:]).any() else np.nan for c in cs]
       row[name] = spread(ends)
@@ -159,12 +161,13 @@ def markdown(t: dict) -> str:
   fmt = lambda s, p=3: f"{s['mean']:.{p}f} ± {s['std']:.{p}f}"
   head = (f"| stage | {e} at {n} samples | greedy at {n} samples | {e} at step {t['budget_step']} | "
           f"greedy at step {t['budget_step']} | samples by step {t['budget_step']} | entropy | length | "
-          "truncated | clip high | clip low |")
+          "truncated at step 1 | truncated | clip high | clip low |")
   lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
   for stage, r in t["stages"].items():
     lines.append(f"| {stage} | {fmt(r[f'{e}_at_samples'])} | {fmt(r['greedy_at_samples'])} | "
                  f"{fmt(r[f'{e}_at_step'])} | {fmt(r['greedy_at_step'])} | {r['samples_at_step']['mean']:,.0f} | "
-                 f"{fmt(r['entropy'], 2)} | {fmt(r['length'], 1)} | {fmt(r['truncated'])} | "
+                 f"{fmt(r['entropy'], 2)} | {fmt(r['length'], 1)} | {fmt(r['truncated_start'])} | "
+                 f"{fmt(r['truncated'])} | "
                  f"{fmt(r['clip_high'], 4)} | {fmt(r['clip_low'], 4)} |")
   seeds = {r["seeds"] for r in t["stages"].values()}
   before = np.mean([r["before_rl"]["mean"] for r in t["stages"].values()])
@@ -176,23 +179,26 @@ def markdown(t: dict) -> str:
 
 
 def plot(curves: Mapping[str, Sequence[dict]], path: str, eval_name: str = "mean@k") -> bool:
-  """curves.png: held-out accuracy and entropy against generated samples, per stage (mean over
-  seeds, the band from the lowest to the highest seed). False when matplotlib is missing."""
+  """curves.png: held-out accuracy, entropy and the truncated fraction against generated samples,
+  per stage (mean over seeds, the band from the lowest to the highest seed). False when matplotlib
+  is missing."""
   try:
     from matplotlib.figure import Figure
   except ImportError:
     return False
-  fig = Figure(figsize=(11, 4), layout="constrained")
-  acc_ax, ent_ax = fig.subplots(1, 2)
+  fig = Figure(figsize=(15, 4), layout="constrained")
+  acc_ax, ent_ax, cut_ax = fig.subplots(1, 3)
   for i, (stage, cs) in enumerate(curves.items()):
     color = f"C{i}"
     # Seeds of a stage that filters groups generate different numbers of samples: share a grid.
     _band(acc_ax, [(c["eval_samples"], c["mean"]) for c in cs], color, stage)
     _band(ent_ax, [(c["samples"], _smooth(c["actor/entropy"])) for c in cs], color, stage)
+    _band(cut_ax, [(c["samples"], _smooth(c["response_length/clip_ratio"])) for c in cs], color, stage)
   acc_ax.set(xlabel="generated samples", ylabel=f"held-out {eval_name}", title="Held-out accuracy")
   ent_ax.set(xlabel="generated samples", ylabel="token entropy (5-step mean)", title="Policy entropy")
+  cut_ax.set(xlabel="generated samples", ylabel="truncated fraction (5-step mean)", title="Responses cut off")
   acc_ax.legend(fontsize=8)
-  for ax in (acc_ax, ent_ax):
+  for ax in (acc_ax, ent_ax, cut_ax):
     ax.grid(alpha=0.3)
   fig.savefig(path, dpi=90)
   return True

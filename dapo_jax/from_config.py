@@ -120,6 +120,14 @@ def user_prompt(cfg, question: str):
     kw = dict(template=d.prompt_template) if d.prompt_template else {}
     return data_lib.arith_prompt(question, seed=cfg.seed, digits=d.digits, ops=d.ops, digits_b=d.digits_b,
                                  heldout_fraction=d.heldout_fraction, fewshot=d.fewshot, **kw)
+  if d.task == "reasoning_gym":  # The task's instruction around the question, after its worked examples.
+    from dapo_jax.data import reasoning_gym
+    template = d.prompt_template or reasoning_gym.INSTRUCTION
+    settings = json.loads(d.rg_settings) if d.rg_settings else {}
+    shots = reasoning_gym.shots(tuple(d.rg_tasks), d.fewshot, d.num_eval, seed=cfg.seed, settings=settings,
+                                template=template)
+    return data_lib.Example(messages=shots + ({"role": "user", "content": template.format(question=question)},),
+                            ground_truth="", data_source="reasoning_gym")
   return d.prompt_template.format(problem=question) if d.prompt_template else question
 
 

@@ -53,6 +53,7 @@ def test_ablation_table_plot_and_no_rerun(tmp_path):
     assert row["mean@2_at_step"]["values"] == [last["val/acc/mean@2"]]
     assert row["greedy_at_step"]["values"] == [last["val/acc/greedy"]]
     assert row["before_rl"]["values"] == [recs[s][0]["val/acc/mean@2"]]
+    assert row["truncated_start"]["values"] == [recs[s][1]["response_length/clip_ratio"]]
     ends = [recs[s][i]["actor/entropy"] for i in range(max(1, N - ablation.END_STEPS + 1), N + 1)]
     assert row["entropy"]["mean"] == pytest.approx(np.mean(ends), rel=1e-12)
     for field in ("mean@2_at_samples", "greedy_at_samples", "length", "truncated", "clip_high", "clip_low"):

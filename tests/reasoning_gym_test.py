@@ -83,8 +83,8 @@ def test_worked_examples_open_every_prompt_and_are_never_held_out():
   # The shots are reasoning-gym's own items of their seed (less any held-out question), answered with
   # the item's expression worked out, then its answer in tags.
   held_questions = {json.loads(ex.ground_truth)["question"] for ex in heldout}
-  ref = [it for it in rg.create_dataset("chain_sum", size=20, seed=2 + rg_data.SHOT_SEED_OFFSET, **settings["chain_sum"])
-         if it["question"] not in held_questions][:3]
+  drawn = rg.create_dataset("chain_sum", size=20, seed=2 + rg_data.SHOT_SEED_OFFSET, **settings["chain_sum"])
+  ref = [it for it in drawn if it["question"] not in held_questions][:3]
   assert [m["content"] for m in shots[0::2]] == [common.RG_INSTRUCTION.format(question=it["question"]) for it in ref]
   assert [m["content"] for m in shots[1::2]] == [f"{it['metadata']['expression']} = {it['answer']}\n"
                                                  f"<answer>{it['answer']}</answer>" for it in ref]
@@ -97,3 +97,11 @@ def test_worked_examples_open_every_prompt_and_are_never_held_out():
 def test_fewshot_reaches_the_data_through_the_config():
   train, heldout = from_config.datasets(_cfg(fewshot=2))
   assert len(heldout[0].messages) == 5 and heldout[0].messages[:4] == train[0].messages[:4]
+
+
+def test_a_typed_question_gets_the_training_prompts_worked_examples():
+  cfg = _cfg(fewshot=2, prompt_template=common.RG_INSTRUCTION)
+  _, heldout = from_config.datasets(cfg)
+  typed = from_config.user_prompt(cfg, "What is 2 + 2?")
+  assert typed.messages[:-1] == heldout[0].messages[:-1] and len(typed.messages) == 5
+  assert typed.messages[-1]["content"] == common.RG_INSTRUCTION.format(question="What is 2 + 2?")

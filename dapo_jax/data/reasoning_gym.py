@@ -84,7 +84,21 @@ def examples(tasks: tuple[str, ...], num_train: int, num_eval: int, *, seed: int
     heldout.append(held)
     train.append([it for it in _generate(task, num_train, seed, kw) if it["question"] not in seen])
   mix = lambda per_task: [it for row in itertools.zip_longest(*per_task) for it in row if it is not None]
-  shots = (worked_examples(tasks, fewshot, seed=seed, settings=settings, template=template,
-                           exclude=frozenset(it["question"] for held in heldout for it in held)) if fewshot else ())
+  shots = _shots(tasks, fewshot, heldout, seed, settings, template)
   return ([example(it, i, template, shots) for i, it in enumerate(mix(train))],
           [example(it, i, template, shots) for i, it in enumerate(mix(heldout))])
+
+
+def shots(tasks: tuple[str, ...], fewshot: int, num_eval: int, *, seed: int = 0, settings: dict | None = None,
+          template: str = INSTRUCTION) -> tuple[dict, ...]:
+  """The worked examples `examples` puts before every question (for a question typed by a person)."""
+  settings = settings or {}
+  heldout = [_generate(t, num_eval, seed + HELDOUT_SEED_OFFSET, settings.get(t, {})) for t in tasks] if fewshot else []
+  return _shots(tasks, fewshot, heldout, seed, settings, template)
+
+
+def _shots(tasks, fewshot, heldout, seed, settings, template) -> tuple[dict, ...]:
+  if not fewshot:
+    return ()
+  return worked_examples(tasks, fewshot, seed=seed, settings=settings, template=template,
+                         exclude=frozenset(it["question"] for held in heldout for it in held))
