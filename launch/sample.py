@@ -8,6 +8,9 @@ A run is read with the config it recorded (WORKDIR/config.json) unless `--config
 `--config.x=y` overrides apply on top. A `--prompts` file is a .jsonl or .parquet dataset in the
 DAPO-Math row schema, or rows with a "prompt" string; rows with a ground truth
 (`reward_model.ground_truth` or `ground_truth`) get scored by the config's reward (`reward.fn`).
+With `rollout.env` (a run trained on episodes, or `--config.rollout.env=...`) each completion is an
+episode: the environment sets the scene, answers between the policy's turns and scores it (the
+printed text is the whole episode after the prompt: the policy's turns and the observations).
 `--json` prints one JSON object per completion.
 """
 import dataclasses
@@ -55,6 +58,14 @@ def read_prompts(path: str, prompt_template: str):
   return prompts, truths
 
 
+def as_example(prompt, ground_truth):
+  """An episode's example: a prompt string as one user turn; `ground_truth` (if any) as its answer."""
+  from dapo_jax.data import prompts as data
+  if isinstance(prompt, str):
+    return data.Example(messages=({"role": "user", "content": prompt},), ground_truth=ground_truth or "")
+  return prompt if ground_truth is None else dataclasses.replace(prompt, ground_truth=ground_truth)
+
+
 def main(argv):
   del argv
   common.init_distributed()
@@ -88,12 +99,21 @@ def main(argv):
       sampler_cfg, temperature=sampler_cfg.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value,
       max_new_tokens=_MAX_NEW_TOKENS.value or sampler_cfg.max_new_tokens)
   k = _K.value
+  make_env, episode_cfg = from_config.episodes(cfg, tok)
+  if make_env is not None:  # Episodes start from examples; a typed question's answer is its ground truth.
+    prompts = [as_example(p, gt) for p, gt in zip(prompts, truths)]
   r = rollout.Rollout(tok, model_cfg, mesh, dataclasses.replace(from_config.rollout_config(cfg), rows_per_call=0),
-                      sampler_cfg)
-  texts = r.decode(r.generate(r.sampling_params(params), prompts, k, jax.random.key(_SEED.value)))
+                      sampler_cfg, None, make_env, episode_cfg)
+  try:
+    texts = r.decode(r.generate(r.sampling_params(params), prompts, k, jax.random.key(_SEED.value)))
+  finally:
+    if r.episodes is not None:
+      r.episodes.close()
   scored = [i for i, gt in enumerate(truths) for _ in range(k) if gt is not None]
   results = {}
-  if scored:
+  if make_env is not None:  # The environments' own rewards, in row order.
+    results = {b: res for b, res in enumerate(r.last_stats["episode_rewards"]) if truths[b // k] is not None}
+  elif scored:
     reward = rewards.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
     try:
       rows = [q * k + j for q in sorted(set(scored)) for j in range(k)]
@@ -110,6 +130,8 @@ def main(argv):
       res = results.get(b)
       if _JSON.value:
         out = {"prompt": shown, "sample": j, "completion": texts[b]}
+        if make_env is not None:
+          out["turns"] = int(r.last_stats["turns"][b])
         if res is not None:
           out.update(ground_truth=truths[q], score=res["score"], acc=bool(res["acc"]), pred=res["pred"])
         console.say(json.dumps(out))

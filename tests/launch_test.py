@@ -290,6 +290,16 @@ def test_sample_eval_export_read_the_runs_own_config(trained, tmp_path):
                      "--config.rollout.max_new_tokens=3"))
   rows = [json.loads(line) for line in stdout.strip().splitlines()]
   assert len(rows) == 2 and rows[0]["prompt"].startswith("What is 3+4?")
+  # With an environment a sample is an episode, scored by the environment: one guess of the secret (the
+  # ground truth), right (+1) or wrong (-1), read as the last integer the turn wrote.
+  stdout = ok(launch("sample", f"--workdir={trained}", "--prompt=Guess my number.", "--ground_truth=7", "--json",
+                     "--k=2", "--config.rollout.env=dapo_jax.envs.games:GuessNumberEnv",
+                     "--config.rollout.env_args={\"max_guesses\": 1}", "--config.rollout.max_turns=2"))
+  rows = [json.loads(line) for line in stdout.strip().splitlines()]
+  assert len(rows) == 2 and all(r["ground_truth"] == "7" and r["turns"] == 1 for r in rows), rows
+  for r in rows:
+    written = re.findall(r"-?\d+", r["completion"])
+    assert r["pred"] == (str(int(written[-1])) if written else "") and r["score"] == (1.0 if r["pred"] == "7" else -1.0), r
   dump = str(tmp_path / "eval.jsonl.gz")
   out = json.loads(ok(launch("eval", f"--workdir={trained}", "--k=1", f"--dump={dump}")).strip().splitlines()[-1])
   assert out["rollout_step"] == 2 and out["num_prompts"] == 8 and "val/acc/mean@1" in out
