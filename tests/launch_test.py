@@ -299,7 +299,8 @@ def test_sample_eval_export_read_the_runs_own_config(trained, tmp_path):
   assert len(rows) == 2 and all(r["ground_truth"] == "7" and r["turns"] == 1 for r in rows), rows
   for r in rows:
     written = re.findall(r"-?\d+", r["completion"])
-    assert r["pred"] == (str(int(written[-1])) if written else "") and r["score"] == (1.0 if r["pred"] == "7" else -1.0), r
+    assert r["pred"] == (str(int(written[-1])) if written else ""), r
+    assert r["score"] == (1.0 if r["pred"] == "7" else -1.0), r
   dump = str(tmp_path / "eval.jsonl.gz")
   out = json.loads(ok(launch("eval", f"--workdir={trained}", "--k=1", f"--dump={dump}")).strip().splitlines()[-1])
   assert out["rollout_step"] == 2 and out["num_prompts"] == 8 and "val/acc/mean@1" in out
