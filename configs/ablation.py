@@ -17,7 +17,7 @@ clip_higher 38, soft_overlong 41, token_level_loss 42, dapo (dynamic sampling) 5
   arith_long           the same, with something for the techniques to act on: the warm start writes
                        half its solutions in a long form (`data.solution_style="mixed"`: 40-57 tokens
                        against 27-35) and the budget is 48 tokens with the soft zone from 40, so a
-                       third of the first responses are cut off and the policy must learn to keep its
+                       fifth of the first responses are cut off and the policy must learn to keep its
                        answers short; 4 update mini-batches per rollout step (the clip binds on the
                        later ones) and 60 steps.
 Only the stage's fields differ between stages; everything else is the task's recipe.
