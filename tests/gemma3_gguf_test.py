@@ -87,3 +87,18 @@ def test_gemma3_270m_logits_match_transformers(gemma_dir):
       want = ref(torch.tensor([ids])).logits[0].numpy()
     got = np.asarray(model_lib.logits(cfg, params, jnp.array([ids]), jnp.ones((1, len(ids)), jnp.int32)))[0]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), text
+
+
+@pytest.mark.slow
+def test_gemma3_270m_weights_match_transformers_own_gguf_loader(gemma_dir):
+  # transformers dequantizes the same GGUF with its own loader: our dequantization, tensor names and
+  # layouts (e.g. llama.cpp's +1 on Gemma's norms) must give the same weights, tensor by tensor.
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  out, path = gemma_dir
+  ours = transformers.Gemma3ForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+  ref = transformers.AutoModelForCausalLM.from_pretrained(out, gguf_file=path.rsplit("/", 1)[1],
+                                                          dtype=torch.float32).state_dict()
+  assert sorted(ours) == sorted(ref)
+  for name, want in ref.items():
+    torch.testing.assert_close(ours[name], want, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
