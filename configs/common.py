@@ -79,7 +79,8 @@ def base() -> mlc.ConfigDict:
                 digits=2, ops="+", heldout_fraction=0.1, num_eval=128,   # arith task knobs
                 digits_b=0,                  # digits of the second operand (0 = digits)
                 fewshot=0,                   # worked examples in the chat before each question
-                solution_style="steps",      # SFT targets for arith: "steps" (column addition) | "column" | "mixed" | "direct"
+                solution_style="steps",      # SFT targets for arith: "steps" (column addition) | "column"
+                                             # | "mixed" | "direct"
                 rg_tasks=(),                 # task="reasoning_gym": its generators, e.g. ("chain_sum",)
                 rg_settings="",              # JSON {task: generator kwargs}, e.g. '{"chain_sum": {"max_terms": 3}}'
                 rg_num_train=2000)           # training items per reasoning-gym task (held-out: num_eval)
@@ -89,7 +90,8 @@ def base() -> mlc.ConfigDict:
                    engine="continuous",      # "continuous": a pool of decode slots refilled as samples
                                              # end (cost follows the tokens generated); "static": each
                                              # sampler call decodes until its longest row ends
-                   slots=0,                  # continuous: decode slots of every engine call, rollout and evaluation (0 = the rows of a train batch, Q*G)
+                   slots=0,                  # continuous: decode slots of every engine call, rollout and
+                                             # evaluation (0 = the rows of a train batch, Q*G)
                    prefill_tokens=2048,      # continuous: prompt tokens an insert prefills at once (a power
                                              # of two of whole prompts, at least one); their keys and values
                                              # for every layer exist at once beside the cache

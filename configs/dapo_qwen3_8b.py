@@ -18,7 +18,8 @@ MESHES = {
     "auto": dict(data=1, fsdp=-1, tensor=1),
 }
 
-ROWS_PER_CALL = {'gpu8': 128, 'gpu4x8': 512, 'v5p64': 256, 'auto': 128}  # sampler rows per call: the KV cache fits beside the weights
+# Sampler rows per call: the KV cache fits beside the weights.
+ROWS_PER_CALL = {'gpu8': 128, 'gpu4x8': 512, 'v5p64': 256, 'auto': 128}
 
 
 def get_config(arg=None):

@@ -33,8 +33,9 @@ def main(argv):
     print(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {lora_lib.param_count(mc, lora) / 1e6:.2f}M trainable "
           f"parameters; base {lora.base_quant or mc.param_dtype}, frozen (no gradients or optimizer state)")
   active = f" ({mc.num_active_params / 1e9:.2f}B active per token)" if mc.moe else ""
+  batches = "micro-batch" + ("es" if num_microbatches > 1 else "")
   print(f"model: {mc.num_params / 1e9:.2f}B parameters{active}, mesh {shape}, "
-        f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} micro-batch{'es' if num_microbatches > 1 else ''}")
+        f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} {batches}")
   print(memory.report(p, common.default_workdir().split("/")[-1]))
 
 
