@@ -3,24 +3,62 @@ ASGI app run by uvicorn in a thread (or in the foreground) on a socket bound bef
 
 A server binds to 127.0.0.1 unless told otherwise; on any other address it requires a shared
 token, which requests carry as `Authorization: Bearer <token>` (the `openai` client sends its
-api_key so). Port 0 takes any free port; `url` says which.
+api_key so). Port 0 takes any free port; `url` says which. What one client may hold of a server
+(its body, its connections, the time it takes to send a request) is bounded by `Limits`.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
+import json
 import logging
+import secrets
 import socket
 import threading
 
 import fastapi
+import h11
 import starlette.exceptions
 import starlette.requests
 import uvicorn
 from fastapi import responses
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-MAX_BODY_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What clients may hold of a server. uvicorn bounds an idle connection between requests
+  (keep-alive) and a request's head (16 KiB, h11), but not how long a head or a body may take to
+  arrive nor how many connections may be open: a client that opens connections and sends half a
+  request would hold them for ever. Every server here takes one (`limits=`)."""
+  max_body_bytes: int = 64 << 20   # a request body, as it arrives (chunked or not); 413 past it
+  max_connections: int = 512       # connections open at once; one more is answered 503 and closed
+  header_timeout_s: float = 10.0   # from a connection's opening (or its next request's first byte) to its last header
+  body_timeout_s: float = 30.0     # the longest pause inside a request body; the connection is then closed
+  keep_alive_s: float = 30.0       # an idle connection between two requests is closed after this
+  max_prompt_chars: int = 1 << 20  # policy server: characters a request may have rendered and tokenised; 400 past it
+
+
+MAX_BODY_BYTES = Limits.max_body_bytes
+
+
+def limits(**overrides) -> Limits:
+  """`Limits` with the settings given (a command-line flag left unset, None, keeps the default)."""
+  return Limits(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def error_id() -> str:
+  """An id for a failure: the client's 500 names it, the server's log has the cause under it."""
+  return f"err_{secrets.token_hex(6)}"
+
+
+def internal_error(what: str, eid: str, code: str = "internal_error") -> "APIError":
+  """A 500 that says what failed and under which id the log has why (an exception's text can
+  carry paths, data or a secret: it stays in the log)."""
+  return APIError(500, f"{what}; the server's log has the cause under {eid}", code=code)
 
 
 class ServerConfigError(ValueError):
@@ -31,7 +69,8 @@ class APIError(Exception):
   """An error answered as an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
 
   TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-           405: "invalid_request_error", 410: "invalid_request_error", 413: "invalid_request_error",
+           405: "invalid_request_error", 408: "invalid_request_error", 410: "invalid_request_error",
+           413: "invalid_request_error",
            429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
   def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -62,7 +101,7 @@ def check_port(host: str, port: int) -> None:
       raise ServerConfigError(f"cannot bind {host}:{port}: {e}") from None
 
 
-def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> fastapi.FastAPI:
+def new_app(title: str, token: str | None, max_body_bytes: int = Limits.max_body_bytes) -> fastapi.FastAPI:
   """A FastAPI app whose every route but /health needs the token (when one is set), whose bodies
   are capped, and whose errors (ours, FastAPI's validation, anything raised) are error objects."""
   app = fastapi.FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
@@ -102,8 +141,9 @@ def new_app(title: str, token: str | None, max_body_bytes: int = MAX_BODY_BYTES)
 
   @app.exception_handler(Exception)
   async def internal(request, e):
-    logging.exception("%s %s failed", request.method, request.url.path)
-    return APIError(500, f"{type(e).__name__}: {e}").response()
+    eid = error_id()
+    logging.exception("%s %s failed (%s)", request.method, request.url.path, eid)
+    return internal_error("the server failed on this request", eid).response()
 
   @app.get("/health")
   async def health():
@@ -155,11 +195,97 @@ async def until_disconnected(request: fastapi.Request, work):
       t.cancel()
 
 
-class Server:
-  """Runs an ASGI app with uvicorn on host:port; `start()` serves in a thread, `serve_forever()` in
-  the foreground, `close()` stops; a context manager."""
+class _Protocol(H11Protocol):
+  """uvicorn's h11 protocol with `Limits`: a deadline on each request's head (counted from the
+  connection's opening, then from each later request's first byte, so trickling bytes does not
+  extend it), a bound on each pause inside a body, and a cap on open connections (answered at once:
+  uvicorn's `limit_concurrency` answers only once a request's head is in, which a stalled client
+  never sends)."""
 
-  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, name: str = "server"):
+  limits = Limits()
+
+  def connection_made(self, transport) -> None:
+    self._head_timer = self._body_timer = None
+    if len(self.connections) >= self.limits.max_connections:
+      self.transport = transport
+      logging.warning("refusing a connection: %d are open (Limits.max_connections)", len(self.connections))
+      _answer_raw(transport, 503, "Service Unavailable", f"the server holds {len(self.connections)} connections, "
+                  "its most; retry later", "too_many_connections")
+      return
+    super().connection_made(transport)
+    self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_late)
+
+  def data_received(self, data: bytes) -> None:
+    if self._head_timer is None and self.conn.their_state is h11.IDLE:  # A later request's first byte.
+      self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_late)
+    super().data_received(data)
+    self._follow_state()
+
+  def on_response_complete(self) -> None:
+    super().on_response_complete()
+    if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0] and self._head_timer is None:
+      self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_late)
+    self._follow_state()
+
+  def connection_lost(self, exc) -> None:
+    self._cancel_timers()
+    if self.flow is None:  # Refused at once (the connection cap): never counted, nothing to end.
+      return
+    super().connection_lost(exc)
+
+  def _follow_state(self) -> None:
+    """Stops the head's deadline once the head is in; restarts the body's pause bound while it arrives."""
+    state = self.conn.their_state
+    if state is not h11.IDLE and self._head_timer is not None:
+      self._head_timer.cancel()
+      self._head_timer = None
+    if self._body_timer is not None:
+      self._body_timer.cancel()
+      self._body_timer = None
+    if state is h11.SEND_BODY and not self.transport.is_closing():
+      self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_late)
+
+  def _cancel_timers(self) -> None:
+    for t in (self._head_timer, self._body_timer):
+      if t is not None:
+        t.cancel()
+    self._head_timer = self._body_timer = None
+
+  def _head_late(self) -> None:
+    self._head_timer = None
+    if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+      logging.info("closing a connection whose request head took over %.1fs (Limits.header_timeout_s)",
+                   self.limits.header_timeout_s)
+      _answer_raw(self.transport, 408, "Request Timeout", f"no complete request head within "
+                  f"{self.limits.header_timeout_s:g}s", "header_timeout")
+
+  def _body_late(self) -> None:
+    self._body_timer = None
+    if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+      return
+    if self.flow.read_paused:  # We stopped reading (the app is behind), not the client: wait on.
+      self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_late)
+      return
+    logging.info("closing a connection whose body paused over %.1fs (Limits.body_timeout_s)",
+                 self.limits.body_timeout_s)
+    self.transport.close()  # The app's next read sees the client gone.
+
+
+def _answer_raw(transport, status: int, reason: str, message: str, code: str) -> None:
+  """Writes an error object and closes: for a connection that has no request (h11 answers only one)."""
+  body = json.dumps({"error": {"message": message, "type": APIError.TYPES.get(status, "server_error"),
+                               "param": None, "code": code}}).encode()
+  transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+                  "\r\nconnection: close\r\n\r\n".encode() + body)
+  transport.close()
+
+
+class Server:
+  """Runs an ASGI app with uvicorn on host:port within `limits`; `start()` serves in a thread,
+  `serve_forever()` in the foreground, `close()` stops; a context manager."""
+
+  def __init__(self, app, host: str = "127.0.0.1", port: int = 0, *, name: str = "server",
+               limits: Limits = Limits()):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     self.sock = socket.socket(family, socket.SOCK_STREAM)
     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -169,10 +295,11 @@ class Server:
       self.sock.close()
       raise ServerConfigError(f"cannot bind {host}:{port}: {e}") from None
     self.sock.listen(2048)
-    self.name = name
-    # Keep-alive long enough for a pool of clients between requests; no access log per request.
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
-                            lifespan="off")
+    self.name, self.limits = name, limits
+    protocol = type("Protocol", (_Protocol,), {"limits": limits})
+    # No access log per request.
+    config = uvicorn.Config(app, http=protocol, log_level="warning", access_log=False,
+                            timeout_keep_alive=limits.keep_alive_s, backlog=2048, lifespan="off")
     self.uvicorn = uvicorn.Server(config)
     self._thread: threading.Thread | None = None
 
