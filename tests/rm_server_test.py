@@ -5,6 +5,7 @@ import http.server
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -124,13 +125,13 @@ def test_malformed_replies_are_retried_and_counted(code, body):
     httpd.server_close()
 
 
-def test_scorer_failure_answers_500_and_the_server_lives_on():
+def test_scorer_failure_answers_500_and_the_server_lives_on(caplog):
   calls = []
 
   def flaky(prompts, responses):
     calls.append(1)
     if len(calls) == 1:
-      raise RuntimeError("model fell over")
+      raise RuntimeError("model fell over at /home/me/secret.ckpt")
     return [0.5] * len(responses)
 
   with rm_server.RMServer(flaky, port=0, max_wait_ms=0) as server:
@@ -139,8 +140,60 @@ def test_scorer_failure_answers_500_and_the_server_lives_on():
     assert client(["a"], [""], ["p"])[0]["score"] == 0.5
     calls.clear()
     code, body = post(server.url, {"prompts": ["p"], "responses": ["a"]})
-    assert code == 500 and body["error"]["message"] == "RuntimeError: model fell over"
+    # The answer names an id, never the scorer's text; the log has the text under that id.
+    assert code == 500 and "fell over" not in json.dumps(body) and "RuntimeError" not in json.dumps(body)
     assert body["error"]["type"] == "server_error" and body["error"]["code"] == "scorer_failed"
+    (eid,) = re.findall(r"err_[0-9a-f]{12}", body["error"]["message"])
+    logged = [r for r in caplog.records if eid in r.getMessage()]
+    assert logged and "fell over at /home/me/secret.ckpt" in logged[0].exc_text
+
+
+def test_a_request_larger_than_max_batch_is_scored_in_parts():
+  """The scorer never sees more than max_batch responses, however large a request is or however
+  requests arrive together; every request gets its own scores back, in order."""
+  sizes, lock = [], threading.Lock()
+
+  def score_fn(prompts, responses):
+    with lock:
+      sizes.append(len(responses))
+    return [float(r) for r in responses]
+
+  with rm_server.RMServer(score_fn, port=0, max_batch=64, max_wait_ms=5) as server:
+    big = [str(i) for i in range(10_000)]
+    results = {}
+
+    def call(k, responses):
+      results[k] = post(server.url, {"prompts": ["p"] * len(responses), "responses": responses}, timeout=60)
+
+    asks = {"big": big, **{k: [str(k * 100 + j) for j in range(1 + k * 7)] for k in range(8)}}
+    threads = [threading.Thread(target=call, args=kv) for kv in asks.items()]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  assert max(sizes) <= 64 and sum(sizes) == sum(len(r) for r in asks.values())
+  for k, responses in asks.items():
+    assert results[k] == (200, {"scores": [float(r) for r in responses]}), k
+  assert server.batcher.calls == len(sizes) >= 10_000 // 64
+
+
+def test_a_part_that_fails_fails_its_request_and_its_other_parts_are_not_scored():
+  seen = []
+
+  def score_fn(prompts, responses):
+    seen.append(list(responses))
+    if "bad" in responses:
+      raise ValueError("no")
+    time.sleep(0.05)
+    return [1.0] * len(responses)
+
+  with rm_server.RMServer(score_fn, port=0, max_batch=4, max_wait_ms=0) as server:
+    responses = ["a"] * 4 + ["bad"] + ["b"] * 40
+    code, body = post(server.url, {"prompts": ["p"] * len(responses), "responses": responses})
+    assert code == 500 and body["error"]["code"] == "scorer_failed"
+    time.sleep(0.3)
+    assert len(seen) < 12   # Not all 12 parts: those queued after the failure were dropped.
+    assert post(server.url, {"prompts": ["p"], "responses": ["c"]}) == (200, {"scores": [1.0]})
 
 
 def test_a_request_past_its_timeout_gets_500_and_is_not_scored_later():
@@ -164,11 +217,11 @@ def test_a_request_past_its_timeout_gets_500_and_is_not_scored_later():
     assert seen == [["a"], ["c"]]   # "b" gave up before its batch started: never scored.
 
 
-def post(url, body, headers=None):
+def post(url, body, headers=None, timeout=10):
   req = urllib.request.Request(url + "/score", data=json.dumps(body).encode(),
                                headers={"Content-Type": "application/json", **(headers or {})}, method="POST")
   try:
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
       return r.status, json.loads(r.read())
   except urllib.error.HTTPError as e:
     return e.code, json.loads(e.read())

@@ -2,7 +2,8 @@
 
 Any `score_fn(prompts, responses) -> list[float]` can be served. Concurrent requests are batched into
 one `score_fn` call by a batcher thread (up to `max_batch` responses, waiting at most `max_wait_ms`
-for more after the first), so an accelerator-backed scorer sees large batches. It runs on FastAPI +
+for more after the first), so an accelerator-backed scorer sees large batches; a request larger than
+`max_batch` is scored in parts, so the scorer never sees more. It runs on FastAPI +
 uvicorn with the plumbing the policy server uses (`serve.http`: the bind rule, the bearer token, the
 body cap, error objects {"error": {"message", "type", "param", "code"}}); `pip install -e ".[serve]"`.
 The server binds to 127.0.0.1 unless told otherwise; on any other address it requires a shared token,
@@ -36,10 +37,18 @@ class ServerConfigError(rewards.RewardConfigError, http.ServerConfigError):
   """A server that cannot start as configured (e.g. a public address without a token)."""
 
 
+class ScorerFailed(RuntimeError):
+  """The scorer raised (or miscounted) on a batch; `error_id` names the log line with the cause."""
+
+  def __init__(self, error_id: str):
+    super().__init__(f"the scorer failed ({error_id})")
+    self.error_id = error_id
+
+
 class _Job:
   def __init__(self, prompts: list[str], responses: list[str]):
     self.prompts, self.responses = prompts, responses
-    self.future: cf.Future[list[float]] = cf.Future()  # RuntimeError("<type>: <message>") if the scorer fails
+    self.future: cf.Future[list[float]] = cf.Future()  # ScorerFailed if the scorer fails
 
 
 class Batcher:
@@ -56,10 +65,43 @@ class Batcher:
     self._thread.start()
 
   def enqueue(self, prompts: list[str], responses: list[str]) -> cf.Future:
-    """Queues a job; the future holds its scores. Cancelling it before its batch starts drops the job."""
-    job = _Job(prompts, responses)
-    self._queue.put(job)
-    return job.future
+    """Queues a request's responses, in parts of at most `max_batch`; the future holds their scores
+    (or a part's failure, which cancels the other parts). Cancelling it drops the parts whose batch
+    has not started."""
+    parts = [_Job(prompts[i:i + self.max_batch], responses[i:i + self.max_batch])
+             for i in range(0, len(responses), self.max_batch)]
+    if len(parts) == 1:
+      self._queue.put(parts[0])
+      return parts[0].future
+    whole: cf.Future[list[float]] = cf.Future()
+    left, lock = [len(parts)], threading.Lock()
+
+    def part_done(part: cf.Future) -> None:
+      with lock:
+        if whole.done():
+          return
+        if not part.cancelled() and part.exception() is not None:
+          whole.set_exception(part.exception())
+        else:
+          left[0] -= 1
+          if left[0]:
+            return
+          whole.set_result([x for p in parts for x in p.future.result()])
+      for p in parts:  # (After a failure: the others are not scored.)
+        p.future.cancel()
+
+    def whole_done(_) -> None:
+      if whole.cancelled():
+        for p in parts:
+          p.future.cancel()
+
+    if not parts:
+      whole.set_result([])
+    whole.add_done_callback(whole_done)
+    for p in parts:
+      p.future.add_done_callback(part_done)
+      self._queue.put(p)
+    return whole
 
   def submit(self, prompts: list[str], responses: list[str], timeout_s: float | None = None) -> list[float]:
     future = self.enqueue(prompts, responses)
@@ -74,8 +116,10 @@ class Batcher:
     self._thread.join(timeout=5)
 
   def _run(self) -> None:
+    held = None  # A job that did not fit the last batch: it opens the next.
     while True:
-      job = self._queue.get()
+      job = held if held is not None else self._queue.get()
+      held = None
       if job is None:
         return
       jobs, n = [job], len(job.responses)
@@ -87,6 +131,9 @@ class Batcher:
           break
         if nxt is None:
           self._queue.put(None)  # Finish this batch, then stop.
+          break
+        if n + len(nxt.responses) > self.max_batch:
+          held = nxt
           break
         jobs.append(nxt)
         n += len(nxt.responses)
@@ -104,10 +151,11 @@ class Batcher:
       scores = [float(s) for s in self.score_fn(prompts, responses)]
       if len(scores) != len(responses):
         raise ValueError(f"score_fn returned {len(scores)} scores for {len(responses)} responses")
-    except Exception as e:  # The scorer failed: every request of the batch gets a 500, the server lives on.
-      logging.warning("score_fn failed on a batch of %d: %s: %s", len(responses), type(e).__name__, e)
+    except Exception:  # The scorer failed: every request of the batch gets a 500 naming an id, the server lives on.
+      eid = http.error_id()
+      logging.warning("score_fn failed on a batch of %d (%s)", len(responses), eid, exc_info=True)
       for j in jobs:
-        j.future.set_exception(RuntimeError(f"{type(e).__name__}: {e}"))
+        j.future.set_exception(ScorerFailed(eid))
       return
     start = 0
     for j in jobs:
@@ -121,9 +169,10 @@ class ScoreRequest(pydantic.BaseModel):
   responses: list[str]
 
 
-def make_app(batcher: Batcher, token: str | None, request_timeout_s: float = 600.0) -> fastapi.FastAPI:
+def make_app(batcher: Batcher, token: str | None, request_timeout_s: float = 600.0,
+             max_body_bytes: int = http.Limits.max_body_bytes) -> fastapi.FastAPI:
   """The ASGI app: POST /score and GET /health, with `serve.http`'s token, body cap and error objects."""
-  app = http.new_app("dapo_jax reward model", token)
+  app = http.new_app("dapo_jax reward model", token, max_body_bytes)
 
   @app.post("/score")
   async def score(request: fastapi.Request):
@@ -148,18 +197,20 @@ def make_app(batcher: Batcher, token: str | None, request_timeout_s: float = 600
       scores = await asyncio.wait_for(asyncio.wrap_future(future), request_timeout_s)
     except asyncio.TimeoutError:
       raise http.APIError(500, f"scoring did not finish within {request_timeout_s}s", code="timeout") from None
-    except RuntimeError as e:
-      raise http.APIError(500, str(e), code="scorer_failed") from None
+    except ScorerFailed as e:
+      raise http.internal_error("the scorer failed on this request's batch", e.error_id, "scorer_failed") from None
     return {"scores": [s if math.isfinite(s) else None for s in scores]}
 
   return app
 
 
 class RMServer:
-  """The HTTP reward-model server; a context manager (`start()` serves in a thread, `close()` stops)."""
+  """The HTTP reward-model server within `limits` (`http.Limits`); a context manager (`start()`
+  serves in a thread, `close()` stops)."""
 
   def __init__(self, score_fn: ScoreFn, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-               max_batch: int = 64, max_wait_ms: float = 10.0, request_timeout_s: float = 600.0):
+               max_batch: int = 64, max_wait_ms: float = 10.0, request_timeout_s: float = 600.0,
+               limits: http.Limits = http.Limits()):
     token = token or os.environ.get(TOKEN_ENV) or None
     try:
       http.check_bind(host, token, TOKEN_ENV)
@@ -168,7 +219,8 @@ class RMServer:
     self.token, self.request_timeout_s = token, request_timeout_s
     self.batcher = Batcher(score_fn, max_batch, max_wait_ms)
     try:
-      self.server = http.Server(make_app(self.batcher, token, request_timeout_s), host, port, name="rm-server")
+      app = make_app(self.batcher, token, request_timeout_s, limits.max_body_bytes)
+      self.server = http.Server(app, host, port, name="rm-server", limits=limits)
     except http.ServerConfigError as e:
       self.batcher.close()
       raise ServerConfigError(str(e)) from None
