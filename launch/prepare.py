@@ -70,8 +70,8 @@ def policy_pairs() -> None:
   sampler_cfg = sampling.SamplerConfig(max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
                                        eos_ids=tokenizer.stop_ids(tok, _MODEL_DIR.value), pad_id=tok.pad_token_id)
   k, chunk = _K.value, max(1, 512 // _K.value)   # prompts per engine call: ~512 decode slots
-  prompt_len = max(len(ids) for ids in tok([tokenizer.render(tok, ex.messages) for ex in examples],
-                                            add_special_tokens=False)["input_ids"])
+  prompt_len = max(len(ids) for ids in tokenizer.encode_prompts(tok, [tokenizer.render(tok, ex.messages)
+                                                                       for ex in examples]))
   r = rollout.Rollout(tok, model_cfg, sharding.make_mesh({"fsdp": -1}), rollout.RolloutConfig(prompt_len), sampler_cfg)
   texts = []
   for i in range(0, len(examples), chunk):

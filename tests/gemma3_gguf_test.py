@@ -102,3 +102,30 @@ def test_gemma3_270m_weights_match_transformers_own_gguf_loader(gemma_dir):
   assert sorted(ours) == sorted(ref)
   for name, want in ref.items():
     torch.testing.assert_close(ours[name], want, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_raw_prompt_greedy_text_equals_transformers_generate(gemma_dir):
+  # A plain prompt gets Gemma's BOS as its tokenizer adds it; without it the base model answers
+  # " France. The The The The". transformers' generate, with the directory's tokenizer defaults, is the reference.
+  import json
+  import os
+  import subprocess
+  import sys
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  out, _ = gemma_dir
+  text, n = "The capital of France is", 8
+  ref_tok = transformers.AutoTokenizer.from_pretrained(out)
+  ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  ids = ref_tok(text, return_tensors="pt")
+  with torch.no_grad():
+    gen = ref.generate(**ids, max_new_tokens=n, do_sample=False)
+  want = ref_tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-m", "launch.sample", f"--model_dir={out}", f"--prompt={text}", "--raw",
+                        "--temperature=0", f"--max_new_tokens={n}", "--config.data.chat_template=False", "--json"],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-2000:]
+  got = json.loads(run.stdout.strip().splitlines()[-1])["completion"]
+  assert got == want, (got, want)

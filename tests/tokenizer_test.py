@@ -105,3 +105,82 @@ def test_stop_ids_errors_name_the_field_or_file(tiny_tokenizer_dir, tmp_path):
     f.write("{not json")
   with pytest.raises(tokenizer.TokenizerError, match="generation_config.json: cannot read"):
     tokenizer.stop_ids(tok, d, "chat")
+
+
+# --- BOS: by the tokenizer's own rule, exactly once ------------------------------------------------
+
+def _family_tokenizer_dir(path, family: str) -> str:
+  """A byte-level BPE saved as a directory, with a real family's special tokens and how it adds BOS:
+  Llama 3 by a post-processor (<|begin_of_text|>), Llama 2 by `add_bos_token` (<s>), Qwen not at all."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+  from transformers import LlamaTokenizerFast, PreTrainedTokenizerFast
+  bos, eos = {"llama3": ("<|begin_of_text|>", "<|eot_id|>"), "llama2": ("<s>", "</s>"),
+              "qwen": (None, "<|im_end|>")}[family]
+  specials = [t for t in (bos, eos, "<|im_start|>", "<|endoftext|>") if t]
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(["The capital of France is Paris. What is 38+46?"] * 4, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=specials, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if family == "llama3":  # As Llama 3's own tokenizer.json: BOS written by the post-processor.
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+  if family == "llama2":
+    hf = LlamaTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, add_bos_token=True)
+  else:
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
+  with open(os.path.join(os.path.dirname(__file__), "data", "templates",
+                         {"llama3": "llama3_1", "llama2": "llama3_1", "qwen": "qwen2_5"}[family] + ".jinja")) as f:
+    hf.chat_template = f.read()
+  hf.save_pretrained(str(path))
+  return str(path)
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama2", "qwen"])
+def test_a_plain_prompt_gets_bos_as_transformers_adds_it(tmp_path, family):
+  from transformers import AutoTokenizer
+  path = _family_tokenizer_dir(tmp_path, family)
+  ref = AutoTokenizer.from_pretrained(path)   # transformers' own defaults for this directory
+  tok = tokenizer.load(path)
+  text = "The capital of France is"
+  want = ref(text)["input_ids"]
+  assert (want[0] == ref.bos_token_id) == (family != "qwen")   # the families differ, as real ones do
+  assert tokenizer.encode_prompts(tok, [text]) == [want]
+  tokens, mask = tokenizer.encode_left_padded(tok, [text], 16)
+  assert tokens[0][mask[0]].tolist() == want
+  # A text that already begins with the BOS (a rendered template, or typed) gets no second one.
+  if family != "qwen":
+    assert tokenizer.encode_prompts(tok, [ref.bos_token + text]) == [want]
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen"])
+def test_a_rendered_template_keeps_its_one_bos(tmp_path, family):
+  from transformers import AutoTokenizer
+  path = _family_tokenizer_dir(tmp_path, family)
+  ref = AutoTokenizer.from_pretrained(path)
+  messages = [{"role": "user", "content": "What is 38+46?"}]
+  want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  want = list(want["input_ids"] if hasattr(want, "keys") else want)
+  text = tokenizer.render(tokenizer.load(path), messages)
+  got = tokenizer.encode_prompts(tokenizer.load(path), [text])[0]
+  assert got == want
+  assert got.count(ref.bos_token_id) == (1 if family == "llama3" else 0)
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_training_rows_begin_with_one_bos_as_context(tmp_path, chat_template):
+  # Chat SFT and the arithmetic warm start see their prompts as generation does: one BOS, never a target.
+  from transformers import AutoTokenizer
+
+  from dapo_jax.data import conversations
+  from dapo_jax.data import prompts as data_lib
+  from dapo_jax.pipelines import sft
+  path = _family_tokenizer_dir(tmp_path, "llama3")
+  bos = AutoTokenizer.from_pretrained(path).bos_token_id
+  tok = tokenizer.load(path)
+  doc = conversations.encode(tok, conversations.Conversation(
+      ({"role": "user", "content": "What is 38+46?"}, {"role": "assistant", "content": "84"})), chat_template)
+  assert doc.ids[0] == bos and (doc.ids == bos).sum() == 1 and not doc.loss_mask[0]
+  ex = data_lib.Example(messages=({"role": "user", "content": "What is 38+46?"},), ground_truth="84")
+  (ids, mask), = sft.sft_rows(tok, [ex], chat_template, "direct")
+  assert ids[0] == bos and ids.count(bos) == 1 and not mask[0]

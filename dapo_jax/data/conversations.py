@@ -145,6 +145,9 @@ def encode(tok, conv: Conversation, chat_template: bool = True, assistant_only: 
     t = [tok.eos_token_id] if text is None else tok(text, add_special_tokens=False)["input_ids"] if text else []
     ids += t
     mask += [target] * len(t)
+  bos = tokenizer_lib.bos_prefix(tok)  # A row begins a sequence: the tokenizer's BOS once, as context.
+  if bos and ids[:len(bos)] != bos:
+    ids, mask = bos + ids, [False] * len(bos) + mask
   loss_mask = np.asarray(mask, bool) if assistant_only else np.ones(len(ids), bool)
   return Document(np.asarray(ids, np.int32), loss_mask)
 

@@ -117,9 +117,35 @@ def render_template(template: str, messages: Sequence[dict], tools=None) -> str:
   return env.from_string(template).render(messages=list(messages), tools=tools, add_generation_prompt=True)
 
 
-def encode_left_padded(tok, texts: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
-  """[B, length] ids and mask, left-padded; over-long prompts keep their last `length` tokens."""
+def bos_prefix(tok) -> list[int]:
+  """The ids a tokenizer puts before any text of its own accord (its BOS, by `add_bos_token` or its
+  post-processor, as `tok(text)` adds it); [] for a tokenizer that adds none (Qwen, GPT-2)."""
+  probe = "a"
+  plain = tok(probe, add_special_tokens=False)["input_ids"]
+  full = tok(probe, add_special_tokens=True)["input_ids"]
+  for i in range(len(full) - len(plain) + 1):
+    if full[i:i + len(plain)] == plain:
+      return list(full[:i])
+  return []
+
+
+def encode_prompts(tok, texts: Sequence[str]) -> list[list[int]]:
+  """The ids of texts that begin a sequence (a prompt, plain or rendered by a chat template; a
+  training row): the text's own tokens behind the tokenizer's BOS exactly once. A plain text gets the
+  BOS `tok(text)` would add; a rendered template that already begins with it (Gemma's, Llama 3's)
+  gets no second one; a tokenizer that adds none gets none. Continuations (a completion, an
+  observation in an episode) are tokenised with `add_special_tokens=False` instead."""
+  prefix = bos_prefix(tok)
   ids = tok(list(texts), add_special_tokens=False)["input_ids"]
+  if not prefix:
+    return [list(row) for row in ids]
+  return [list(row) if list(row[:len(prefix)]) == prefix else prefix + list(row) for row in ids]
+
+
+def encode_left_padded(tok, texts: Sequence[str], length: int) -> tuple[np.ndarray, np.ndarray]:
+  """[B, length] ids and mask of prompts (`encode_prompts`: BOS once, by the tokenizer's rule),
+  left-padded; over-long prompts keep their last `length` tokens."""
+  ids = encode_prompts(tok, texts)
   tokens_BP = np.full((len(ids), length), tok.pad_token_id, np.int32)
   mask_BP = np.zeros((len(ids), length), bool)
   for b, row in enumerate(ids):

@@ -51,7 +51,7 @@ def sft_rows(tok, examples, chat_template: bool, style: str = "steps") -> list[t
 
   rows = []
   for ex in examples:
-    prompt = ids(_prompt_text(tok, ex, chat_template, style))
+    prompt = tokenizer_lib.encode_prompts(tok, [_prompt_text(tok, ex, chat_template, style)])[0]
     if style == "tool":
       from dapo_jax.envs import render, tasks  # noqa: PLC0415
       call = ids(data_lib.arith_solution(ex, "tool")) + [tok.eos_token_id]
@@ -76,8 +76,7 @@ def probe_batch(tok, examples, chat_template: bool, style: str = "steps") -> tup
   """Rows of prompt + reference solution + EOS, tokenized as generation sees them (prompt and
   completion apart), left-padded: (tokens [B, T], mask [B, T], completion mask [B, T]). For a
   calculator episode ("tool"), the solution is its first turn: the call."""
-  prompts = tok([_prompt_text(tok, ex, chat_template, style) for ex in examples],
-                add_special_tokens=False)["input_ids"]
+  prompts = tokenizer_lib.encode_prompts(tok, [_prompt_text(tok, ex, chat_template, style) for ex in examples])
   completions = tok([data_lib.arith_solution(ex, style) for ex in examples], add_special_tokens=False)["input_ids"]
   rows = [(p, c + [tok.eos_token_id]) for p, c in zip(prompts, completions)]
   T = max(len(p) + len(c) for p, c in rows)
@@ -129,7 +128,7 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
                                      s.seq_len, tok.eos_token_id)
   else:
     texts = sft_texts(tok, examples[: s.num_examples], s.chat_template, s.solution_style)
-    chunks = pack(tok(texts, add_special_tokens=False)["input_ids"], s.seq_len, tok.eos_token_id)
+    chunks = pack(tokenizer_lib.encode_prompts(tok, texts), s.seq_len, tok.eos_token_id)
     loss_masks = np.ones_like(chunks, bool)
   opt = optim.OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=0.0, grad_clip=1.0)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.language_model(model_cfg), num_microbatches=0,

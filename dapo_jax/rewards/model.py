@@ -44,7 +44,7 @@ class Scorer:
   def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """[left-padded prompt | response + EOS, right-padded] tokens and mask, bucketed lengths."""
     texts = [tokenizer_lib.render(self.tok, [{"role": "user", "content": p}], self.chat_template) for p in prompts]
-    p_ids = self.tok(texts, add_special_tokens=False)["input_ids"]
+    p_ids = tokenizer_lib.encode_prompts(self.tok, texts)
     r_ids = self.tok(list(responses), add_special_tokens=False)["input_ids"]
     p_ids = [row[-self.max_prompt_len:] for row in p_ids]
     r_ids = [(list(row) + [self.tok.eos_token_id])[: self.max_response_len] for row in r_ids]

@@ -263,7 +263,7 @@ class OpenAIPolicy:
     p = body.prompt
     if isinstance(p, str) or (p and all(isinstance(x, str) for x in p)):
       texts = [p] if isinstance(p, str) else p
-      ids = [self.tok(t, add_special_tokens=True)["input_ids"] for t in texts]
+      ids = tokenizer_lib.encode_prompts(self.tok, texts)
     else:
       ids = [p] if p and isinstance(p[0], int) else p
     if not ids:
@@ -331,7 +331,7 @@ class OpenAIPolicy:
       text = tokenizer_lib.render(self.tok, messages, True, tools=native)
     except Exception as e:  # The template refused the conversation (roles out of order, ...).
       raise APIError(400, f"messages: the chat template cannot render them: {e}", param="messages") from None
-    return self._prompt_ids(self.tok(text, add_special_tokens=False)["input_ids"], "messages"), tools
+    return self._prompt_ids(tokenizer_lib.encode_prompts(self.tok, [text])[0], "messages"), tools
 
   def _message(self, s: SampleText, tools) -> tuple[dict, str]:
     """The assistant message of a finished sample, and its finish reason."""
