@@ -8,18 +8,28 @@ from absl import flags
 from launch import common
 
 _CONFIG = common.define_config()
-_DEVICES = flags.DEFINE_integer("devices", None, "Device count, for meshes with a -1 axis (default: 128).")
+_DEVICES = flags.DEFINE_integer("devices", None, "Device count (default: the recipe's mesh's own size; 128 for a "
+                                "mesh with a -1 axis).")
 
 
-def main(argv):
-  del argv
+def devices_of(mesh_cfg, devices: int | None) -> int:
+  """The devices the plan is for: as given, else the mesh's fixed size (128 when an axis is -1)."""
+  import math
+  sizes = [int(v) for k, v in mesh_cfg.items() if k in ("data", "fsdp", "expert", "tensor")]
+  return devices or (128 if -1 in sizes else math.prod(sizes))
+
+
+def report(cfg, devices: int | None = None, name: str = "") -> str:
+  """The plan of `cfg` on `devices` (default: its mesh's size, `devices_of`) as printed."""
   from dapo_jax import from_config, sharding, train_step
   from dapo_jax.model import lora as lora_lib
   from dapo_jax.model import memory
-  cfg = _CONFIG.value
   lora = from_config.lora_config(cfg)
   mc = from_config.model_config(cfg, cfg.model.vocab_size or 1024)
-  shape = sharding.mesh_shape(dict(cfg.mesh), _DEVICES.value or 128)
+  try:
+    shape = sharding.mesh_shape(dict(cfg.mesh), devices_of(cfg.mesh, devices))
+  except ValueError as e:
+    raise from_config.ConfigError(f"{e} (--devices={devices})") from None
   rows_per_update = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
   seq_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   num_microbatches = cfg.train.num_microbatches or train_step.auto_microbatches(
@@ -29,14 +39,22 @@ def main(argv):
                   prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
                   gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size,
                   lora=lora)
+  lines = []
   if lora is not None:
-    print(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {lora_lib.param_count(mc, lora) / 1e6:.2f}M trainable "
-          f"parameters; base {lora.base_quant or mc.param_dtype}, frozen (no gradients or optimizer state)")
+    lines.append(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: {lora_lib.param_count(mc, lora) / 1e6:.2f}M "
+                 f"trainable parameters; base {lora.base_quant or mc.param_dtype}, frozen (no gradients or optimizer "
+                 "state)")
   active = f" ({mc.num_active_params / 1e9:.2f}B active per token)" if mc.moe else ""
   batches = "micro-batch" + ("es" if num_microbatches > 1 else "")
-  print(f"model: {mc.num_params / 1e9:.2f}B parameters{active}, mesh {shape}, "
-        f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} {batches}")
-  print(memory.report(p, common.default_workdir().split("/")[-1]))
+  lines.append(f"model: {mc.num_params / 1e9:.2f}B parameters{active}, mesh {shape}, "
+               f"{rows_per_update} rows x {seq_len} tokens per update in {num_microbatches} {batches}")
+  lines.append(memory.report(p, name))
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  print(report(_CONFIG.value, _DEVICES.value, common.default_workdir().split("/")[-1]))
 
 
 if __name__ == "__main__":

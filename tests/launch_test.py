@@ -78,6 +78,28 @@ def test_plan_prints_the_numbers_of_memory_plan():
   assert printed["parameters"] == pytest.approx(4 * mc.num_params / 128 / 1e9, abs=0.006)
 
 
+def test_plan_works_on_every_recipe_and_mesh_as_written():
+  # Each recipe's `launch.plan --config=...:mesh=M` as its docstring writes it: the devices are the mesh's own.
+  script = (
+      "import importlib, re, sys\n"
+      "sys.argv = ['plan']\n"
+      "from launch import plan\n"
+      "for name in ('dapo_qwen2_5_32b', 'dapo_qwen3_8b', 'dapo_llama3_1_8b', 'dapo_gemma3_4b', 'dapo_qwen3_30b_a3b'):\n"
+      "  mod = importlib.import_module('configs.' + name)\n"
+      "  for mesh in mod.MESHES:\n"
+      "    text = plan.report(mod.get_config(f'mesh={mesh}'), name=name)\n"
+      "    print(name, mesh, re.search(r'\\((\\d+) devices', text).group(1))\n")
+  out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+  assert out.returncode == 0, out.stderr[-3000:]
+  from configs import dapo_qwen3_8b
+  printed = dict(((n, m), int(d)) for n, m, d in (line.split() for line in out.stdout.splitlines()))
+  assert printed[("dapo_qwen3_8b", "gpu4x8")] == 32 and printed[("dapo_qwen3_8b", "auto")] == 128
+  assert len(printed) >= 15 and {m for n, m in printed if n == "dapo_qwen3_8b"} == set(dapo_qwen3_8b.MESHES)
+  wrong = launch("plan", f"--config={ROOT}/configs/dapo_qwen3_8b.py:mesh=gpu4x8", "--devices=7")
+  assert wrong.returncode == 1 and wrong.stderr.strip().count("\n") == 0 and "7 devices" in wrong.stderr
+
+
 # --- prepare gguf: a GGUF written here from a transformers Llama ---------------------------------
 
 def _llama_cpp_permute(w, n_head):
