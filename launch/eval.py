@@ -13,7 +13,7 @@ from absl import flags
 
 from launch import common
 
-_CONFIG = common.define_config()
+_CONFIG = common.define_config(reads_run_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is scored.")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Score this HF model directory instead.")
 _K = flags.DEFINE_integer("k", None, "Samples per prompt (default: config eval.k).")

@@ -6,7 +6,7 @@ from absl import flags
 
 from launch import common
 
-_CONFIG = common.define_config()
+_CONFIG = common.define_config(reads_run_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace the files of an --out directory that holds some.")

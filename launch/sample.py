@@ -20,7 +20,7 @@ from absl import flags
 
 from launch import common
 
-_CONFIG = common.define_config()
+_CONFIG = common.define_config(reads_run_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is sampled.")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Sample this HF model directory instead.")
 _PROMPT = flags.DEFINE_string("prompt", None, "One question, put as the run's training prompts were (the task's "

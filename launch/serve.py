@@ -14,7 +14,7 @@ from absl import flags
 
 from launch import common
 
-_CONFIG = common.define_config()
+_CONFIG = common.define_config(reads_run_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is served.")
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Serve this HF model directory instead.")
 _ADAPTER_DIR = flags.DEFINE_string("adapter_dir", None, "A PEFT LoRA adapter directory on --model_dir.")

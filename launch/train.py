@@ -4,7 +4,7 @@
   python -m launch.train --config=configs/dapo_qwen2_5_32b.py --workdir=DIR --config.dapo.eps_high=0.3
 """
 
-from absl import flags, logging
+from absl import flags
 
 from launch import common
 
@@ -17,8 +17,9 @@ def main(argv):
   common.init_distributed()
   from dapo_jax import from_config  # After distributed init.
   workdir = _WORKDIR.value or common.default_workdir()
-  logging.info("workdir %s", workdir)
+  common.say_workdir(workdir, "writes to")
   from_config.run(_CONFIG.value, workdir)  # Validates the config before it builds the mesh.
+  common.say_workdir(workdir, "wrote")
 
 
 if __name__ == "__main__":

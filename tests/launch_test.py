@@ -100,6 +100,35 @@ def test_plan_works_on_every_recipe_and_mesh_as_written():
   assert wrong.returncode == 1 and wrong.stderr.strip().count("\n") == 0 and "7 devices" in wrong.stderr
 
 
+def test_a_newcomers_mistakes_are_one_line_each(tmp_path):
+  def one_line(out, *needles):
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
+    assert all(n in out.stderr for n in needles), out.stderr
+
+  one_line(launch("train", "--config=configs/nope.py"), "--config=configs/nope.py", "No such file")
+  one_line(launch("train", "--config=configs/smollm2_135m_arith.py:taks=mul"), "'taks' is unknown", "task")
+  one_line(launch("train", "--config.dapo.eps_hihg=0.3"), "--config.dapo.eps_hihg")
+  one_line(launch("train", "--dry_run", "--config.rollout.temperature=-1"), "rollout.temperature")
+  missing = str(tmp_path / "nowhere")
+  one_line(launch("eval", f"--workdir={missing}"), "holds no checkpoint")
+  assert not os.path.exists(missing)   # refused before anything was created there
+  shim = tmp_path / "shim" / "fastapi"   # a machine without the serve extra
+  shim.mkdir(parents=True)
+  shim.joinpath("__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'fastapi'\", name='fastapi')\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{tmp_path / 'shim'}:{ROOT}")
+  out = subprocess.run([sys.executable, "-m", "launch.serve", "--model_dir=x"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+  one_line(out, "launch.serve needs the package 'fastapi'", "pip install -e '.[serve]'")
+
+
+def test_help_lists_config_and_dry_run_prints_the_resolved_config():
+  helped = launch("train", "--help").stdout   # (absl exits 1 after its help)
+  assert "--config: Config file" in helped and "--[no]dry_run" in helped
+  shown = ok(launch("train", "--dry_run", "--config=configs/default.py:runlocal", "--config.train.num_steps=3"))
+  assert re.search(r"^  num_steps: 3$", shown, re.M) and re.search(r"^  embed_dim: 32$", shown, re.M)
+  assert "nothing was run" in shown.splitlines()[-1]
+
+
 # --- prepare gguf: a GGUF written here from a transformers Llama ---------------------------------
 
 def _llama_cpp_permute(w, n_head):
@@ -263,7 +292,9 @@ TRAIN = [RUNLOCAL, "--config.reward.fn=dapo_jax.testing:length_reward", "--confi
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("run"))
-  ok(launch("train", f"--workdir={workdir}", *TRAIN))
+  lines = ok(launch("train", f"--workdir={workdir}", *TRAIN)).splitlines()
+  # Where the run writes is said at its start and at its end.
+  assert lines[0].startswith(f"writes to {workdir} ") and lines[-1].startswith(f"wrote {workdir} "), lines
   return workdir
 
 
