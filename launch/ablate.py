@@ -15,7 +15,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from launch import common
+from . import common
 
 _CONFIG = common.define_config(os.path.join(common.REPO, "configs", "ablation.py"))
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per stage (0, 1, ...).", lower_bound=1)

@@ -23,7 +23,7 @@ import time
 
 from absl import flags
 
-from launch import common
+from . import common
 
 _CONFIG = common.define_config()
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "HF model directory (default: the config's model).")

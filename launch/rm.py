@@ -9,7 +9,7 @@ import os
 
 from absl import flags
 
-from launch import common
+from . import common
 
 _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<config>).")

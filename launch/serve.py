@@ -12,7 +12,7 @@ import os
 
 from absl import flags
 
-from launch import common
+from . import common
 
 _CONFIG = common.define_config(reads_run_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest checkpoint is served.")

@@ -8,7 +8,7 @@ is served without a token; requests then carry `Authorization: Bearer <token>`. 
 """
 from absl import flags
 
-from launch import common
+from . import common
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Reward-model directory (passed to the scorer factory).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind; anything but localhost needs a token.")

@@ -6,7 +6,7 @@
 
 from absl import flags
 
-from launch import common
+from . import common
 
 _CONFIG = common.define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs, samples (default ./runs/<config>).")

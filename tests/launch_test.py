@@ -129,6 +129,24 @@ def test_help_lists_config_and_dry_run_prints_the_resolved_config():
   assert "nothing was run" in shown.splitlines()[-1]
 
 
+def test_the_installed_package_has_no_generic_top_level_names_and_runs_its_launchers(tmp_path):
+  # The wheel holds dapo_jax alone (launch/ and configs/ inside it); its launchers run outside a checkout.
+  import glob
+  import zipfile
+  ok(subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q", "-w",
+                     str(tmp_path / "wheel")], capture_output=True, text=True, timeout=300))
+  wheel, = glob.glob(str(tmp_path / "wheel" / "*.whl"))
+  names = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+  assert {n for n in names if not n.endswith(".dist-info")} == {"dapo_jax"}, names
+  target = tmp_path / "site"
+  zipfile.ZipFile(wheel).extractall(target)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(target))
+  out = subprocess.run([sys.executable, "-m", "dapo_jax.launch.train", "--dry_run", "--config.train.num_steps=2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and f"{target}/dapo_jax/configs/default.py" in out.stdout, out.stderr[-2000:]
+  assert re.search(r"^  num_steps: 2$", out.stdout, re.M)
+
+
 # --- prepare gguf: a GGUF written here from a transformers Llama ---------------------------------
 
 def _llama_cpp_permute(w, n_head):
