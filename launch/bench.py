@@ -7,8 +7,8 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
   python -m launch.bench episodes --tool_ms=50    # 3-turn episodes, environment latency vs a turn-synchronous loop
   python -m launch.bench serve --batch=64 --new_tokens=64   # the OpenAI server at 1/8/32 clients vs offline
   python -m launch.bench device   # what a GPU/TPU run reports: decode roofline, bf16 MFU, DAPO steps
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m launch.bench async --rollout_devices=4
-                                  # a split mesh's phases and the async step they predict
+  python -m launch.bench async --rollout_devices=4   # a split mesh's phases and the async step they predict
+                                  # (on a CPU host, 8 forced host devices unless XLA_FLAGS sets a count)
 
 DIR is any local HF Qwen2/Llama directory, so other tools can time the very same model.
 Without --model_dir the config's model is built with random weights.
@@ -18,12 +18,18 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 from absl import flags
 
 from . import common
+
+# A split mesh needs several devices: on a CPU host, 8 forced host devices (the flag is read by the CPU
+# backend alone, so a GPU or TPU run is unaffected) unless the user's XLA_FLAGS sets a count.
+if "async" in sys.argv[1:] and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
 _CONFIG = common.define_config()
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "HF model directory (default: the config's model).")

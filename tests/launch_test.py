@@ -277,10 +277,10 @@ def test_sft_writes_a_model_transformers_loads(tmp_path):
 @pytest.mark.slow
 def test_bench_async_measures_a_split_mesh_and_predicts_from_its_phases():
   from dapo_jax import pipelining
-  stdout = ok(launch("bench", "async", RUNLOCAL, "--rollout_devices=2", "--runs=3", "--config.mesh.fsdp=-1",
-                     devices=4))
+  # As the README writes it: no XLA_FLAGS device count (the bench forces 8 host devices on CPU).
+  stdout = ok(launch("bench", "async", RUNLOCAL, "--rollout_devices=4", "--runs=3", "--config.mesh.fsdp=-1"))
   result = json.loads(stdout.strip().splitlines()[-1])
-  assert (result["bench"], result["rollout_devices"], result["train_devices"]) == ("async", 2, 2)
+  assert (result["bench"], result["rollout_devices"], result["train_devices"]) == ("async", 4, 4)
   r, t = result["runs_rollout_s"], result["runs_train_s"]
   assert len(r) == len(t) == 3 and min(r + t) > 0
   assert result["predicted_step_s"]["0"] == pytest.approx(sum(r + t) / 3, rel=1e-3)
