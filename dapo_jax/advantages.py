@@ -18,11 +18,14 @@ from dapo_jax.datatypes import Groups, RLBatch
 EPS = 1e-6
 
 
-def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.ndarray:
+def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True, valid_QG=None) -> np.ndarray:
   """Â_i = (R_i - mean_group) / (std_group + 1e-6), std unbiased (N-1); mean-only if not norm_by_std.
 
-  A group of one response gets mean 0 and std 1, as in the reference implementation.
+  A group of one response gets mean 0 and std 1, as in the reference implementation. `valid_QG`:
+  the rows that count; each group's statistics are those of its valid rows alone (its other rows get 0).
   """
+  if _masked(valid_QG):
+    return _per_group(lambda r: group_advantages(r, norm_by_std), rewards_QG, valid_QG)
   r = np.asarray(rewards_QG, np.float64)
   G = r.shape[1]
   if G == 1:
@@ -36,6 +39,23 @@ def group_advantages(rewards_QG: np.ndarray, norm_by_std: bool = True) -> np.nda
   return adv.astype(np.float32)
 
 
+def _masked(valid_QG) -> bool:
+  return valid_QG is not None and not np.all(valid_QG)
+
+
+def _per_group(fn, rewards_QG, valid_QG, lengths_QG=None) -> np.ndarray:
+  """`fn` (a group-local estimator) on each group's valid rows alone, as if the others were absent;
+  0 for the others."""
+  r, valid = np.asarray(rewards_QG, np.float64), np.asarray(valid_QG, bool)
+  out = np.zeros(r.shape, np.float32)
+  for q in range(r.shape[0]):
+    v = valid[q]
+    if v.any():
+      args = (r[q:q + 1, v],) if lengths_QG is None else (r[q:q + 1, v], np.asarray(lengths_QG)[q:q + 1, v])
+      out[q, v] = fn(*args)[0]
+  return out
+
+
 # `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO and GPG
 # give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
 # the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
@@ -44,17 +64,29 @@ TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")
 KL_SHAPED_ESTIMATORS = ("reinforce_pp", "gae")  # Token rewards -β·KL to a reference; not distill's.
 
 
-def _group_mean(r_QG: np.ndarray) -> np.ndarray:
-  """Each group's mean, 0 for a group of one (verl's baselines)."""
-  return r_QG.mean(axis=1, keepdims=True) if r_QG.shape[1] > 1 else np.zeros_like(r_QG)
+def _group_mean(r_QG: np.ndarray, valid_QG=None) -> np.ndarray:
+  """Each group's mean, 0 for a group of one (verl's baselines); over its `valid_QG` rows when given."""
+  if valid_QG is None:
+    return r_QG.mean(axis=1, keepdims=True) if r_QG.shape[1] > 1 else np.zeros_like(r_QG)
+  n = valid_QG.sum(axis=1, keepdims=True)
+  return np.where(n > 1, np.where(valid_QG, r_QG, 0.0).sum(axis=1, keepdims=True) / np.maximum(n, 1), 0.0)
 
 
-def reinforce_pp_baseline(rewards_QG, lengths_QG) -> np.ndarray:
+def reinforce_pp_baseline(rewards_QG, lengths_QG, valid_QG=None) -> np.ndarray:
   """REINFORCE++ with a group baseline (Hu 2025, verl's reinforce_plus_plus_baseline): R - group mean,
-  then whitened over the batch's tokens (each response counts once per token: `lengths_QG`)."""
+  then whitened over the batch's tokens (each response counts once per token: `lengths_QG`).
+  `valid_QG`: only those rows count, in the group means and the whitening (the others get 0)."""
   x = np.asarray(rewards_QG, np.float64)
-  x = x - _group_mean(x)
   n = np.asarray(lengths_QG, np.float64)
+  if _masked(valid_QG):
+    valid = np.asarray(valid_QG, bool)
+    x = np.where(valid, x - _group_mean(x, valid), 0.0)
+    n = np.where(valid, n, 0.0)
+    N = n.sum()
+    mean = (n * x).sum() / max(N, 1.0)
+    var = (n * (x - mean) ** 2).sum() / max(N - 1.0, 1.0)
+    return np.where(valid, (x - mean) / np.sqrt(var + 1e-8), 0.0).astype(np.float32)
+  x = x - _group_mean(x)
   N = n.sum()
   mean = (n * x).sum() / max(N, 1.0)
   var = (n * (x - mean) ** 2).sum() / max(N - 1.0, 1.0)  # unbiased over tokens, as masked_whiten
@@ -72,28 +104,37 @@ def opo(rewards_QG, lengths_QG) -> np.ndarray:
   return (r - baseline).astype(np.float32)
 
 
-def gpg_advantages(rewards_QG) -> np.ndarray:
+def gpg_advantages(rewards_QG, valid_QG=None) -> np.ndarray:
   """GPG (Chu et al. 2025, arXiv 2504.02546): α·(R - group mean) with α = responses / responses with a
-  non-zero reward in the batch, which scales up batches where few responses score (F_norm = 1)."""
+  non-zero reward in the batch, which scales up batches where few responses score (F_norm = 1).
+  `valid_QG`: only those rows count (the others get 0)."""
   r = np.asarray(rewards_QG, np.float64)
+  if _masked(valid_QG):
+    valid = np.asarray(valid_QG, bool)
+    alpha = valid.sum() / max(np.count_nonzero(r[valid]), 1)
+    return np.where(valid, alpha * (r - _group_mean(r, valid)), 0.0).astype(np.float32)
   alpha = r.size / max(np.count_nonzero(r), 1)
   return (alpha * (r - _group_mean(r))).astype(np.float32)
 
 
 def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: bool = True, *,
-                        lengths_QG: np.ndarray | None = None) -> np.ndarray:
+                        lengths_QG: np.ndarray | None = None, valid_QG: np.ndarray | None = None) -> np.ndarray:
   """One advantage per response [Q, G]; zeros for the token-level estimators (the loop computes
-  those). `lengths_QG`: loss tokens per response, which reinforce_pp_baseline and opo weigh by."""
+  those). `lengths_QG`: loss tokens per response, which reinforce_pp_baseline and opo weigh by.
+  `valid_QG` (`Groups.valid_QG`): the rows that count; the others get 0 and leave every statistic,
+  so each advantage is what it would be without them."""
   if estimator == "grpo":
-    return group_advantages(rewards_QG, norm_by_std)
+    return group_advantages(rewards_QG, norm_by_std, valid_QG)
   if estimator == "rloo":
-    return rloo(rewards_QG)
+    return _per_group(rloo, rewards_QG, valid_QG) if _masked(valid_QG) else rloo(rewards_QG)
   if estimator == "gpg":
-    return gpg_advantages(rewards_QG)
+    return gpg_advantages(rewards_QG, valid_QG)
   if estimator in ("reinforce_pp_baseline", "opo"):
     if lengths_QG is None:
       raise ValueError(f"dapo.adv_estimator={estimator!r} weighs responses by their length: pass lengths_QG")
-    return (reinforce_pp_baseline if estimator != "opo" else opo)(rewards_QG, lengths_QG)
+    if estimator == "opo":
+      return _per_group(opo, rewards_QG, valid_QG, lengths_QG) if _masked(valid_QG) else opo(rewards_QG, lengths_QG)
+    return reinforce_pp_baseline(rewards_QG, lengths_QG, valid_QG)
   if estimator in TOKEN_ESTIMATORS:
     return np.zeros(np.shape(rewards_QG), np.float32)
   raise ValueError(f"dapo.adv_estimator={estimator!r}; expected one of {ESTIMATORS}")
@@ -109,14 +150,16 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   Eq. 9 for GRPO).
 
   Static shapes: fewer than Q groups are completed with repeats whose loss mask is all zero. With
-  `overlong_filter`, truncated samples leave the loss and its denominator (§3.3). Rows of carried
+  `overlong_filter`, truncated samples leave the loss and its denominator (§3.3); so do the rows that
+  are not `valid_QG` (failed environments), which also leave their group's advantage statistics. Rows of carried
   groups get their sampling policy's log-probs as π_old (`behaviour_B`); the other rows' π_old is
   left to the update (zeros here), and with no carried group `behaviour_B` is None. Every row keeps
   the sampler's log-probs (`rollout_logp_BC`) for the mismatch metrics and the rollout correction.
   Returns the batch and the advantages of the real groups [n, G].
   """
   n, G, C = groups.tokens_QGC.shape
-  adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std, lengths_QG=groups.policy_QGC.sum(-1))
+  adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std, lengths_QG=groups.policy_QGC.sum(-1),
+                               valid_QG=groups.valid_QG)
   real_Q = np.arange(Q) < n
   if n < Q:
     groups, adv_QG = groups.take(np.arange(Q) % n), adv_QG[np.arange(Q) % n]
@@ -125,6 +168,7 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   pmask_BP = np.repeat(groups.prompt_mask_QP[:, -P:], G, axis=0)
   cmask_BC = groups.mask_QGC.reshape(-1, C)
   loss_mask_BC = groups.policy_QGC.reshape(-1, C) & np.repeat(real_Q, G)[:, None]  # Episodes: not observations.
+  loss_mask_BC &= groups.valid_QG.reshape(-1, 1)  # Nor the rows of failed environments (`rollout.env_error`).
   if overlong_filter:
     loss_mask_BC &= ~groups.truncated_QG.reshape(-1, 1)
   old_logp_BC, behaviour_B = np.zeros(cmask_BC.shape, np.float32), None

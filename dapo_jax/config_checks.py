@@ -14,6 +14,7 @@ from dapo_jax import loss as loss_lib
 from dapo_jax import sharding
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.model import lora as lora_lib
+from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import rollout as rollout_lib
 
 
@@ -162,6 +163,8 @@ def validate(cfg, num_devices: int | None = None) -> None:
     n("rollout.env_timeout_s", 0, lo_open=True)
     n("rollout.env_workers", 1, integer=True)
     n("rollout.env_failure_score", None)
+    check(r.get("env_error", "mask") in episodes_lib.ENV_ERRORS, "rollout.env_error", r.get("env_error"),
+          "'mask' (a failed environment's row leaves the loss) or 'score' (it scores rollout.env_failure_score)")
     least = c.data.max_prompt_len + r.max_new_tokens
     E = r.max_episode_tokens
     check(E == 0 or (isinstance(E, int) and E > least), "rollout.max_episode_tokens", E,
@@ -169,6 +172,14 @@ def validate(cfg, num_devices: int | None = None) -> None:
           f"{c.data.max_prompt_len + turns * r.max_new_tokens}) or more than data.max_prompt_len + "
           f"rollout.max_new_tokens = {least}")
     check(r.engine == "continuous", "rollout.engine", r.engine, "'continuous' when rollout.env is set")
+    # The soft overlong penalty measures an episode's whole response (observations included) against
+    # the episode's response budget (`episodes.response_budget`), not one turn's max_new_tokens.
+    budget = episodes_lib.response_budget(P, C, turns, E)
+    n("dapo.overlong_buffer", 0, budget, integer=True,
+      allowed=f"from 0 to the episode's response budget of {budget} tokens (rollout.max_episode_tokens less "
+              "data.max_prompt_len, or rollout.max_turns x rollout.max_new_tokens)")
+  else:
+    n("dapo.overlong_buffer", 0, C, integer=True, allowed=f"from 0 to rollout.max_new_tokens={C}")
   n("train.length_buckets", 0, integer=True, allowed=">= 0 (0 = every row padded to rollout.max_new_tokens)")
   if "admit_margin" in d:
     n("dapo.admit_margin", 0, allowed=">= 0 (standard deviations of the expected keeps)")
@@ -176,7 +187,6 @@ def validate(cfg, num_devices: int | None = None) -> None:
     n("train.shared_prefix", 0, integer=True, allowed=">= 0 (0 = each group's prompt whole)")
   check(d.kl_estimator in ("k1", "k3"), "dapo.kl_estimator", d.kl_estimator, "'k1' or 'k3'")
   n("dapo.kl_coef", 0)
-  n("dapo.overlong_buffer", 0, C, integer=True, allowed=f"from 0 to rollout.max_new_tokens={C}")
   n("dapo.overlong_penalty", 0)
   n("dapo.max_gen_batches", 0, integer=True, allowed=">= 0 (0 = unlimited)")
   check(isinstance(c.eval.reward_fn, str) and (not c.eval.reward_fn or ":" in c.eval.reward_fn), "eval.reward_fn",

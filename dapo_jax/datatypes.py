@@ -67,6 +67,9 @@ class Groups:
   # int32: partial rollouts (`rollout.partial_rollouts`): the row's first token sampled by version
   # version_QG + 1, whose params reached the rollout while the row was in flight; -1 = none was.
   switch_QG: np.ndarray | None = None
+  # bool: rows in the loss and in their group's statistics; False: an episode whose environment failed
+  # (`rollout.env_error="mask"`): no loss token, and its group's advantages are those without it.
+  valid_QG: np.ndarray | None = None
 
   def __post_init__(self):
     if self.policy_QGC is None:
@@ -75,12 +78,14 @@ class Groups:
       self.version_QG = np.full(np.shape(self.length_QG), -1, np.int32)
     if self.switch_QG is None:
       self.switch_QG = np.full(np.shape(self.length_QG), -1, np.int32)
+    if self.valid_QG is None:
+      self.valid_QG = np.ones(np.shape(self.length_QG), bool)
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
 
   @classmethod
-  def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG) -> "Groups":
+  def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG, valid_QG=None) -> "Groups":
     """Q prompts' groups from their Q*G sampled rows (`sampling.Samples`, group-major) and scores."""
     Q, (B, C) = len(prompt_QP), samples.tokens_BC.shape
     G = B // Q
@@ -89,7 +94,8 @@ class Groups:
                truncated_QG=samples.truncated_B.reshape(Q, G), score_QG=score_QG, acc_QG=acc_QG, filter_QG=filter_QG,
                logp_QGC=samples.logp_BC.reshape(Q, G, C), carried_Q=np.zeros(Q, bool),
                policy_QGC=None if samples.policy_BC is None else samples.policy_BC.reshape(Q, G, C),
-               switch_QG=None if samples.switch_B is None else np.asarray(samples.switch_B, np.int32).reshape(Q, G))
+               switch_QG=None if samples.switch_B is None else np.asarray(samples.switch_B, np.int32).reshape(Q, G),
+               valid_QG=None if valid_QG is None else np.asarray(valid_QG, bool).reshape(Q, G))
 
   def take(self, idx) -> "Groups":
     return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
@@ -118,6 +124,8 @@ class Groups:
     if "switch_QG" not in d:  # Saved before partial rollouts: every row had one sampler.
       d = dict(d, switch_QG=np.full(np.shape(d["length_QG"]), -1, np.int32),
                dtypes=dict(d["dtypes"], switch_QG="int32"))
+    if "valid_QG" not in d:  # Saved before masked rows: every row counts.
+      d = dict(d, valid_QG=np.ones(np.shape(d["length_QG"]), bool), dtypes=dict(d["dtypes"], valid_QG="bool"))
     return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
 
 

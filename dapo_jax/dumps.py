@@ -8,7 +8,8 @@ and `validation_data_dir`, TRL's `log_completions`):
 One JSON object per response: `prompt` (the question: the last user turn), `response`, `ground_truth`,
 `score` (the reward, overlong penalty included), `acc`, `pred`, `length` (tokens), `truncated` (no
 EOS within the budget), `kept` (dynamic sampling's filter let the group through; surplus kept
-groups may still go unused), `group` and `sample` (its prompt's number in the step and its index
+groups may still go unused), `masked` (an episode whose environment failed: out of the loss and of
+its group's statistics, `rollout.env_error`), `group` and `sample` (its prompt's number in the step and its index
 in the group), `step` and `policy_step` (the rollout step whose parameters sampled it: the number
 of rollout steps trained before). Held-out rows have no `length`, `truncated` or `kept` (the
 evaluator scores texts). Read one with `zcat WORKDIR/rollouts/step_1.jsonl.gz | head` or
@@ -86,14 +87,16 @@ class RolloutRecorder:
 
   def _train_rows(self, examples, samples, G, out) -> None:
     from dapo_jax.rollout import dynamic_sampling  # noqa: PLC0415 (rollout imports nothing of this)
-    kept = dynamic_sampling.keep_groups(out["filter"]) if self.filter_groups else np.ones(len(examples), bool)
+    valid = out.get("valid")
+    kept = dynamic_sampling.keep_groups(out["filter"], valid) if self.filter_groups else np.ones(len(examples), bool)
     rows = []
     for b, text in enumerate(out["texts"]):
       q, g = divmod(b, G)
       rows.append({"prompt": examples[q].messages[-1]["content"], "response": text,
                    "ground_truth": examples[q].ground_truth, "score": _num(out["score"][q, g]),
                    "acc": bool(out["acc"][q, g]), "pred": out["pred"][b], "length": int(samples.length_B[b]),
-                   "truncated": bool(samples.truncated_B[b]), "kept": bool(kept[q]), "sample": g})
+                   "truncated": bool(samples.truncated_B[b]), "kept": bool(kept[q]), "sample": g,
+                   "masked": valid is not None and not bool(valid[q, g])})
     with self._lock:
       for i, r in enumerate(rows):
         r["group"] = self.groups + i // G

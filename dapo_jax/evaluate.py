@@ -61,6 +61,9 @@ class Evaluator:
     if getattr(self.rollout, "owns_copy", None) and self.rollout.owns_copy(params):  # Trained on other devices.
       params = self.rollout.sampling_params(params)
     self.sampled_rows = 0
+    episodes = getattr(self.rollout, "episodes", None)
+    if episodes is not None:  # val/env/*: this evaluation's episodes, apart from training's env/*.
+      episodes.reset_metrics()
     acc, preds = self.samples(params, self.k, key, self.sampler_cfg)
     n = self.k * max(set(self.copies), key=self.copies.count)  # samples per problem (the most common)
     all_acc = np.concatenate(acc)
@@ -70,7 +73,7 @@ class Evaluator:
       greedy_cfg = dataclasses.replace(self.sampler_cfg, temperature=0.0, top_p=1.0)
       acc_g, _ = self.samples(params, 1, key, greedy_cfg, per_copy=False)
       out["val/acc/greedy"] = float(np.mean([a[0] for a in acc_g]))
-    return out
+    return out | (episodes.metrics("val/env/") if episodes is not None else {})
 
   def samples(self, params, k: int, key, sampler_cfg, per_copy: bool = True):
     """(acc, predictions) per problem: k x copies samples each (k each without `per_copy`)."""

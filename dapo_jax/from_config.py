@@ -276,7 +276,7 @@ def completion_len(cfg) -> int:
   r = cfg.rollout
   if not r.env:
     return r.max_new_tokens
-  return (r.max_episode_tokens or cfg.data.max_prompt_len + r.max_turns * r.max_new_tokens) - cfg.data.max_prompt_len
+  return episodes_lib.response_budget(cfg.data.max_prompt_len, r.max_new_tokens, r.max_turns, r.max_episode_tokens)
 
 
 def episodes(cfg, tok=None):
@@ -286,7 +286,7 @@ def episodes(cfg, tok=None):
     return None, None
   return env_lib.resolve(r.env, r.env_args), episodes_lib.EpisodeConfig(
       max_turns=r.max_turns, timeout_s=r.env_timeout_s, workers=r.env_workers, failure_score=r.env_failure_score,
-      turn_stop_ids=turn_stop_ids(cfg, tok) if tok is not None else ())
+      env_error=r.get("env_error", "mask"), turn_stop_ids=turn_stop_ids(cfg, tok) if tok is not None else ())
 
 
 def turn_stop_ids(cfg, tok) -> tuple[int, ...]:

@@ -157,16 +157,23 @@ class DAPO:
     c = self.cfg
     step_key = jax.random.fold_in(self.key, step)
     params = lambda: self.rollout.sampling_params(self.state.params) if policy is None else policy
+    episodes = self.rollout.episodes
+    if episodes is not None:  # env/* count this rollout's episodes alone.
+      episodes.reset_metrics()
     if c.streaming:
-      return dynamic_sampling.stream_groups(
+      batch, stats, info = dynamic_sampling.stream_groups(
           self.rollout, params(), self.data_iter, c.group_size, c.prompts_per_step,
           jax.random.fold_in(step_key, 0), max_prompts=c.max_gen_batches * c.gen_prompts if c.dynamic_sampling
           else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap, keep_rate=self.keep_rate,
           ahead=c.admit_ahead, margin=c.admit_margin)
-    batch, self.carry, stats, info = dynamic_sampling.fill_step(
-        self.rollout, params, self.data_iter.next_batch, self.carry, step_key, Q=c.prompts_per_step, G=c.group_size,
-        batch_prompts=c.gen_prompts if c.dynamic_sampling else c.prompts_per_step, filter_groups=c.dynamic_sampling,
-        max_gen_batches=c.max_gen_batches, on_cap=c.on_cap, carry_over=c.carry_over)
+    else:
+      batch, self.carry, stats, info = dynamic_sampling.fill_step(
+          self.rollout, params, self.data_iter.next_batch, self.carry, step_key, Q=c.prompts_per_step,
+          G=c.group_size, batch_prompts=c.gen_prompts if c.dynamic_sampling else c.prompts_per_step,
+          filter_groups=c.dynamic_sampling, max_gen_batches=c.max_gen_batches, on_cap=c.on_cap,
+          carry_over=c.carry_over)
+    if episodes is not None:
+      info["env"] = episodes.metrics()
     return batch, stats, info
 
   def split(self, batch):
@@ -238,8 +245,6 @@ class DAPO:
       groups, stats, info = self._collect_stamped(step, None, step)
     self._prefetch_next(step)
     pipelining.mark_stale(groups, step, decoupled=self.cfg.use_decoupled_loss)
-    if self.rollout.episodes is not None:
-      info["env"] = self.rollout.episodes.metrics()
     host_memory.release()  # The rollout's buffers, before the update allocates its own.
     c = self.cfg
     train_metrics, timing, adv, token_metrics, batch_tokens = {}, {}, np.zeros((0,)), {}, 0

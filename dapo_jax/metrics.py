@@ -162,7 +162,7 @@ HEADLINE = {"critic/acc/mean": "acc", "rollout/acc_all": "acc(all)", "critic/sco
 
 
 def format_eval(ev: Mapping[str, float]) -> str:
-  return "  ".join(f"{k.removeprefix('val/acc/')} {v:.3f}" for k, v in ev.items())
+  return "  ".join(f"{k.removeprefix('val/acc/')} {v:.3f}" for k, v in ev.items() if not k.startswith("val/env/"))
 
 
 def token_level(rewards_BC, returns_BC, values_BC, mask_BC, *, kl: float, beta: float) -> dict:
@@ -235,7 +235,7 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
       "timing_s/old_log_prob": timing.get("old_log_prob_s", 0.0),
       "timing_s/update_actor": timing.get("update_actor_s", 0.0), "timing_s/step": step_s,
       "perf/throughput": info["gen_tokens"] / max(step_s, 1e-9)})
-  m.update(info.get("env", {}))  # Episodes: environment errors, timeouts, turns (`episodes.EpisodeDriver`).
+  m.update(info.get("env", {}))  # Episodes: this rollout's environment errors, timeouts, turns (`loop.DAPO.collect`).
   return m
 
 

@@ -141,3 +141,65 @@ def memorized_model(cfg, token_rows, steps: int = 300, lr: float = 3e-3, seed: i
   for _ in range(steps):
     params, state, loss = step(params, state)
   return params, float(loss)
+
+
+class SlowResetEnv:
+  """An episode of two turns whose reward's `pred` is the prompt it was reset with (its example's last
+  message), so a row scored against another example shows it. Every `slow_every`-th reset run by an
+  episode worker (not a group prompt's) sleeps `slow_s`, past a shorter `rollout.env_timeout_s`.
+  Each instance counts its resets, steps and closes (`made`: every instance of this process), and a
+  step after its close raises."""
+  tools = None
+  made: list = []
+  resets = 0                 # worker resets so far (this process)
+  running = 0                # resets in progress
+
+  def __init__(self, slow_s: float = 1.0, slow_every: int = 4):
+    import threading  # noqa: PLC0415
+    cls = SlowResetEnv
+    if not hasattr(cls, "_lock"):
+      cls._lock = threading.Lock()
+    self.slow_s, self.slow_every = slow_s, slow_every
+    self.n_resets, self.n_steps, self.n_closes = 0, 0, 0
+    self.in_worker, self.slow = False, False
+    with cls._lock:
+      cls.made.append(self)
+
+  def reset(self, example):
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    cls = SlowResetEnv
+    self.example, self.n_resets = example, self.n_resets + 1
+    with cls._lock:
+      worker = threading.current_thread().name.startswith("env")
+      slow = worker and cls.resets % self.slow_every == 0
+      cls.resets += worker
+      cls.running += 1
+    self.in_worker, self.slow = worker, slow
+    try:
+      if slow:
+        time.sleep(self.slow_s)
+    finally:
+      with cls._lock:
+        cls.running -= 1
+    return list(example.messages)
+
+  def step(self, text: str):
+    if self.n_closes:
+      raise RuntimeError("step after close")
+    self.n_steps += 1
+    if self.n_steps < 2:
+      return [{"role": "user", "content": "again"}], None, {"steps": 1}
+    ok = len(text) % 2 == 0
+    return None, {"score": 1.0 if ok else -1.0, "acc": ok, "pred": self.example.messages[-1]["content"]}, {"steps": 1}
+
+  def close(self) -> None:
+    self.n_closes += 1
+
+  @classmethod
+  def settle(cls, timeout_s: float = 30.0) -> None:
+    """Waits until no reset is in progress (a slow one outlives its episode)."""
+    import time  # noqa: PLC0415
+    end = time.monotonic() + timeout_s
+    while cls.running and time.monotonic() < end:
+      time.sleep(0.01)

@@ -81,13 +81,14 @@ def setup(tok):
 
 
 def run(tok, setup, env_cls, *, Q=2, G=3, C=64, turn_tokens=6, slots=4, timeout_s=5.0, max_turns=4, seed=0,
-        on_samples=None, turn_stop_ids=()):
+        on_samples=None, turn_stop_ids=(), env_error="mask"):
   cfg, params = setup
   # Half the vocabulary ends a turn, so a random model's turns are a few tokens long.
   eos = tuple(range(3, 160))
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=eos)
   driver = episodes.EpisodeDriver(tok, env_cls, episodes.EpisodeConfig(
-      max_turns=max_turns, timeout_s=timeout_s, poll_steps=2, turn_stop_ids=turn_stop_ids), eos_ids=eos)
+      max_turns=max_turns, timeout_s=timeout_s, poll_steps=2, turn_stop_ids=turn_stop_ids, env_error=env_error),
+      eos_ids=eos)
   messages, _ = driver.prompt(0)
   for q in range(Q):
     driver.register(q, q)
@@ -126,8 +127,9 @@ def test_recorded_logprobs_equal_the_teacher_forced_episode_and_observations_are
       assert len(gaps) == 2
       for i, start in enumerate(gaps):
         end = start + np.argmax(policy[start:])
+        # The turn ended on an end-of-turn token: the template's own (one of them) is not repeated.
         want = render.observation_tokens(tok, [{"role": "user", "content": f"again {i + 1}"}],
-                                         ended_with=tok.decode(samples.tokens_BC[b, start - 1:start]))
+                                         ended_with=driver.eos_texts)
         np.testing.assert_array_equal(samples.tokens_BC[b, start:end], want)
         assert (samples.logp_BC[b, start:end] == 0).all()
   assert checked >= 1
@@ -189,18 +191,24 @@ def test_a_slow_environment_does_not_stall_the_other_slots(tok, setup):
   assert stats["samples"] == Q * G and driver.counts["timeouts"] == 0
 
 
+@pytest.mark.parametrize("env_error", ["mask", "score"])
 @pytest.mark.parametrize("env_cls,counter,pred", [(Raises, "errors", "[ENV_ERROR]"),
                                                   (Garbage, "errors", "[ENV_ERROR]"),
                                                   (Hangs, "timeouts", "[ENV_TIMEOUT]")])
-def test_a_failing_environment_ends_its_episodes_with_the_failure_reward(tok, setup, env_cls, counter, pred):
+def test_a_failing_environment_ends_its_episodes_as_an_infrastructure_failure(tok, setup, env_cls, counter, pred,
+                                                                              env_error):
+  """`rollout.env_error`: "mask" marks the rows to leave the loss (and counts them), "score" gives them
+  env_failure_score in the loss."""
   Hangs.release.clear()
   try:
-    samples, stats, driver, _ = run(tok, setup, env_cls, Q=1, G=2, slots=2, timeout_s=0.5)
+    samples, stats, driver, _ = run(tok, setup, env_cls, Q=1, G=2, slots=2, timeout_s=0.5, env_error=env_error)
   finally:
     Hangs.release.set()  # The hung threads finish.
   assert [r["pred"] for r in stats["episode_rewards"]] == [pred, pred]
   assert all(r["score"] == -1.0 and not r["acc"] for r in stats["episode_rewards"])
+  assert all(r.get("masked", False) == (env_error == "mask") for r in stats["episode_rewards"])
   assert driver.metrics()[f"env/{counter}"] == 2
+  assert driver.metrics()["env/masked"] == (2 if env_error == "mask" else 0)
 
 
 def test_streamed_episode_groups_train_on_the_policy_tokens_only(tok, setup):
@@ -260,3 +268,301 @@ def test_guess_the_number_on_the_engine_answers_each_guess_with_its_hint(tok, se
       assert want in tok.decode(samples.tokens_BC[b, e0:s1]), (guess, secret)
       hints += 1
   assert hints >= 4 and max(stats["turns"]) >= 3
+
+
+# --- one environment per episode, infrastructure failures, the length rule, metrics ------------------
+
+def examples_of(n, first=0):
+  from dapo_jax.data import prompts as data
+  return [data.Example(messages=[{"role": "user", "content": f"What is {i} + {i}?"}], ground_truth=str(2 * i),
+                       data_source="t", index=i) for i in range(first, first + n)]
+
+
+def make_rollout(tok, setup, env, *, C=48, turn_tokens=6, **episode_kw):
+  from dapo_jax import sharding
+  from dapo_jax.rollout import rollout as rollout_lib
+  cfg, _ = setup
+  eos = tuple(range(3, 160))
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=eos)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  ep_cfg = episodes.EpisodeConfig(**{"max_turns": 4, "poll_steps": 2, **episode_kw})
+  return rollout_lib.Rollout(tok, cfg, mesh, rollout_lib.RolloutConfig(max_prompt_len=32, turn_tokens=turn_tokens,
+                                                                       slots=4, filter_metric="score"),
+                             sc, env=env, episode_cfg=ep_cfg)
+
+
+def test_an_environment_whose_reset_outlives_the_timeout_never_plays_another_episode(tok, setup, tmp_path):
+  """Five rollout steps (prompt ids restart at 0 in each) where every fourth reset outlives the
+  timeout: each row of the dumps is scored against its own example (the environment's `pred` is the
+  prompt it was reset with), and every environment is reset once, closed once, never stepped after."""
+  from dapo_jax import dumps
+  from dapo_jax.data import prompts as data
+  from dapo_jax.rollout import dynamic_sampling
+  Env = testing.SlowResetEnv
+  Env.made.clear()
+  Env.resets = 0
+  _, params = setup
+  r = make_rollout(tok, setup, lambda: Env(slow_s=0.8), timeout_s=0.25)
+  recorder = dumps.RolloutRecorder(str(tmp_path), r, filter_groups=False)
+  it = data.PromptIterator(examples_of(40), shuffle=False)
+  for step in range(1, 6):
+    with recorder.recording("step", step, step - 1):
+      dynamic_sampling.stream_groups(r, params, it, 2, 2, jax.random.key(step), filter_groups=False)
+    Env.settle()  # The update: meanwhile the slow resets return.
+  r.episodes.close()
+  Env.settle()
+  played, timed_out = 0, 0
+  for step in range(1, 6):
+    rows = dumps.read(dumps.path(str(tmp_path), step))
+    assert len(rows) == 4
+    for row in rows:
+      if row["pred"] == "[ENV_TIMEOUT]":
+        timed_out += 1
+        assert row.get("masked", True), row
+      else:
+        played += 1
+        assert row["pred"] == row["prompt"], (step, row)   # Scored against its own example.
+  assert timed_out >= 4 and played >= 12, (timed_out, played)
+  episode_envs = [e for e in Env.made if e.in_worker]
+  assert len(episode_envs) == played + timed_out
+  assert all(e.n_resets == 1 and e.n_closes == 1 for e in episode_envs), \
+      [(e.n_resets, e.n_steps, e.n_closes) for e in episode_envs]
+  assert [e.n_steps for e in episode_envs if e.slow] == [0] * timed_out  # Closed once returned, never stepped.
+
+
+def test_a_key_played_again_never_finds_the_environment_of_its_timed_out_episode(tok):
+  """The driver alone: episode (0, 0) times out in its reset; the same key's next episode (prompt ids
+  restart every rollout step) plays the example registered now, in a fresh environment, and the slow
+  one is closed when its reset returns."""
+  Env = testing.SlowResetEnv
+  Env.made.clear()
+  Env.resets = 0  # The first worker reset is a slow one.
+  driver = episodes.EpisodeDriver(tok, lambda: Env(slow_s=0.5), episodes.EpisodeConfig(timeout_s=0.1),
+                                  eos_ids=(tok.eos_token_id,))
+  first, second = examples_of(2)
+
+  def play(example):
+    driver.register(0, example)
+    end = tok.eos_token_id
+    for turn in (1, 2):
+      driver.submit((0, 0), [5, 6, end], ended_by_eos=True, turn=turn)
+      while not (out := driver.ready()):
+        driver.wait()
+      (_, obs, reward), = out
+      if reward is not None:
+        return reward
+    raise AssertionError("the episode did not end")
+
+  assert play(first)["pred"] == "[ENV_TIMEOUT]"
+  Env.settle()
+  assert play(second)["pred"] == second.messages[-1]["content"]
+  driver.close()
+  slow, fresh = [e for e in Env.made if e.n_resets]
+  assert (slow.n_resets, slow.n_steps, slow.n_closes) == (1, 0, 1)
+  assert (fresh.example, fresh.n_steps, fresh.n_closes) == (second, 2, 1)
+
+
+def test_the_overlong_penalty_of_an_episode_counts_its_observations(tok, setup):
+  """One length rule (verl's): the whole response, observations included, against the episode's
+  response budget. 2,048 tokens of budget, a 256-token buffer: 1,500 policy + 548 observation tokens
+  = 2,048 -> -1.0; 1,500 + 400 = 1,900 -> -(1,900 - 1,792) / 256; 1,000 + 200 -> 0."""
+  from dapo_jax import sharding
+  from dapo_jax.rollout import rollout as rollout_lib
+  cfg, _ = setup
+  C = 2048
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  r = rollout_lib.Rollout(tok, cfg, mesh,
+                          rollout_lib.RolloutConfig(max_prompt_len=32, turn_tokens=512, overlong_buffer=256,
+                                                    overlong_penalty=1.0),
+                          sampling.SamplerConfig(max_new_tokens=C, eos_ids=(3,)), env=Countdown)
+  parts = [(1500, 548), (1500, 400), (1000, 200)]
+  tokens, policy = np.full((3, C), 7, np.int32), np.zeros((3, C), bool)
+  for b, (p, o) in enumerate(parts):
+    policy[b, :p // 2], policy[b, p // 2 + o:p + o] = True, True   # a turn, an observation, a turn
+  length = np.array([p + o for p, o in parts], np.int32)
+  mask = np.arange(C)[None] < length[:, None]
+  samples = sampling.Samples(tokens_BC=np.where(mask, tokens, 0), logp_BC=np.zeros((3, C), np.float32), mask_BC=mask,
+                             length_B=length, truncated_B=np.zeros(3, bool), policy_BC=policy & mask)
+  rewards = [{"score": 1.0, "acc": True, "pred": ""}] * 3
+  out = r.score(examples_of(3), samples, 1, rewards)
+  want = [1.0 - 1.0, 1.0 - (1900 - (C - 256)) / 256, 1.0]
+  np.testing.assert_allclose(out["score"][:, 0], want)
+  r.episodes.close()
+
+
+def test_the_config_check_bounds_the_overlong_buffer_by_the_episode_budget_and_names_env_error():
+  from configs import common
+  from dapo_jax import from_config
+
+  def config(**rollout):
+    c = common.base()
+    common.runlocal(c)   # max_prompt_len 32, max_new_tokens 8
+    c.rollout.update(env="dapo_jax.envs.games:GuessNumberEnv", max_turns=4, **rollout)
+    return c
+
+  c = config()
+  c.dapo.overlong_buffer = 32  # > one turn's 8 tokens, = the episode's 4 x 8.
+  from_config.validate(c, num_devices=1)
+  c.dapo.overlong_buffer = 33
+  with pytest.raises(from_config.ConfigError) as e:
+    from_config.validate(c, num_devices=1)
+  assert str(e.value).startswith("dapo.overlong_buffer=33: expected from 0 to the episode's response budget of 32")
+  c = config(max_episode_tokens=100)
+  c.dapo.overlong_buffer = 68
+  from_config.validate(c, num_devices=1)
+  assert from_config.completion_len(c) == 68
+  c = config(env_error="drop")
+  with pytest.raises(from_config.ConfigError) as e:
+    from_config.validate(c, num_devices=1)
+  assert str(e.value).startswith("rollout.env_error='drop': expected 'mask'") and "\n" not in str(e.value)
+  assert from_config.episodes(config(env_error="score"))[1].env_error == "score"
+  assert from_config.episodes(config())[1].env_error == "mask"
+
+
+def test_a_masked_row_leaves_the_groups_advantages_as_if_it_were_absent():
+  """Group [1, -1, 1, 5 (masked)]: GRPO's advantages of the first three are those of [1, -1, 1] by
+  hand (mean 1/3, unbiased std sqrt(4/3)); the masked row gets 0 and no loss token. Every sequence
+  estimator gives the group without the row; dynamic sampling looks at the valid rows only."""
+  from dapo_jax import advantages
+  from dapo_jax.datatypes import Groups
+  from dapo_jax.rollout import dynamic_sampling
+  Q, G, C, P = 2, 4, 3, 2
+  score = np.array([[1.0, -1.0, 1.0, 5.0], [1.0, 1.0, -1.0, 1.0]])
+  valid = np.array([[True, True, True, False], [True, True, True, True]])
+  mask = np.ones((Q, G, C), bool)
+  groups = Groups(prompt_QP=np.ones((Q, P), np.int32), prompt_mask_QP=np.ones((Q, P), bool),
+                  tokens_QGC=np.full((Q, G, C), 5, np.int32), mask_QGC=mask, length_QG=np.full((Q, G), C),
+                  truncated_QG=np.zeros((Q, G), bool), score_QG=score, acc_QG=score > 0, filter_QG=score,
+                  logp_QGC=np.zeros((Q, G, C), np.float32), carried_Q=np.zeros(Q, bool), valid_QG=valid)
+  batch, adv = advantages.to_train_batch(groups, Q, P, norm_adv_by_std=True, overlong_filter=False)
+  mean, std = 1 / 3, np.sqrt(((1 - 1 / 3) ** 2 * 2 + (-1 - 1 / 3) ** 2) / 2)
+  np.testing.assert_allclose(adv[0], [(1 - mean) / (std + 1e-6), (-1 - mean) / (std + 1e-6),
+                                      (1 - mean) / (std + 1e-6), 0.0], rtol=1e-6)
+  np.testing.assert_allclose(adv[1], advantages.group_advantages(score[1:])[0])
+  np.testing.assert_array_equal(batch.loss_mask_BC.reshape(Q, G, C).any(-1), valid)
+  lengths = np.array([[3, 1, 2, 3], [3, 3, 3, 3]])
+  for est in ("grpo", "rloo", "gpg", "reinforce_pp_baseline", "opo"):
+    got = advantages.sequence_advantages(est, score[:1], lengths_QG=lengths[:1], valid_QG=valid[:1])
+    want = advantages.sequence_advantages(est, score[:1, :3], lengths_QG=lengths[:1, :3])
+    np.testing.assert_allclose(got[0, :3], want[0], rtol=1e-6, err_msg=est)
+    assert got[0, 3] == 0, est
+  # [1, 1, 1, 5 (masked)]: no variance among the rows that count, so dynamic sampling drops it.
+  assert not dynamic_sampling.keep_groups([[1.0, 1.0, 1.0, 5.0]], [[True, True, True, False]])[0]
+  assert dynamic_sampling.keep_groups([[1.0, 1.0, 1.0, 5.0]])[0]
+  assert not dynamic_sampling.keep_groups([[1.0, 1.0]], [[False, False]])[0]
+
+
+class Flaky(Countdown):
+  """Countdown whose every third step (over all episodes) raises."""
+  turns = 2
+  calls = 0
+  lock = threading.Lock()
+
+  def step(self, text):
+    with Flaky.lock:
+      Flaky.calls += 1
+      fail = Flaky.calls % 3 == 0
+    if fail:
+      raise RuntimeError("the tool server is down")
+    return super().step(text)
+
+
+@pytest.mark.parametrize("env_error", ["mask", "score"])
+def test_rows_of_failed_environments_leave_the_loss_and_their_groups_statistics(tok, setup, env_error):
+  """Through `Rollout.groups`: rows whose environment raised are masked (loss mask empty, advantages
+  by hand over the group's other rows), or with env_error="score" trained on with env_failure_score."""
+  from dapo_jax import advantages
+  _, params = setup
+  Flaky.calls = 0
+  r = make_rollout(tok, setup, Flaky, env_error=env_error)
+  G = 4
+  groups, _ = r.groups(params, examples_of(3), G, jax.random.key(3))
+  rewards = r.last_stats["episode_rewards"]
+  r.episodes.close()
+  failed = np.array([x["pred"] == "[ENV_ERROR]" for x in rewards]).reshape(3, G)
+  assert failed.any() and not failed.all()
+  np.testing.assert_array_equal(groups.valid_QG, ~failed if env_error == "mask" else np.ones_like(failed))
+  batch, adv = advantages.to_train_batch(groups, 3, 32, norm_adv_by_std=True, overlong_filter=False)
+  for q in range(3):
+    rows = ~failed[q] if env_error == "mask" else np.ones(G, bool)
+    s = groups.score_QG[q, rows]
+    if len(s) > 1:
+      want = (s - s.mean()) / (np.sqrt(((s - s.mean()) ** 2).sum() / (len(s) - 1)) + 1e-6)
+    else:
+      want = s / (1 + 1e-6)   # A group of one: mean 0, std 1.
+    np.testing.assert_allclose(adv[q, rows], want, rtol=1e-5, atol=1e-6)
+    assert (adv[q, ~rows] == 0).all()
+    in_loss = batch.loss_mask_BC.reshape(3, G, -1)[q].any(-1)
+    np.testing.assert_array_equal(in_loss, rows)
+  if env_error == "score":
+    assert (groups.score_QG[failed] == -1.0).all()
+
+
+class FailsOnOdd(Countdown):
+  """Countdown whose environment raises on the examples of odd index."""
+  turns = 2
+
+  def reset(self, example):
+    self.index = example.index
+    return super().reset(example)
+
+  def step(self, text):
+    if self.index % 2:
+      raise RuntimeError("down")
+    return super().step(text)
+
+
+def test_env_metrics_count_each_rollout_and_the_evaluation_apart(tok, setup):
+  """env/* are one rollout step's (`loop.DAPO.collect`), not running totals; an evaluation's
+  episodes are val/env/* and do not reach the next step's env/*."""
+  import types
+
+  from dapo_jax import evaluate, loop
+  from dapo_jax.data import prompts as data
+  from dapo_jax.rollout import dynamic_sampling
+  _, params = setup
+  r = make_rollout(tok, setup, FailsOnOdd)
+  G = 2
+  cfg = loop.LoopConfig(num_steps=3, prompts_per_step=2, group_size=G, gen_prompts=2, dynamic_sampling=False,
+                        max_gen_batches=1, on_cap="train", carry_over=False, norm_adv_by_std=True,
+                        overlong_filter=False, minibatches=1, ppo_epochs=1, reference=False)
+  dapo = types.SimpleNamespace(cfg=cfg, key=jax.random.key(0), rollout=r, state=types.SimpleNamespace(params=params),
+                               data_iter=data.PromptIterator(examples_of(8), shuffle=False),
+                               keep_rate=dynamic_sampling.KeepRate(), carry=None)
+  evaluator = evaluate.Evaluator(r, examples_of(3, first=10), k=2, sampler_cfg=r.sampler_cfg)
+  seen = []
+  for step in range(3):
+    _, _, info = loop.DAPO.collect(dapo, step)
+    seen.append(info["env"])
+    ev = evaluator.run(params)
+    assert ev["val/env/errors"] == 2 and ev["val/env/masked"] == 2   # Example 11, twice.
+    assert not any(k.startswith("env/") for k in ev)
+  r.episodes.close()
+  for m in seen:  # Each step: prompts 2s (even: played) and 2s + 1 (odd: fails), G episodes each.
+    assert (m["env/errors"], m["env/masked"], m["env/timeouts"]) == (G, G, 0), seen
+    assert 1.0 <= m["env/turns_per_episode"] <= 1.5   # 2 turns (or 1, cut) for even prompts, 1 for odd.
+
+
+def test_a_turn_ended_on_any_end_of_turn_token_gets_no_second_one(tok):
+  """A turn that ended on <|endoftext|> (an EOS id, not the template's <|im_end|>) is not followed by
+  the template's end-of-turn: the observation opens where it would after <|im_end|>. A turn cut at
+  its budget, or ended on a kept turn-stop token, gets the template's end-of-turn first."""
+  eot, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+  stop = tok.convert_tokens_to_ids("!")
+  obs = [{"role": "user", "content": "again 1"}]
+  after_eot = render.observation_tokens(tok, obs, ended_with="<|im_end|>")
+  assert after_eot[0] != eot and render.observation_tokens(tok, obs)[0] == eot
+
+  def observation(last, ended_by_eos=True):
+    driver = episodes.EpisodeDriver(tok, Countdown, episodes.EpisodeConfig(turn_stop_ids=(stop,), max_turns=4),
+                                    eos_ids=(eot, eos, stop))
+    driver.register(0, None)
+    driver.submit((0, 0), [20, 21, last], ended_by_eos=ended_by_eos, turn=1)
+    while not (out := driver.ready()):
+      driver.wait()
+    driver.close()
+    return out[0][1]
+
+  assert observation(eos) == after_eot
+  assert observation(eot) == after_eot
+  assert observation(stop) == render.observation_tokens(tok, obs)   # "</tool_call>"-like: the template's end.

@@ -74,11 +74,11 @@ def setup(tmp_path_factory):
   return tok, cfg, params, prompt, obs
 
 
-def make_rollout(tok, cfg, agent):
+def make_rollout(tok, cfg, agent, turn_tokens=96):
   eos = tokenizer_lib.eos_ids(tok)
   sc = sampling.SamplerConfig(max_new_tokens=192, temperature=TEMPERATURE, eos_ids=eos, pad_id=tok.pad_token_id)
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  return rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=256, turn_tokens=96, slots=4,
+  return rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=256, turn_tokens=turn_tokens, slots=4,
                                                                 filter_metric="score"),
                          sc, env=functools.partial(harness_lib.HarnessEnv, harness=agent, timeout_s=60),
                          episode_cfg=episodes.EpisodeConfig(max_turns=3, timeout_s=60, poll_steps=4)), mesh
@@ -175,3 +175,34 @@ def test_a_command_harness_talks_through_the_environment_variables(setup, tmp_pa
   r.episodes.close()
   assert r.episodes.counts["errors"] == 0, r.episodes.last_error
   assert (groups.score_QG == 1.0).all() and eos, r.last_stats.get("episode_rewards")
+
+
+FINISH = []   # The finish reasons the agent below received.
+
+
+def finish_agent(base_url, api_key, example):
+  """Asks once, keeps the answer's finish reason."""
+  client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+  choice = client.chat.completions.create(model="policy", messages=list(example.messages), tools=[ADD]).choices[0]
+  with SEEN_LOCK:
+    FINISH.append(choice.finish_reason)
+  return 0.0
+
+
+def test_a_turn_cut_by_its_budget_reaches_the_harness_as_finish_reason_length(setup):
+  """A policy turn that hit its token budget (`rollout.max_new_tokens` per turn) is "length", as
+  OpenAI reports it; a turn the policy ended is not."""
+  tok, cfg, params, _, _ = setup
+  examples = [data.Example(messages=[{"role": "user", "content": "Add 3 and 4."}], ground_truth="7", data_source="t",
+                           index=0)]
+  for turn_tokens in (1, 96):
+    FINISH.clear()
+    r, _ = make_rollout(tok, cfg, finish_agent, turn_tokens=turn_tokens)
+    r.groups(params, examples, 2, jax.random.key(4))
+    r.episodes.close()
+    assert r.episodes.counts["errors"] == 0, r.episodes.last_error
+    assert len(FINISH) == 2
+    if turn_tokens == 1:  # The call needs more than one token.
+      assert FINISH == ["length", "length"], FINISH
+    else:
+      assert "length" not in FINISH, FINISH

@@ -11,12 +11,16 @@ as they load, naming the file and row.
 
 One instance per episode (the runner builds `Class(**rollout.env_args)` for each), so an environment
 keeps its episode's state in `self`. Before `reset` the runner sets `env.tokenizer` (the policy's
-tokenizer: tool environments read its chat template's format). `env.tools` lists the tool schemas the
-prompt is rendered with (the chat template's own `tools=` support); None renders no tools.
+tokenizer: tool environments read its chat template's format), and before each `step`
+`env.turn_truncated` (the turn was cut by its token budget, not ended by the policy). `env.tools`
+lists the tool schemas the prompt is rendered with (the chat template's own `tools=` support); None
+renders no tools.
 
 Environments are host Python and free of jax: `step` runs in a worker thread while the engine keeps
 decoding the other slots, with a timeout; one that raises, hangs or returns garbage ends its episode
-with the failure reward and is counted (`env/errors`, `env/timeouts`).
+and is counted (`env/errors`, `env/timeouts`): by default its row leaves the loss (`rollout.env_error`).
+An instance serves one episode: after a reset or step that outlived the timeout it is closed when
+that call returns, and never called again.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class Env:
   """Base class of environments: override `reset` and `step`."""
   tokenizer = None                 # set by the runner before `reset`
   tools: list[dict] | None = None  # JSON schemas of the tools the prompt offers
+  turn_truncated = False           # set by the runner before each `step`: the turn hit its token budget
 
   def reset(self, example) -> list[dict]:
     """The episode's first messages; by default the example's own (`data.Example.messages`)."""

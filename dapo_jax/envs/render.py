@@ -12,11 +12,14 @@ from typing import Sequence
 _MARK = "\u2063dapo-turn\u2063"  # Text no template changes, to find where the assistant turn's content ends.
 
 
-def observation_text(tok, messages: Sequence[dict], *, ended_with: str = "", tools=None) -> str:
+def observation_text(tok, messages: Sequence[dict], *, ended_with: str | Sequence[str] = "", tools=None) -> str:
   """The template's text from the end of an assistant turn through the next assistant header.
 
-  `ended_with` is the text of the token that ended the policy's turn (its EOS, e.g. "<|im_end|>");
-  the template's own end-of-turn starts with it, and the policy already sampled it."""
+  `ended_with` is the text of the token that ended the policy's turn (its EOS, e.g. "<|im_end|>"), or
+  the texts of every token that ends a turn (the sampler's EOS ids): the policy already ended its
+  turn, so the template's own end-of-turn is not appended when it is one of them (a turn ended on
+  <|endoftext|> gets no second end-of-turn <|im_end|>). "" (a turn cut at its budget, or ended on a
+  tool call's closing tag): the template's end-of-turn comes first."""
   convo = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *messages]
   kw = {"tools": tools} if tools else {}
   full = tok.apply_chat_template(convo, add_generation_prompt=True, tokenize=False, **kw)
@@ -25,12 +28,13 @@ def observation_text(tok, messages: Sequence[dict], *, ended_with: str = "", too
     raise ValueError("the chat template does not render an assistant message's content as given; "
                      "episodes need a template that does")
   rest = full[at + len(_MARK):]
-  if ended_with and rest.startswith(ended_with):
-    rest = rest[len(ended_with):]
-  return rest
+  ends = (ended_with,) if isinstance(ended_with, str) else tuple(ended_with)
+  end = max((e for e in ends if e and rest.startswith(e)), key=len, default="")
+  return rest[len(end):]
 
 
-def observation_tokens(tok, messages: Sequence[dict], *, ended_with: str = "", tools=None) -> list[int]:
+def observation_tokens(tok, messages: Sequence[dict], *, ended_with: str | Sequence[str] = "",
+                       tools=None) -> list[int]:
   return list(tok(observation_text(tok, messages, ended_with=ended_with, tools=tools),
                   add_special_tokens=False)["input_ids"])
 

@@ -32,9 +32,16 @@ from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout.rollout import Rollout
 
 
-def keep_groups(values_QG: np.ndarray) -> np.ndarray:
-  """Dynamic sampling: keep a prompt iff its values differ (verl: population std > 0), or G == 1."""
+def keep_groups(values_QG: np.ndarray, valid_QG: np.ndarray | None = None) -> np.ndarray:
+  """Dynamic sampling: keep a prompt iff its values differ (verl: population std > 0), or G == 1.
+  `valid_QG` (`Groups.valid_QG`): only those rows count, as if the others were absent (one left: kept,
+  as a group of one; none: dropped)."""
   v = np.asarray(values_QG, np.float64)
+  if valid_QG is not None and not np.all(valid_QG):
+    valid = np.asarray(valid_QG, bool)
+    hi, lo = np.where(valid, v, -np.inf).max(axis=1), np.where(valid, v, np.inf).min(axis=1)
+    n = valid.sum(axis=1)
+    return (n == 1) | ((n > 1) & (hi > lo))
   if v.shape[1] == 1:
     return np.ones(v.shape[0], bool)
   # max > min is std > 0 in exact arithmetic; np.std of equal floats can come out 1e-17, not 0.
@@ -80,7 +87,7 @@ def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, 
       break
     groups = generate(stats.gen_batches)
     stats.gen_batches += 1
-    keep = keep_groups(groups.filter_QG) if filter_groups else np.ones(len(groups), bool)
+    keep = keep_groups(groups.filter_QG, groups.valid_QG) if filter_groups else np.ones(len(groups), bool)
     stats.generated += len(groups)
     stats.kept += int(keep.sum())
     stats.acc_sum += float(groups.acc_QG.mean()) * len(groups)
@@ -187,6 +194,8 @@ def stream_groups(rollout: Rollout, params, data, G: int, Q: int, key, *, max_pr
     step.run(data)
   finally:
     step.pool.shutdown(wait=True, cancel_futures=True)
+    if rollout.episodes is not None:  # Episodes of groups the step did not wait for end here, unused.
+      rollout.episodes.abandon()
   stats = step.stats
   if stats.cap_reached and on_cap == "raise":
     raise DynamicSamplingCapError(
@@ -320,7 +329,7 @@ class _StreamingStep:
         groups = result[0]
         self.stats.reward_s += result[2]
         self.scored[pid] = result
-        self.kept[pid] = not self.filter_groups or bool(keep_groups(groups.filter_QG)[0])
+        self.kept[pid] = not self.filter_groups or bool(keep_groups(groups.filter_QG, groups.valid_QG)[0])
         self.keep_rate.update(int(self.kept[pid]))
     while self.frontier in self.scored and self.frontier_kept < self.Q:
       self.frontier_kept += self.kept[self.frontier]
@@ -374,10 +383,10 @@ def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, li
     s = g["samples"]
     G = s.tokens_BC.shape[0]
     scored = rollout.score([g["example"]], s, G, g["rewards"])
-    out.append((_groups(g, scored["score"], scored["acc"], scored["filter"]), scored["texts"],
+    out.append((_groups(g, scored["score"], scored["acc"], scored["filter"], scored["valid"]), scored["texts"],
                 time.perf_counter() - t0))
   return out
 
 
-def _groups(g: dict, score_QG, acc_QG, filter_QG) -> Groups:
-  return Groups.from_samples(g["prompt"][None], g["mask"][None], g["samples"], score_QG, acc_QG, filter_QG)
+def _groups(g: dict, score_QG, acc_QG, filter_QG, valid_QG=None) -> Groups:
+  return Groups.from_samples(g["prompt"][None], g["mask"][None], g["samples"], score_QG, acc_QG, filter_QG, valid_QG)

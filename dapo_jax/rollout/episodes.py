@@ -8,15 +8,21 @@ The engine asks `ready()` between decode rounds and, while environments work, re
 round every `poll_steps` tokens to ask again. A slot waiting for its environment keeps its row
 and its KV cache; it continues with the observation's tokens appended (`envs.render`), so no
 earlier token is ever re-tokenised. An environment that raises, times out or answers something
-that is not an observation ends its episode with the failure reward, and is counted.
+that is not an observation ends its episode, and is counted: an infrastructure failure, by default
+masked out of the loss and of its group's statistics (`env_error`). An episode cut by its budgets
+(turns, tokens) is the policy's doing: it scores `failure_score` and stays in the loss.
 
 Environments are built per episode from the example they play (`reset(example)` is a function of
-the example: the prompt every sample of a group shares comes from it).
+the example: the prompt every sample of a group shares comes from it). An environment belongs to
+one episode, numbered over the driver's life (never a reused (prompt id, sample) key): a reset or a
+step that outlives `timeout_s` ends its episode, and the environment is closed when that call
+returns, never used again.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import itertools
 import logging
 import math
 import threading
@@ -34,7 +40,10 @@ class EpisodeConfig:
   max_turns: int = 4              # policy turns per episode; an observation after the last cuts it
   timeout_s: float = 30.0         # one environment step (reset included in the first)
   workers: int = 8                # environment steps running at once
-  failure_score: float = -1.0     # the reward of an episode whose environment failed or was cut
+  failure_score: float = -1.0     # the reward of an episode cut by its budgets (and of failures with "score")
+  # An environment that raised, timed out or answered garbage: "mask" = its row leaves the loss and its
+  # group's statistics (the group's advantages as if it were absent); "score" = failure_score, trained on.
+  env_error: str = "mask"
   poll_steps: int = 8             # decode steps between looks at the environments while they work
   # True: the reference loop of turn-synchronous systems, for benchmarks: no slot continues until
   # every busy slot's turn has ended and every environment has answered (the batch idles meanwhile).
@@ -45,8 +54,20 @@ class EpisodeConfig:
   turn_stop_ids: tuple[int, ...] = ()
 
 
-def failure(why: str, score: float) -> dict:
-  return {"score": score, "acc": False, "pred": f"[{why}]"}
+ENV_ERRORS = ("mask", "score")
+
+
+def failure(why: str, score: float, masked: bool = False) -> dict:
+  """The reward of an episode that did not end by its environment's verdict; `masked`: an infrastructure
+  failure that leaves the loss (`Rollout.score` reads "masked")."""
+  return {"score": score, "acc": False, "pred": f"[{why}]"} | ({"masked": True} if masked else {})
+
+
+def response_budget(max_prompt_len: int, turn_tokens: int, max_turns: int, max_episode_tokens: int = 0) -> int:
+  """The tokens of an episode after its prompt (policy turns and observations): max_episode_tokens
+  (the whole context) less the prompt, or max_turns x turn_tokens when it is 0. The sampler's
+  max_new_tokens, and the length the soft overlong penalty measures an episode's response against."""
+  return (max_episode_tokens or max_prompt_len + max_turns * turn_tokens) - max_prompt_len
 
 
 def check_reward(reward) -> dict:
@@ -76,21 +97,36 @@ def unpack_step(out) -> tuple[list[dict] | None, dict | None, dict]:
   return render.check_messages(obs), None, dict(info or {})
 
 
+@dataclasses.dataclass
+class _Episode:
+  """One episode's environment and what it plays. `over`: the episode has ended (its reward is
+  given); `busy`: a worker is in its reset or step. Whoever sees it over and not busy closes it."""
+  eid: int
+  example: Any
+  tools: list | None
+  env: env_lib.Env | None = None
+  busy: bool = False
+  over: bool = False
+
+
 class EpisodeDriver:
   """Runs one rollout's environments: `register` the examples, then the engine `submit`s turns."""
 
   def __init__(self, tok, make_env: Callable[[], env_lib.Env], cfg: EpisodeConfig, eos_ids=()):
+    if cfg.env_error not in ENV_ERRORS:
+      raise ValueError(f"rollout.env_error={cfg.env_error!r}: expected one of {ENV_ERRORS}")
     self.tok, self.make_env, self.cfg = tok, make_env, cfg
     self.eos = set(eos_ids)
+    # The text of every token that ends a policy turn: the template's end-of-turn is one of them.
+    self.eos_texts = tuple(sorted({tok.decode([int(i)]) for i in self.eos} - {""}, key=len, reverse=True))
     self.examples: dict[int, Any] = {}
-    self.envs: dict[Key, env_lib.Env] = {}
     self.tools: dict[int, list | None] = {}
-    self.calls: dict[Key, tuple[cf.Future, float]] = {}   # running steps and their deadlines
-    self.done: list[tuple[Key, list[int] | None, dict | None]] = []
+    self.live: dict[Key, _Episode] = {}     # the episode each (prompt id, sample) key plays now
+    self.ids = itertools.count()            # episode ids, unique over the driver's life
+    self.calls: dict[Key, tuple[cf.Future, float, _Episode]] = {}   # running steps, their deadlines and episodes
     self.pool = cf.ThreadPoolExecutor(cfg.workers, thread_name_prefix="env")
     self.lock = threading.Lock()
-    self.counts = {"errors": 0, "timeouts": 0, "cut": 0, "episodes": 0, "turns": 0}
-    self.info_sums: dict[str, float] = {}
+    self.reset_metrics()
     self.last_error = ""
 
   # --- prompts ---------------------------------------------------------------------------------
@@ -104,6 +140,7 @@ class EpisodeDriver:
       env.close()
 
   def register(self, prompt_id: int, example, tools=None) -> None:
+    """The example the episodes of `prompt_id` play from now on (an episode keeps the one it started with)."""
     self.examples[prompt_id] = example
     self.tools[prompt_id] = tools
 
@@ -115,39 +152,66 @@ class EpisodeDriver:
   # --- turns -----------------------------------------------------------------------------------
 
   def submit(self, key: Key, turn_tokens, *, ended_by_eos: bool, turn: int) -> None:
-    """The policy's turn `turn` of episode `key` ended with these tokens: its environment steps."""
+    """The policy's turn `turn` of episode `key` ended with these tokens: its environment steps (the
+    first turn starts a new episode, with a new environment, on the example registered for the key)."""
     tokens = [int(t) for t in turn_tokens]
     kept_end = ended_by_eos and tokens and tokens[-1] in self.cfg.turn_stop_ids  # Part of the turn's text.
-    end = self.tok.decode(tokens[-1:]) if ended_by_eos and tokens and not kept_end else ""
+    # A turn that ended on an end-of-turn token: the observation does not repeat the template's own.
+    end = (self.tok.decode(tokens[-1:]),) + self.eos_texts if ended_by_eos and tokens and not kept_end else ()
     text = self.tok.decode(tokens[:-1] if ended_by_eos and not kept_end else tokens, skip_special_tokens=False)
-    self.counts["turns"] += 1
-    fut = self.pool.submit(self._step, key, text, end, ended_by_eos, turn)
-    self.calls[key] = (fut, time.monotonic() + self.cfg.timeout_s)
-
-  def _step(self, key: Key, text: str, end: str, ended_by_eos: bool, turn: int):
-    """In a worker: the environment's answer as (observation tokens or None, reward or None)."""
-    env = self.envs.get(key)
-    if env is None:  # The episode's first turn: its environment starts.
-      env = self._new_env()
-      env.reset(self.examples[key[0]])
-      self.envs[key] = env
-    obs, reward, info = unpack_step(env.step(text))
     with self.lock:
-      for k, v in info.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-          self.info_sums[k] = self.info_sums.get(k, 0.0) + float(v)
-    if obs is None:
-      return None, reward
-    if turn >= self.cfg.max_turns or not ended_by_eos:  # No turn left, or this one overran its budget.
-      return "cut", "max_turns" if turn >= self.cfg.max_turns else "turn_tokens"
-    return render.observation_tokens(self.tok, obs, ended_with=end, tools=self.tools.get(key[0])), None
+      ep = self.live.get(key)
+      old = ep if turn == 1 else None  # Left by a rollout that stopped before it ended (`abandon`).
+      if turn == 1 or ep is None:
+        ep = self.live[key] = _Episode(next(self.ids), self.examples[key[0]], self.tools.get(key[0]))
+      ep.busy = True
+    if old is not None:
+      self._finish(old)  # Closed, never reused.
+    self.counts["turns"] += 1
+    fut = self.pool.submit(self._step, ep, text, end, ended_by_eos, turn)
+    self.calls[key] = (fut, time.monotonic() + self.cfg.timeout_s, ep)
+
+  def _step(self, ep: _Episode, text: str, end: tuple[str, ...], ended_by_eos: bool, turn: int):
+    """In a worker: the environment's answer as (observation tokens or None, reward or None). An
+    episode that ended meanwhile (its call timed out) gets no further call; its environment is closed."""
+    try:
+      if ep.over:  # Timed out while it waited for a worker.
+        return None, None
+      if ep.env is None:  # The episode's first turn: its environment starts.
+        env = self._new_env()
+        with self.lock:
+          ep.env = env
+        env.reset(ep.example)
+      if ep.over:
+        return None, None
+      ep.env.turn_truncated = not ended_by_eos
+      obs, reward, info = unpack_step(ep.env.step(text))
+      with self.lock:
+        if not ep.over:  # A late answer's numbers belong to no rollout.
+          for k, v in info.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+              self.info_sums[k] = self.info_sums.get(k, 0.0) + float(v)
+      if obs is None:
+        return None, reward
+      if turn >= self.cfg.max_turns or not ended_by_eos:  # No turn left, or this one overran its budget.
+        return "cut", "max_turns" if turn >= self.cfg.max_turns else "turn_tokens"
+      return render.observation_tokens(self.tok, obs, ended_with=end, tools=ep.tools), None
+    finally:
+      with self.lock:
+        ep.busy = False
+        stale = ep.over
+      if stale:  # Ended while this call ran (a timeout): closed now that it returned.
+        self._close(ep)
 
   def ready(self) -> list[tuple[Key, list[int] | None, dict | None]]:
     """Episodes whose environment answered (or failed) since the last call: (key, observation
     tokens or None when the episode ends, its reward when it ends)."""
     now = time.monotonic()
     out = []
-    for key, (fut, deadline) in list(self.calls.items()):
+    for key, (fut, deadline, ep) in list(self.calls.items()):
+      if self.live.get(key) is not ep:  # An abandoned episode's call: no slot waits for it.
+        del self.calls[key]
+        continue
       if fut.done():
         del self.calls[key]
         try:
@@ -155,9 +219,9 @@ class EpisodeDriver:
         except Exception as e:  # An environment's bug ends its episode, not the run.
           self.counts["errors"] += 1
           self.last_error = f"{type(e).__name__}: {e}"
-          logging.warning("environment %s failed on episode %s: %s", type(self.envs.get(key)).__name__, key,
+          logging.warning("environment %s failed on episode %d %s: %s", type(ep.env).__name__, ep.eid, key,
                           self.last_error)
-          out.append((key, None, self._end(key, "ENV_ERROR")))
+          out.append((key, None, self._end(key, self._infrastructure("ENV_ERROR"))))
           continue
         if obs == "cut":
           out.append((key, None, self.cut(key, reward)))
@@ -165,60 +229,93 @@ class EpisodeDriver:
           out.append((key, None, self._end(key, reward)))
         else:
           out.append((key, obs, None))
-      elif now > deadline:  # A hung step: its thread is left to finish; the episode ends.
+      elif now > deadline:  # A hung reset or step: its thread is left to finish (and close); the episode ends.
         del self.calls[key]
         self.counts["timeouts"] += 1
-        out.append((key, None, self._end(key, "ENV_TIMEOUT")))
+        out.append((key, None, self._end(key, self._infrastructure("ENV_TIMEOUT"))))
     return out
 
+  def _infrastructure(self, why: str) -> dict:
+    """The reward of an episode whose environment failed (`env_error`)."""
+    masked = self.cfg.env_error == "mask"
+    self.counts["masked"] += masked
+    return failure(why, self.cfg.failure_score, masked)
+
   def cut(self, key: Key, why: str) -> dict:
-    """The reward of an episode cut by a budget (turns, tokens)."""
+    """The reward of an episode cut by a budget (turns, tokens): the policy's failure, scored."""
     self.counts["cut"] += 1
     return self._end(key, failure(why.upper(), self.cfg.failure_score))
 
   def _end(self, key: Key, reward) -> dict:
-    if isinstance(reward, str):
-      reward = failure(reward, self.cfg.failure_score)
-    env = self.envs.pop(key, None)
+    with self.lock:
+      ep = self.live.pop(key, None)
+    if ep is not None:
+      self._finish(ep)
+    self.counts["episodes"] += 1
+    return reward
+
+  def _finish(self, ep: _Episode) -> None:
+    """Ends `ep`: its environment is closed now, or by the call still running in it when that returns."""
+    with self.lock:
+      ep.over = True
+      idle = not ep.busy
+    if idle:
+      self._close(ep)
+
+  def _close(self, ep: _Episode) -> None:
+    with self.lock:
+      env, ep.env = ep.env, None
     if env is not None:
       try:
         env.close()
       except Exception as e:  # Closing is best effort: the episode's reward stands.
         logging.warning("environment close failed: %s", e)
-    self.counts["episodes"] += 1
-    return reward
 
   def wait(self) -> None:
     """Blocks until some environment step ends or times out."""
     if not self.calls:
       return
-    deadline = min(d for _, d in self.calls.values())
-    cf.wait([f for f, _ in self.calls.values()], timeout=max(deadline - time.monotonic(), 0.0) + 1e-3,
+    deadline = min(d for _, d, _ in self.calls.values())
+    cf.wait([f for f, _, _ in self.calls.values()], timeout=max(deadline - time.monotonic(), 0.0) + 1e-3,
             return_when=cf.FIRST_COMPLETED)
 
   def wait_all(self) -> None:
     """Blocks until every running environment step ends or times out."""
     while self.calls:
       self.wait()
-      if all(f.done() for f, _ in self.calls.values()) or time.monotonic() > min(d for _, d in self.calls.values()):
+      if (all(f.done() for f, _, _ in self.calls.values())
+          or time.monotonic() > min(d for _, d, _ in self.calls.values())):
         return
 
   @property
   def poll_steps(self) -> int:
     return self.cfg.poll_steps
 
-  def metrics(self) -> dict:
+  def reset_metrics(self) -> None:
+    """Starts the counts `metrics` reports afresh (each rollout step, each evaluation)."""
+    self.counts = {"errors": 0, "timeouts": 0, "masked": 0, "cut": 0, "episodes": 0, "turns": 0}
+    with self.lock:
+      self.info_sums: dict[str, float] = {}
+
+  def metrics(self, prefix: str = "env/") -> dict:
+    """What the episodes ended since `reset_metrics` saw: errors, timeouts, the rows masked for them,
+    cuts, turns per episode, and the environments' `info` numbers summed."""
     n = max(self.counts["episodes"], 1)
-    out = {"env/errors": self.counts["errors"], "env/timeouts": self.counts["timeouts"],
-           "env/cut": self.counts["cut"], "env/turns_per_episode": self.counts["turns"] / n}
-    out |= {f"env/{k}": v for k, v in self.info_sums.items()}
+    out = {f"{prefix}{k}": self.counts[k] for k in ("errors", "timeouts", "masked", "cut")}
+    out[f"{prefix}turns_per_episode"] = self.counts["turns"] / n
+    with self.lock:
+      out |= {f"{prefix}{k}": v for k, v in self.info_sums.items()}
     return out
+
+  def abandon(self) -> None:
+    """Ends every episode still running, unscored (a rollout step that stopped before they ended: its
+    session and their rows are dropped): their environments are closed, now or when their calls return."""
+    with self.lock:
+      eps, self.live = list(self.live.values()), {}
+    self.calls.clear()
+    for ep in eps:
+      self._finish(ep)
 
   def close(self) -> None:
     self.pool.shutdown(wait=False, cancel_futures=True)
-    for env in self.envs.values():
-      try:
-        env.close()
-      except Exception:  # noqa: BLE001 (best effort at shutdown)
-        pass
-    self.envs.clear()
+    self.abandon()

@@ -205,20 +205,23 @@ class Rollout:
 
   def score(self, examples: Sequence[data_lib.Example], samples, G: int, rewards=None) -> dict:
     """Rewards of the rows of `examples` x G: correctness + overlong penalty, and the filter values.
-    Episodes bring their environments' `rewards`; their overlong penalty counts the policy's tokens."""
+    Episodes bring their environments' `rewards`. The overlong penalty measures the whole response
+    (an episode's observations included, as verl counts a multi-turn response) against the sampler's
+    budget (an episode's: `episodes.response_budget`). "valid": False for an episode whose environment
+    failed with `rollout.env_error="mask"` (its row leaves the loss and its group's statistics)."""
     texts = self.decode(samples)
     results = rewards if rewards is not None else self.call_reward(texts, [ex for ex in examples for _ in range(G)])
     c = self.cfg
-    lengths = samples.length_B if samples.policy_BC is None else samples.policy_BC.sum(1)
     penalty = np.array([rewards_lib.overlong_penalty(int(n), self.sampler_cfg.max_new_tokens,
                                                      c.overlong_buffer, c.overlong_penalty)
-                        for n in lengths])
+                        for n in samples.length_B])
     Q = len(examples)
     raw_QG = np.array([r["score"] for r in results], np.float64).reshape(Q, G)
     score_QG = raw_QG + penalty.reshape(Q, G)
     acc_QG = np.array([r["acc"] for r in results], bool).reshape(Q, G)
+    valid_QG = np.array([not r.get("masked", False) for r in results], bool).reshape(Q, G)
     filter_QG = filter_values(c.filter_metric, acc_QG=acc_QG, score_QG=raw_QG, reward_QG=score_QG)
-    return {"score": score_QG, "acc": acc_QG, "filter": np.asarray(filter_QG, np.float64),
+    return {"score": score_QG, "acc": acc_QG, "filter": np.asarray(filter_QG, np.float64), "valid": valid_QG,
             "pred": [r["pred"] for r in results], "texts": texts}
 
   def groups(self, params, examples: Sequence[data_lib.Example], G: int, key,
@@ -235,7 +238,8 @@ class Rollout:
     local = self.score(examples, jax.tree.map(lambda x: x[rows], samples), G, self.last_stats.get("episode_rewards"))
     t2 = time.perf_counter()
     groups = Groups.from_samples(prompt_QP, pmask_QP, samples, sharding.gather_hosts(local["score"]),
-                                 sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]))
+                                 sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]),
+                                 valid_QG=sharding.gather_hosts(local["valid"]))
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info

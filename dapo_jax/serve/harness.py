@@ -121,6 +121,8 @@ class HarnessEnv(env_lib.Env):
 
   def step(self, assistant_text: str):
     message, finish = openai_api.assistant_message(assistant_text, self.tools, self.fmt)
+    if self.turn_truncated:  # The turn hit its token budget: OpenAI's "length", whatever it holds.
+      finish = "length"
     n = len(self.tokenizer(assistant_text, add_special_tokens=False)["input_ids"]) if self.tokenizer else 0
     self.reply(gateway_lib.chat_completion(message, finish, {"prompt_tokens": 0, "completion_tokens": n,
                                                              "total_tokens": n}))
