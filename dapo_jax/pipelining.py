@@ -141,6 +141,19 @@ class Prefetch:
       self._pool.shutdown(wait=True)
 
 
+def bound_carry(carry, step: int, max_lag: int):
+  """The carried groups that may still be trained at `step`: those sampled at most `max_lag` versions
+  before it (unstamped ones, version -1, are taken as one version old); (carry or None, groups dropped)."""
+  if carry is None or not len(carry):
+    return carry, 0
+  version_Q = np.where(carry.version_QG < 0, step - 1, carry.version_QG).min(1)
+  fresh = np.flatnonzero(step - version_Q <= max_lag)
+  dropped = len(carry) - len(fresh)
+  if not dropped:
+    return carry, 0
+  return (carry.take(fresh) if len(fresh) else None), dropped
+
+
 def stamp_collected(collected, carry, version: int):
   """Stamps `DAPO.collect`'s (groups, stats, info) and the surplus it carries to the next step, all
   sampled by `version` (so a group carried over for several steps keeps its true version)."""

@@ -58,6 +58,35 @@ def test_a_group_carried_over_twice_keeps_the_version_that_sampled_it():
   assert carry is None
 
 
+def test_carried_groups_past_the_staleness_bound_are_dropped():
+  """The surplus of step 3 (version 3) may be trained at step 4 (one version: carry_over's own lag); at
+  step 5 it would be two versions old, past the bound max(rollout.max_staleness, 1), and is dropped."""
+  carry = pipelining.stamp(Groups.concat([groups(), groups()]), 3)
+  kept, dropped = pipelining.bound_carry(carry, 4, max_lag=1)
+  assert kept is carry and dropped == 0
+  kept, dropped = pipelining.bound_carry(carry, 5, max_lag=1)
+  assert kept is None and dropped == 4
+  mixed = Groups.concat([carry.take([0]), pipelining.stamp(groups(), 4).take([1])])
+  kept, dropped = pipelining.bound_carry(mixed, 5, max_lag=1)
+  assert dropped == 1 and len(kept) == 1 and (kept.version_QG == 4).all()
+
+
+def test_staleness_rules_across_sections_are_one_line_each():
+  from dapo_jax import config_checks
+  cfg = run_config(1)
+  cfg.dapo.update(streaming=False, carry_over=True)
+  with pytest.raises(config_checks.ConfigError, match=r"^dapo.carry_over=True with rollout.max_staleness=1 and "
+                                                       r"dapo.streaming=False: .*set dapo.carry_over=False"):
+    config_checks.validate(cfg, num_devices=1)
+  cfg = run_config(1)
+  cfg.rollout.use_decoupled_loss = True
+  with pytest.raises(config_checks.ConfigError, match=r"^rollout.use_decoupled_loss=True needs "
+                                                       r"dapo.rollout_correction.rollout_is='token' or 'sequence'"):
+    config_checks.validate(cfg, num_devices=1)
+  cfg.dapo.rollout_correction.rollout_is = "token"
+  config_checks.validate(cfg, num_devices=1)
+
+
 def run_config(max_staleness: int, num_steps: int = 4, ckpt_every: int = 0):
   from configs import dapo_qwen2_5_32b
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
