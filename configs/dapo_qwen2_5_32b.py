@@ -1,4 +1,4 @@
-r"""DAPO on DAPO-Math-17k with Qwen2.5-32B: the paper's recipe (DAPO_SPEC §5.1).
+r"""DAPO on DAPO-Math-17k with Qwen2.5-32B: the paper's recipe (§5.1).
 
   python -m launch.train --config=configs/dapo_qwen2_5_32b.py:mesh=gpu16x8 --workdir=$DIR \
       --config.model.hf_dir=/ckpt/Qwen2.5-32B --config.data.train_files=/data/dapo-math-17k.parquet \

@@ -9,7 +9,7 @@ GRPO-style baseline configs; when it is off no reference forward pass runs at al
 
 Every aggregate takes optional global denominators (`num_tokens`, `num_seqs`): the train step
 passes the counts of the whole mini-batch, summed over micro-batches and data-parallel shards, so
-that summing micro-batch losses gives exactly the loss of the whole mini-batch (DAPO_SPEC §1.5b).
+that summing micro-batch losses gives exactly the loss of the whole mini-batch (docs/losses.md).
 """
 from __future__ import annotations
 

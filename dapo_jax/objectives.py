@@ -224,7 +224,8 @@ def completion_logprobs(model_cfg: model_lib.ModelConfig, temperature: float, gr
 
 
 def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objective:
-  """The clipped policy-gradient loss (DAPO_SPEC §1.3) with a global token mean over micro-batches."""
+  """The clipped policy-gradient loss (verl's compute_policy_loss; paper Eq. 10) with a global token mean
+  over micro-batches."""
   def counts(batch: RLBatch) -> dict:
     return {"num_tokens": jnp.sum(batch.loss_mask_BC.astype(jnp.float32)),
             "num_seqs": loss_lib.num_seqs_with_tokens(batch.loss_mask_BC),

@@ -11,7 +11,7 @@ def test_sanity_formula_g16_k1():
   r = -np.ones((1, 16))
   r[0, 3] = 1.0
   adv = advantages.group_advantages(r)
-  # DAPO_SPEC §1.4: +3.75 / -0.25 before the epsilon.
+  # verl's compute_grpo_outcome_advantage: +3.75 / -0.25 before the epsilon.
   assert adv[0, 3] == pytest.approx(3.75, abs=1e-5)
   assert np.delete(adv[0], 3) == pytest.approx(-0.25, abs=1e-6)
 

@@ -1,4 +1,5 @@
-"""Policy loss against a float64 NumPy reference written from DAPO_SPEC §1.3 / §1.5."""
+"""Policy loss against a float64 NumPy reference written from verl's compute_policy_loss and agg_loss
+(docs/losses.md)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,7 +126,7 @@ def test_token_mean_and_seq_mean_differ_with_unequal_lengths():
 
 
 def two_micro_batches():
-  """DAPO_SPEC §1.5 example: ratio 1, A=-3.75 on 4 tokens and A=-1.25 on 8 tokens."""
+  """Token-level loss (paper Eq. 12) example: ratio 1, A=-3.75 on 4 tokens and A=-1.25 on 8 tokens."""
   mask = np.zeros((2, 8), bool)
   mask[0, :4] = True
   mask[1, :] = True

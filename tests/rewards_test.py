@@ -1,4 +1,5 @@
-"""DAPO-Math scorer parity (DAPO_SPEC §4.3 table), overlong shaping (§3.2), and the reward pool."""
+"""DAPO-Math scorer parity (verl's math_dapo.compute_score), overlong shaping (paper Eq. 13, verl's DAPO
+reward manager), and the reward pool."""
 import time
 
 import pytest

@@ -1,7 +1,7 @@
 """Prompt datasets in the DAPO-Math row schema, a built-in arithmetic task, and a resumable,
 per-host sharded prompt iterator. Host-side NumPy; no jax.
 
-Row schema (verl RL format, DAPO_SPEC §4.2):
+Row schema (verl's RL parquet format, as DAPO-Math-17k ships):
   {"data_source": str, "prompt": [{"role": "user", "content": str}], "ability": str,
    "reward_model": {"ground_truth": str, "style": str}, "extra_info": {...}}
 """

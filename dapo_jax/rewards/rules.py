@@ -1,4 +1,5 @@
-"""Rule-based rewards: the DAPO-Math answer check and the soft overlong penalty (DAPO_SPEC §4.3, Eq. 13).
+"""Rule-based rewards: the DAPO-Math answer check (verl's math_dapo.compute_score) and the soft overlong
+penalty (paper Eq. 13).
 
 Plain Python, no jax: reward-pool workers import this module.
 """
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-# --- DAPO-Math scorer (DAPO_SPEC §4.3) -----------------------------------------------------------
+# --- DAPO-Math scorer (verl's math_dapo.compute_score) ----------------------------------------------
 # The normaliser is the Minerva / lighteval one used by the reference scorer. Its brittleness
 # (a trailing period or markdown bold scores -1) is kept on purpose: parity, not improvement.
 
