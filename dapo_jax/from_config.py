@@ -544,12 +544,14 @@ def restore_policy(cfg, workdir: str, mesh=None):
   """(model_cfg, params, tokenizer, rollout step) of the newest checkpoint in `workdir`, without
   building a training run (no datasets, reward workers or SFT): for `launch.eval` and `launch.export`."""
   mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+  none = checkpoint.CheckpointMismatchError(f"{workdir} holds no checkpoint ({os.path.join(workdir, 'checkpoints')} "
+                                            "is empty or missing): train first, or pass --model_dir=HF_DIR")
+  if "://" not in workdir and not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise none  # Before the checkpointer, which would create the directory it looks in.
   ckpt = checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_ckpts)
   try:
     if ckpt.latest_step() is None:
-      raise checkpoint.CheckpointMismatchError(
-          f"{workdir} holds no checkpoint ({os.path.join(workdir, 'checkpoints')} is empty or missing): "
-          "train first, or pass --model_dir=HF_DIR")
+      raise none
     tok, model_cfg = trained_model(cfg, workdir)
     trainer_ = trainer(cfg, model_cfg, mesh, objectives.language_model(model_cfg))
     abstract_state = jax.eval_shape(lambda: trainer_.init(jax.random.key(0)))

@@ -1,4 +1,4 @@
-"""The DAPO loop, the only module that knows the order of the steps (ARCHITECTURE.md data flow):
+"""The DAPO loop, the only module that knows the order of the steps (docs/architecture.md, the data flow):
 
   prompts -> rollout (generate, score) -> dynamic sampling (`rollout.dynamic_sampling`)
   -> advantages (`advantages.to_train_batch`; token-level ones and PPO's value model: `ppo`)
@@ -167,11 +167,17 @@ class DAPO:
           else 0, filter_groups=c.dynamic_sampling, on_cap=c.on_cap, keep_rate=self.keep_rate,
           ahead=c.admit_ahead, margin=c.admit_margin)
     else:
+      # A carried group is one version old by design (carry_over); one carried again, older, is dropped.
+      self.carry, dropped = pipelining.bound_carry(self.carry, step, max(c.max_staleness, 1))
+      if dropped:
+        logging.info("step %d: %d carried groups older than %d version(s) dropped", step, dropped,
+                     max(c.max_staleness, 1))
       batch, self.carry, stats, info = dynamic_sampling.fill_step(
           self.rollout, params, self.data_iter.next_batch, self.carry, step_key, Q=c.prompts_per_step,
           G=c.group_size, batch_prompts=c.gen_prompts if c.dynamic_sampling else c.prompts_per_step,
           filter_groups=c.dynamic_sampling, max_gen_batches=c.max_gen_batches, on_cap=c.on_cap,
           carry_over=c.carry_over)
+      info["carry_dropped"] = dropped
     if episodes is not None:
       info["env"] = episodes.metrics()
     return batch, stats, info

@@ -66,8 +66,9 @@ class FillStats:
 
 def fill_batch(carry: Groups | None, generate: Callable[[int], Groups], Q: int, *, filter_groups: bool,
                max_gen_batches: int, on_cap: str, carry_over: bool) -> tuple[Groups | None, Groups | None, FillStats]:
-  """Dynamic sampling (DAPO_SPEC §2.2): keeps groups whose `filter_QG` values differ, generating
-  batch after batch (`generate(i)` makes the i-th) until Q are kept or `max_gen_batches` were made.
+  """Dynamic sampling (paper §3.2, as the reference trainer loops): keeps groups whose `filter_QG` values
+  differ, generating batch after batch (`generate(i)` makes the i-th) until Q are kept or
+  `max_gen_batches` were made.
 
   Returns (batch, carry, stats): the first Q kept groups in arrival order (after any carried ones),
   None if none was kept; `carry` holds the surplus when `carry_over` (else it is dropped), marked

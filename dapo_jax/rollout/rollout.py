@@ -91,7 +91,7 @@ class Rollout:
     tokens, mask = tokenizer_lib.encode_left_padded(self.tok, texts, P)
     n = 0
     if mask[:, 0].any():  # A full row may have been cut: check the real lengths once.
-      n = sum(len(ids) > P for ids in self.tok(texts, add_special_tokens=False)["input_ids"])
+      n = sum(len(ids) > P for ids in tokenizer_lib.encode_prompts(self.tok, texts))
       if n:
         logging.warning("%d prompts longer than data.max_prompt_len=%d lost their beginning", n, P)
     return tokens, mask, n
