@@ -3,11 +3,15 @@ give known answers (a tool call among them), checked against those answers and a
 argmax loop and teacher-forced log-probs of `model.logits`; streaming, n > 1, seeds, stop strings,
 the token, bad input, a full queue, 16 concurrent clients, and `python -m launch.serve`."""
 import concurrent.futures
+import asyncio
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import jax
@@ -19,6 +23,8 @@ from dapo_jax import testing
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.serve import http as http_lib
+from dapo_jax.serve import openai_api
 from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve import server as server_lib
 
@@ -258,17 +264,17 @@ def test_a_whole_answer_whose_client_went_away_is_cancelled(server, client):
   a chunked body past the cap is a 413 (`http.new_app`)."""
   import socket  # noqa: PLC0415
   cancels, submitted, theirs = [], threading.Event(), []
-  cancel, submit = server.scheduler.cancel, server.scheduler.submit
+  cancel, submit, submit_all = server.scheduler.cancel, server.scheduler.submit, server.scheduler.submit_all
 
-  def spy_submit(req):
-    rid = submit(req)
-    if req.n == 5:  # The client's request (the work ahead asks for 8).
-      theirs.append(rid)
+  def spy_submit_all(reqs):
+    rids = submit_all(reqs)
+    if reqs[0].n == 5:  # The client's request (the work ahead asks for 8).
+      theirs.extend(rids)
       submitted.set()
-    return rid
+    return rids
 
   server.scheduler.cancel = lambda rid, sample=None: (cancels.append((rid, sample)), cancel(rid, sample))
-  server.scheduler.submit = spy_submit
+  server.scheduler.submit_all = spy_submit_all
   try:
     body = json.dumps({"model": server.policy.model_name, "messages": [{"role": "user", "content": "What is 1 + 1?"}],
                        "n": 5, "temperature": 1.0, "max_tokens": MAX_NEW}).encode()
@@ -292,7 +298,7 @@ def test_a_whole_answer_whose_client_went_away_is_cancelled(server, client):
       threading.Event().wait(0.05)
     assert server.scheduler.pending == 0 and theirs[0] not in server.scheduler.requests
   finally:
-    server.scheduler.cancel, server.scheduler.submit = cancel, submit
+    server.scheduler.cancel, server.scheduler.submit_all = cancel, submit_all
   big = b"x" * (server_lib.http.MAX_BODY_BYTES // 4)
   with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -392,17 +398,23 @@ def test_launch_serve_loads_a_run_checkpoint_and_a_peft_adapter(policy, tmp_path
                              np.asarray(model_lib.logits(p_cfg, adapted, ids, mask)), atol=1e-5)
 
 
-def test_an_engine_failure_is_a_500_with_its_cause_and_the_next_request_is_served(server, client):
-  """Fault injection: the engine's next round raises; the requests in flight get a 500 naming the
-  cause, the engine starts a fresh session, and the next request is answered."""
+def test_an_engine_failure_is_a_500_naming_an_id_and_the_next_request_is_served(server, client, caplog):
+  """Fault injection: the engine's next round raises; the requests in flight get a 500 naming an id
+  (never the exception's text: the log has it under that id), the engine starts a fresh session,
+  and the next request is answered."""
   session = server.scheduler.session
 
   def broken_step(*args, **kw):
-    raise RuntimeError("injected device failure")
+    raise RuntimeError("injected device failure at /secret/path")
 
   session.step = broken_step
-  with pytest.raises(openai.InternalServerError, match="injected device failure"):
+  with pytest.raises(openai.InternalServerError) as e:
     ask(client, "What is 12 + 5?", max_tokens=8)
+  err = e.value.body if isinstance(e.value.body, dict) and "message" in e.value.body else e.value.body["error"]
+  assert "injected" not in json.dumps(err) and "RuntimeError" not in json.dumps(err) and err["code"] == "engine_failed"
+  (eid,) = re.findall(r"err_[0-9a-f]{12}", err["message"])
+  assert any(eid in r.getMessage() and "injected device failure at /secret/path" in (r.exc_text or "")
+             for r in caplog.records)
   assert ask(client, "What is 12 + 5?", max_tokens=8).choices[0].message.content == "17"
   assert server.scheduler.session is not session
 
@@ -434,3 +446,193 @@ def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
   tools = [{"type": "function", "function": {"name": "calc", "description": "A calculator.",
                                         "parameters": {"type": "object", "properties": {}}}}]
   assert as_trained.chat_prompt(body(question, tools=tools))[0] == server.policy.chat_prompt(body(question, tools=tools))[0]
+
+
+def idle(scheduler, within_s: float = 60) -> bool:
+  """Whether the scheduler holds no sample (none queued, none decoding) within `within_s`."""
+  deadline = time.monotonic() + within_s
+  while time.monotonic() < deadline:
+    if scheduler.pending == 0 and not scheduler.requests and not scheduler.session.busy:
+      return True
+    time.sleep(0.05)
+  return False
+
+
+def test_a_request_past_the_queue_is_admitted_not_at_all(policy):
+  """Prompts x n checked against the queue before any is admitted: a 429 leaves no sample of the
+  request decoding (the first prompt's n fitted, but its client is gone with the 429)."""
+  cfg, params, tok, eos, _ = policy
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=2, max_prompt_len=64, max_new_tokens=MAX_NEW,
+                               max_queue=3) as s:
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
+    served = s.scheduler.served
+    with pytest.raises(openai.RateLimitError, match="4 asked for"):
+      c.completions.create(model="dapo-policy", prompt=["What is", "Say"], n=2, max_tokens=MAX_NEW, temperature=1.0)
+    assert idle(s.scheduler) and s.scheduler.served == served  # Nothing was admitted, nothing decoded.
+    r = c.completions.create(model="dapo-policy", prompt=["What is"], n=3, max_tokens=4, temperature=1.0)
+    assert len(r.choices) == 3 and idle(s.scheduler)
+
+
+def test_a_failure_in_one_prompt_cancels_the_requests_other_samples(server):
+  """Any failure while a request runs (here its own handler, at the first token) cancels every
+  sample of it, the other prompts' too, at once; the slots go back to others."""
+  ids = chat_ids(server.policy.tok, "What is 1 + 1?")
+  body = openai_api.CompletionBody(prompt=[ids, ids, ids], n=2, max_tokens=MAX_NEW, temperature=1.0, stream=True)
+  cancels, cancel = [], server.scheduler.cancel
+  rids, submit_all = [], server.scheduler.submit_all
+  server.scheduler.cancel = lambda rid, sample=None: (cancels.append((rid, sample)), cancel(rid, sample))
+  server.scheduler.submit_all = lambda reqs: rids.extend(submit_all(reqs)) or rids
+
+  async def fail_at_first(i, sample, done):
+    raise RuntimeError("a handler failed")
+
+  async def main():
+    with pytest.raises(RuntimeError, match="a handler failed"):
+      await server.policy._gather(body_prompts(body), body, MAX_NEW, [], fail_at_first)
+    return list(cancels)  # Before the loop ends (and with it any task left running).
+
+  try:
+    cancelled = asyncio.run(main())
+  finally:
+    server.scheduler.cancel, server.scheduler.submit_all = cancel, submit_all
+  assert len(rids) == 3 and {(rid, None) for rid in rids} <= set(cancelled)
+  assert idle(server.scheduler)
+
+
+def body_prompts(body):
+  return [list(p) for p in body.prompt]
+
+
+def test_health_answers_while_a_4mb_prompt_is_tokenised_and_the_character_cap_is_a_400(policy):
+  """Tokenising and rendering run in a thread: /health answers within 1 s all the while a 4 MB
+  conversation is rendered and tokenised (about 10 s on a 2-core CPU; it is then refused: more tokens
+  than max_prompt_len), and while a 1 MB completions prompt is. Past max_prompt_chars a prompt is
+  refused before it is tokenised, naming the field."""
+  cfg, params, tok, eos, _ = policy
+  limits = http_lib.Limits(max_prompt_chars=8 << 20)
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=2, max_prompt_len=64, max_new_tokens=8,
+                               limits=limits) as s:
+    big = ("What is 12 + 5? " * (1 << 18))[:4 << 20]
+    assert len(big.encode()) == 4 << 20
+    result = {}
+
+    def post_big(path, body):
+      t0 = time.monotonic()
+      result[path] = httpx.post(s.url + path, json=body, timeout=300)
+      result[path + " s"] = time.monotonic() - t0
+
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": big}], "max_tokens": 4}),
+                       ("/v1/completions", {"prompt": big[:1 << 20], "max_tokens": 4})]:
+      worker = threading.Thread(target=post_big, args=(path, body))
+      worker.start()
+      waits = []
+      while worker.is_alive() and len(waits) < 600:
+        t0 = time.monotonic()
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.05)
+      worker.join()
+      r = result[path]
+      assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+      assert len(waits) >= 3 and max(waits) < 1.0, (result[path + " s"], waits)
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=2, max_prompt_len=64, max_new_tokens=8,
+                               limits=http_lib.Limits(max_prompt_chars=1000)) as s:
+    for path, body, field in [("/v1/completions", {"prompt": "x" * 1001}, "prompt"),
+                              ("/v1/completions", {"prompt": ["x" * 600, "y" * 600]}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1001}]},
+                               "messages"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                        "tools": [dict(ADD, description="d" * 1000)]}, "messages")]:
+      r = httpx.post(s.url + path, json=body, timeout=30)
+      err = r.json()["error"]
+      assert r.status_code == 400 and err["param"] == field and "max_prompt_chars" in err["message"], err
+
+
+def test_malformed_nested_input_is_a_400_naming_the_field(server, client):
+  """Nested fields of the wrong shape, JSON too deep, text that is not Unicode: a 400 naming the
+  field (never a 500), and the next request is served."""
+  user = {"role": "user", "content": "Add 3 and 4."}
+  call = lambda **f: {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                          "function": {"name": "add", **f}}]}
+  deep = "[" * 5000 + "]" * 5000
+  cases = [
+      ({"messages": [user, {"role": "assistant", "content": "", "tool_calls": "abc"}]}, "messages[1].tool_calls"),
+      ({"messages": [user, {"role": "assistant", "tool_calls": ["abc"]}]}, "messages[1].tool_calls[0]"),
+      ({"messages": [user, {"role": "assistant", "tool_calls": [{"function": "f"}]}]},
+       "messages[1].tool_calls[0].function"),
+      ({"messages": [user, {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]},
+       "messages[1].tool_calls[0].function.name"),
+      ({"messages": [user, call(arguments="{not json")]}, "messages[1].tool_calls[0].function.arguments"),
+      ({"messages": [user, call(arguments=deep)]}, "messages[1].tool_calls[0].function.arguments"),
+      ({"messages": [user, call(arguments="[1, 2]")]}, "messages[1].tool_calls[0].function.arguments"),
+      ({"messages": [user, call(arguments={"a": json.loads("[" * 100 + "]" * 100)})]},
+       "messages[1].tool_calls[0].function.arguments.a" + "[0]" * 59),  # (a: 5 levels into the message)
+      ({"messages": [user], "tools": [{"function": "f"}]}, "tools[0].function"),
+      ({"messages": [user], "tools": ["add"]}, "tools.0"),  # (The body's schema: pydantic names it.)
+      ({"messages": [user], "tools": [{"type": "function", "function": {"name": ["add"]}}]}, "tools[0].function.name"),
+      ({"messages": [user], "tools": [{"type": "function", "function": {"name": "add", "parameters": "x"}}]},
+       "tools[0].function.parameters"),
+      ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+      ({"messages": [{"role": "user", "content": "\ud800 lone"}]}, "messages[0].content"),
+      ({"messages": [{"role": "user", "content": "x", "name": 7}]}, "messages[0].name"),
+  ]
+  for body, field in cases:
+    raw = json.dumps(body)  # (A lone surrogate goes as its JSON escape, as a client may send it.)
+    r = httpx.post(server.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400, (field, r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(field), (field, err)
+  r = httpx.post(server.url + "/v1/completions", content='{"prompt": "\\ud800"}',
+                 headers={"content-type": "application/json"}, timeout=30)
+  assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+  assert ask(client, "What is 12 + 5?", max_tokens=8).choices[0].message.content == "17"
+
+
+class CountingTokenizer:
+  """The real tokenizer, counting the tokens it decodes."""
+
+  def __init__(self, tok):
+    self.tok, self.decoded = tok, 0
+
+  def decode(self, ids, **kw):
+    self.decoded += len(ids)
+    return self.tok.decode(ids, **kw)
+
+
+def naive_token_logprobs(sample):
+  """The reference: every prefix decoded until one reaches the stop string's offset (quadratic)."""
+  out, content = [], sample._content_tokens()
+  for i, t in enumerate(content):
+    if sample.cut_at is not None and len(sample.tok.decode(content[:i], skip_special_tokens=True)) >= sample.cut_at:
+      break
+    out.append((sample.tok.decode([int(t)], skip_special_tokens=False), float(sample.logp[i])))
+  return out
+
+
+def test_logprobs_with_a_stop_string_are_the_naive_ones_in_linear_work(policy):
+  cfg, params, tok, eos, _ = policy
+  rng = np.random.default_rng(0)
+  words = " ".join(testing.corpus())
+  for text in [words[:3000], "é😀ü " * 200 + words[:500]]:  # Multi-byte characters split across tokens too.
+    tokens = np.asarray(tok(text, add_special_tokens=False)["input_ids"], np.int32)
+    for _ in range(12):
+      stop_at = int(rng.integers(1, len(text) - 5))
+      stop = text[stop_at:stop_at + 3]
+      sample = openai_api.SampleText(tok, [stop], eos)
+      sample.update(tokens, rng.normal(size=len(tokens)).astype(np.float32))
+      assert sample.finish == "stop"
+      assert sample.token_logprobs() == naive_token_logprobs(sample), (text[:20], stop)
+  work = {}
+  end = tok(" STOP here", add_special_tokens=False)["input_ids"]
+  for n in (1000, 2000, 4000):  # A stop string near the end, as a sample ends at one.
+    tokens = np.asarray(tok(words * 4, add_special_tokens=False)["input_ids"][:n - len(end)] + end, np.int32)
+    counting = CountingTokenizer(tok)
+    sample = openai_api.SampleText(counting, ["STOP"], eos)
+    sample.update(tokens, np.zeros(len(tokens), np.float32))
+    counting.decoded = 0
+    pairs = sample.token_logprobs()
+    work[n] = counting.decoded
+    assert len(pairs) < n and pairs == naive_token_logprobs(sample)
+  # Each token's piece, then a prefix or two: ~3n tokens (every prefix, as before: ~n^2/2, 16x from 1k to 4k).
+  assert all(work[n] <= 4 * n for n in work) and work[4000] / work[1000] < 4.5, work

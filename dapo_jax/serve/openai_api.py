@@ -7,11 +7,19 @@ model's own), the quantity a trainer recomputes. Chat prompts are rendered with 
 template, tools with the template's own tool support (`envs.tool_formats`), and an answer's tool
 calls are parsed in the template's format into `tool_calls`. A streamed answer with tools is sent
 whole at its end (its calls can only be parsed then).
+
+A request is admitted whole or not at all (its prompts x n against the queue), and any failure
+cancels all its samples. Text work that grows with a request (checking, rendering and tokenising
+the prompt, detokenising samples, log-probs, parsing calls) runs in a thread, not on the event loop
+that answers every client; the prompt's text is capped (`http.Limits.max_prompt_chars`) before any
+of it is tokenised.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -26,6 +34,9 @@ from dapo_jax.envs import tool_formats
 from dapo_jax.serve import http
 from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve.http import APIError
+
+MAX_DEPTH = 64           # nesting of a message or tool (its arguments, its schema): deeper is a 400
+INLINE_TOKENS = 256      # text work on fewer tokens stays on the event loop (a thread hop costs more)
 
 
 class _Body(pydantic.BaseModel):
@@ -105,12 +116,40 @@ class SampleText:
 
   def token_logprobs(self) -> list[tuple[str, float]]:
     """(token text, log-prob) of the content's tokens (up to a stop string; the EOS left out)."""
-    out, content = [], self._content_tokens()
-    for i, t in enumerate(content):
-      if self.cut_at is not None and len(self.tok.decode(content[:i], skip_special_tokens=True)) >= self.cut_at:
-        break
-      out.append((self.tok.decode([int(t)], skip_special_tokens=False), float(self.logp[i])))
-    return out
+    content = self._content_tokens()
+    pieces = [self.tok.decode([int(t)], skip_special_tokens=False) for t in content]
+    kept = len(content) if self.cut_at is None else self._tokens_before(content, pieces, self.cut_at)
+    return [(pieces[i], float(self.logp[i])) for i in range(kept)]
+
+  def _tokens_before(self, content: np.ndarray, pieces: list[str], cut_at: int) -> int:
+    """How many tokens start before character `cut_at` of the text: the first k < len(content) whose
+    prefix `content[:k]` decodes to `cut_at` characters or more, else len(content). The pieces'
+    running length guesses k; a gallop from the guess, then a bisection, finds it with whole-prefix
+    decodes (a prefix's text grows with k). The guess is right, two decodes, whenever each token
+    decodes to whole characters: linear work, where testing every prefix was quadratic."""
+    n, known = len(content), {}
+
+    def reaches(k: int) -> bool:
+      if k not in known:
+        known[k] = k >= n or len(self.tok.decode(content[:k], skip_special_tokens=True)) >= cut_at
+      return known[k]
+
+    running = np.cumsum([0] + [len(p) for p in pieces])
+    hi = min(int(np.searchsorted(running, cut_at)), n)
+    step = 1
+    if reaches(hi):
+      while hi - step >= 0 and reaches(hi - step):
+        hi, step = hi - step, step * 2
+      lo = max(hi - step, -1)
+    else:
+      lo = hi
+      while lo + step < n and not reaches(lo + step):
+        lo, step = lo + step, step * 2
+      hi = min(lo + step, n)
+    while hi - lo > 1:  # reaches(lo) is false (or lo is -1), reaches(hi) true.
+      mid = (lo + hi) // 2
+      lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    return hi
 
 
 def _stops(stop) -> list[str]:
@@ -120,36 +159,108 @@ def _stops(stop) -> list[str]:
   return stops
 
 
+def text_chars(value, param: str) -> int:
+  """Characters of text in a JSON value (its strings and keys). A 400 naming the field for nesting
+  deeper than MAX_DEPTH or a string that is not Unicode text (a lone surrogate, which JSON lets
+  through and no tokenizer takes)."""
+  total, stack = 0, [(value, param, 0)]
+  while stack:
+    v, path, depth = stack.pop()
+    if isinstance(v, str):
+      try:
+        v.encode("utf-8")
+      except UnicodeEncodeError:
+        raise APIError(400, f"{path}: not Unicode text (a lone surrogate)", param=path) from None
+      total += len(v)
+    elif isinstance(v, (dict, list)):
+      if depth >= MAX_DEPTH:
+        raise APIError(400, f"{path}: nested deeper than {MAX_DEPTH} levels", param=path)
+      if isinstance(v, dict):
+        for k, x in v.items():
+          key = str(k).encode("utf-8", "backslashreplace").decode()  # (a key is text too: named safely)
+          if key != k:
+            raise APIError(400, f"{path}.{key}: a key that is not Unicode text", param=f"{path}.{key}")
+          total += len(k)
+          stack.append((x, f"{path}.{k}", depth + 1))
+      else:
+        stack.extend((x, f"{path}[{j}]", depth + 1) for j, x in enumerate(v))
+  return total
+
+
+def _bad(param: str, what: str) -> APIError:
+  return APIError(400, f"{param}: {what}", param=param)
+
+
 def normalize_message(m: dict, i: int) -> dict:
-  """A message as the chat template expects it: text content, tool-call arguments as objects."""
+  """A message as the chat template expects it: text content, tool-call arguments as objects. A
+  malformed one (a field of the wrong type, arguments that are not a JSON object, nesting deeper
+  than MAX_DEPTH, text that is not Unicode) is a 400 naming the field."""
+  at = f"messages[{i}]"
   if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-    raise APIError(400, f"messages[{i}].role: expected system, user, assistant or tool", param=f"messages[{i}].role")
+    raise _bad(f"{at}.role", "expected system, user, assistant or tool")
+  text_chars(m, at)
   m = dict(m)
   if m["role"] == "developer":
     m["role"] = "system"
   content = m.get("content")
   if isinstance(content, list):  # Content parts: text only.
-    if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-      raise APIError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+    for j, p in enumerate(content):
+      if not isinstance(p, dict) or p.get("type") != "text":
+        raise _bad(f"{at}.content[{j}]", "only text parts are supported")
+      if not isinstance(p.get("text", ""), str):
+        raise _bad(f"{at}.content[{j}].text", "expected a string")
     content = "".join(p.get("text", "") for p in content)
   if content is not None and not isinstance(content, str):
-    raise APIError(400, f"messages[{i}].content: expected a string or text parts", param=f"messages[{i}].content")
+    raise _bad(f"{at}.content", "expected a string or text parts")
   m["content"] = content or ""
+  for key in ("name", "tool_call_id"):
+    if m.get(key) is not None and not isinstance(m[key], str):
+      raise _bad(f"{at}.{key}", "expected a string")
+  given = m.get("tool_calls")
+  if given is not None and not isinstance(given, list):
+    raise _bad(f"{at}.tool_calls", "expected a list of calls")
   calls = []
-  for call in m.get("tool_calls") or []:
-    f = dict(call.get("function", call))
+  for j, call in enumerate(given or []):
+    where = f"{at}.tool_calls[{j}]"
+    if not isinstance(call, dict):
+      raise _bad(where, "expected {'type': 'function', 'function': {'name': ..., 'arguments': ...}}")
+    f = call.get("function", call)
+    if not isinstance(f, dict):
+      raise _bad(f"{where}.function", "expected an object with a name and arguments")
+    f = dict(f)
+    if not isinstance(f.get("name"), str):
+      raise _bad(f"{where}.function.name", "expected a string")
     if isinstance(f.get("arguments"), str):
       try:
         f["arguments"] = json.loads(f["arguments"] or "{}")
-      except json.JSONDecodeError:
-        raise APIError(400, f"messages[{i}].tool_calls: arguments are not JSON",
-                       param=f"messages[{i}].tool_calls") from None
+      except (ValueError, RecursionError):
+        raise _bad(f"{where}.function.arguments", "not JSON") from None
+      text_chars(f["arguments"], f"{where}.function.arguments")
+    if f.get("arguments") is not None and not isinstance(f["arguments"], dict):
+      raise _bad(f"{where}.function.arguments", "expected a JSON object")
+    if call.get("id") is not None and not isinstance(call["id"], str):
+      raise _bad(f"{where}.id", "expected a string")
     calls.append({"type": "function", "function": f, **({"id": call["id"]} if "id" in call else {})})
   if calls:
     m["tool_calls"] = calls
   else:
     m.pop("tool_calls", None)
   return m
+
+
+def check_tools(tools) -> int:
+  """Characters of text in `tools`; a 400 naming the field for a malformed one."""
+  if not isinstance(tools, list):
+    raise _bad("tools", "expected a list of tools")
+  for i, t in enumerate(tools):
+    f = t.get("function", t) if isinstance(t, dict) else None
+    if not isinstance(f, dict):
+      raise _bad(f"tools[{i}].function", "expected {'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
+    if not isinstance(f.get("name"), str):
+      raise _bad(f"tools[{i}].function.name", "expected a string")
+    if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+      raise _bad(f"tools[{i}].function.parameters", "expected a JSON schema (an object)")
+  return text_chars(tools, "tools")
 
 
 def assistant_message(text: str, tools, fmt: str, finish: str = "stop") -> tuple[dict, str]:
@@ -174,11 +285,11 @@ class OpenAIPolicy:
   """The routes' logic over a scheduler: prompts in, OpenAI answers out."""
 
   def __init__(self, scheduler: scheduler_lib.Scheduler, tok, model_name: str, eos_ids: tuple[int, ...],
-               user_prompt=None):
+               user_prompt=None, max_prompt_chars: int = http.Limits.max_prompt_chars):
     """`user_prompt` (question -> messages): a chat request that is one user message, without tools, is put
     as a run's training prompts were (`from_config.user_prompt`: the task's instruction, worked examples)."""
     self.scheduler, self.tok, self.model_name, self.eos_ids = scheduler, tok, model_name, tuple(eos_ids)
-    self.user_prompt = user_prompt
+    self.user_prompt, self.max_prompt_chars = user_prompt, max_prompt_chars
     self.tool_format = tool_formats.detect(tok)
     self.max_tokens = scheduler.engine.turn_tokens
     self.max_prompt = scheduler.engine.P
@@ -198,6 +309,12 @@ class OpenAIPolicy:
                      param="max_tokens")
     return max_tokens
 
+  def _check_chars(self, chars: int, param: str) -> None:
+    """The cap on text to render and tokenise, checked before any of it is."""
+    if chars > self.max_prompt_chars:
+      raise APIError(400, f"{param}: {chars} characters of text exceed the server's {self.max_prompt_chars} "
+                     "(max_prompt_chars)", param=param, code="context_length_exceeded")
+
   def _prompt_ids(self, ids: list[int], param: str) -> list[int]:
     if not ids:
       raise APIError(400, f"{param}: the prompt is empty", param=param)
@@ -211,45 +328,41 @@ class OpenAIPolicy:
 
   # --- running --------------------------------------------------------------------------------
 
-  async def _run(self, prompt_ids: list[int], body: _Body, max_tokens: int, stops: list[str], n: int, on_update):
-    """Runs one prompt's n samples; calls `on_update(g, sample, ended)` as they advance; returns the
-    SampleTexts."""
-    loop = asyncio.get_running_loop()
+  async def _gather(self, prompts: list[list[int]], body: _Body, max_tokens: int, stops: list[str], on_update):
+    """Runs each prompt's n samples; calls `on_update(i, sample, ended)` as they advance (i: the
+    prompt's index x n + the sample's); returns the SampleTexts. The request is admitted whole or
+    not at all (429), and any failure (the engine's, the client leaving) cancels all its samples."""
+    loop, n = asyncio.get_running_loop(), body.n
     events: asyncio.Queue = asyncio.Queue()
-    req = scheduler_lib.Request(
-        prompt_ids=prompt_ids, n=n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-        seed=body.seed, progress=bool(body.stream or stops),
-        on_event=lambda *ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    post = lambda q, *ev: loop.call_soon_threadsafe(events.put_nowait, (q, *ev))
+    reqs = [scheduler_lib.Request(prompt_ids=ids, n=n, max_tokens=max_tokens, temperature=body.temperature,
+                                  top_p=body.top_p, seed=body.seed, progress=bool(body.stream or stops),
+                                  on_event=functools.partial(post, q)) for q, ids in enumerate(prompts)]
     try:
-      rid = self.scheduler.submit(req)
+      rids = self.scheduler.submit_all(reqs)
     except scheduler_lib.QueueFull as e:
       raise APIError(429, f"the server is busy: {e}", code="queue_full") from None
-    samples = [SampleText(self.tok, stops, self.eos_ids) for _ in range(n)]
+    samples = [SampleText(self.tok, stops, self.eos_ids) for _ in range(len(prompts) * n)]
     ended = 0
     try:
-      while ended < n:
-        kind, g, x, y = await events.get()
-        s = samples[g]
+      while ended < len(samples):
+        q, kind, g, x, y = await events.get()
+        s = samples[q * n + g]
         if kind == "progress":
-          if s.update(x, y):
-            self.scheduler.cancel(rid, g)
-          await on_update(g, s, False)
+          if await _text_work(len(x), s.update, x, y):
+            self.scheduler.cancel(rids[q], g)
+          await on_update(q * n + g, s, False)
           continue
         if x is None:
-          raise APIError(500, f"the engine failed: {y}")
-        s.end(x)
+          raise http.internal_error("the engine failed", y, "engine_failed")
+        await _text_work(len(x.tokens), s.end, x)
         ended += 1
-        await on_update(g, s, True)
+        await on_update(q * n + g, s, True)
     except BaseException:
-      self.scheduler.cancel(rid)  # The client went away, or the engine failed: free the slots.
+      for rid in rids:  # The client went away, or the engine failed: free the slots.
+        self.scheduler.cancel(rid)
       raise
     return samples
-
-  async def _gather(self, prompts: list[list[int]], body: _Body, max_tokens: int, stops: list[str], on_update):
-    async def one(q, ids):
-      return await self._run(ids, body, max_tokens, stops, body.n,
-                             lambda g, s, done: on_update(q * body.n + g, s, done))
-    return [s for ss in await asyncio.gather(*(one(q, ids) for q, ids in enumerate(prompts))) for s in ss]
 
   @staticmethod
   def _usage(prompts, samples) -> dict:
@@ -260,9 +373,12 @@ class OpenAIPolicy:
   # --- /v1/completions ------------------------------------------------------------------------
 
   def completion_prompts(self, body: CompletionBody) -> list[list[int]]:
+    """The prompts' token ids, checked (text capped before it is tokenised); slow for a long text:
+    called in a thread."""
     p = body.prompt
     if isinstance(p, str) or (p and all(isinstance(x, str) for x in p)):
       texts = [p] if isinstance(p, str) else p
+      self._check_chars(text_chars(texts if len(texts) > 1 else texts[0], "prompt"), "prompt")
       ids = tokenizer_lib.encode_prompts(self.tok, texts)
     else:
       ids = [p] if p and isinstance(p[0], int) else p
@@ -284,7 +400,7 @@ class OpenAIPolicy:
       raise APIError(400, "logprobs: top alternatives are not returned; logprobs=0 gives the sampled tokens' "
                      "log-probs", param="logprobs")
     stops = _stops(body.stop)
-    prompts = self.completion_prompts(body)
+    prompts = await asyncio.to_thread(self.completion_prompts, body)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name}
     want_logprobs = body.logprobs is not None
@@ -295,8 +411,9 @@ class OpenAIPolicy:
 
     if not body.stream:
       samples = await self._gather(prompts, body, max_tokens, stops, _nothing)
-      return {**head, "choices": [choice(i, s, s.text, s.finish) for i, s in enumerate(samples)],
-              "usage": self._usage(prompts, samples)}
+      choices = await _text_work(_tokens(samples) if want_logprobs else 0,
+                                 lambda: [choice(i, s, s.text, s.finish) for i, s in enumerate(samples)])
+      return {**head, "choices": choices, "usage": self._usage(prompts, samples)}
 
     async def chunks(emit):
       async def update(i, s: SampleText, done: bool):
@@ -304,7 +421,8 @@ class OpenAIPolicy:
         if s.reported or not (text or s.finish):
           return
         s.reported = s.finish is not None
-        await emit({**head, "choices": [choice(i, s, text, s.finish)]})
+        one = await _text_work(len(s.tokens) if want_logprobs and s.finish else 0, choice, i, s, text, s.finish)
+        await emit({**head, "choices": [one]})
 
       samples = await self._gather(prompts, body, max_tokens, stops, update)
       if (body.stream_options or {}).get("include_usage"):
@@ -314,13 +432,13 @@ class OpenAIPolicy:
   # --- /v1/chat/completions -------------------------------------------------------------------
 
   def chat_prompt(self, body: ChatBody) -> tuple[list[int], list | None]:
+    """The conversation's token ids and its tools, checked (text capped before it is rendered);
+    slow for a long conversation: called in a thread."""
+    chars = sum(text_chars(m, f"messages[{i}]") for i, m in enumerate(body.messages))
+    chars += check_tools(body.tools) if body.tools is not None else 0
+    self._check_chars(chars, "messages")
     messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
     tools = body.tools if body.tool_choice != "none" else None
-    if tools is not None:
-      for i, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("function", t).get("name"), str):
-          raise APIError(400, f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}",
-                         param=f"tools[{i}]")
     if not getattr(self.tok, "chat_template", None):
       raise APIError(400, "messages: the model has no chat template; use /v1/completions", param="messages")
     if self.user_prompt is not None and tools is None and len(messages) == 1 and messages[0]["role"] == "user":
@@ -348,17 +466,18 @@ class OpenAIPolicy:
       raise APIError(400, "top_logprobs: top alternatives are not returned (0 only); logprobs=true gives the "
                      "sampled tokens' log-probs", param="top_logprobs")
     stops = _stops(body.stop)
-    ids, tools = self.chat_prompt(body)
+    ids, tools = await asyncio.to_thread(self.chat_prompt, body)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": self.model_name, "system_fingerprint": None}
 
+    def choice(i, s: SampleText) -> dict:
+      message, finish = self._message(s, tools)
+      return {"index": i, "message": message, "finish_reason": finish,
+              "logprobs": self._chat_logprobs(s) if body.logprobs else None}
+
     if not body.stream:
       samples = await self._gather([ids], body, max_tokens, stops, _nothing)
-      choices = []
-      for i, s in enumerate(samples):
-        message, finish = self._message(s, tools)
-        choices.append({"index": i, "message": message, "finish_reason": finish,
-                        "logprobs": self._chat_logprobs(s) if body.logprobs else None})
+      choices = await _text_work(_tokens(samples), lambda: [choice(i, s) for i, s in enumerate(samples)])
       return {**head, "object": "chat.completion", "choices": choices, "usage": self._usage([ids], samples)}
 
     head = {**head, "object": "chat.completion.chunk"}
@@ -374,7 +493,7 @@ class OpenAIPolicy:
         if s.reported or (tools and not done):
           return  # (Calls are parsed from the whole turn: the answer goes out at its end.)
         if tools:
-          message, finish = self._message(s, tools)
+          message, finish = await _text_work(len(s.tokens), self._message, s, tools)
           delta = {k: v for k, v in message.items() if k != "role"}
           if "tool_calls" in delta:
             delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(delta["tool_calls"])]
@@ -388,7 +507,7 @@ class OpenAIPolicy:
           s.reported = True
           chunk["finish_reason"] = finish
           if body.logprobs:
-            chunk["logprobs"] = self._chat_logprobs(s)
+            chunk["logprobs"] = await _text_work(len(s.tokens), self._chat_logprobs, s)
         await emit({**head, "choices": [chunk]})
 
       samples = await self._gather([ids], body, max_tokens, stops, update)
@@ -399,6 +518,18 @@ class OpenAIPolicy:
 
 async def _nothing(*_):
   return None
+
+
+async def _text_work(tokens: int, fn, *args):
+  """`fn(*args)`, text work on `tokens` tokens: in a thread, so the event loop answers other clients
+  meanwhile, unless it is small (a thread hop would cost more)."""
+  if tokens < INLINE_TOKENS:
+    return fn(*args)
+  return await asyncio.to_thread(fn, *args)
+
+
+def _tokens(samples: list[SampleText]) -> int:
+  return sum(len(s.tokens) for s in samples)
 
 
 def _event_stream(produce) -> responses.StreamingResponse:
@@ -413,7 +544,11 @@ def _event_stream(produce) -> responses.StreamingResponse:
     async def run():
       try:
         await produce(emit)
-      except APIError as e:
+      except Exception as e:  # noqa: BLE001 (anything but ours is logged, and named by an id)
+        if not isinstance(e, APIError):
+          eid = http.error_id()
+          logging.exception("a streamed answer failed (%s)", eid)
+          e = http.internal_error("the server failed on this request", eid)
         await q.put({"error": {"message": e.message, "type": APIError.TYPES.get(e.status), "code": e.code}})
       finally:
         await q.put(None)

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import queue
 import random
+import secrets
 import threading
 import time
 from typing import Callable
@@ -35,7 +36,8 @@ class QueueFull(Exception):
 class Request:
   """One client's ask: n samples of one prompt. `on_event(kind, sample, tokens, logp)` hears, from
   the engine thread, kind "progress" (tokens drawn so far, when `progress`) and "end" (the sample's
-  final tokens; tokens None and logp the error text when the engine failed)."""
+  final tokens; tokens None and logp an error id, under which the log has the cause, when the engine
+  failed)."""
   prompt_ids: list[int]
   n: int
   max_tokens: int
@@ -82,15 +84,24 @@ class Scheduler:
     return self.engine.session(self.params, jax.random.key(0))
 
   def submit(self, req: Request) -> int:
-    if len(req.prompt_ids) > self.engine.P:
-      raise ValueError(f"prompt of {len(req.prompt_ids)} tokens exceeds the server's {self.engine.P}")
+    return self.submit_all([req])[0]
+
+  def submit_all(self, reqs: list[Request]) -> list[int]:
+    """Queues requests whole or not at all: their samples together are checked against the queue
+    before any is admitted (QueueFull otherwise), so a client never holds a part it cannot use."""
+    for req in reqs:
+      if len(req.prompt_ids) > self.engine.P:
+        raise ValueError(f"prompt of {len(req.prompt_ids)} tokens exceeds the server's {self.engine.P}")
+    n = sum(req.n for req in reqs)
     with self._lock:
-      if self.pending + req.n > self.max_queue:
-        raise QueueFull(f"{self.pending} samples in flight; the server admits {self.max_queue}")
-      self.pending += req.n
-      req.rid, self._next_id = self._next_id, self._next_id + 1
-    self.inbox.put(("add", req))
-    return req.rid
+      if self.pending + n > self.max_queue:
+        raise QueueFull(f"{self.pending} samples in flight and {n} asked for; the server admits {self.max_queue}")
+      self.pending += n
+      for req in reqs:
+        req.rid, self._next_id = self._next_id, self._next_id + 1
+    for req in reqs:
+      self.inbox.put(("add", req))
+    return [req.rid for req in reqs]
 
   def cancel(self, rid: int, sample: int | None = None) -> None:
     """Ends request `rid`'s samples (or one of them) early; each still gets its "end" event."""
@@ -159,11 +170,12 @@ class Scheduler:
           for (rid, g), (tokens, logp) in self.session.progress().items():
             if self.requests[rid].progress:
               self._tell(self.requests[rid], "progress", g, tokens, logp)
-      except Exception as e:  # The engine failed: every request in flight gets the error; a fresh session.
-        logging.exception("serving engine round failed")
+      except Exception:  # The engine failed: every request in flight gets the error's id; a fresh session.
+        eid = f"err_{secrets.token_hex(6)}"
+        logging.exception("serving engine round failed (%s)", eid)
         for rid, req in list(self.requests.items()):
           for g in sorted(req.open_samples):
-            self._end(rid, g, None, error=f"{type(e).__name__}: {e}")
+            self._end(rid, g, None, error=eid)
         self.session = self._new_session()
 
   def _end(self, rid: int, g: int, ended: Ended | None, error: str | None = None) -> None:

@@ -53,13 +53,14 @@ class PolicyServer:
   `max_new_tokens`. A decode round returns to the host whenever a sample ends and at least every
   `round_steps` tokens (new requests join then). `compact` lets the pool's width follow the load
   (lower latency for few clients, at the cost of compiling each width as the load first meets it);
-  off, every round runs all `slots` rows. `user_prompt`: see `openai_api.OpenAIPolicy`. A context manager; `start()` serves in a thread,
-  `serve_forever()` in front."""
+  off, every round runs all `slots` rows. `user_prompt`: see `openai_api.OpenAIPolicy`. What clients
+  may hold (bodies, connections, the time to send a request, a prompt's characters): `limits`. A
+  context manager; `start()` serves in a thread, `serve_forever()` in front."""
 
   def __init__(self, model_cfg, params, tok, *, eos_ids, model_name: str = "dapo-policy", host: str = "127.0.0.1",
                port: int = 0, token: str | None = None, slots: int = 16, max_prompt_len: int = 512,
                max_new_tokens: int = 256, round_steps: int = 4, max_queue: int = 1024, top_k: int = 0, mesh=None,
-               compact: bool = False, user_prompt=None):
+               compact: bool = False, user_prompt=None, limits: http.Limits = http.Limits()):
     token = token or os.environ.get(TOKEN_ENV) or None
     http.check_bind(host, token, TOKEN_ENV)
     sampler_cfg = sampling.SamplerConfig(max_new_tokens=max_new_tokens, top_k=top_k, eos_ids=tuple(eos_ids),
@@ -68,11 +69,12 @@ class PolicyServer:
                                     prompt_buckets=prompt_buckets(max_prompt_len), mesh=mesh,
                                     round_steps=round_steps)
     self.scheduler = scheduler_lib.Scheduler(self.engine, params, max_queue=max_queue, compact=compact)
-    app = http.new_app("dapo_jax policy server", token)
-    self.policy = openai_api.OpenAIPolicy(self.scheduler, tok, model_name, tuple(eos_ids), user_prompt=user_prompt)
+    app = http.new_app("dapo_jax policy server", token, limits.max_body_bytes)
+    self.policy = openai_api.OpenAIPolicy(self.scheduler, tok, model_name, tuple(eos_ids), user_prompt=user_prompt,
+                                          max_prompt_chars=limits.max_prompt_chars)
     openai_api.routes(app, self.policy)
     try:
-      self.http = http.Server(app, host, port, name="policy-server")
+      self.http = http.Server(app, host, port, name="policy-server", limits=limits)
     except http.ServerConfigError:
       self.scheduler.close()
       raise
