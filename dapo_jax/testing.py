@@ -144,8 +144,8 @@ def memorized_model(cfg, token_rows, steps: int = 300, lr: float = 3e-3, seed: i
 
 
 class SlowResetEnv:
-  """An episode of two turns whose reward's `pred` is the prompt it was reset with (its example's last
-  message), so a row scored against another example shows it. Every `slow_every`-th reset run by an
+  """An episode of `turns` turns whose reward's `pred` is the prompt it was reset with (its example's
+  last message), so a row scored against another example shows it. Every `slow_every`-th reset run by an
   episode worker (not a group prompt's) sleeps `slow_s`, past a shorter `rollout.env_timeout_s`.
   Each instance counts its resets, steps and closes (`made`: every instance of this process), and a
   step after its close raises."""
@@ -154,12 +154,12 @@ class SlowResetEnv:
   resets = 0                 # worker resets so far (this process)
   running = 0                # resets in progress
 
-  def __init__(self, slow_s: float = 1.0, slow_every: int = 4):
+  def __init__(self, slow_s: float = 1.0, slow_every: int = 4, turns: int = 2):
     import threading  # noqa: PLC0415
     cls = SlowResetEnv
     if not hasattr(cls, "_lock"):
       cls._lock = threading.Lock()
-    self.slow_s, self.slow_every = slow_s, slow_every
+    self.slow_s, self.slow_every, self.turns = slow_s, slow_every, turns
     self.n_resets, self.n_steps, self.n_closes = 0, 0, 0
     self.in_worker, self.slow = False, False
     with cls._lock:
@@ -188,7 +188,7 @@ class SlowResetEnv:
     if self.n_closes:
       raise RuntimeError("step after close")
     self.n_steps += 1
-    if self.n_steps < 2:
+    if self.n_steps < self.turns:
       return [{"role": "user", "content": "again"}], None, {"steps": 1}
     ok = len(text) % 2 == 0
     return None, {"score": 1.0 if ok else -1.0, "acc": ok, "pred": self.example.messages[-1]["content"]}, {"steps": 1}

@@ -566,3 +566,42 @@ def test_a_turn_ended_on_any_end_of_turn_token_gets_no_second_one(tok):
   assert observation(eos) == after_eot
   assert observation(eot) == after_eot
   assert observation(stop) == render.observation_tokens(tok, obs)   # "</tool_call>"-like: the template's end.
+
+
+@pytest.mark.slow
+def test_a_command_line_run_scores_every_episode_against_its_own_example(tmp_path):
+  """`launch.train` (a tiny recipe, 4 rollout steps, an evaluation every 2) with an environment a
+  quarter of whose resets outlive `rollout.env_timeout_s`: every row of every step's dump is scored
+  against its own example or masked as a timeout, and each step's env/timeouts are that step's alone
+  (its dump's timed-out rows), evaluations' apart (val/env/*)."""
+  import os
+  import subprocess
+  import sys
+
+  from dapo_jax import dumps
+  from dapo_jax import metrics as metrics_lib
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  workdir = str(tmp_path / "run")
+  args = [f"--config={root}/configs/dapo_qwen2_5_32b.py:runlocal", f"--workdir={workdir}",
+          "--config.rollout.env=dapo_jax.testing:SlowResetEnv", '--config.rollout.env_args={"slow_s": 0.5, "turns": 1}',
+          "--config.rollout.env_timeout_s=0.2", "--config.rollout.env_workers=64", "--config.train.num_steps=4",
+          "--config.train.dump_rollouts_every=1", "--config.train.eval_every=2"]
+  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  out = subprocess.run([sys.executable, "-m", "launch.train", *args], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  logged = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  played = timed_out = 0
+  for step in range(1, 5):
+    rows = dumps.read(dumps.path(workdir, step))
+    for row in rows:
+      if row["pred"] == "[ENV_TIMEOUT]":
+        assert row["masked"], row
+      else:
+        assert row["pred"] == row["prompt"] and not row["masked"], (step, row)
+    step_timeouts = sum(row["pred"] == "[ENV_TIMEOUT]" for row in rows)
+    assert logged[step]["env/timeouts"] == logged[step]["env/masked"] == step_timeouts, (step, logged[step])
+    played += len(rows) - step_timeouts
+    timed_out += step_timeouts
+  assert timed_out >= 4 and played >= 3 * timed_out, (played, timed_out)
+  assert {k for k in logged[2] if k.startswith("val/env/")} >= {"val/env/timeouts", "val/env/masked"}
