@@ -133,8 +133,7 @@ def base() -> mlc.ConfigDict:
                    env_timeout_s=30.0,       # one environment step; a hung one ends its episode
                    env_workers=8,            # environment steps running at once (threads)
                    env_failure_score=-1.0,   # the reward of an episode cut by max_turns / max_episode_tokens
-                   env_error="mask",         # an environment that raised or timed out: "mask" its row out of
-                                             # the loss and its group's statistics, or "score" it env_failure_score
+                   env_error="mask",         # failed env: "mask" the row out of the loss, or "score" env_failure_score
                    turn_stop=())             # tokens that also end a policy turn, kept in its text: a tool
                                              # call's closing tag that is one token ("</tool_call>" in Qwen's)
   c.dapo = dict(prompts_per_step=512,        # Q, prompts in a train batch
