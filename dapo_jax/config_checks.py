@@ -146,10 +146,6 @@ def validate(cfg, num_devices: int | None = None) -> None:
   n("rollout.slots", 0, integer=True, allowed=">= 0 (0 = the rows of one generation batch)")
   if "max_staleness" in r:
     n("rollout.max_staleness", 0, integer=True, allowed=">= 0 (0: synchronous, 1: one-step-off)")
-  if r.get("max_staleness", 0) > 0 and d.carry_over and not d.streaming:
-    raise ConfigError(f"dapo.carry_over=True with rollout.max_staleness={r.max_staleness} and dapo.streaming=False: "
-                      "a carried group would be trained more versions after its sampler than the bound allows; "
-                      "set dapo.carry_over=False or rollout.max_staleness=0")
   if r.get("use_decoupled_loss") and not d.rollout_correction.rollout_is:
     raise ConfigError("rollout.use_decoupled_loss=True needs dapo.rollout_correction.rollout_is='token' or "
                       "'sequence': the decoupled loss weights rows by π_prox/π_behav through it, which would "
