@@ -1,6 +1,8 @@
 """Small models, tokenizers and rewards for tests and notebooks (everything built offline)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 # Model code is imported inside the functions that need it: reward-pool workers import this
@@ -153,12 +155,10 @@ class SlowResetEnv:
   made: list = []
   resets = 0                 # worker resets so far (this process)
   running = 0                # resets in progress
+  _lock = threading.Lock()
 
   def __init__(self, slow_s: float = 1.0, slow_every: int = 4, turns: int = 2):
-    import threading  # noqa: PLC0415
     cls = SlowResetEnv
-    if not hasattr(cls, "_lock"):
-      cls._lock = threading.Lock()
     self.slow_s, self.slow_every, self.turns = slow_s, slow_every, turns
     self.n_resets, self.n_steps, self.n_closes = 0, 0, 0
     self.in_worker, self.slow = False, False
@@ -166,7 +166,6 @@ class SlowResetEnv:
       cls.made.append(self)
 
   def reset(self, example):
-    import threading  # noqa: PLC0415
     import time  # noqa: PLC0415
     cls = SlowResetEnv
     self.example, self.n_resets = example, self.n_resets + 1
