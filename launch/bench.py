@@ -63,7 +63,7 @@ _MATMUL_DTYPE = flags.DEFINE_string("matmul_dtype", "", "Weight-matmul operand d
 _SMOLLM2_DIR = flags.DEFINE_string("smollm2_dir", "/tmp/smollm2", "device: SmolLM2-135M HF dir (launch.prepare "
                                    "smollm2); decode and train run on it, and its DAPO step ('' = skip).")
 _MEDIUM_DIR = flags.DEFINE_string("medium_dir", "/tmp/peers/medium-qwen2", "device: the peers' 30.8M model "
-                                  "(shared/peers/make_tiny_model.py) for its DAPO step ('' = skip).")
+                                  "(docs/scripts/peers/make_tiny_model.py) for its DAPO step ('' = skip).")
 _DEVICE_PROMPTS = flags.DEFINE_string("device_prompts", "/tmp/peers/data/prompts_32tok.jsonl",
                                       "device: prompts of the DAPO steps (jsonl with a 'prompt').")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 64, "device: rows decoded at once.")
@@ -207,7 +207,7 @@ def train_rates(cfg, mc, params, B: int, T: int, runs: int, peak: float) -> dict
 def bench_e2e(cfg, peak):
   """Seconds per DAPO rollout step on the peers' workload (8 x 8, 32-token prompts, 64 new tokens)."""
   if not (_MODEL_DIR.value and _PROMPTS.value):
-    raise ValueError("e2e needs --model_dir and --prompts (see shared/peers/make_tiny_model.py)")
+    raise ValueError("e2e needs --model_dir and --prompts (see docs/scripts/peers/make_tiny_model.py)")
   return dapo_steps(cfg, peak, _MODEL_DIR.value, _PROMPTS.value, _NUM_PROMPTS.value, _GROUP.value,
                     _NEW_TOKENS.value, _RUNS.value)
 
