@@ -4,7 +4,7 @@ r"""The default job: a tiny model learns 2-digit addition on a 2-core CPU, in mi
   python -m launch.train --config.train.num_steps=20
   python -m launch.train --config=configs/default.py:runlocal   # a seconds-long smoke run
 
-It trains a BPE tokenizer and a ~1M-parameter Qwen2-style model from scratch, warm-starts it
+It trains a BPE tokenizer and a 0.84M-parameter Qwen2-style model from scratch, warm-starts it
 with a short SFT (which stops once greedy decoding solves 30% of a probe of training problems,
 so RL starts with room to improve), then runs DAPO (dynamic sampling, decoupled clip,
 token-level loss, soft overlong punishment) and prints held-out accuracy before, during and

@@ -4,7 +4,7 @@
   python -m launch.serve --model_dir=HF_DIR [--adapter_dir=PEFT_DIR] --port=8000
   DAPO_SERVE_TOKEN=secret python -m launch.serve --model_dir=HF_DIR --host=0.0.0.0
 
-A run is read with its config (`--config`, the default job's by default). Only 127.0.0.1 is served
+A run is read with the config it recorded (WORKDIR/config.json) unless `--config` is given. Only 127.0.0.1 is served
 without a token; requests then carry `Authorization: Bearer <token>` (the openai client's api_key).
 The URL is printed as `serving MODEL on http://HOST:PORT`.
 """
