@@ -2,12 +2,16 @@
 written against the official `openai` client calls the policy, runs the tool it asks for and sends
 the whole conversation back; the trained row is exactly what the engine sampled (its log-probs are
 the teacher-forced ones of the whole episode), the observation is only the harness's new message
-rendered by the template, the loss mask covers the policy's tokens, and one update runs on it."""
+rendered by the template, the loss mask covers the policy's tokens, and one update runs on it. A
+command harness runs with a minimal environment and leaves no process behind; each episode has its
+own gateway token."""
 import functools
 import json
 import sys
 import threading
+import time
 
+import httpx
 import jax
 import numpy as np
 import openai
@@ -20,6 +24,7 @@ from dapo_jax.envs import render, tool_formats
 from dapo_jax.envs.base import ToolCall
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import episodes, rollout, sampling
+from dapo_jax.serve import gateway as gateway_lib
 from dapo_jax.serve import harness as harness_lib
 
 ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
@@ -206,3 +211,78 @@ def test_a_turn_cut_by_its_budget_reaches_the_harness_as_finish_reason_length(se
       assert FINISH == ["length", "length"], FINISH
     else:
       assert "length" not in FINISH, FINISH
+
+
+EXAMPLE = {"messages": [{"role": "user", "content": "Add 3 and 4."}]}
+
+
+def gone(pid: int) -> bool:
+  """Whether a process has ended (a zombie waiting for its parent has)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+  except FileNotFoundError:
+    return True
+
+
+def test_a_command_gets_a_minimal_environment_not_the_trainers(tmp_path, monkeypatch):
+  monkeypatch.setenv("DAPO_TEST_SECRET", "hunter2")
+  monkeypatch.setenv("DAPO_TEST_PASSED", "yes")
+  out = tmp_path / "env.json"
+  script = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
+  env = harness_lib.HarnessEnv(command=[sys.executable, "-c", script], timeout_s=60, pass_env=["DAPO_TEST_PASSED"])
+  with pytest.raises(harness_lib.HarnessError, match="ended without asking"):
+    env.reset(EXAMPLE)
+  env.close()
+  seen = json.loads(out.read_text())
+  assert "DAPO_TEST_SECRET" not in seen and seen["DAPO_TEST_PASSED"] == "yes"
+  assert json.loads(seen["DAPO_EXAMPLE"]) == EXAMPLE and seen["OPENAI_BASE_URL"].endswith("/v1")
+  allowed = set(harness_lib.COMMAND_ENV) | {"DAPO_TEST_PASSED", "OPENAI_BASE_URL", "OPENAI_API_KEY", "DAPO_EXAMPLE",
+                                            "LC_CTYPE"}  # (Python sets LC_CTYPE itself under a C locale.)
+  assert set(seen) <= allowed, set(seen) - allowed
+
+
+def test_a_command_past_its_timeout_leaves_no_process_behind(tmp_path):
+  """Its process group is killed: a background child that holds its output, and one that does not
+  (left running by a command that ended), go with it."""
+  spawn = ("import subprocess, sys, time\n"
+           "child = subprocess.Popen(['sleep', '300']{detach})\n"
+           "open(sys.argv[1], 'w').write(str(child.pid))\n"
+           "time.sleep({sleep})\n")
+  for detach, sleep in [("", 300), (", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL", 0)]:
+    pidfile = tmp_path / f"child{sleep}.pid"
+    env = harness_lib.HarnessEnv(command=[sys.executable, "-c", spawn.format(detach=detach, sleep=sleep),
+                                          str(pidfile)], timeout_s=2)
+    with pytest.raises(harness_lib.HarnessError, match="no request" if sleep else "ended without asking"):
+      env.reset(EXAMPLE)
+    pids = [env.proc.pid, int(pidfile.read_text())]
+    deadline = time.monotonic() + 20
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    env.close()
+    assert all(gone(p) for p in pids), [(p, gone(p)) for p in pids]
+
+
+def test_each_episode_has_its_own_token_and_malformed_requests_are_a_400():
+  gw = gateway_lib.gateway()
+  a, b = gw.open(), gw.open()
+  try:
+    models = lambda ep, token: httpx.get(gw.url_for(ep.eid) + "/models", headers={"Authorization": f"Bearer {token}"},
+                                         timeout=10)
+    assert models(a, a.token).status_code == 200 and models(b, b.token).status_code == 200
+    assert models(b, a.token).status_code == 401 and models(a, b.token).status_code == 401
+    a_on_b = openai.OpenAI(base_url=gw.url_for(b.eid), api_key=a.token, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+      a_on_b.chat.completions.create(model="policy", messages=EXAMPLE["messages"])
+    b_client = openai.OpenAI(base_url=gw.url_for(b.eid), api_key=b.token, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+      b_client.chat.completions.create(model="policy", messages=[{"role": "assistant", "tool_calls": "x"}])
+    assert e.value.body.get("error", e.value.body)["param"] == "messages[0].tool_calls"
+    r = httpx.post(gw.url_for(b.eid) + "/chat/completions", timeout=10,  # (A lone surrogate as its JSON escape.)
+                   content='{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                   headers={"Authorization": f"Bearer {b.token}", "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    assert a.inbox.empty() and b.inbox.empty()   # Nothing reached either episode.
+  finally:
+    gw.close_episode(a)
+    gw.close_episode(b)

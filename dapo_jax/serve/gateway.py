@@ -4,14 +4,16 @@
           ▲                                                               │ (HarnessEnv: reset / step)
           └──────────── the turn the engine sampled, as an assistant message ◄┘
 
-Each episode has its own base URL (`url_for(id)`), so any OpenAI client is a harness: the id
-travels in the path, the gateway's token as the api_key. A request waits until the engine has
-sampled the episode's next turn with the training policy; the answer carries that turn's text
-(tool calls parsed as the template writes them). One gateway per process, on 127.0.0.1.
+Each episode has its own base URL (`url_for(id)`) and its own token (`Episode.token`), so any
+OpenAI client is a harness: the id travels in the path, the token as the api_key, and one episode's
+client cannot speak for another. A request waits until the engine has sampled the episode's next
+turn with the training policy; the answer carries that turn's text (tool calls parsed as the
+template writes them). One gateway per process, on 127.0.0.1, within `http.Limits`.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import queue
 import secrets
 import threading
@@ -19,29 +21,31 @@ import time
 
 import fastapi
 
-from dapo_jax.serve import http
+from dapo_jax.serve import http, openai_api
 
 REPLY_TIMEOUT_S = 600.0
 
 
 class Episode:
   """One episode's side of the gateway: requests wait in `inbox` as (body, reply) until the
-  environment takes them; `reply(answer)` answers one (a dict, or an APIError)."""
+  environment takes them; `reply(answer)` answers one (a dict, or an APIError). Its requests carry
+  `token` (its harness's api_key), no other episode's."""
 
   def __init__(self, eid: str):
     self.eid = eid
+    self.token = secrets.token_hex(16)
     self.inbox: queue.Queue = queue.Queue()
     self.closed = False
 
 
 class Gateway:
-  def __init__(self, host: str = "127.0.0.1", port: int = 0):
-    self.token = secrets.token_hex(16)
+  def __init__(self, host: str = "127.0.0.1", port: int = 0, limits: http.Limits = http.Limits()):
     self.episodes: dict[str, Episode] = {}
     self._lock = threading.Lock()
-    app = http.new_app("dapo_jax episode gateway", self.token)
+    # No gateway-wide token: each route checks its episode's own (`_episode`).
+    app = http.new_app("dapo_jax episode gateway", None, limits.max_body_bytes)
     self._routes(app)
-    self.server = http.Server(app, host, port, name="episode-gateway").start()
+    self.server = http.Server(app, host, port, name="episode-gateway", limits=limits).start()
 
   @property
   def url(self) -> str:
@@ -67,20 +71,21 @@ class Gateway:
         item = ep.inbox.get_nowait()
       except queue.Empty:
         return
-      if item is not None:
+      if item is not None and callable(item[1]):  # (Not the harness's own ("end" | "error", ...) note.)
         item[1](http.APIError(410, f"episode {ep.eid} has ended", code="episode_ended"))
 
   def _routes(self, app: fastapi.FastAPI) -> None:
     @app.get("/episodes/{eid}/v1/models")
-    async def models(eid: str):
-      self._episode(eid)
+    async def models(eid: str, request: fastapi.Request):
+      self._episode(eid, request)
       return {"object": "list", "data": [{"id": "policy", "object": "model", "created": 0, "owned_by": "dapo_jax"}]}
 
     @app.post("/episodes/{eid}/v1/chat/completions")
-    async def chat(eid: str, body: dict):
-      ep = self._episode(eid)
+    async def chat(eid: str, body: dict, request: fastapi.Request):
+      ep = self._episode(eid, request)
       if body.get("stream"):
         raise http.APIError(400, "stream: the episode gateway answers whole turns (stream=false)", param="stream")
+      await asyncio.to_thread(_check_request, body)  # A malformed request is the harness's 400, not the episode's end.
       loop = asyncio.get_running_loop()
       answer = loop.create_future()
       ep.inbox.put((body, lambda x: loop.call_soon_threadsafe(_settle, answer, x)))
@@ -94,11 +99,28 @@ class Gateway:
         raise out
       return out
 
-  def _episode(self, eid: str) -> Episode:
+  def _episode(self, eid: str, request: fastapi.Request) -> Episode:
+    """The episode a request names, if it carries that episode's token (ids are random: an unknown
+    one reveals nothing, so it is a 404, for a harness whose episode has ended)."""
     ep = self.episodes.get(eid)
     if ep is None:
       raise http.APIError(404, f"no episode {eid!r} (ended, or never opened)", code="episode_not_found")
+    got = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(got, f"Bearer {ep.token}".encode()):
+      raise http.APIError(401, "missing or wrong 'Authorization: Bearer <token>' (each episode has its own)",
+                          code="invalid_api_key")
     return ep
+
+
+def _check_request(body: dict) -> None:
+  """A 400 naming the field for what the episode could not take: no messages, a malformed one."""
+  messages = body.get("messages")
+  if not isinstance(messages, list) or not messages:
+    raise http.APIError(400, "messages: expected a non-empty list of messages", param="messages")
+  for i, m in enumerate(messages):
+    openai_api.normalize_message(m, i)
+  if body.get("tools") is not None:
+    openai_api.check_tools(body["tools"])
 
 
 def _settle(fut: asyncio.Future, x) -> None:

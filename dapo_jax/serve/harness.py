@@ -7,6 +7,11 @@ chat API, and the policy being trained answers its requests.
                                                                   # and DAPO_EXAMPLE (JSON) in its environment;
                                                                   # its last line of stdout is the reward
 
+A command runs in its own process group with a minimal environment (`COMMAND_ENV` and the names in
+`pass_env`, not the trainer's, which may hold credentials); the whole group is killed when it
+overruns `timeout_s` or its episode ends, so a background child it started does not outlive it.
+Each episode has its own gateway token: one episode's harness cannot post to another's URL.
+
 The harness's first request is the episode's prompt (messages and tools). Each later request
 carries the whole conversation back; only the messages after the policy's last turn are new, and
 only they are rendered (`envs.render`): the earlier turns stay the tokens the engine sampled, so
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import threading
 
@@ -28,6 +34,9 @@ from dapo_jax.envs import base as env_lib
 from dapo_jax.envs import tool_formats
 from dapo_jax.serve import gateway as gateway_lib
 from dapo_jax.serve import openai_api
+
+
+COMMAND_ENV = ("PATH", "HOME", "LANG")   # what a command gets of the trainer's environment, besides pass_env
 
 
 class HarnessError(RuntimeError):
@@ -55,18 +64,22 @@ def _same(sent: dict, got: dict) -> bool:
 class HarnessEnv(env_lib.Env):
   """One episode driven by a harness: `harness` ('module:function' or the function itself, called
   in a thread as function(base_url, api_key, example) -> reward) or `command` (a program run per
-  episode). `timeout_s` bounds the wait for the harness's next request or its end."""
+  episode, in its own process group, with `COMMAND_ENV`, the variables named in `pass_env` and the
+  episode's OPENAI_BASE_URL, OPENAI_API_KEY, DAPO_EXAMPLE). `timeout_s` bounds the wait for the
+  harness's next request or its end (a command's group is killed then)."""
 
-  def __init__(self, harness: str = "", command=None, timeout_s: float = 300.0):
+  def __init__(self, harness: str = "", command=None, timeout_s: float = 300.0, pass_env=()):
     if bool(harness) == bool(command):
       raise ValueError("rollout.env_args: give one of harness='module:function' or command=[...]")
     self.fn = None
     if harness:
       self.fn = harness if callable(harness) else env_lib.import_object(harness, "rollout.env_args harness")
     self.command = [command] if isinstance(command, str) else command
+    self.pass_env = (pass_env,) if isinstance(pass_env, str) else tuple(pass_env)
     self.timeout_s = timeout_s
     self.ep = None
     self.proc = None
+    self._group_gone = False
 
   # --- the harness's side ----------------------------------------------------------------------
 
@@ -75,9 +88,20 @@ class HarnessEnv(env_lib.Env):
       if self.fn is not None:
         result = self.fn(url, key, example)
       else:
-        env = dict(os.environ, OPENAI_BASE_URL=url, OPENAI_API_KEY=key, DAPO_EXAMPLE=_example_json(example))
-        self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = self.proc.communicate(timeout=self.timeout_s)
+        env = {k: os.environ[k] for k in COMMAND_ENV + self.pass_env if k in os.environ}
+        env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY=key, DAPO_EXAMPLE=_example_json(example))
+        self._group_gone = False
+        self.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        try:
+          out, err = self.proc.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:  # It, or a background child holding its pipes, ran on.
+          self._kill_group()
+          out, err = self.proc.communicate(timeout=10)
+          if self.proc.returncode < 0:
+            raise HarnessError(f"harness {self.command} did not end within {self.timeout_s:.0f}s (killed with "
+                               "its process group)") from None
+        self._kill_group()  # What it left running in the background.
         if self.proc.returncode != 0:
           raise HarnessError(f"harness {self.command} exited with {self.proc.returncode}: {err.strip()[-300:]}")
         lines = out.strip().splitlines()
@@ -109,7 +133,7 @@ class HarnessEnv(env_lib.Env):
     gw = gateway_lib.gateway()
     self.ep = gw.open()
     self.fmt = tool_formats.detect(self.tokenizer) if self.tokenizer is not None else "qwen"
-    threading.Thread(target=self._run, args=(example, gw.url_for(self.ep.eid), gw.token), daemon=True,
+    threading.Thread(target=self._run, args=(example, gw.url_for(self.ep.eid), self.ep.token), daemon=True,
                      name="harness").start()
     item = self._next()
     if item[0] == "end":
@@ -146,6 +170,16 @@ class HarnessEnv(env_lib.Env):
   def close(self) -> None:
     if self.ep is not None:
       gateway_lib.gateway().close_episode(self.ep)
-    if self.proc is not None and self.proc.poll() is None:
-      self.proc.kill()
+    self._kill_group()
+
+  def _kill_group(self) -> None:
+    """Kills the command's process group: it, and what it started (that did not leave the group).
+    Once its leader has been reaped and the group killed, never again (its id could be reused)."""
+    if self.proc is None or self._group_gone:
+      return
+    try:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # Gone already.
+      pass
+    self._group_gone = self.proc.poll() is not None
 
