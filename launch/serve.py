@@ -33,6 +33,12 @@ _RAW = flags.DEFINE_bool("raw", False, "Chat requests as sent. Default with --wo
                         "message is put as the run's training prompts were (the task's instruction and worked "
                         "examples), as launch.sample puts --prompt.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask for (default: the directory's name).")
+# What clients may hold of the server; unset, serve.http.Limits' defaults.
+_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", None, "Connections open at once (http.Limits).")
+_HEADER_TIMEOUT_S = flags.DEFINE_float("header_timeout_s", None, "Seconds to send a request's head (http.Limits).")
+_BODY_TIMEOUT_S = flags.DEFINE_float("body_timeout_s", None, "Longest pause inside a request body (http.Limits).")
+_MAX_PROMPT_CHARS = flags.DEFINE_integer("max_prompt_chars", None, "Characters of prompt text a request may have "
+                                         "tokenised (http.Limits).")
 
 
 def main(argv):
@@ -58,6 +64,8 @@ def main(argv):
       token=_TOKEN.value, slots=_SLOTS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
       max_new_tokens=_MAX_NEW_TOKENS.value, round_steps=_ROUND_STEPS.value, max_queue=_MAX_QUEUE.value,
       compact=_COMPACT.value, mesh=mesh,
+      limits=server_lib.http.limits(max_connections=_MAX_CONNECTIONS.value, header_timeout_s=_HEADER_TIMEOUT_S.value,
+                                    body_timeout_s=_BODY_TIMEOUT_S.value, max_prompt_chars=_MAX_PROMPT_CHARS.value),
       user_prompt=None if _RAW.value or not workdir else (lambda q: from_config.user_prompt_messages(cfg, q)))
   print(f"serving {server.policy.model_name} on {server.url} (OpenAI API: /v1/chat/completions, "
         "/v1/completions, /v1/models)", flush=True)
