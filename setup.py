@@ -25,6 +25,7 @@ setuptools.setup(
         "pyarrow",
         "absl-py",
         "numpy",
+        "pyseccomp",  # the code sandbox's seccomp filter (a binding to the system's libseccomp)
     ],
     extras_require={
         # torch only checks our model against the transformers reference implementation.

