@@ -53,6 +53,7 @@ def _user_errors():
   from dapo_jax import checkpoint, from_config, loop, metrics, rewards
   from dapo_jax.data import prompts as data
   from dapo_jax.data import tokenizer
+  from dapo_jax.envs import sandbox
   from dapo_jax.hf import convert as hf
   from dapo_jax.hf import gguf
   from dapo_jax.model import lora
@@ -65,7 +66,8 @@ def _user_errors():
   return (*server_errors, data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
           gguf.GGUFError, from_config.ConfigError, dynamic_sampling.DynamicSamplingCapError,
-          metrics.MetricsConfigError, lora.LoraError, OutputExistsError)
+          metrics.MetricsConfigError, lora.LoraError, OutputExistsError,
+          sandbox.SandboxError)  # A host that cannot sandbox code rewards: one line naming what is missing.
 
 
 class OutputExistsError(ValueError):

@@ -496,6 +496,22 @@ def test_a_host_that_cannot_sandbox_stops_in_one_line(tmp_path):
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
 
 
+def test_training_on_a_host_that_cannot_sandbox_stops_in_one_line(tmp_path):
+  """launch.train with a code reward and no bwrap: `error: sandbox: ...`, exit status 1, no traceback,
+  before any data or model is loaded."""
+  no_bwrap = tmp_path / "bin"
+  no_bwrap.mkdir()
+  for tool in ("sh", "setpriv", "prlimit"):
+    os.symlink(shutil.which(tool), no_bwrap / tool)
+  out = subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/smollm2_135m_code.py",
+                        f"--workdir={tmp_path / 'run'}"], env=dict(os.environ, PATH=str(no_bwrap)),
+                       capture_output=True, text=True, timeout=300, cwd=CHECKOUT)
+  errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+  assert errors == ["error: sandbox: bwrap not found (apt-get install bubblewrap); or set DAPO_SANDBOX=none "
+                    "(reward.sandbox='none') to run trusted code without isolation"], out.stderr[-2000:]
+
+
 def test_a_read_only_cgroup_hierarchy_stops_in_one_line():
   """A cgroup tree this process cannot write (remounted read-only in a mount namespace of its own)."""
   cgroups = sandbox._host().cgroups
