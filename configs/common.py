@@ -216,7 +216,8 @@ def base() -> mlc.ConfigDict:
                                                      # ("rm:DIR", "0.5*dapo_jax.rewards:math_dapo")
                   timeout_s=10.0, workers=2,
                   # Code the policy writes (dapo_jax.rewards:python_tests, the python tool) runs in a
-                  # sandbox of namespaces (docs/sandbox.md); "none" is for trusted code only, and warns.
+                  # sandbox (bubblewrap namespaces, one cgroup, a seccomp filter: docs/sandbox.md);
+                  # "none" is for trusted code only, and warns.
                   sandbox="namespaces")
   c.optim = dict(lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8)
   c.train = dict(num_steps=500,              # rollout steps
