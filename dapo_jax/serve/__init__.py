@@ -2,7 +2,7 @@
 
 The plumbing (`serve.http`) is free of jax, for the reward-model server; the policy server is
 imported on first use."""
-from dapo_jax.serve.http import APIError, Server, ServerConfigError, check_bind, new_app
+from dapo_jax.serve.http import APIError, Limits, Server, ServerConfigError, check_bind, new_app
 
 
 def __getattr__(name):
