@@ -15,6 +15,32 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MIN_RISE = 0.30
 
 
+def code_digest(nb) -> str:
+  """As docs/scripts/execute_notebook.py stamps it: SHA-256 of the code cells, in order."""
+  import hashlib
+  return hashlib.sha256("\n\0".join(c.source for c in nb.cells if c.cell_type == "code").encode()).hexdigest()
+
+
+def evals_printed(nb) -> list[dict]:
+  """The plot cell prints the first and the last evaluation's metrics as two dicts."""
+  outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+  return [ast.literal_eval(line) for line in outputs.splitlines() if line.startswith("{'val/")]
+
+
+def test_quickstart_is_saved_with_the_outputs_of_its_own_code():
+  # A reader sees results without running it; they come from the code it holds (stamped when it was run
+  # by docs/scripts/execute_notebook.py), the default job, and show what the default job shows.
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
+  stamp = nb.metadata.get("dapo_jax", {})
+  assert stamp.get("code_sha256") == code_digest(nb), "the code changed since the outputs were saved: rerun it"
+  assert stamp.get("environment", {}).get("QUICKSTART_DEFAULT_JOB") == "1"
+  first, last = evals_printed(nb)
+  assert last["val/acc/mean@4"] >= first["val/acc/mean@4"] + MIN_RISE, (first, last)
+  install = nb.cells[1]
+  assert "pip install" in install.source and "skip-execution" in install.metadata.get("tags", [])
+  assert "from_config" not in "".join(c.source for c in nb.cells)   # the Python API only
+
+
 def readme_sample_line():
   """The README's `launch.sample` command line and the answer its comment promises."""
   for line in open(os.path.join(ROOT, "README.md")):
@@ -43,8 +69,7 @@ def test_quickstart_runs_the_default_job_which_learns_and_answers_the_readme_que
   outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
   assert "Held-out before RL" in outputs and "parameters" in outputs
   assert any(o.get("output_type") == "display_data" for c in nb.cells for o in c.get("outputs", []))
-  # The plot cell prints the first and the last evaluation's metrics as two dicts.
-  evals = [ast.literal_eval(line) for line in outputs.splitlines() if line.startswith("{'val/")]
+  evals = evals_printed(nb)
   assert len(evals) == 2, outputs[-2000:]
   first, last = evals
   print("held-out mean@4", first["val/acc/mean@4"], "->", last["val/acc/mean@4"], "greedy", first["val/acc/greedy"],
