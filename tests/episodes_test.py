@@ -603,5 +603,5 @@ def test_a_command_line_run_scores_every_episode_against_its_own_example(tmp_pat
     assert logged[step]["env/timeouts"] == logged[step]["env/masked"] == step_timeouts, (step, logged[step])
     played += len(rows) - step_timeouts
     timed_out += step_timeouts
-  assert timed_out >= 4 and played >= 3 * timed_out, (played, timed_out)
+  assert timed_out >= 4 and played >= 2 * timed_out, (played, timed_out)   # About a quarter time out.
   assert {k for k in logged[2] if k.startswith("val/env/")} >= {"val/env/timeouts", "val/env/masked"}
