@@ -255,6 +255,9 @@ def _parse_flags(argv):
     print(f"error: {first if first.endswith(detail) else first.rstrip(':') + ' ' + detail}", file=sys.stderr)
   except (AttributeError, KeyError) as e:  # ml_collections: the field does not exist.
     _config_error(e, argv)
+  except (OSError, ImportError, SyntaxError) as e:  # The config file, loaded as overrides apply to it.
+    named = [a for a in argv if a.startswith("--config=")]
+    print(f"error: {named[-1] if named else '--config'}: {_last_line(e)}", file=sys.stderr)
   sys.exit(1)
 
 

@@ -106,6 +106,8 @@ def test_a_newcomers_mistakes_are_one_line_each(tmp_path):
     assert all(n in out.stderr for n in needles), out.stderr
 
   one_line(launch("train", "--config=configs/nope.py"), "--config=configs/nope.py", "No such file")
+  one_line(launch("train", "--config=configs/nope.py", "--config.train.num_steps=2"), "--config=configs/nope.py",
+           "No such file")
   one_line(launch("train", "--config=configs/smollm2_135m_arith.py:taks=mul"), "'taks' is unknown", "task")
   one_line(launch("train", "--config.dapo.eps_hihg=0.3"), "--config.dapo.eps_hihg")
   one_line(launch("train", "--dry_run", "--config.rollout.temperature=-1"), "rollout.temperature")
