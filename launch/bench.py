@@ -125,10 +125,9 @@ def adapted(cfg, mc, params):
 
 
 def matmul_params(mc) -> int:
-  """Parameters that take part in matmuls per token (every projection and the unembedding)."""
-  D, F, N, K, H = mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim
-  V, L = mc.vocab_size, mc.num_layers
-  return L * (D * H * (2 * N + 2 * K) + 3 * D * F) + V * D
+  """`metrics.matmul_params`: the FLOPs the runs' own perf/mfu counts (MoE: the active experts)."""
+  from dapo_jax import metrics
+  return metrics.matmul_params(mc)
 
 
 def attention_flops(mc, queries: int, keys: float) -> float:
