@@ -85,6 +85,22 @@ def test_runs_python_with_stdin_files_and_an_unprivileged_uid():
   assert int(words[6], 16) == 0  # No capability can come back.
 
 
+def test_an_interpreter_in_a_virtualenv_under_tmp_runs_in_the_sandbox():
+  # The sandbox's /tmp is its own tmpfs; a virtualenv made under the host's /tmp (as CI may make one)
+  # must still be seen, read-only, with only the allowed packages in its site-packages.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory(dir="/tmp") as d:
+    os.chmod(d, 0o755)  # as `python -m venv` leaves a directory it makes
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", d], check=True,
+                   timeout=120)
+    code = ("from dapo_jax.envs.sandbox import run_python; "
+            "r = run_python('import sys, numpy; print(sys.prefix)'); print(r.exit_code, r.stdout.strip(), r.stderr)")
+    out = subprocess.run([os.path.join(d, "bin", "python"), "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:2] == ["0", d], out.stdout
+
+
 def test_exit_codes_and_exceptions():
   assert run("raise SystemExit(3)").exit_code == 3
   r = run("1/0")

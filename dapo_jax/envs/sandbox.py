@@ -609,9 +609,11 @@ class _Run:
 
     size = str(limits.disk_mb << 20)
     args = [host.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup",
-            "--die-with-parent", "--new-session", "--hostname", "sandbox", *host.view,
+            "--die-with-parent", "--new-session", "--hostname", "sandbox",
             "--proc", "/proc", "--dev", "/dev", "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm",
-            "--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
+            "--size", size, "--perms", "1777", "--tmpfs", "/tmp",
+            # After /tmp's tmpfs, so an interpreter installed under /tmp (a virtualenv there) stays visible.
+            *host.view]
     made = set()
     for name, text in sorted((job.files or {}).items()):
       parts = os.path.normpath(name).split("/")
