@@ -123,7 +123,7 @@ class Checkpointer:
       got_dtype = getattr(got, "dtype", None)
       if got_dtype is not None and _old_counter(np.dtype(got_dtype), leaf):
         logging.warning("checkpoint %s/%d: %s was written as an int64 scalar (a step without an update, "
-                        "before issue #37 was fixed); restored as %s", self.directory, step, name,
+                        "by an older version); restored as %s", self.directory, step, name,
                         np.dtype(leaf.dtype).name)
       elif got_dtype is not None and np.dtype(got_dtype) != np.dtype(leaf.dtype):
         raise CheckpointMismatchError(

@@ -188,7 +188,7 @@ def test_save_refuses_a_python_number_in_the_state(tmp_path):
 
 @pytest.mark.slow  # ~20 s: builds a whole run (eager parameter init, the sampler's compile).
 def test_run_whose_last_step_made_no_update_resumes(tmp_path):
-  """Issue #37: step 0 keeps no group (every score fails), so no update runs; its checkpoint must hold
+  """Step 0 keeps no group (every score fails), so no update runs; its checkpoint must hold
   the state's own int32 rollout_step, and the run resumes from it (restore checks every dtype)."""
   from configs import dapo_qwen2_5_32b
   from dapo_jax import from_config

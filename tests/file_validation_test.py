@@ -192,7 +192,7 @@ def test_file_task_trains_its_tokenizer_on_the_file(tmp_path):
   assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
 
 
-# --- files that point outside their directory (issue #37) ----------------------------------------
+# --- files that point outside their directory -----------------------------------------------------
 
 def sharded_dir(path):
   """A model directory whose tensors are in two shards, a.safetensors and b.safetensors, with an index."""

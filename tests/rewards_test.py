@@ -138,7 +138,7 @@ def test_pool_survives_a_function_that_kills_its_worker():
   assert pool.errors == 1 and pool.timeouts == 0
 
 
-# --- rewards that misbehave inside the pool (issue #37) ------------------------------------------
+# --- rewards that misbehave inside the pool -------------------------------------------------------
 # The pool's workers import these by path (`HERE:misbehaving`), as they would a user's module.
 HERE = __name__
 OK = {"score": 1.0, "acc": True, "pred": ""}
@@ -231,7 +231,7 @@ def test_non_finite_weight_is_refused():
 
 @pytest.mark.slow  # ~20 s: builds a whole run.
 def test_a_nan_reward_is_counted_and_the_run_goes_on(tmp_path):
-  """Issue #37: `testing.nan_reward` (mixed acc, NaN scores) used to reach the advantages and stop the
+  """`testing.nan_reward` (mixed acc, NaN scores) used to reach the advantages and stop the
   run after max_bad_steps; now every sample is a counted failure and every metric is finite."""
   import math
 

@@ -1,4 +1,4 @@
-"""One run per workdir (issue #37): real processes take WORKDIR/run.lock; a second one is refused
+"""One run per workdir: real processes take WORKDIR/run.lock; a second one is refused
 naming the first, and a run killed with SIGKILL leaves no stale lock."""
 import os
 import signal
