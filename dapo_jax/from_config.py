@@ -561,6 +561,24 @@ def restore_policy(cfg, workdir: str, mesh=None):
     ckpt.close()
 
 
+def served_policy(cfg, workdir, hf_dir, adapter_dir, mesh):
+  """(model_cfg, params, tokenizer, source dir, name) of what `launch.serve` serves: `hf_dir` (with a
+  PEFT adapter) or the newest checkpoint in `workdir` (a run trained with `cfg`)."""
+  from dapo_jax.hf import peft
+  from dapo_jax.model import lora as lora_lib
+  if hf_dir:
+    model_cfg, params = hf.load(hf_dir, **runtime_overrides(cfg))
+    tok = tokenizer_lib.load(cfg.tokenizer.path or hf_dir)
+    if adapter_dir:
+      lora_cfg, adapters = peft.load_peft(adapter_dir, model_cfg)
+      params = lora_lib.adapt(model_cfg, lora_cfg, params, jax.random.key(0), adapters)
+    return model_cfg, params, tok, hf_dir, os.path.basename(os.path.normpath(adapter_dir or hf_dir))
+  if adapter_dir:
+    raise ValueError("--adapter_dir goes with --model_dir (its base model)")
+  model_cfg, params, tok, _ = restore_policy(cfg, workdir, mesh)
+  return model_cfg, params, tok, model_dir(cfg, workdir), os.path.basename(os.path.normpath(workdir))
+
+
 def teacher(cfg, model_cfg: model_lib.ModelConfig, tok, mesh, pg: objectives.PGConfig):
   """On-policy distillation's teacher from `dapo.teacher_dir` (any HF directory we load): (its
   completion log-prob function, its params on the mesh). Refused at start unless it reads the

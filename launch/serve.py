@@ -56,7 +56,7 @@ def main(argv):
                              server_lib.TOKEN_ENV)  # Before the model loads.
   server_lib.http.check_port(_HOST.value, _PORT.value)
   mesh = sharding.make_mesh(cfg.mesh)
-  model_cfg, params, tok, source, name = server_lib.load_policy(cfg, workdir, _MODEL_DIR.value,
+  model_cfg, params, tok, source, name = from_config.served_policy(cfg, workdir, _MODEL_DIR.value,
                                                                 _ADAPTER_DIR.value, mesh)
   eos = tokenizer.stop_ids(tok, source, cfg.rollout.stop)
   server = server_lib.PolicyServer(

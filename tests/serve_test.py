@@ -380,7 +380,7 @@ def test_launch_serve_loads_a_run_checkpoint_and_a_peft_adapter(policy, tmp_path
   ckpt.save(2, state, {"rollout_step": 2, "seed": 0})
   ckpt.wait()
   ckpt.close()
-  got_cfg, params, _, _, name = server_lib.load_policy(cfg, str(workdir), None, None, mesh)
+  got_cfg, params, _, _, name = from_config.served_policy(cfg, str(workdir), None, None, mesh)
   assert got_cfg == model_cfg and name == "run"
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(state.params))
   # A PEFT adapter on the policy's directory: served as the adapted tree.
@@ -390,7 +390,7 @@ def test_launch_serve_loads_a_run_checkpoint_and_a_peft_adapter(policy, tmp_path
   adapted["lora"] = jax.tree.map(lambda x: x + 0.01, adapted["lora"])  # b != 0: the adapter changes outputs.
   peft.save_peft(str(tmp_path / "adapter"), p_cfg, adapted)
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
-  _, served, _, _, name = server_lib.load_policy(cfg, None, model_dir, str(tmp_path / "adapter"), mesh)
+  _, served, _, _, name = from_config.served_policy(cfg, None, model_dir, str(tmp_path / "adapter"), mesh)
   assert name == "adapter" and lora.is_adapted(served)
   ids = np.asarray([chat_ids(p_tok, "What is 12 + 5?")], np.int32)
   mask = np.ones_like(ids, bool)

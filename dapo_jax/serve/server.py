@@ -15,29 +15,6 @@ from dapo_jax.serve import scheduler as scheduler_lib
 TOKEN_ENV = "DAPO_SERVE_TOKEN"
 
 
-def load_policy(cfg, workdir, model_dir, adapter_dir, mesh):
-  """(model_cfg, params, tokenizer, source dir, name) of what is served: `model_dir` (with a PEFT
-  adapter) or the newest checkpoint in `workdir` (a run trained with `cfg`)."""
-  import jax
-
-  from dapo_jax import from_config
-  from dapo_jax.data import tokenizer
-  from dapo_jax.hf import convert as hf
-  from dapo_jax.hf import peft
-  from dapo_jax.model import lora
-  if model_dir:
-    model_cfg, params = hf.load(model_dir, **from_config.runtime_overrides(cfg))
-    tok = tokenizer.load(cfg.tokenizer.path or model_dir)
-    if adapter_dir:
-      lora_cfg, adapters = peft.load_peft(adapter_dir, model_cfg)
-      params = lora.adapt(model_cfg, lora_cfg, params, jax.random.key(0), adapters)
-    return model_cfg, params, tok, model_dir, os.path.basename(os.path.normpath(adapter_dir or model_dir))
-  if adapter_dir:
-    raise ValueError("--adapter_dir goes with --model_dir (its base model)")
-  model_cfg, params, tok, _ = from_config.restore_policy(cfg, workdir, mesh)
-  return model_cfg, params, tok, from_config.model_dir(cfg, workdir), os.path.basename(os.path.normpath(workdir))
-
-
 def prompt_buckets(max_prompt_len: int, smallest: int = 32) -> tuple[int, ...]:
   """Powers of two from `smallest` up to the longest prompt: the prefill shapes compiled."""
   out, b = [], smallest
