@@ -46,6 +46,12 @@ ACT_RULES: Rules = (
 SAMPLING_PARAM_RULES: Rules = tuple((k, None if v == "fsdp" else v) for k, v in PARAM_RULES)
 
 
+def mesh_devices(mesh_cfg: Mapping[str, int]) -> int | None:
+  """The device count a mesh names (the product of its axes), or None when an axis is -1 (the rest)."""
+  sizes = [int(mesh_cfg.get(a, 1)) for a in MESH_AXES]
+  return None if -1 in sizes else math.prod(sizes)
+
+
 def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
   """The (data, fsdp, expert, tensor) sizes of `mesh_cfg` on `num_devices` devices: one size may be
   -1 for "the rest of the devices", an axis left out has size 1. Raises ValueError naming the mesh."""

@@ -1,6 +1,5 @@
 """What every entry point shares: multi-host start-up, the default config path, clean errors."""
 import errno
-import math
 import os
 import sys
 
@@ -184,8 +183,8 @@ def dry_run(flag_values) -> None:
   cfg = run_config(flag_values["config"], workdir)
   # Checked for the machine its mesh names (a recipe for 128 GPUs dry-runs on a laptop); a mesh with a
   # -1 axis, for this one.
-  sizes = [int(v) for k, v in cfg.mesh.items() if k in ("data", "fsdp", "expert", "tensor")]
-  from_config.validate(cfg, num_devices=None if -1 in sizes else math.prod(sizes))
+  from dapo_jax import sharding
+  from_config.validate(cfg, num_devices=sharding.mesh_devices(cfg.mesh))
   print(cfg)
   source = f"{workdir}/{from_config.CONFIG_FILE}" if workdir and not flag_values["config"].present and \
       from_config.load_run_config(workdir) is not None else flag_values["config"].serialize().split("=", 1)[-1] \

@@ -13,10 +13,9 @@ _DEVICES = flags.DEFINE_integer("devices", None, "Device count (default: the rec
 
 
 def devices_of(mesh_cfg, devices: int | None) -> int:
-  """The devices the plan is for: as given, else the mesh's fixed size (128 when an axis is -1)."""
-  import math
-  sizes = [int(v) for k, v in mesh_cfg.items() if k in ("data", "fsdp", "expert", "tensor")]
-  return devices or (128 if -1 in sizes else math.prod(sizes))
+  """The devices the plan is for: as given, else the mesh's own count (128 when an axis is -1)."""
+  from dapo_jax import sharding
+  return devices or sharding.mesh_devices(mesh_cfg) or 128
 
 
 def report(cfg, devices: int | None = None, name: str = "") -> str:
