@@ -52,15 +52,16 @@ def stage_configs(path: str, overrides: dict, stages=None) -> dict:
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import ablation, from_config  # After distributed init.
+  from dapo_jax import build  # After distributed init.
+  from dapo_jax.build import ablation
   flag = flags.FLAGS["config"]
   try:
     cfgs = stage_configs(config_flags.get_config_filename(flag), config_flags.get_override_values(flag),
                          _STAGES.value)
   except ValueError as e:
-    raise from_config.ConfigError(str(e)) from None
+    raise build.ConfigError(str(e)) from None
   for cfg in cfgs.values():
-    from_config.validate(cfg)  # Every stage, before the first one trains.
+    build.validate(cfg)  # Every stage, before the first one trains.
   import jax
   if not jax.config.jax_compilation_cache_dir:  # The seeds of a stage compile the same programs.
     jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, "jax_cache"))

@@ -103,13 +103,13 @@ def matmul_peak(dtype="float32", n=2048, runs=5) -> float:
 def load_model(cfg):
   import jax
 
-  from dapo_jax import from_config
+  from dapo_jax import build
   from dapo_jax.hf import convert as hf
   from dapo_jax.model import transformer as model
   if _MODEL_DIR.value:
-    mc, params = hf.load(_MODEL_DIR.value, **{**from_config.runtime_overrides(cfg), **numerics(cfg)})
+    mc, params = hf.load(_MODEL_DIR.value, **{**build.runtime_overrides(cfg), **numerics(cfg)})
   else:
-    mc = dataclasses.replace(from_config.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))
+    mc = dataclasses.replace(build.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))
     params = model.init_params(mc, jax.random.key(0))
   return mc, params
 
@@ -118,9 +118,9 @@ def adapted(cfg, mc, params):
   """`params` as a run with `model.lora` holds them: the (int8) base and fresh adapters."""
   import jax
 
-  from dapo_jax import from_config
+  from dapo_jax import build
   from dapo_jax.model import lora
-  lcfg = from_config.lora_config(cfg)
+  lcfg = build.lora_config(cfg)
   return params if lcfg is None else lora.adapt(mc, lcfg, params, jax.random.key(1))
 
 
@@ -298,7 +298,7 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
   (jsonl with a "prompt" text; 32-token prompts), the model of `model_dir`: median timings."""
   import numpy as np
 
-  from dapo_jax import from_config, sharding
+  from dapo_jax import build, sharding
   from dapo_jax.rollout import engine
   tmp = tempfile.mkdtemp(prefix="dapo_bench_")
   rows = [json.loads(line) for line in open(prompts)]
@@ -323,7 +323,7 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
     if _SLOTS.value is not None:
       cfg.rollout.slots = _SLOTS.value
     cfg.dapo.streaming = False  # Whole generation batches: both paths run the very same samples.
-  with from_config.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
+  with build.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
     if _MEAN_LENGTH.value:
       dapo.rollout.length_hook = LengthHook(_MEAN_LENGTH.value, C)
     slots = cfg.rollout.slots or Q * G
@@ -386,7 +386,7 @@ def bench_async(cfg, peak):
 
   import jax
 
-  from dapo_jax import from_config, pipelining
+  from dapo_jax import build, pipelining
   R = _ROLLOUT_DEVICES.value or jax.device_count() // 2
   if not 0 < R < jax.device_count():
     raise SystemExit(f"--rollout_devices={R}: expected 1..{jax.device_count() - 1} of {jax.device_count()} devices "
@@ -403,7 +403,7 @@ def bench_async(cfg, peak):
     cfg.rollout.max_staleness = 0
     cfg.train.update(num_steps=runs + 1, eval_every=0, ckpt_every=0, log_samples_every=0, dump_rollouts_every=0)
   rollout_s, train_s, steps = [], [], []
-  with from_config.dapo(cfg, tmp) as dapo:
+  with build.dapo(cfg, tmp) as dapo:
     collect = dapo.collect
 
     def timed_collect(*args, **kwargs):
@@ -516,7 +516,7 @@ def bench_serve(cfg, peak):
   import jax
   import numpy as np
 
-  from dapo_jax import from_config, testing
+  from dapo_jax import build, testing
   from dapo_jax.data import tokenizer as tokenizer_lib
   from dapo_jax.model import transformer as model_lib
   from dapo_jax.rollout import engine, sampling
@@ -527,7 +527,7 @@ def bench_serve(cfg, peak):
     tok = tokenizer_lib.load(_MODEL_DIR.value)
   else:
     tok = testing.build_tokenizer(tempfile.mkdtemp(prefix="dapo_bench_"))
-    mc = dataclasses.replace(from_config.model_config(cfg, len(tok)), **numerics(cfg))
+    mc = dataclasses.replace(build.model_config(cfg, len(tok)), **numerics(cfg))
     params = model_lib.init_params(mc, jax.random.key(0))
   P, C, S = _PROMPT_LEN.value, _NEW_TOKENS.value, _SLOTS.value or 32
   clients, per_client = (1, 8, 32), max(_BATCH.value // 32, 1)

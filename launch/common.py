@@ -50,7 +50,7 @@ def say_workdir(workdir: str, verb: str) -> None:
 
 
 def _user_errors():
-  from dapo_jax import checkpoint, from_config, loop, metrics, rewards
+  from dapo_jax import build, checkpoint, loop, metrics, rewards
   from dapo_jax.data import prompts as data
   from dapo_jax.data import tokenizer
   from dapo_jax.envs import sandbox
@@ -65,7 +65,7 @@ def _user_errors():
     server_errors = ()
   return (*server_errors, data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
           checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
-          gguf.GGUFError, from_config.ConfigError, dynamic_sampling.DynamicSamplingCapError,
+          gguf.GGUFError, build.ConfigError, dynamic_sampling.DynamicSamplingCapError,
           metrics.MetricsConfigError, lora.LoraError, OutputExistsError,
           sandbox.SandboxError)  # A host that cannot sandbox code rewards: one line naming what is missing.
 
@@ -178,16 +178,16 @@ def define_config(default: str = DEFAULT_CONFIG, reads_run_config: bool = False)
 
 def dry_run(flag_values) -> None:
   """--dry_run: the config this command would use, checked, printed for a person; then exit 0."""
-  from dapo_jax import from_config
+  from dapo_jax import build
   workdir = flag_values["workdir"].value if "workdir" in flag_values and any(_READS_RUN_CONFIG) else None
   cfg = run_config(flag_values["config"], workdir)
   # Checked for the machine its mesh names (a recipe for 128 GPUs dry-runs on a laptop); a mesh with a
   # -1 axis, for this one.
   from dapo_jax import sharding
-  from_config.validate(cfg, num_devices=sharding.mesh_devices(cfg.mesh))
+  build.validate(cfg, num_devices=sharding.mesh_devices(cfg.mesh))
   print(cfg)
-  source = f"{workdir}/{from_config.CONFIG_FILE}" if workdir and not flag_values["config"].present and \
-      from_config.load_run_config(workdir) is not None else flag_values["config"].serialize().split("=", 1)[-1] \
+  source = f"{workdir}/{build.CONFIG_FILE}" if workdir and not flag_values["config"].present and \
+      build.load_run_config(workdir) is not None else flag_values["config"].serialize().split("=", 1)[-1] \
       or os.path.relpath(DEFAULT_CONFIG, REPO)
   print(f"# config: {source}; checked; --dry_run: nothing was run")
   sys.exit(0)
@@ -199,19 +199,19 @@ def run_config(config, workdir: str | None):
   command line's `--config.x=y` overrides on top; else the default config."""
   from absl import flags
 
-  from dapo_jax import from_config
+  from dapo_jax import build
   if flags.FLAGS["config"].present or not workdir:
     return config.value
-  cfg = from_config.load_run_config(workdir)
+  cfg = build.load_run_config(workdir)
   if cfg is None:
     return config.value
   try:
     cfg.update_from_flattened_dict(dict(flags.FLAGS["config"].override_values))
   except (AttributeError, KeyError, TypeError) as e:
-    raise from_config.ConfigError(f"{workdir}/{from_config.CONFIG_FILE}: a --config.* override does not "
+    raise build.ConfigError(f"{workdir}/{build.CONFIG_FILE}: a --config.* override does not "
                                   f"apply to the run's config: {e}") from None
   cfg.lock()
-  logging.info("config of %s/%s", workdir, from_config.CONFIG_FILE)
+  logging.info("config of %s/%s", workdir, build.CONFIG_FILE)
   return cfg
 
 

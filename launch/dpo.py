@@ -21,28 +21,28 @@ def main(argv):
   common.init_distributed()
   import jax  # (after launch.common has set XLA_FLAGS)
 
-  from dapo_jax import from_config, sharding
-  from dapo_jax import workdir as workdir_lib
+  from dapo_jax import build, sharding
+  from dapo_jax.build import record
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.pipelines import dpo
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or common.default_workdir()
-  workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
+  record.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
   out = os.path.join(workdir, "dpo_model")
-  workdir_lib.check_model_dir(out, "launch.dpo", _OVERWRITE.value)  # Before any work: refused by name.
-  from_config.validate_pairs(cfg, "dpo")
-  from_config.save_pipeline_config(cfg, workdir, "dpo")  # A resume that changes its start or loss fails here.
+  record.check_model_dir(out, "launch.dpo", _OVERWRITE.value)  # Before any work: refused by name.
+  build.validate_pairs(cfg, "dpo")
+  build.save_pipeline_config(cfg, workdir, "dpo")  # A resume that changes its start or loss fails here.
   mesh = sharding.make_mesh(cfg.mesh)
-  train, held = from_config.preference_data(cfg, "dpo")
+  train, held = build.preference_data(cfg, "dpo")
   tok = tokenizer.load(cfg.tokenizer.path or cfg.dpo.init_dir)
-  model_cfg, params = hf.load(cfg.dpo.init_dir, **from_config.runtime_overrides(cfg))
-  evaluator = from_config.dpo_evaluator(cfg, tok, model_cfg, mesh, held)
-  params, ev = dpo.train(from_config.dpo_config(cfg), model_cfg, params, tok, train, held, mesh, workdir,
-                         evaluator=evaluator, lora=from_config.lora_config(cfg))
+  model_cfg, params = hf.load(cfg.dpo.init_dir, **build.runtime_overrides(cfg))
+  evaluator = build.dpo_evaluator(cfg, tok, model_cfg, mesh, held)
+  params, ev = dpo.train(build.dpo_config(cfg), model_cfg, params, tok, train, held, mesh, workdir,
+                         evaluator=evaluator, lora=build.lora_config(cfg))
   if jax.process_index() == 0:
     params = jax.device_get(params)
-    workdir_lib.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))
+    record.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))
   print(f"DPO model written to {out}")
 
 

@@ -22,26 +22,26 @@ def main(argv):
   common.init_distributed()
   import jax  # (after launch.common has set XLA_FLAGS)
 
-  from dapo_jax import from_config, sharding
-  from dapo_jax import workdir as workdir_lib
+  from dapo_jax import build, sharding
+  from dapo_jax.build import record
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.pipelines import rm
   cfg = _CONFIG.value
   workdir = _WORKDIR.value or common.default_workdir()
-  workdir_lib.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
+  record.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
   out = os.path.join(workdir, "rm_model")
-  workdir_lib.check_model_dir(out, "launch.rm", _OVERWRITE.value)  # Before any work: refused by name.
-  from_config.validate_pairs(cfg, "rm")
-  from_config.save_pipeline_config(cfg, workdir, "rm")  # A resume that changes its start or loss fails here.
-  train, held = from_config.preference_data(cfg, "rm")
+  record.check_model_dir(out, "launch.rm", _OVERWRITE.value)  # Before any work: refused by name.
+  build.validate_pairs(cfg, "rm")
+  build.save_pipeline_config(cfg, workdir, "rm")  # A resume that changes its start or loss fails here.
+  train, held = build.preference_data(cfg, "rm")
   tok = tokenizer.load(cfg.tokenizer.path or cfg.rm.init_dir)
-  model_cfg, lm_params = hf.load(cfg.rm.init_dir, **from_config.runtime_overrides(cfg))
-  params, ev = rm.train(from_config.rm_config(cfg), model_cfg, rm.from_lm(lm_params), tok, train, held,
-                        sharding.make_mesh(cfg.mesh), workdir, lora=from_config.lora_config(cfg))
+  model_cfg, lm_params = hf.load(cfg.rm.init_dir, **build.runtime_overrides(cfg))
+  params, ev = rm.train(build.rm_config(cfg), model_cfg, rm.from_lm(lm_params), tok, train, held,
+                        sharding.make_mesh(cfg.mesh), workdir, lora=build.lora_config(cfg))
   if jax.process_index() == 0:
     params = jax.device_get(params)
-    workdir_lib.write_model_dir(out, lambda d: hf.save_scalar(d, model_cfg, params, tokenizer=tok))
+    record.write_model_dir(out, lambda d: hf.save_scalar(d, model_cfg, params, tokenizer=tok))
   print(f"reward model written to {out}; held-out pairwise accuracy "
         f"{ev.get('val/rm/accuracy', float('nan')):.3f}, margin {ev.get('val/rm/margin', float('nan')):.3f}")
 

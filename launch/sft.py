@@ -25,15 +25,15 @@ def main(argv):
   common.init_distributed()
   import jax  # (after launch.common has set XLA_FLAGS)
 
-  from dapo_jax import from_config, hf
-  from dapo_jax import workdir as workdir_lib
+  from dapo_jax import build, hf
+  from dapo_jax.build import record
   workdir = _WORKDIR.value or common.default_workdir()
   out = os.path.join(workdir, "sft_model")
-  workdir_lib.check_model_dir(out, "launch.sft", _OVERWRITE.value)  # Before any work: refused by name.
-  model_cfg, params, tok = from_config.run_sft(_CONFIG.value, workdir)
+  record.check_model_dir(out, "launch.sft", _OVERWRITE.value)  # Before any work: refused by name.
+  model_cfg, params, tok = build.run_sft(_CONFIG.value, workdir)
   if jax.process_index() == 0:
     params = jax.device_get(params)
-    workdir_lib.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))
+    record.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))
   print(f"SFT model written to {out}")
 
 

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from dapo_jax import ablation, metrics, sharding, testing
+from dapo_jax import metrics, sharding, testing
+from dapo_jax.build import ablation
 from launch import ablate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

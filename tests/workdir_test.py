@@ -8,15 +8,16 @@ import sys
 
 import pytest
 
-from dapo_jax import testing, workdir
+from dapo_jax import testing
+from dapo_jax.build import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
-HOLD = ("import sys, time; from dapo_jax import workdir; workdir.lock(sys.argv[1]); print('locked', flush=True); "
+HOLD = ("import sys, time; from dapo_jax.build import record; record.lock(sys.argv[1]); print('locked', flush=True); "
         "time.sleep(600)")
-TRY = ("import sys; from dapo_jax import workdir\n"
-       "try:\n  workdir.lock(sys.argv[1]); print('locked')\n"
-       "except workdir.WorkdirBusyError as e:\n  print(e); sys.exit(3)")
+TRY = ("import sys; from dapo_jax.build import record\n"
+       "try:\n  record.lock(sys.argv[1]); print('locked')\n"
+       "except record.WorkdirBusyError as e:\n  print(e); sys.exit(3)")
 
 
 def holder(path):
@@ -63,21 +64,21 @@ def test_launch_on_a_busy_workdir_is_one_line(tmp_path, launcher, config):
 
 
 def test_lock_is_reentrant_in_a_process_and_release_frees_it(tmp_path):
-  path = workdir.lock(str(tmp_path))
-  assert workdir.lock(str(tmp_path)) == path == os.path.join(os.path.realpath(tmp_path), workdir.LOCK_FILE)
-  assert workdir.holder(str(tmp_path))["pid"] == os.getpid()
+  path = record.lock(str(tmp_path))
+  assert record.lock(str(tmp_path)) == path == os.path.join(os.path.realpath(tmp_path), record.LOCK_FILE)
+  assert record.holder(str(tmp_path))["pid"] == os.getpid()
   assert try_lock(tmp_path).returncode == 3
-  workdir.release(str(tmp_path))
+  record.release(str(tmp_path))
   assert try_lock(tmp_path).returncode == 0
 
 
 @pytest.mark.parametrize("where", ["gs://bucket/run", "other-process"])
 def test_remote_workdirs_and_other_hosts_take_no_lock(tmp_path, where):
   if where == "other-process":  # Multi-host: process 0 holds the shared workdir's lock.
-    assert workdir.lock(str(tmp_path), process_index=1) == ""
-    assert not os.path.exists(tmp_path / workdir.LOCK_FILE)
+    assert record.lock(str(tmp_path), process_index=1) == ""
+    assert not os.path.exists(tmp_path / record.LOCK_FILE)
   else:
-    assert workdir.lock(where) == ""
+    assert record.lock(where) == ""
 
 
 # --- the model directories a run writes into its workdir -----------------------------------------
@@ -104,33 +105,33 @@ def test_a_model_dir_holding_a_users_files_is_refused_before_any_work(tmp_path, 
 
 def test_check_model_dir_accepts_what_an_export_writes_and_names_the_rest(tmp_path):
   d = tmp_path / "m"
-  workdir.check_model_dir(str(d), "x")  # Absent: fine.
+  record.check_model_dir(str(d), "x")  # Absent: fine.
   d.mkdir()
   for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
     (d / name).write_text("")
-  workdir.check_model_dir(str(d), "x")  # Our own earlier write: a rerun replaces it.
+  record.check_model_dir(str(d), "x")  # Our own earlier write: a rerun replaces it.
   for i in range(7):
     (d / f"model-0000{i}-of-00007.safetensors").write_text("")
-  with pytest.raises(workdir.ModelDirError, match=r"holds files x does not write \(model-00000-of-00007.safetensors, "
+  with pytest.raises(record.ModelDirError, match=r"holds files x does not write \(model-00000-of-00007.safetensors, "
                      r".*model-00004-of-00007.safetensors and 2 more\)"):
-    workdir.check_model_dir(str(d), "x")
-  workdir.check_model_dir(str(d), "x", overwrite=True)
-  workdir.check_model_dir(str(d), "x", extra=[f"model-0000{i}-of-00007.safetensors" for i in range(7)])
+    record.check_model_dir(str(d), "x")
+  record.check_model_dir(str(d), "x", overwrite=True)
+  record.check_model_dir(str(d), "x", extra=[f"model-0000{i}-of-00007.safetensors" for i in range(7)])
   (tmp_path / "f").write_text("")
-  with pytest.raises(workdir.ModelDirError, match="is a file"):
-    workdir.check_model_dir(str(tmp_path / "f"), "x", overwrite=True)
+  with pytest.raises(record.ModelDirError, match="is a file"):
+    record.check_model_dir(str(tmp_path / "f"), "x", overwrite=True)
 
 
-WRITE = ("import os, sys, time; from dapo_jax import workdir\n"
+WRITE = ("import os, sys, time; from dapo_jax.build import record\n"
          "def write(d):\n"
          "  open(os.path.join(d, 'config.json'), 'w').write('new')\n"
          "  print('writing', flush=True); time.sleep(600)\n"
-         "workdir.write_model_dir(sys.argv[1], write)")
+         "record.write_model_dir(sys.argv[1], write)")
 
 
 def test_a_kill_during_a_model_write_leaves_the_old_model_whole(tmp_path):
   d = tmp_path / "sft_model"
-  workdir.write_model_dir(str(d), lambda t: (open(os.path.join(t, "config.json"), "w").write("old"),
+  record.write_model_dir(str(d), lambda t: (open(os.path.join(t, "config.json"), "w").write("old"),
                                              open(os.path.join(t, "model.safetensors"), "w").write("old")))
   p = subprocess.Popen([sys.executable, "-c", WRITE, str(d)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
   assert p.stdout.readline().strip() == "writing"
@@ -138,7 +139,7 @@ def test_a_kill_during_a_model_write_leaves_the_old_model_whole(tmp_path):
   p.wait()
   assert {f: (d / f).read_text() for f in os.listdir(d)} == {"config.json": "old", "model.safetensors": "old"}
   assert (tmp_path / "sft_model.partial" / "config.json").read_text() == "new"  # The cut write, set apart.
-  workdir.write_model_dir(str(d), lambda t: open(os.path.join(t, "config.json"), "w").write("newer"))
+  record.write_model_dir(str(d), lambda t: open(os.path.join(t, "config.json"), "w").write("newer"))
   assert {f: (d / f).read_text() for f in os.listdir(d)} == {"config.json": "newer"}  # Replaced whole.
   assert sorted(os.listdir(tmp_path)) == ["sft_model"]
 
@@ -149,5 +150,5 @@ def test_a_kill_between_the_swaps_renames_is_finished_by_the_next_reader(tmp_pat
   (tmp_path / "m.replaced" / "config.json").write_text("old")
   (tmp_path / "m.partial").mkdir()
   (tmp_path / "m.partial" / "config.json").write_text("new")  # Complete: the first rename had happened.
-  workdir.recover_model_dir(str(d))
+  record.recover_model_dir(str(d))
   assert sorted(os.listdir(tmp_path)) == ["m"] and (d / "config.json").read_text() == "new"

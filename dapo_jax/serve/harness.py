@@ -35,7 +35,6 @@ from dapo_jax.envs import tool_formats
 from dapo_jax.serve import gateway as gateway_lib
 from dapo_jax.serve import openai_api
 
-
 COMMAND_ENV = ("PATH", "HOME", "LANG")   # what a command gets of the trainer's environment, besides pass_env
 
 

@@ -1,4 +1,6 @@
-"""One run per workdir: a run holds an exclusive lock on WORKDIR/run.lock for its process's life.
+"""The run's record in its workdir: one run per workdir, the model directories it writes, its config.
+
+One run per workdir: a run holds an exclusive lock on WORKDIR/run.lock for its process's life.
 
 A second run started on the same workdir (another shell, a scheduler retrying while the first still
 runs) is refused at start, naming the workdir and the run holding it (pid, host, start time, command),
@@ -21,6 +23,7 @@ export does not write (`check_model_dir`, at start: a user's own files there are
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -32,7 +35,11 @@ import socket
 import sys
 import time
 
-from dapo_jax.config_checks import ConfigError
+import jax
+
+from dapo_jax.errors import ConfigError
+from dapo_jax.model.config import ModelConfig
+from dapo_jax.settings import RUNTIME_FIELDS, Config
 
 LOCK_FILE = "run.lock"
 CONFIG_FILE = "config.json"
@@ -158,9 +165,9 @@ def recover_model_dir(path: str) -> None:
 
 # --- The run's own record of its config -------------------------------------------------------------
 
-def record_config(cfg, workdir: str, fields, *, argv=None, name: str = CONFIG_FILE,
+def record_config(cfg: Config, workdir: str, fields, *, argv=None, name: str = CONFIG_FILE,
                   command_name: str = COMMAND_FILE, write: bool = True) -> None:
-  """Writes the resolved config (a ConfigDict) to WORKDIR/`name` and appends the command line to
+  """Writes the resolved config to WORKDIR/`name` and appends the command line to
   `command_name`; refuses (CheckpointMismatchError) a config whose `fields` (dotted paths) differ from
   the ones recorded there. `write`: this process writes (process 0 of a multi-host run); every
   process checks."""
@@ -172,7 +179,7 @@ def record_config(cfg, workdir: str, fields, *, argv=None, name: str = CONFIG_FI
     except ValueError as e:
       raise ConfigError(f"{path}: not a readable run config ({e}); move it away to start afresh") from None
     for field in fields:
-      before, now = _get(old, field), _plain(_get(cfg, field))
+      before, now = _get(old, field), _plain(_setting(cfg, field))
       if before is not None and before != now:
         from dapo_jax.checkpoint import CheckpointMismatchError  # noqa: PLC0415 (jax: only when refusing)
         raise CheckpointMismatchError(
@@ -182,7 +189,7 @@ def record_config(cfg, workdir: str, fields, *, argv=None, name: str = CONFIG_FI
     return
   os.makedirs(workdir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
-    f.write(cfg.to_json_best_effort(indent=1, sort_keys=True) + "\n")
+    f.write(json.dumps(cfg.to_dict(), indent=1, sort_keys=True, default=str) + "\n")
   os.replace(path + ".tmp", path)
   with open(os.path.join(workdir, command_name), "a") as f:
     f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}  {shlex.join(sys.argv if argv is None else argv)}\n")
@@ -213,6 +220,50 @@ def _get(tree, path: str):
   return tree
 
 
+def _setting(cfg: Config, path: str):
+  for part in path.split("."):
+    cfg = getattr(cfg, part)
+  return cfg
+
+
 def _plain(x):
-  """A config value as JSON reads it back (tuples as lists, ConfigDicts as dicts)."""
+  """A config value as JSON reads it back (tuples as lists, sections as dicts)."""
   return json.loads(json.dumps(x.to_dict() if hasattr(x, "to_dict") else x, default=str))
+
+
+# Fields a run cannot change between starts: its parameters' shapes and meaning, its tokens, what its
+# checkpoints hold (a value model with gae) and what it optimises.
+_ARCHITECTURE = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)
+                      if f.name not in RUNTIME_FIELDS and f.name != "vocab_size")
+RESUME_FIELDS = _ARCHITECTURE + ("model.init", "model.hf_dir", "model.gguf", "model.vocab_size", "model.lora.rank",
+                                 "tokenizer.path", "tokenizer.vocab_size", "dapo.adv_estimator", "dapo.policy_loss")
+# The supervised pipelines' own records (WORKDIR/<pipeline>_config.json, beside a training run's):
+# what they start from, train on and optimise.
+_PAIR_FIELDS = ("init_dir", "train_files", "prompt_len", "response_len")
+PIPELINE_RESUME_FIELDS = {
+    "sft": RESUME_FIELDS[:-2] + ("data.task", "data.train_files", "chat_sft.assistant_only", "chat_sft.packing",
+                                 "sft.seq_len"),
+    "rm": tuple(f"rm.{k}" for k in _PAIR_FIELDS + ("margin",)) + ("tokenizer.path", "model.lora.rank"),
+    "dpo": tuple(f"dpo.{k}" for k in _PAIR_FIELDS + ("beta", "loss_type", "label_smoothing", "rpo_alpha"))
+           + ("tokenizer.path", "model.lora.rank"),
+}
+
+
+def save_run_config(cfg, workdir: str, argv=None, *, fields=RESUME_FIELDS, name: str = CONFIG_FILE,
+                    command_name: str = COMMAND_FILE) -> None:
+  """Writes the resolved config to WORKDIR/config.json and appends the command line to command.txt;
+  refuses (CheckpointMismatchError) a config whose `fields` differ from the run's recorded ones."""
+  record_config(Config.from_dict(cfg), workdir, fields, argv=argv, name=name, command_name=command_name,
+                write=jax.process_index() == 0)
+
+
+def save_pipeline_config(cfg, workdir: str, pipeline: str) -> None:
+  """`save_run_config` for `launch.sft|rm|dpo`: WORKDIR/<pipeline>_config.json, checked against
+  `PIPELINE_RESUME_FIELDS[pipeline]` when the pipeline resumes."""
+  save_run_config(cfg, workdir, fields=PIPELINE_RESUME_FIELDS[pipeline], name=f"{pipeline}_config.json",
+                  command_name=f"{pipeline}_command.txt")
+
+
+def load_run_config(workdir: str):
+  """The ConfigDict a run in `workdir` recorded (`save_run_config`), or None if it has none."""
+  return recorded_config(workdir)

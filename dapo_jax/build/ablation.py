@@ -24,8 +24,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from dapo_jax import from_config, sharding
 from dapo_jax import metrics as metrics_lib
+from dapo_jax import sharding
+from dapo_jax.build import model, rl, task
+from dapo_jax.errors import ConfigError
 
 END_STEPS = 5  # "At the end" is the mean over a run's last rollout steps: one step's batch is small.
 END_METRICS = {"actor/entropy": "entropy", "response_length/mean": "length",
@@ -47,12 +49,12 @@ def shared_start(cfg, workdir: str, mesh) -> str:
   """The HF directory of the SFT warm start of `cfg` (`model.init="sft"`), trained once into
   WORKDIR/start with the config's own seed."""
   if cfg.model.init != "sft":
-    raise from_config.ConfigError(f"model.init={cfg.model.init!r}: an ablation shares the SFT warm start "
-                                  "between its runs; expected 'sft'")
+    raise ConfigError(f"model.init={cfg.model.init!r}: an ablation shares the SFT warm start "
+                      "between its runs; expected 'sft'")
   start = os.path.join(workdir, "start")
-  train, _ = from_config.datasets(cfg)
-  tok = from_config.tokenizer(cfg, start, train)
-  from_config.initial_model(cfg, start, tok, mesh, train)  # Trains and saves start/sft_model once.
+  train, _ = task.datasets(cfg)
+  tok = model.tokenizer(cfg, start, train)
+  model.initial_model(cfg, start, tok, mesh, train)  # Trains and saves start/sft_model once.
   return os.path.join(start, "sft_model")
 
 
@@ -82,7 +84,7 @@ def run(stage_cfgs: Mapping[str, object], seeds: int, workdir: str, mesh=None) -
         print(f"{out}: finished, not re-run", flush=True)
         continue
       print(f"=== {stage}, seed {seed} -> {out}", flush=True)
-      from_config.run(run_config(cfg, start, seed), out, mesh)
+      rl.run(run_config(cfg, start, seed), out, mesh)
       if not finished(out, cfg.train.num_steps):
         raise Interrupted(f"{out} stopped before step {cfg.train.num_steps}; run the same command to resume")
   return report(workdir, list(stage_cfgs), seeds)

@@ -6,7 +6,7 @@
       run.sample(["What is 38+46?"], temperature=0)  # [["... 84"]]
       run.export("exported/")                       # a directory transformers loads
 
-It is what `python -m launch.train` runs (`from_config.dapo`), held open: the run's state, engine and
+It is what `python -m launch.train` runs (`build.dapo`), held open: the run's state, engine and
 reward workers live until `close` (or the end of the `with` block). `train(until_step)` trains up to
 that rollout step and can be called again to go on; a workdir that holds checkpoints resumes.
 """
@@ -20,10 +20,11 @@ from typing import Sequence
 
 import jax
 
-from dapo_jax import from_config
 from dapo_jax import loop as loop_lib
+from dapo_jax.build import record, rl, task
+from dapo_jax.errors import ConfigError
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where a config path is looked for when it is not found as given: a checkout's configs/, then the
 # installed package's own (dapo_jax/configs).
 CONFIG_DIRS = (os.path.join(os.path.dirname(_PACKAGE), "configs"), os.path.join(_PACKAGE, "configs"))
@@ -36,7 +37,7 @@ def load_config(path: str = "configs/default.py", **overrides):
   candidates = [file] + [os.path.join(d, os.path.basename(file)) for d in CONFIG_DIRS]
   found = next((c for c in candidates if os.path.isfile(c)), None)
   if found is None:
-    raise from_config.ConfigError(f"config file {file!r} not found (looked in ., {', '.join(CONFIG_DIRS)})")
+    raise ConfigError(f"config file {file!r} not found (looked in ., {', '.join(CONFIG_DIRS)})")
   try:  # Config files import their siblings as `configs`; installed, that is dapo_jax.configs.
     importlib.import_module("configs")
   except ImportError:
@@ -55,7 +56,7 @@ def override(cfg, overrides: dict, source: str = "config"):
   try:
     cfg.update_from_flattened_dict(dict(overrides))
   except (AttributeError, KeyError, TypeError) as e:
-    raise from_config.ConfigError(f"{source}: an override names no config field or has the wrong type: {e}") from None
+    raise ConfigError(f"{source}: an override names no config field or has the wrong type: {e}") from None
   return cfg
 
 
@@ -66,7 +67,7 @@ class Run:
   def __init__(self, config="configs/default.py", workdir: str = "runs/api", **overrides):
     self.cfg = load_config(config, **overrides) if isinstance(config, str) else override(config, overrides)
     self.workdir = workdir
-    self._loop: loop_lib.DAPO = from_config.dapo(self.cfg, workdir)  # Builds it all, SFT warm start included.
+    self._loop: loop_lib.DAPO = rl.dapo(self.cfg, workdir)  # Builds it all, SFT warm start included.
 
   # --- what a run is ----------------------------------------------------------------------------
 
@@ -101,7 +102,7 @@ class Run:
     """`k` completions of each prompt by the policy now. A prompt is put as the run's training prompts
     were (the task's instruction and worked examples; `raw=True`: as given, one user turn)."""
     rollout = self._loop.rollout
-    put = list(prompts) if raw else [from_config.user_prompt(self.cfg, p) for p in prompts]
+    put = list(prompts) if raw else [task.user_prompt(self.cfg, p) for p in prompts]
     sampler_cfg = self._loop.evaluator.sampler_cfg
     sampler_cfg = dataclasses.replace(
         sampler_cfg, temperature=sampler_cfg.temperature if temperature is None else temperature,
@@ -120,9 +121,8 @@ class Run:
 
   def close(self) -> None:
     """Stops the reward workers and the checkpointer, and releases the workdir."""
-    from dapo_jax import workdir as workdir_lib
     self._loop.close()
-    workdir_lib.release(self.workdir)
+    record.release(self.workdir)
 
   def __enter__(self) -> "Run":
     return self

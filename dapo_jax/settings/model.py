@@ -1,0 +1,103 @@
+"""The `model` and `tokenizer` sections: which policy a run trains and how its numbers are computed."""
+from __future__ import annotations
+
+import dataclasses
+
+from dapo_jax.model import lora as lora_lib
+from dapo_jax.model.config import REMAT_POLICIES, ModelConfig
+from dapo_jax.settings.section import Section, check
+
+INITS = ("random", "hf", "gguf", "sft")
+DTYPES = ("float32", "bfloat16", "float16")
+# Fields of `model` that are not in an HF config.json: they apply to a loaded model too.
+RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk", "logits_chunk",
+                  "router_aux_coef", "expert_chunk", "attention_impl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora(Section):
+  """`model.lora`: adapters of rank `rank` on the `targets` projections of every layer (PEFT's names),
+  the base frozen; the reference model is the base with its adapters off. rank 0 = full fine-tuning."""
+  NAME = "model.lora"
+  rank: int = 0
+  alpha: float = lora_lib.LoraConfig.alpha
+  dropout: float = lora_lib.LoraConfig.dropout
+  targets: tuple[str, ...] = lora_lib.ALL_TARGETS
+
+  def check(self) -> None:
+    self.number("rank", 0, integer=True, allowed=">= 0 (0 = full fine-tuning)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model(Section, ModelConfig):
+  """`model`: the architecture fields of `ModelConfig` (documented there; a loaded model takes them from
+  its config.json, all but `RUNTIME_FIELDS`) and where the initial weights come from."""
+  NAME = "model"
+  # "random" (from the fields below), "hf" (from hf_dir), "gguf" (from gguf: a .gguf file, "smollm2" or
+  # "gemma3_270m", converted once into WORKDIR/model) or "sft" (random, then the SFT warm start, reused later).
+  init: str = "random"
+  hf_dir: str = ""
+  gguf: str = ""
+  vocab_size: int = 0              # 0 = the tokenizer's, rounded up to a multiple of 64
+  embed_dim: int = 128
+  mlp_dim: int = 384
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  qkv_bias: bool = True            # the default family, qwen2, has q/k/v biases
+  remat: str = "dots"              # on XLA:CPU "dots" is also the fastest for training
+  lora: Lora = Lora()
+  base_quant: str = ""             # "int8": the frozen base's layer matrices in int8 (needs lora.rank > 0)
+
+  def __post_init__(self):
+    self.check()  # The section's one-line errors first, then the architecture's own.
+    super().__post_init__()
+
+  def check(self) -> None:
+    self.choice("init", INITS)
+    self.choice("remat", tuple(REMAT_POLICIES))
+    for f in ("param_dtype", "dtype"):
+      self.choice(f, DTYPES)
+    self.choice("matmul_dtype", ("",) + DTYPES, f"'' or one of {DTYPES}")
+    self.number("vocab_size", 0, integer=True)
+    self.number("attn_chunk", 0, integer=True)
+    self.number("logits_chunk", 0, integer=True)
+    if self.init in ("random", "sft"):
+      for f in ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        self.number(f, 1, integer=True)
+      check(self.num_heads % self.num_kv_heads == 0, "model.num_heads", self.num_heads,
+            f"a multiple of model.num_kv_heads={self.num_kv_heads}")
+      check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number (rotary embeddings)")
+      self.number("rope_theta", 0, lo_open=True)
+      self.number("norm_eps", 0, lo_open=True)
+    check(not self.base_quant or self.lora.rank > 0, "model.base_quant", self.base_quant,
+          "'' without LoRA (only a frozen base is quantized: set model.lora.rank)")
+    self.lora_config()  # LoRA's own checks (targets, alpha, dropout, base_quant).
+
+  def architecture(self, vocab_size: int) -> ModelConfig:
+    """The `ModelConfig` these fields describe, with `vocab_size` unless the section sets one."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{**fields, "vocab_size": self.vocab_size or vocab_size})
+
+  def runtime_overrides(self) -> dict:
+    """The fields that apply to a model loaded from disk (not in its config.json)."""
+    return {f: getattr(self, f) for f in RUNTIME_FIELDS}
+
+  def lora_config(self) -> lora_lib.LoraConfig | None:
+    """LoRA adapters on a frozen base (lora.rank > 0), or None: full fine-tuning."""
+    if self.lora.rank == 0:
+      return None
+    return lora_lib.LoraConfig(rank=self.lora.rank, alpha=self.lora.alpha, dropout=self.lora.dropout,
+                               targets=tuple(self.lora.targets), base_quant=self.base_quant)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer(Section):
+  """`tokenizer`: a directory to load, or the size of a BPE trained on the task's text."""
+  NAME = "tokenizer"
+  path: str = ""                   # "" = the model's (hf, gguf), else a BPE trained on the task text into WORKDIR
+  vocab_size: int = 256            # the trained BPE's vocabulary
+
+  def check(self) -> None:
+    self.number("vocab_size", 1, integer=True)

@@ -1,0 +1,78 @@
+"""The `data` and `reward` sections: what the policy is asked and how its answers are scored."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.envs import sandbox as sandbox_lib
+from dapo_jax.settings.section import Section, check
+
+TASKS = ("file", "arith", "reasoning_gym")
+SOLUTION_STYLES = ("steps", "column", "mixed", "direct", "tool")
+_ARITH = inspect.signature(data_lib.arith_examples).parameters  # The arithmetic task's own defaults.
+
+
+@dataclasses.dataclass(frozen=True)
+class Data(Section):
+  """`data`: the task, its files or generator, and how prompts are rendered and cut."""
+  NAME = "data"
+  task: str = "file"               # "file" (DAPO-Math schema), "arith" (built in) or "reasoning_gym"
+  train_files: tuple[str, ...] = ("",)
+  eval_files: tuple[str, ...] = ("",)
+  chat_template: bool = True       # render prompts with the tokenizer's chat template
+  prompt_template: str = ""        # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
+  max_prompt_len: int = 2048       # tokens; longer prompts keep their end (truncation left)
+  prompt_buckets: tuple[int, ...] = ()   # prompt lengths compiled for; () = just max_prompt_len
+  missing_answer: str = "error"    # error | skip rows without a (usable) ground truth
+  digits: int = _ARITH["digits"].default           # arith: digits of the first operand
+  ops: str = _ARITH["ops"].default                 # arith: operators drawn from, e.g. "+-"
+  heldout_fraction: float = _ARITH["heldout_fraction"].default   # arith: problems reserved for evaluation
+  num_eval: int = 128              # held-out examples evaluated (file: the first ones; 0 = all)
+  digits_b: int = _ARITH["digits_b"].default       # arith: digits of the second operand (0 = digits)
+  fewshot: int = _ARITH["fewshot"].default         # worked examples in the chat before each question
+  solution_style: str = "steps"    # SFT targets for arith: steps (column addition) | column | mixed | direct | tool
+  rg_tasks: tuple[str, ...] = ()   # task="reasoning_gym": its generators, e.g. ("chain_sum",)
+  rg_settings: str = ""            # JSON {task: generator kwargs}, e.g. '{"chain_sum": {"max_terms": 3}}'
+  rg_num_train: int = 2000         # training items per reasoning-gym task (held-out: num_eval)
+
+  def check(self) -> None:
+    self.choice("task", TASKS, "'arith', 'file' or 'reasoning_gym'")
+    if self.task == "reasoning_gym":
+      check(len(self.rg_tasks) > 0, "data.rg_tasks", self.rg_tasks,
+            "at least one reasoning-gym task when data.task='reasoning_gym', e.g. ('chain_sum',)")
+      self.number("rg_num_train", 1, integer=True)
+    elif self.task == "arith":
+      self.number("digits", 1, integer=True)
+      self.number("digits_b", 0, integer=True)
+      self.number("fewshot", 0, integer=True)
+      self.number("heldout_fraction", 0, 1, lo_open=True, hi_open=True)
+    self.choice("missing_answer", ("error", "skip"), "'error' or 'skip'")
+    self.choice("solution_style", SOLUTION_STYLES, "'steps', 'column', 'mixed', 'direct' or 'tool' (calculator "
+                "episodes: rollout.env='dapo_jax.envs.tasks:CalculatorArith')")
+    P = self.number("max_prompt_len", 1, integer=True)
+    for b in self.prompt_buckets:
+      check(isinstance(b, int) and 1 <= b <= P, "data.prompt_buckets", self.prompt_buckets,
+            f"prompt lengths from 1 to data.max_prompt_len={P}")
+    self.number("num_eval", 0, integer=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward(Section):
+  """`reward`: the rollout's scorer."""
+  NAME = "reward"
+  # module:function(response, ground_truth), http://HOST:PORT (launch.serve_rm) or rm:DIR (a reward model).
+  fn: str = "dapo_jax.rewards:math_dapo"
+  fns: tuple[str, ...] = ()        # a weighted sum instead of fn, e.g. ("rm:DIR", "0.5*dapo_jax.rewards:math_dapo")
+  timeout_s: float = 10.0          # one scoring call; a hung one scores as failed
+  workers: int = 2                 # scoring processes
+  # Code the policy writes (rewards:python_tests, the python tool) runs in a sandbox (bubblewrap
+  # namespaces, one cgroup, a seccomp filter: docs/sandbox.md); "none" is for trusted code only, and warns.
+  sandbox: str = "namespaces"
+
+  def check(self) -> None:
+    self.number("timeout_s", 0, lo_open=True)
+    self.number("workers", 1, integer=True)
+    check(isinstance(self.fn, str) and ":" in self.fn, "reward.fn", self.fn,
+          "'package.module:function', 'http://HOST:PORT' (a reward-model server) or 'rm:DIR' (a reward model)")
+    self.choice("sandbox", sandbox_lib.MODES, "'namespaces' or 'none' (trusted code only)")
