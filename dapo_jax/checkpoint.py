@@ -23,14 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dapo_jax import console
+from dapo_jax import console, errors
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(errors.UserError, ValueError):
   """A checkpoint written by another config (names, shapes, dtypes or seed differ)."""
 
 
-class CheckpointCorruptError(ValueError):
+class CheckpointCorruptError(errors.UserError, ValueError):
   """A checkpoint whose bytes do not match the digest saved with it, or that cannot be read."""
 
 

@@ -36,13 +36,13 @@ import numpy as np
 
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
-from dapo_jax import dumps, host_memory, pipelining, ppo, sharding, train_step
+from dapo_jax import dumps, errors, host_memory, pipelining, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax.datatypes import Groups, RLBatch
 from dapo_jax.rollout import dynamic_sampling
 
 
-class TrainingError(RuntimeError):
+class TrainingError(errors.UserError, RuntimeError):
   pass
 
 

@@ -18,11 +18,12 @@ from typing import Mapping
 import numpy as np
 
 from dapo_jax import console as console_lib
+from dapo_jax import errors
 
 WRITERS = ("tensorboard", "jsonl", "wandb")
 
 
-class MetricsConfigError(ValueError):
+class MetricsConfigError(errors.UserError, ValueError):
   pass
 
 

@@ -5,6 +5,8 @@ import sys
 
 from absl import app, logging
 
+from dapo_jax import errors
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
 if __package__ == "dapo_jax.launch":  # Installed: the config files import their siblings as `configs`.
@@ -49,28 +51,7 @@ def say_workdir(workdir: str, verb: str) -> None:
     print(f"{verb} {workdir} (checkpoints, metrics.jsonl, tensorboard: tensorboard --logdir {workdir})", flush=True)
 
 
-def _user_errors():
-  from dapo_jax import build, checkpoint, loop, metrics, rewards
-  from dapo_jax.data import prompts as data
-  from dapo_jax.data import tokenizer
-  from dapo_jax.envs import sandbox
-  from dapo_jax.hf import convert as hf
-  from dapo_jax.hf import gguf
-  from dapo_jax.model import lora
-  from dapo_jax.rollout import dynamic_sampling
-  try:  # The serve extra (fastapi, uvicorn) may not be installed: its errors cannot occur then.
-    from dapo_jax.serve import http
-    server_errors = (http.ServerConfigError,)
-  except ImportError:
-    server_errors = ()
-  return (*server_errors, data.DataError, hf.CheckpointError, tokenizer.TokenizerError, rewards.RewardConfigError,
-          checkpoint.CheckpointMismatchError, checkpoint.CheckpointCorruptError, loop.TrainingError,
-          gguf.GGUFError, build.ConfigError, dynamic_sampling.DynamicSamplingCapError,
-          metrics.MetricsConfigError, lora.LoraError, OutputExistsError,
-          sandbox.SandboxError)  # A host that cannot sandbox code rewards: one line naming what is missing.
-
-
-class OutputExistsError(ValueError):
+class OutputExistsError(errors.UserError, ValueError):
   """An output directory that holds files, without --overwrite."""
 
 
@@ -127,7 +108,7 @@ def run(main) -> None:
       if "dry_run" in flags.FLAGS and flags.FLAGS.dry_run:
         dry_run(flags.FLAGS)
       return main(argv)
-    except _user_errors() as e:
+    except errors.UserError as e:
       print(f"error: {e}", file=sys.stderr, flush=True)
       sys.exit(1)
     except ModuleNotFoundError as e:

@@ -17,13 +17,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from dapo_jax import errors
+
 DAPO_INSTRUCTION = (
     "Solve the following math problem step by step. The last line of your response should be of the "
     "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".')
 
 
-class DataError(ValueError):
+class DataError(errors.UserError, ValueError):
   """A dataset problem; the message names the file and row."""
 
 

@@ -8,10 +8,11 @@ from typing import Sequence
 
 import numpy as np
 
+from dapo_jax import errors
 from dapo_jax.paths import outside
 
 
-class TokenizerError(ValueError):
+class TokenizerError(errors.UserError, ValueError):
   pass
 
 

@@ -46,6 +46,8 @@ import threading
 import time
 from typing import Iterable, Sequence
 
+from dapo_jax import errors
+
 MODES = ("namespaces", "none")
 UID_BASE = int(os.environ.get("DAPO_SANDBOX_UID_BASE", "60000"))  # uids UID_BASE..UID_BASE+SLOTS-1
 SLOTS = 1000
@@ -80,7 +82,7 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp"
         "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-class SandboxError(RuntimeError):
+class SandboxError(errors.UserError, RuntimeError):
   """The sandbox itself could not be built or torn down (not the program's failure)."""
 
 

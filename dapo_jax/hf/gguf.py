@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from dapo_jax import console
+from dapo_jax import console, errors
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
 
@@ -50,7 +50,7 @@ _CONTROL = 3  # llama.cpp token type of special tokens
 TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values rebuilt: byte-level BPE, SentencePiece
 
 
-class GGUFError(ValueError):
+class GGUFError(errors.UserError, ValueError):
   pass
 
 

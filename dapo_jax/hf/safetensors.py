@@ -17,6 +17,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from dapo_jax import errors
 from dapo_jax.paths import outside
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -25,7 +26,7 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_d
 _DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(errors.UserError, ValueError):
   """A checkpoint directory that cannot be read; the message names the file and field."""
 
 

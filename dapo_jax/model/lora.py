@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from dapo_jax import sharding
+from dapo_jax import errors, sharding
 from dapo_jax.model import quant
 from dapo_jax.model.config import ModelConfig
 
@@ -36,7 +36,7 @@ TARGETS = {"q_proj": ("wq_DNH", "self_attn.q_proj"), "k_proj": ("wk_DKH", "self_
 ALL_TARGETS = tuple(TARGETS)
 
 
-class LoraError(ValueError):
+class LoraError(errors.UserError, ValueError):
   """A LoRA setting or adapter that cannot work with this model; the message names it."""
 
 

@@ -17,11 +17,13 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from dapo_jax import errors
+
 RewardFn = Callable[[str, str], dict]
 
 # --- reward functions by import path, in a pool ------------------------------------------------
 
-class RewardConfigError(ValueError):
+class RewardConfigError(errors.UserError, ValueError):
   pass
 
 

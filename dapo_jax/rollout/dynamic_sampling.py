@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from dapo_jax import errors
 from dapo_jax.datatypes import Groups
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout.rollout import Rollout
@@ -48,7 +49,7 @@ def keep_groups(values_QG: np.ndarray, valid_QG: np.ndarray | None = None) -> np
   return v.max(axis=1) > v.min(axis=1)
 
 
-class DynamicSamplingCapError(RuntimeError):
+class DynamicSamplingCapError(errors.UserError, RuntimeError):
   """Dynamic sampling reached `dapo.max_gen_batches` short of Q groups, with `dapo.on_cap="raise"`."""
 
 

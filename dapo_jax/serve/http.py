@@ -25,6 +25,8 @@ import uvicorn
 from fastapi import responses
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dapo_jax import errors
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -61,7 +63,7 @@ def internal_error(what: str, eid: str, code: str = "internal_error") -> "APIErr
   return APIError(500, f"{what}; the server's log has the cause under {eid}", code=code)
 
 
-class ServerConfigError(ValueError):
+class ServerConfigError(errors.UserError, ValueError):
   """A server that cannot start as configured (a public address without a token, a taken port)."""
 
 
