@@ -23,7 +23,7 @@ def get_config(arg=None):
   c.model.update(init="gguf", gguf="gemma3_270m", dtype="float32", remat="dots", logits_chunk=16)
   common.reasoning_gym(c, a.tasks)
   c.optim.update(lr=1e-5, warmup_steps=2, weight_decay=0.1)
-  c.train.num_steps = 20  # ~105 s a step on 2 CPU cores; the README's run
+  c.train.num_steps = 20  # ~105 s a step on 2 CPU cores; the run in docs/results.md
   if a.runlocal:  # The shared smoke run trains on the built-in arithmetic task, scored by its rule.
     common.runlocal(c)
     c.reward.fn = "dapo_jax.rewards:math_dapo"

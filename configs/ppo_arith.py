@@ -14,7 +14,7 @@ rule check of the answers (eval.reward_fn), which the run never trains on. The r
 trained from the fully trained SFT model (the same tokenizer) on pairs of the weak policy's own
 answers. β = 1: with β = 0.2 the KL grows to 0.41 nat per token and the held-out accuracy, 75.0%
 after 10 steps, falls to 15.0% after 60 (the policy over-optimises the reward model).
-Measured (docs/rlhf.md, 8 min 44 s on 2 shared CPU cores): held-out greedy accuracy 41.5% -> 78.5% in
+Measured (docs/results.md, 8 min 44 s on 2 shared CPU cores): held-out greedy accuracy 41.5% -> 78.5% in
 60 steps (83.5% after 50), at temperature 1 14.5% -> 27.5%; KL <= 0.058 nat per token.
 """
 from configs import common
