@@ -6,7 +6,7 @@
 Stage s is the config file's `get_config("stage=s,<its argument>")` with the `--config.x=y`
 overrides applied; the argument's `task` is `arith` (the built-in task) unless it names another.
 Writes WORKDIR/table.md, table.json and curves.png; the same command resumes, and finished runs are
-not re-run (dapo_jax/ablation.py).
+not re-run (dapo_jax/build/ablation.py).
 """
 import importlib.util
 import os

@@ -143,7 +143,8 @@ def define_config(default: str = DEFAULT_CONFIG, reads_run_config: bool = False)
   try:
     config = config_flags.DEFINE_config_file(
         "config", default, f"Config file[:ARG] (default {os.path.relpath(default, REPO)}); set any field with "
-        "--config.SECTION.FIELD=VALUE; --dry_run prints every field of the resolved config and exits.",
+        "--config.SECTION.FIELD=VALUE (each field, its default and meaning: dapo_jax/settings/); --dry_run prints "
+        "every field of the resolved config and exits.",
         lock_config=True)
   except (AttributeError, KeyError) as e:
     _config_error(e, sys.argv)

@@ -19,7 +19,7 @@ class Lora(Section):
   """`model.lora`: adapters of rank `rank` on the `targets` projections of every layer (PEFT's names),
   the base frozen; the reference model is the base with its adapters off. rank 0 = full fine-tuning."""
   NAME = "model.lora"
-  rank: int = 0
+  rank: int = 0                    # adapter rank; 0 = no adapters (full fine-tuning)
   alpha: float = lora_lib.LoraConfig.alpha
   dropout: float = lora_lib.LoraConfig.dropout
   targets: tuple[str, ...] = lora_lib.ALL_TARGETS
@@ -36,18 +36,18 @@ class Model(Section, ModelConfig):
   # "random" (from the fields below), "hf" (from hf_dir), "gguf" (from gguf: a .gguf file, "smollm2" or
   # "gemma3_270m", converted once into WORKDIR/model) or "sft" (random, then the SFT warm start, reused later).
   init: str = "random"
-  hf_dir: str = ""
-  gguf: str = ""
+  hf_dir: str = ""                 # init="hf": a local Hugging Face model directory
+  gguf: str = ""                   # init="gguf": a .gguf file, "smollm2" or "gemma3_270m"
   vocab_size: int = 0              # 0 = the tokenizer's, rounded up to a multiple of 64
-  embed_dim: int = 128
-  mlp_dim: int = 384
-  num_layers: int = 4
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 32
+  embed_dim: int = 128             # D (the default job's small Qwen2)
+  mlp_dim: int = 384               # F
+  num_layers: int = 4              # L
+  num_heads: int = 4               # N, query heads
+  num_kv_heads: int = 2            # K, key/value heads (grouped-query attention)
+  head_dim: int = 32               # H
   qkv_bias: bool = True            # the default family, qwen2, has q/k/v biases
   remat: str = "dots"              # on XLA:CPU "dots" is also the fastest for training
-  lora: Lora = Lora()
+  lora: Lora = Lora()              # LoRA adapters (the `Lora` section)
   base_quant: str = ""             # "int8": the frozen base's layer matrices in int8 (needs lora.rank > 0)
 
   def __post_init__(self):

@@ -125,7 +125,7 @@ class Dapo(Section):
   kl_cov_ratio: float = _PG.kl_cov_ratio       # kl_cov: fraction of tokens
   ppo_kl_coef: float = _PG.ppo_kl_coef         # kl_cov: |log r| coefficient
   dro_beta: float = _PG.dro_beta               # dro: β of the quadratic log-ratio penalty (> 0 when used)
-  rollout_correction: RolloutCorrection = RolloutCorrection()
+  rollout_correction: RolloutCorrection = RolloutCorrection()   # sampler-vs-trainer correction (off)
   loss_agg: str = _PG.loss_agg     # token_mean | token_sum | seq_mean_token_{mean,sum,sum_norm} | seq_sum_token_sum_norm
   verl_microbatch_weighting: bool = _PG.verl_microbatch_weighting   # micro-batch token means weighted by rows
   norm_adv_by_std: bool = True     # False = Dr.GRPO (mean-only)
@@ -199,9 +199,9 @@ class Critic(Section):
   NAME = "critic"
   init: str = "policy"             # "policy": the policy's trunk, a zero scalar head; "rm": a reward model's dir
   model_dir: str = ""              # init="rm": that directory ("" = the rm:DIR of reward.fn)
-  lr: float = 1e-5
-  warmup_steps: int = 0
-  weight_decay: float = 0.0
+  lr: float = 1e-5                 # the value model's peak learning rate
+  warmup_steps: int = 0            # rollout steps of linear warm-up
+  weight_decay: float = 0.0        # AdamW's, decoupled
   grad_clip: float = optim.OptimConfig.grad_clip
   clip_range: float = 0.5          # values move at most this far from the rollout's (verl's cliprange_value)
 
@@ -225,16 +225,16 @@ class Train(Section):
   NAME = "train"
   num_steps: int = 500             # rollout steps
   minibatches: int = 16            # optimizer updates per rollout step and epoch
-  ppo_epochs: int = 1
+  ppo_epochs: int = 1              # passes over a rollout step's batch
   num_microbatches: int = 0        # gradient accumulation inside one update; 0 = auto (microbatch_tokens)
   microbatch_tokens: int = 2048    # auto: the fewest micro-batches of at most this many tokens per data shard
   share_prompt: bool = True        # a group's prompt runs through the model once (exact)
   shared_prefix: int = 32          # and a mini-batch's common first tokens, in multiples of this many (0 = off)
   length_buckets: int = 8          # micro-batches cut to one of this many lengths (0 = pad to max_new_tokens)
-  ckpt_every: int = 5
-  keep_ckpts: int = 3
-  eval_every: int = 5
-  log_samples_every: int = 5
+  ckpt_every: int = 5              # rollout steps between checkpoints (0 = at the end only)
+  keep_ckpts: int = 3              # checkpoints kept
+  eval_every: int = 5              # rollout steps between held-out evaluations (0 = start and end only)
+  log_samples_every: int = 5       # rollout steps between logged sample texts (0 = never)
   max_bad_steps: int = _LOOP.max_bad_steps   # stop after this many non-finite updates in a row
   # Every scored rollout to WORKDIR/rollouts/step_<N>.jsonl.gz (and evaluations' samples) every this many
   # rollout steps; 0 = off; -1 = every step on small jobs (Q·G·max_new_tokens <= 2^20), else off.
@@ -265,8 +265,8 @@ class Eval(Section):
   """`eval`: the held-out evaluation (mean@k, and greedy)."""
   NAME = "eval"
   k: int = 32                      # samples per held-out prompt (mean@k)
-  temperature: float = 1.0
-  top_p: float = 0.7
+  temperature: float = 1.0         # sampling temperature of the held-out samples
+  top_p: float = 0.7               # their nucleus mass
   greedy: bool = False             # also one greedy answer per prompt
   max_new_tokens: int = 0          # 0 = rollout.max_new_tokens
   reward_fn: str = ""              # "" = reward.fn; e.g. a rule check for a run trained on an RM

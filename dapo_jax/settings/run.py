@@ -45,9 +45,9 @@ class Optim(Section):
 class Mesh(Section):
   """`mesh`: the device mesh's axis sizes (-1 = the rest of the devices), and the rollout's own devices."""
   NAME = "mesh"
-  data: int = 1
-  fsdp: int = -1
-  tensor: int = 1
+  data: int = 1                    # replicas of the params, each with its share of the rows
+  fsdp: int = -1                   # devices that split the params and the rows (-1: the rest)
+  tensor: int = 1                  # devices that split heads, MLP and vocabulary
   expert: int = 1                  # devices that split a mixture's experts (rows elsewhere)
   rollout_devices: int = 0         # R > 0: the first R devices decode, the rest train (docs/async.md)
 
@@ -77,7 +77,7 @@ class Metrics(Section):
 class Config:
   """Every section of a run: what `configs/common.base()` holds as a ConfigDict, typed. The defaults
   are the DAPO recipe of the paper (§5.1) on a model to be chosen; configs override what differs."""
-  seed: int = 0
+  seed: int = 0                    # data order, initial weights, sampling
   model: Model = Model()
   tokenizer: Tokenizer = Tokenizer()
   data: Data = Data()

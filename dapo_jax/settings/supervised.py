@@ -56,8 +56,8 @@ class ChatSFT(Section):
 @dataclasses.dataclass(frozen=True)
 class Pairs(Section):
   """What `rm` and `dpo` share: TRL-schema preference files, the starting HF directory, the optimisation."""
-  train_files: tuple[str, ...] = ("",)
-  eval_files: tuple[str, ...] = ("",)
+  train_files: tuple[str, ...] = ("",)   # TRL-schema preference files (prompt, chosen, rejected)
+  eval_files: tuple[str, ...] = ("",)    # held-out pairs
   init_dir: str = ""               # HF directory of the starting (SFT) policy
   steps: int = _PAIRS.steps
   batch_pairs: int = _PAIRS.batch_pairs

@@ -18,8 +18,8 @@ class Data(Section):
   """`data`: the task, its files or generator, and how prompts are rendered and cut."""
   NAME = "data"
   task: str = "file"               # "file" (DAPO-Math schema), "arith" (built in) or "reasoning_gym"
-  train_files: tuple[str, ...] = ("",)
-  eval_files: tuple[str, ...] = ("",)
+  train_files: tuple[str, ...] = ("",)   # task="file": parquet / jsonl files of training rows
+  eval_files: tuple[str, ...] = ("",)    # task="file": held-out rows (e.g. AIME 2024)
   chat_template: bool = True       # render prompts with the tokenizer's chat template
   prompt_template: str = ""        # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
   max_prompt_len: int = 2048       # tokens; longer prompts keep their end (truncation left)
