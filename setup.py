@@ -7,7 +7,8 @@ setuptools.setup(
     description="DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization) in JAX.",
     # The checkout's launch/ and configs/ install inside the package (python -m dapo_jax.launch.train),
     # so no generic top-level name reaches site-packages; from a checkout, python -m launch.train.
-    packages=[*setuptools.find_packages(include=["dapo_jax", "dapo_jax.*"]), "dapo_jax.launch", "dapo_jax.configs"],
+    packages=[*setuptools.find_packages(include=["dapo_jax", "dapo_jax.*"]), "dapo_jax.launch", "dapo_jax.launch.bench",
+              "dapo_jax.configs"],
     package_dir={"dapo_jax.launch": "launch", "dapo_jax.configs": "configs"},
     python_requires=">=3.10",
     install_requires=[

@@ -115,8 +115,8 @@ def run(main) -> None:
       extra = EXTRAS.get((e.name or "").split(".")[0])
       if extra is None:
         raise
-      print(f"error: launch.{os.path.basename(sys.argv[0]).removesuffix('.py')} needs the package {e.name!r}, from the "
-            f"{extra!r} extra: pip install -e '.[{extra}]'", file=sys.stderr, flush=True)
+      print(f"error: {_launcher()} needs the package {e.name!r}, from the {extra!r} extra: pip install -e "
+            f"'.[{extra}]'", file=sys.stderr, flush=True)
       sys.exit(1)
     except OSError as e:
       if e.errno != errno.ENOSPC and "No space left" not in str(e):
@@ -125,6 +125,15 @@ def run(main) -> None:
             "space and run the same command again to resume", file=sys.stderr, flush=True)
       sys.exit(1)
   app.run(wrapped, flags_parser=_parse_flags)
+
+
+def _launcher() -> str:
+  """The running entry point as its users type it: launch.train for launch/train.py, launch.bench for
+  the package launch/bench/ (its __main__.py)."""
+  path = sys.argv[0].removesuffix(".py")
+  if os.path.basename(path) == "__main__":
+    path = os.path.dirname(path)
+  return f"launch.{os.path.basename(path)}"
 
 
 _READS_RUN_CONFIG = []   # set by define_config: the launcher reads a run's recorded config (`run_config`)

