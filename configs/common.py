@@ -3,6 +3,8 @@ import json
 
 import ml_collections as mlc
 
+from dapo_jax import settings
+
 
 def parse_arg(arg, **defaults):
   """'size=7b,runlocal' -> ConfigDict(size='7b', runlocal=True), over the given defaults."""
@@ -28,7 +30,6 @@ def base() -> mlc.ConfigDict:
   Every field, its default and its meaning live in `dapo_jax.settings` (one frozen dataclass per
   section: `settings.Dapo.eps_high` is `--config.dapo.eps_high`); this is their ConfigDict.
   """
-  from dapo_jax import settings
   return mlc.ConfigDict(settings.Config().to_dict())
 
 
@@ -45,32 +46,36 @@ def preset(name: str) -> dict:
   return dataclasses.asdict(getattr(model.ModelConfig, name)())
 
 
-_RUNLOCAL_RESET = ("init", "hf_dir", "gguf", "vocab_size", "rope_theta", "qkv_bias", "tie_embeddings", "param_dtype",
-                   "dtype", "matmul_dtype", "attn_chunk", "logits_chunk", "arch", "qk_norm", "rope_type",
+_RUNLOCAL_RESET = ("init", "hf_dir", "gguf", "vocab_size", "num_heads", "num_kv_heads", "rope_theta", "qkv_bias",
+                   "tie_embeddings", "param_dtype", "dtype", "matmul_dtype", "attn_chunk", "logits_chunk", "arch", "qk_norm", "rope_type",
                    "sliding_window", "local_layers", "query_scale", "attn_softcap", "final_softcap", "num_experts",
                    "experts_per_token", "expert_mlp_dim", "norm_topk_prob", "dense_layers", "router_aux_coef",
                    "expert_chunk")
 
 
+def defaults(section, *fields: str) -> dict:
+  """{field: its default} of a `dapo_jax.settings` section: a recipe resets a field without restating it."""
+  default = section()
+  return {f: getattr(default, f) for f in fields}
+
+
 def runlocal(c: mlc.ConfigDict) -> None:
   """Shrinks any recipe to a seconds-long CPU smoke run on the built-in arithmetic task."""
-  from dapo_jax import settings
   # A family's fields back to the default model's (LoRA, norm_eps and RoPE scaling kept), then tiny sizes.
-  default = settings.Model()
-  c.model.update({f: getattr(default, f) for f in _RUNLOCAL_RESET})
-  c.model.update(embed_dim=32, mlp_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, remat="none")
-  c.tokenizer.update(path="", vocab_size=300)
-  c.data.update(task="arith", max_prompt_len=32, prompt_buckets=(), prompt_template="", num_eval=8,
-                digits_b=0, fewshot=0)
-  c.rollout.update(group_size=4, max_new_tokens=8, rows_per_call=0)
+  c.model.update(defaults(settings.Model, *_RUNLOCAL_RESET))
+  c.model.update(embed_dim=32, mlp_dim=64, num_layers=2, head_dim=8, remat="none")
+  c.tokenizer.update(defaults(settings.Tokenizer, "path"), vocab_size=300)
+  c.data.update(defaults(settings.Data, "prompt_buckets", "prompt_template", "digits_b", "fewshot"), task="arith",
+                max_prompt_len=32, num_eval=8)
+  c.rollout.update(defaults(settings.Rollout, "rows_per_call"), group_size=4, max_new_tokens=8)
   # A random tiny model rarely solves anything, so at the cap a smoke run trains on what it kept.
   c.dapo.update(prompts_per_step=4, gen_prompts=8 if c.dapo.dynamic_sampling else 4, max_gen_batches=2,
                 overlong_buffer=min(c.dapo.overlong_buffer, 2), on_cap="train")
   c.train.update(num_steps=2, minibatches=2, num_microbatches=1, ckpt_every=0, eval_every=0,
                  log_samples_every=1)
-  c.eval.update(k=2, max_new_tokens=0)
+  c.eval.update(defaults(settings.Eval, "max_new_tokens"), k=2)
   c.sft.steps = 0
-  c.mesh.update(data=1, fsdp=-1, tensor=1, expert=1)
+  c.mesh.update(defaults(settings.Mesh, "data", "fsdp", "tensor", "expert"))  # One device's mesh.
 
 
 # reasoning-gym tasks the small checkpoints train on (configs/smollm2_135m_reasoning.py,
@@ -94,8 +99,8 @@ def reasoning_gym(c: mlc.ConfigDict, tasks: str) -> None:
                 rg_num_train=4000, num_eval=48, fewshot=3, prompt_template=RG_INSTRUCTION,
                 max_prompt_len=224, prompt_buckets=(224,))
   c.reward.update(fn="dapo_jax.rewards:reasoning_gym", workers=2)
-  c.rollout.update(group_size=8, max_new_tokens=32, temperature=1.0, top_p=1.0, top_k=0)
+  c.rollout.update(defaults(settings.Rollout, "temperature", "top_p", "top_k"), group_size=8, max_new_tokens=32)
   c.dapo.update(prompts_per_step=8, gen_prompts=12, max_gen_batches=3, overlong_buffer=8)
   c.train.update(num_steps=30, minibatches=1, ckpt_every=5, eval_every=10, log_samples_every=5)
   c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
-  c.mesh.update(data=1, fsdp=-1, tensor=1)
+  c.mesh.update(defaults(settings.Mesh, "data", "fsdp", "tensor"))

@@ -8,7 +8,16 @@ The default job is self-contained: with no paths set it trains its own tokenizer
 initialises a small model and warm-starts it with SFT (the result is saved in the workdir and reused
 by later runs).
 """
-from dapo_jax.build.checks import ConfigError, check, dataset_files, number, typed, validate, validate_pairs  # noqa: F401
+from dapo_jax.build.checks import (  # noqa: F401
+  ConfigError,
+  as_config,
+  check,
+  dataset_files,
+  number,
+  typed,
+  validate,
+  validate_pairs,
+)
 from dapo_jax.build.model import (  # noqa: F401
   bf16_cpu_warning,
   chat_tokenizer,

@@ -18,14 +18,20 @@ from dapo_jax.errors import ConfigError
 from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.settings import Config, check, number
 
-__all__ = ["ConfigError", "check", "number", "typed", "validate", "validate_pairs", "dataset_files"]
+__all__ = ["ConfigError", "as_config", "check", "number", "typed", "validate", "validate_pairs", "dataset_files"]
+
+
+def as_config(cfg) -> Config:
+  """The `settings.Config` of a ConfigDict (a config file's, with its overrides), of its plain values, or
+  `cfg` itself."""
+  return Config.from_dict(cfg.to_dict() if hasattr(cfg, "to_dict") and not isinstance(cfg, Config) else cfg)
 
 
 def typed(build):
-  """`build(cfg, ...)` given a ConfigDict (or a dict) gets its `settings.Config`: the builders take either."""
+  """`build(cfg, ...)` given a ConfigDict (or plain values) gets its `settings.Config`: builders take either."""
   @functools.wraps(build)
   def with_config(cfg, *args, **kwargs):
-    return build(Config.from_dict(cfg), *args, **kwargs)
+    return build(as_config(cfg), *args, **kwargs)
   return with_config
 
 

@@ -37,6 +37,7 @@ import time
 
 import jax
 
+from dapo_jax.build.checks import as_config
 from dapo_jax.errors import ConfigError
 from dapo_jax.model.config import ModelConfig
 from dapo_jax.settings import RUNTIME_FIELDS, Config
@@ -253,7 +254,7 @@ def save_run_config(cfg, workdir: str, argv=None, *, fields=RESUME_FIELDS, name:
                     command_name: str = COMMAND_FILE) -> None:
   """Writes the resolved config to WORKDIR/config.json and appends the command line to command.txt;
   refuses (CheckpointMismatchError) a config whose `fields` differ from the run's recorded ones."""
-  record_config(Config.from_dict(cfg), workdir, fields, argv=argv, name=name, command_name=command_name,
+  record_config(as_config(cfg), workdir, fields, argv=argv, name=name, command_name=command_name,
                 write=jax.process_index() == 0)
 
 

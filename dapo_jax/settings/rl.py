@@ -125,8 +125,8 @@ class Dapo(Section):
   kl_cov_ratio: float = _PG.kl_cov_ratio       # kl_cov: fraction of tokens
   ppo_kl_coef: float = _PG.ppo_kl_coef         # kl_cov: |log r| coefficient
   dro_beta: float = _PG.dro_beta               # dro: β of the quadratic log-ratio penalty (> 0 when used)
-  rollout_correction: RolloutCorrection = RolloutCorrection()   # sampler-vs-trainer correction (off)
-  loss_agg: str = _PG.loss_agg     # token_mean | token_sum | seq_mean_token_{mean,sum,sum_norm} | seq_sum_token_sum_norm
+  rollout_correction: RolloutCorrection = RolloutCorrection()   # sampler-vs-trainer correction
+  loss_agg: str = _PG.loss_agg     # loss.AGG_MODES: token_mean | token_sum | seq_mean_token_{mean,sum,sum_norm} | ...
   verl_microbatch_weighting: bool = _PG.verl_microbatch_weighting   # micro-batch token means weighted by rows
   norm_adv_by_std: bool = True     # False = Dr.GRPO (mean-only)
   overlong_buffer: int = 4096      # L_cache (Eq. 13); 0 = off

@@ -75,7 +75,7 @@ class Metrics(Section):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Every section of a run: what `configs/common.base()` holds as a ConfigDict, typed. The defaults
+  """Every section of a run, typed (`configs/common.base()` is its plain values). The defaults
   are the DAPO recipe of the paper (§5.1) on a model to be chosen; configs override what differs."""
   seed: int = 0                    # data order, initial weights, sampling
   model: Model = Model()
@@ -98,11 +98,10 @@ class Config:
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "Config":
-    """The typed config of a ConfigDict (or a dict, e.g. a run's recorded config.json): each section
-    built and checked on its own; a name that is not a setting is refused, naming it."""
+    """The typed config of plain values (section -> field -> value, e.g. a run's recorded config.json):
+    each section built and checked on its own; a name that is not a setting is refused, naming it."""
     if isinstance(values, Config):
       return values
-    values = values.to_dict() if hasattr(values, "to_dict") else dict(values)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kw = {}
     for key, value in values.items():
@@ -117,6 +116,6 @@ class Config:
     return cls(**kw)
 
   def to_dict(self) -> dict:
-    """Plain values, section by section (what a ConfigDict is built from and config.json records)."""
+    """Plain values, section by section (what a config file starts from and config.json records)."""
     return {f.name: (v.to_dict() if isinstance(v := getattr(self, f.name), Section) else v)
             for f in dataclasses.fields(self)}

@@ -23,7 +23,7 @@ class Section:
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any], name: str = ""):
-    """The section of `values` (a ConfigDict section or a dict): unknown names and nested sections
+    """The section of `values` (field -> value): unknown names and nested sections
     are refused or built here, tuples restored from lists; the section's `check` runs last."""
     name = name or cls.NAME
     fields = {f.name: f for f in dataclasses.fields(cls)}
