@@ -62,21 +62,21 @@ class LoopConfig:
   minibatches: int              # updates per rollout step and epoch
   ppo_epochs: int
   reference: bool               # a frozen reference model's log-probs feed a KL term
+  length_buckets: tuple[int, ...]  # completion lengths micro-batches are cut to; () = pad to C
+  shared_prefix: int            # a mini-batch's prompts sharing >= this many first tokens run them once
+                                # (`train_step.shared_prefix_layout`; 0 = off; off for sliding-window models)
+  seed: int
+  ckpt_every: int               # rollout steps between checkpoints (0 = at the end only)
+  eval_every: int               # rollout steps between held-out evaluations (0 = at the start and end)
+  log_samples_every: int        # rollout steps between logged sample texts (0 = never)
   streaming: bool = True        # admit prompts while they can be needed (`streaming`); False: whole
                                 # generation batches, then the filter (the reference)
   admit_ahead: bool = True      # streaming admits by the running keep rate, cancelling what the step
                                 # did not need (same kept groups); False: only while kept + in flight < Q
   admit_margin: float = 1.0     # how far ahead: standard deviations of the expected keeps
-  length_buckets: tuple[int, ...] = ()  # completion lengths micro-batches are cut to; () = pad to C
-  shared_prefix: int = 0        # a mini-batch's prompts sharing >= this many first tokens run them once
-                                # (`train_step.shared_prefix_layout`; off for sliding-window models)
   adv_estimator: str = "grpo"   # advantages.ESTIMATORS; "gae" needs a `Critic`
   gamma: float = 1.0            # discount of the token-level estimators
   lam: float = 1.0              # GAE's λ
-  seed: int = 0
-  ckpt_every: int = 0
-  eval_every: int = 0
-  log_samples_every: int = 0
   max_bad_steps: int = 5        # stop after this many non-finite updates in a row
   dump_rollouts_every: int = 0  # rollout steps between WORKDIR/rollouts dumps (`dumps`); 0 = none
   profile_steps: tuple[int, ...] = ()  # (a, b): a JAX profiler trace of rollout steps a..b in WORKDIR/profile

@@ -25,6 +25,11 @@ from dapo_jax.model import transformer as model_lib
 from dapo_jax.objectives import Objective
 
 
+# Tokens per automatic micro-batch (per data shard): keeps a small model's activations in cache
+# (docs/benchmarks.md) and bounds a large one's memory.
+MICROBATCH_TOKENS = 2048
+
+
 @struct.dataclass
 class TrainState:
   step: jax.Array           # optimizer updates applied
@@ -66,7 +71,7 @@ def split_microbatches(batch, num_microbatches: int, group_size: int = 1):
 
 
 def auto_microbatches(rows: int, seq_len: int, *, group_size: int = 1, shards: int = 1,
-                      max_tokens: int = 2048, prefix: tuple[int, int] = (0, 0), prompt_len: int = 0) -> int:
+                      max_tokens: int = MICROBATCH_TOKENS, prefix: tuple[int, int] = (0, 0), prompt_len: int = 0) -> int:
   """The fewest micro-batches that keep each one's tokens per data shard at or below `max_tokens`.
 
   A count is valid when every shard's rows split into it in whole groups (`split_microbatches`),
@@ -198,7 +203,7 @@ class Trainer:
   """
 
   def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh,
-               objective: Objective, *, num_microbatches: int = 1, microbatch_tokens: int = 2048,
+               objective: Objective, *, num_microbatches: int = 1, microbatch_tokens: int = MICROBATCH_TOKENS,
                param_rules=sharding.PARAM_RULES, lora: lora_lib.LoraConfig | None = None, head: str = "lm",
                seed: int = 0):
     """`num_microbatches` splits each update's mini-batch for gradient accumulation; 0 picks, for

@@ -51,7 +51,8 @@ def update(trainer, params, batch, workdir, minibatches: int) -> dict:
   """`DAPO.update` (no rollout, data or evaluator: the update does not use them)."""
   cfg = loop.LoopConfig(num_steps=1, prompts_per_step=2, group_size=G, gen_prompts=2, dynamic_sampling=True,
                         max_gen_batches=1, on_cap="raise", carry_over=True, norm_adv_by_std=True,
-                        overlong_filter=False, minibatches=minibatches, ppo_epochs=1, reference=False)
+                        overlong_filter=False, minibatches=minibatches, ppo_epochs=1, reference=False,
+                        length_buckets=(), shared_prefix=0, seed=0, ckpt_every=0, eval_every=0, log_samples_every=0)
   logprobs = trainer.forward(objectives.completion_logprobs(CFG, T, G))
   dapo = loop.DAPO(cfg, trainer=trainer, logprobs=logprobs, rollout=None, evaluator=None, data_iter=None,
                    params=params, workdir=str(workdir), writer_cfg=metrics.WriterConfig(writers=()))

@@ -525,7 +525,8 @@ def test_env_metrics_count_each_rollout_and_the_evaluation_apart(tok, setup):
   G = 2
   cfg = loop.LoopConfig(num_steps=3, prompts_per_step=2, group_size=G, gen_prompts=2, dynamic_sampling=False,
                         max_gen_batches=1, on_cap="train", carry_over=False, norm_adv_by_std=True,
-                        overlong_filter=False, minibatches=1, ppo_epochs=1, reference=False)
+                        overlong_filter=False, minibatches=1, ppo_epochs=1, reference=False, length_buckets=(),
+                        shared_prefix=0, seed=0, ckpt_every=0, eval_every=0, log_samples_every=0)
   dapo = types.SimpleNamespace(cfg=cfg, key=jax.random.key(0), rollout=r, state=types.SimpleNamespace(params=params),
                                data_iter=data.PromptIterator(examples_of(8), shuffle=False),
                                keep_rate=dynamic_sampling.KeepRate(), carry=None)

@@ -29,7 +29,7 @@ class PairTrainConfig:
   eval_every: int = 50           # updates between held-out evaluations (0 = at the end only)
   ckpt_every: int = 100          # updates between checkpoints (0 = at the end only)
   keep_ckpts: int = 2
-  microbatch_tokens: int = 2048  # automatic micro-batches of at most this many tokens
+  microbatch_tokens: int = train_step.MICROBATCH_TOKENS  # automatic micro-batches of at most this many tokens
   seed: int = 0
 
   def fit_config(self) -> fit.FitConfig:

@@ -113,7 +113,7 @@ class SFTConfig:
   chat_template: bool = True
   solution_style: str = "steps"    # data.arith_solution's style
   completion_only: bool = False    # loss on the solution's tokens only (the prompt and a tool's result masked)
-  microbatch_tokens: int = 2048    # automatic micro-batches of at most this many tokens
+  microbatch_tokens: int = train_step.MICROBATCH_TOKENS  # automatic micro-batches of at most this many tokens
   ckpt_every: int = 100            # updates between checkpoints (0 = at the end only)
   keep_ckpts: int = 2
 

@@ -39,7 +39,7 @@ class ChatSFTConfig:
   eval_every: int = 100          # updates between held-out losses (0 = at the end only)
   ckpt_every: int = 100          # updates between checkpoints (0 = at the end only)
   keep_ckpts: int = 2
-  microbatch_tokens: int = 2048  # automatic micro-batches of at most this many tokens
+  microbatch_tokens: int = train_step.MICROBATCH_TOKENS  # automatic micro-batches of at most this many tokens
   seed: int = 0
 
 

@@ -48,7 +48,7 @@ class Model(Section, ModelConfig):
   qkv_bias: bool = True            # the default family, qwen2, has q/k/v biases
   remat: str = "dots"              # on XLA:CPU "dots" is also the fastest for training
   lora: Lora = Lora()              # LoRA adapters (the `Lora` section)
-  base_quant: str = ""             # "int8": the frozen base's layer matrices in int8 (needs lora.rank > 0)
+  base_quant: str = lora_lib.LoraConfig.base_quant   # "int8": the frozen base's layer matrices (needs lora.rank)
 
   def __post_init__(self):
     self.check()  # The section's one-line errors first, then the architecture's own.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from dapo_jax import advantages as adv_lib
-from dapo_jax import loop, objectives, optim
+from dapo_jax import loop, objectives, optim, train_step
 from dapo_jax import loss as loss_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.rollout import episodes as episodes_lib
@@ -115,7 +115,7 @@ class Dapo(Section):
   carry_over: bool = True          # keep surplus groups for the next step (the reference discards them)
   eps_low: float = _PG.eps_low     # decoupled clip (Eq. 10)
   eps_high: float = _PG.eps_high
-  clip_ratio_c: float = 10.0       # dual clip for A < 0; 0 = off
+  clip_ratio_c: float = _PG.clip_ratio_c   # dual clip for A < 0; 0 = off
   policy_loss: str = _PG.policy_loss   # verl's registry (loss.POLICY_LOSSES; docs/losses.md)
   tau_pos: float = _PG.tau_pos     # sapo: gate temperature for A > 0
   tau_neg: float = _PG.tau_neg     # sapo: for A <= 0
@@ -227,7 +227,7 @@ class Train(Section):
   minibatches: int = 16            # optimizer updates per rollout step and epoch
   ppo_epochs: int = 1              # passes over a rollout step's batch
   num_microbatches: int = 0        # gradient accumulation inside one update; 0 = auto (microbatch_tokens)
-  microbatch_tokens: int = 2048    # auto: the fewest micro-batches of at most this many tokens per data shard
+  microbatch_tokens: int = train_step.MICROBATCH_TOKENS   # auto: micro-batches of at most this many tokens
   share_prompt: bool = True        # a group's prompt runs through the model once (exact)
   shared_prefix: int = 32          # and a mini-batch's common first tokens, in multiples of this many (0 = off)
   length_buckets: int = 8          # micro-batches cut to one of this many lengths (0 = pad to max_new_tokens)

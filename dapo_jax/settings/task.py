@@ -6,10 +6,13 @@ import inspect
 
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.envs import sandbox as sandbox_lib
+from dapo_jax.pipelines import sft as sft_lib
+from dapo_jax.rollout import rollout as rollout_lib
 from dapo_jax.settings.section import Section, check
 
 TASKS = ("file", "arith", "reasoning_gym")
 SOLUTION_STYLES = ("steps", "column", "mixed", "direct", "tool")
+_ROLLOUT, _SFT = rollout_lib.RolloutConfig, sft_lib.SFTConfig
 _ARITH = inspect.signature(data_lib.arith_examples).parameters  # The arithmetic task's own defaults.
 
 
@@ -20,10 +23,10 @@ class Data(Section):
   task: str = "file"               # "file" (DAPO-Math schema), "arith" (built in) or "reasoning_gym"
   train_files: tuple[str, ...] = ("",)   # task="file": parquet / jsonl files of training rows
   eval_files: tuple[str, ...] = ("",)    # task="file": held-out rows (e.g. AIME 2024)
-  chat_template: bool = True       # render prompts with the tokenizer's chat template
+  chat_template: bool = _ROLLOUT.chat_template   # render prompts with the tokenizer's chat template
   prompt_template: str = ""        # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
   max_prompt_len: int = 2048       # tokens; longer prompts keep their end (truncation left)
-  prompt_buckets: tuple[int, ...] = ()   # prompt lengths compiled for; () = just max_prompt_len
+  prompt_buckets: tuple[int, ...] = _ROLLOUT.prompt_buckets   # prompt lengths compiled for; () = just max_prompt_len
   missing_answer: str = "error"    # error | skip rows without a (usable) ground truth
   digits: int = _ARITH["digits"].default           # arith: digits of the first operand
   ops: str = _ARITH["ops"].default                 # arith: operators drawn from, e.g. "+-"
@@ -31,7 +34,7 @@ class Data(Section):
   num_eval: int = 128              # held-out examples evaluated (file: the first ones; 0 = all)
   digits_b: int = _ARITH["digits_b"].default       # arith: digits of the second operand (0 = digits)
   fewshot: int = _ARITH["fewshot"].default         # worked examples in the chat before each question
-  solution_style: str = "steps"    # SFT targets for arith: steps (column addition) | column | mixed | direct | tool
+  solution_style: str = _SFT.solution_style   # arith's SFT targets: steps | column | mixed | direct | tool
   rg_tasks: tuple[str, ...] = ()   # task="reasoning_gym": its generators, e.g. ("chain_sum",)
   rg_settings: str = ""            # JSON {task: generator kwargs}, e.g. '{"chain_sum": {"max_terms": 3}}'
   rg_num_train: int = 2000         # training items per reasoning-gym task (held-out: num_eval)
