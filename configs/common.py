@@ -48,9 +48,9 @@ def preset(name: str) -> dict:
 
 _RUNLOCAL_RESET = ("init", "hf_dir", "gguf", "vocab_size", "num_heads", "num_kv_heads", "rope_theta", "qkv_bias",
                    "tie_embeddings", "param_dtype", "dtype", "matmul_dtype", "attn_chunk", "logits_chunk", "arch",
-                   "qk_norm", "rope_type", "sliding_window", "local_layers", "query_scale", "attn_softcap", "final_softcap", "num_experts",
-                   "experts_per_token", "expert_mlp_dim", "norm_topk_prob", "dense_layers", "router_aux_coef",
-                   "expert_chunk")
+                   "qk_norm", "rope_type", "sliding_window", "local_layers", "query_scale", "attn_softcap",
+                   "final_softcap", "num_experts", "experts_per_token", "expert_mlp_dim", "norm_topk_prob",
+                   "dense_layers", "router_aux_coef", "expert_chunk")
 
 
 def defaults(section, *fields: str) -> dict:
