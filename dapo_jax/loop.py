@@ -48,7 +48,7 @@ class TrainingError(errors.UserError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
-  """The order and sizes of a run's steps (`build.loop_config` picks it from a config)."""
+  """The order and sizes of a run's steps (`builders.loop_config` picks it from a config)."""
   num_steps: int                # rollout steps
   prompts_per_step: int         # Q: groups trained per rollout step
   group_size: int               # G
@@ -92,7 +92,7 @@ class LoopConfig:
 
 class DAPO:
   """One run: `run()` executes it. A context manager: leaving it stops the reward workers, the
-  metric writer and the checkpointer (`build.dapo(cfg, workdir, mesh)` builds one).
+  metric writer and the checkpointer (`builders.dapo(cfg, workdir, mesh)` builds one).
 
   PPO: `critic` (a `Critic`) and `kl_ctrl` (`advantages.FixedKLController` or the adaptive one: β of
   the KL-shaped reward, updated every step and checkpointed)."""

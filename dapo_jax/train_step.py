@@ -24,7 +24,6 @@ from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.objectives import Objective
 
-
 # Tokens per automatic micro-batch (per data shard): keeps a small model's activations in cache
 # (docs/benchmarks.md) and bounds a large one's memory.
 MICROBATCH_TOKENS = 2048

@@ -6,7 +6,7 @@
 Stage s is the config file's `get_config("stage=s,<its argument>")` with the `--config.x=y`
 overrides applied; the argument's `task` is `arith` (the built-in task) unless it names another.
 Writes WORKDIR/table.md, table.json and curves.png; the same command resumes, and finished runs are
-not re-run (dapo_jax/build/ablation.py).
+not re-run (dapo_jax/builders/ablation.py).
 """
 import importlib.util
 import os
@@ -52,16 +52,16 @@ def stage_configs(path: str, overrides: dict, stages=None) -> dict:
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import build  # After distributed init.
-  from dapo_jax.build import ablation
+  from dapo_jax import builders  # After distributed init.
+  from dapo_jax.builders import ablation
   flag = flags.FLAGS["config"]
   try:
     cfgs = stage_configs(config_flags.get_config_filename(flag), config_flags.get_override_values(flag),
                          _STAGES.value)
   except ValueError as e:
-    raise build.ConfigError(str(e)) from None
+    raise builders.ConfigError(str(e)) from None
   for cfg in cfgs.values():
-    build.validate(cfg)  # Every stage, before the first one trains.
+    builders.validate(cfg)  # Every stage, before the first one trains.
   import jax
   if not jax.config.jax_compilation_cache_dir:  # The seeds of a stage compile the same programs.
     jax.config.update("jax_compilation_cache_dir", os.path.join(_WORKDIR.value, "jax_cache"))

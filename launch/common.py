@@ -169,16 +169,16 @@ def define_config(default: str = DEFAULT_CONFIG, reads_run_config: bool = False)
 
 def dry_run(flag_values) -> None:
   """--dry_run: the config this command would use, checked, printed for a person; then exit 0."""
-  from dapo_jax import build
+  from dapo_jax import builders
   workdir = flag_values["workdir"].value if "workdir" in flag_values and any(_READS_RUN_CONFIG) else None
   cfg = run_config(flag_values["config"], workdir)
   # Checked for the machine its mesh names (a recipe for 128 GPUs dry-runs on a laptop); a mesh with a
   # -1 axis, for this one.
   from dapo_jax import sharding
-  build.validate(cfg, num_devices=sharding.mesh_devices(cfg.mesh))
+  builders.validate(cfg, num_devices=sharding.mesh_devices(cfg.mesh))
   print(cfg)
-  source = f"{workdir}/{build.CONFIG_FILE}" if workdir and not flag_values["config"].present and \
-      build.load_run_config(workdir) is not None else flag_values["config"].serialize().split("=", 1)[-1] \
+  source = f"{workdir}/{builders.CONFIG_FILE}" if workdir and not flag_values["config"].present and \
+      builders.load_run_config(workdir) is not None else flag_values["config"].serialize().split("=", 1)[-1] \
       or os.path.relpath(DEFAULT_CONFIG, REPO)
   print(f"# config: {source}; checked; --dry_run: nothing was run")
   sys.exit(0)
@@ -190,19 +190,19 @@ def run_config(config, workdir: str | None):
   command line's `--config.x=y` overrides on top; else the default config."""
   from absl import flags
 
-  from dapo_jax import build
+  from dapo_jax import builders
   if flags.FLAGS["config"].present or not workdir:
     return config.value
-  cfg = build.load_run_config(workdir)
+  cfg = builders.load_run_config(workdir)
   if cfg is None:
     return config.value
   try:
     cfg.update_from_flattened_dict(dict(flags.FLAGS["config"].override_values))
   except (AttributeError, KeyError, TypeError) as e:
-    raise build.ConfigError(f"{workdir}/{build.CONFIG_FILE}: a --config.* override does not "
+    raise builders.ConfigError(f"{workdir}/{builders.CONFIG_FILE}: a --config.* override does not "
                                   f"apply to the run's config: {e}") from None
   cfg.lock()
-  logging.info("config of %s/%s", workdir, build.CONFIG_FILE)
+  logging.info("config of %s/%s", workdir, builders.CONFIG_FILE)
   return cfg
 
 

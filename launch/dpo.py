@@ -21,8 +21,8 @@ def main(argv):
   common.init_distributed()
   import jax  # (after launch.common has set XLA_FLAGS)
 
-  from dapo_jax import build, sharding
-  from dapo_jax.build import record
+  from dapo_jax import builders, sharding
+  from dapo_jax.builders import record
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.pipelines import dpo
@@ -31,15 +31,15 @@ def main(argv):
   record.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
   out = os.path.join(workdir, "dpo_model")
   record.check_model_dir(out, "launch.dpo", _OVERWRITE.value)  # Before any work: refused by name.
-  build.validate_pairs(cfg, "dpo")
-  build.save_pipeline_config(cfg, workdir, "dpo")  # A resume that changes its start or loss fails here.
+  builders.validate_pairs(cfg, "dpo")
+  builders.save_pipeline_config(cfg, workdir, "dpo")  # A resume that changes its start or loss fails here.
   mesh = sharding.make_mesh(cfg.mesh)
-  train, held = build.preference_data(cfg, "dpo")
+  train, held = builders.preference_data(cfg, "dpo")
   tok = tokenizer.load(cfg.tokenizer.path or cfg.dpo.init_dir)
-  model_cfg, params = hf.load(cfg.dpo.init_dir, **build.runtime_overrides(cfg))
-  evaluator = build.dpo_evaluator(cfg, tok, model_cfg, mesh, held)
-  params, ev = dpo.train(build.dpo_config(cfg), model_cfg, params, tok, train, held, mesh, workdir,
-                         evaluator=evaluator, lora=build.lora_config(cfg))
+  model_cfg, params = hf.load(cfg.dpo.init_dir, **builders.runtime_overrides(cfg))
+  evaluator = builders.dpo_evaluator(cfg, tok, model_cfg, mesh, held)
+  params, ev = dpo.train(builders.dpo_config(cfg), model_cfg, params, tok, train, held, mesh, workdir,
+                         evaluator=evaluator, lora=builders.lora_config(cfg))
   if jax.process_index() == 0:
     params = jax.device_get(params)
     record.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))

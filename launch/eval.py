@@ -23,33 +23,33 @@ _DUMP = flags.DEFINE_string("dump", None, "Also write every scored sample to thi
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import build, dumps, rewards, sharding
+  from dapo_jax import builders, dumps, rewards, sharding
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.rollout import rollout
   workdir = None if _MODEL_DIR.value else _WORKDIR.value or common.default_workdir()
   cfg = common.run_config(_CONFIG, workdir)  # The run's recorded config unless --config is given.
-  build.validate(cfg)
+  builders.validate(cfg)
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
-    model_cfg, params = hf.load(_MODEL_DIR.value, **build.runtime_overrides(cfg))
+    model_cfg, params = hf.load(_MODEL_DIR.value, **builders.runtime_overrides(cfg))
     tok = tokenizer.load(cfg.tokenizer.path or _MODEL_DIR.value)
     step, source = 0, _MODEL_DIR.value
   else:
-    model_cfg, params, tok, step = build.restore_policy(cfg, workdir, mesh)
-    source = build.model_dir(cfg, workdir)
-  _, examples = build.datasets(cfg)
+    model_cfg, params, tok, step = builders.restore_policy(cfg, workdir, mesh)
+    source = builders.model_dir(cfg, workdir)
+  _, examples = builders.datasets(cfg)
   if _K.value:
     with cfg.unlocked():
       cfg.eval.k = _K.value
   reward = rewards.RewardPool(cfg.reward.fn, cfg.reward.timeout_s, cfg.reward.workers)
   try:
     # With rollout.env every prompt is an episode, as in training's evaluation.
-    r = rollout.Rollout(tok, model_cfg, mesh, build.rollout_config(cfg),
-                        build.sampler_config(cfg, tok, source), reward, *build.episodes(cfg, tok))
+    r = rollout.Rollout(tok, model_cfg, mesh, builders.rollout_config(cfg),
+                        builders.sampler_config(cfg, tok, source), reward, *builders.episodes(cfg, tok))
     recorder = dumps.RolloutRecorder("", r, filter_groups=False, enabled=bool(_DUMP.value))
     with recorder.recording("eval", step, step, file=_DUMP.value):
-      result = build.evaluator(cfg, r, examples, progress=True).run(params)
+      result = builders.evaluator(cfg, r, examples, progress=True).run(params)
   finally:
     reward.close()
   print(json.dumps({"rollout_step": step, "num_prompts": len(examples), **result}))

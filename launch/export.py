@@ -16,11 +16,11 @@ def main(argv):
   del argv
   import jax
 
-  from dapo_jax import build, console
+  from dapo_jax import builders, console
   from dapo_jax.hf import convert as hf
   common.check_output_dir(_OUT.value, _OVERWRITE.value)  # Before anything is loaded.
   cfg = common.run_config(_CONFIG, _WORKDIR.value)  # The run's recorded config unless --config is given.
-  model_cfg, params, tok, step = build.restore_policy(cfg, _WORKDIR.value)
+  model_cfg, params, tok, step = builders.restore_policy(cfg, _WORKDIR.value)
   num_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
   with console.timed(f"writing {console.size(num_bytes)} of parameters to {_OUT.value}"):
     hf.save(_OUT.value, model_cfg, jax.device_get(params), tokenizer=tok)

@@ -20,15 +20,15 @@ def devices_of(mesh_cfg, devices: int | None) -> int:
 
 def report(cfg, devices: int | None = None, name: str = "") -> str:
   """The plan of `cfg` on `devices` (default: its mesh's size, `devices_of`) as printed."""
-  from dapo_jax import build, sharding, train_step
+  from dapo_jax import builders, sharding, train_step
   from dapo_jax.model import lora as lora_lib
   from dapo_jax.model import memory
-  lora = build.lora_config(cfg)
-  mc = build.model_config(cfg, cfg.model.vocab_size or 1024)
+  lora = builders.lora_config(cfg)
+  mc = builders.model_config(cfg, cfg.model.vocab_size or 1024)
   try:
     shape = sharding.mesh_shape(dict(cfg.mesh), devices_of(cfg.mesh, devices))
   except ValueError as e:
-    raise build.ConfigError(f"{e} (--devices={devices})") from None
+    raise builders.ConfigError(f"{e} (--devices={devices})") from None
   rows_per_update = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches
   seq_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   num_microbatches = cfg.train.num_microbatches or train_step.auto_microbatches(

@@ -22,8 +22,8 @@ def main(argv):
   common.init_distributed()
   import jax  # (after launch.common has set XLA_FLAGS)
 
-  from dapo_jax import build, sharding
-  from dapo_jax.build import record
+  from dapo_jax import builders, sharding
+  from dapo_jax.builders import record
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.pipelines import rm
@@ -32,13 +32,13 @@ def main(argv):
   record.lock(workdir, jax.process_index())  # A second run on this workdir stops here, naming the first.
   out = os.path.join(workdir, "rm_model")
   record.check_model_dir(out, "launch.rm", _OVERWRITE.value)  # Before any work: refused by name.
-  build.validate_pairs(cfg, "rm")
-  build.save_pipeline_config(cfg, workdir, "rm")  # A resume that changes its start or loss fails here.
-  train, held = build.preference_data(cfg, "rm")
+  builders.validate_pairs(cfg, "rm")
+  builders.save_pipeline_config(cfg, workdir, "rm")  # A resume that changes its start or loss fails here.
+  train, held = builders.preference_data(cfg, "rm")
   tok = tokenizer.load(cfg.tokenizer.path or cfg.rm.init_dir)
-  model_cfg, lm_params = hf.load(cfg.rm.init_dir, **build.runtime_overrides(cfg))
-  params, ev = rm.train(build.rm_config(cfg), model_cfg, rm.from_lm(lm_params), tok, train, held,
-                        sharding.make_mesh(cfg.mesh), workdir, lora=build.lora_config(cfg))
+  model_cfg, lm_params = hf.load(cfg.rm.init_dir, **builders.runtime_overrides(cfg))
+  params, ev = rm.train(builders.rm_config(cfg), model_cfg, rm.from_lm(lm_params), tok, train, held,
+                        sharding.make_mesh(cfg.mesh), workdir, lora=builders.lora_config(cfg))
   if jax.process_index() == 0:
     params = jax.device_get(params)
     record.write_model_dir(out, lambda d: hf.save_scalar(d, model_cfg, params, tokenizer=tok))

@@ -71,38 +71,38 @@ def main(argv):
   common.init_distributed()
   import jax
 
-  from dapo_jax import build, console, rewards, sharding
+  from dapo_jax import builders, console, rewards, sharding
   from dapo_jax.data import prompts as data
   from dapo_jax.data import tokenizer
   from dapo_jax.hf import convert as hf
   from dapo_jax.rollout import rollout
   workdir = None if _MODEL_DIR.value else _WORKDIR.value or common.default_workdir()
   cfg = common.run_config(_CONFIG, workdir)  # The run's recorded config unless --config is given.
-  build.validate(cfg)
+  builders.validate(cfg)
   if bool(_PROMPT.value) == bool(_PROMPTS.value):
     raise data.DataError("give one of --prompt=TEXT or --prompts=FILE")
   if _PROMPTS.value:  # Before the model loads: a bad file fails at once.
     prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template)
   else:
-    prompts = [_PROMPT.value if _RAW.value else build.user_prompt(cfg, _PROMPT.value)]
+    prompts = [_PROMPT.value if _RAW.value else builders.user_prompt(cfg, _PROMPT.value)]
     truths = [_GROUND_TRUTH.value]
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
-    model_cfg, params = hf.load(_MODEL_DIR.value, **build.runtime_overrides(cfg))
+    model_cfg, params = hf.load(_MODEL_DIR.value, **builders.runtime_overrides(cfg))
     tok = tokenizer.load(cfg.tokenizer.path or _MODEL_DIR.value)
     source = _MODEL_DIR.value
   else:
-    model_cfg, params, tok, _ = build.restore_policy(cfg, workdir, mesh)
-    source = build.model_dir(cfg, workdir)
-  sampler_cfg = build.sampler_config(cfg, tok, source)
+    model_cfg, params, tok, _ = builders.restore_policy(cfg, workdir, mesh)
+    source = builders.model_dir(cfg, workdir)
+  sampler_cfg = builders.sampler_config(cfg, tok, source)
   sampler_cfg = dataclasses.replace(
       sampler_cfg, temperature=sampler_cfg.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value,
       max_new_tokens=_MAX_NEW_TOKENS.value or sampler_cfg.max_new_tokens)
   k = _K.value
-  make_env, episode_cfg = build.episodes(cfg, tok)
+  make_env, episode_cfg = builders.episodes(cfg, tok)
   if make_env is not None:  # Episodes start from examples; a typed question's answer is its ground truth.
     prompts = [as_example(p, gt) for p, gt in zip(prompts, truths)]
-  r = rollout.Rollout(tok, model_cfg, mesh, dataclasses.replace(build.rollout_config(cfg), rows_per_call=0),
+  r = rollout.Rollout(tok, model_cfg, mesh, dataclasses.replace(builders.rollout_config(cfg), rows_per_call=0),
                       sampler_cfg, None, make_env, episode_cfg)
   try:
     texts = r.decode(r.generate(r.sampling_params(params), prompts, k, jax.random.key(_SEED.value)))

@@ -43,7 +43,7 @@ _MAX_PROMPT_CHARS = flags.DEFINE_integer("max_prompt_chars", None, "Characters o
 
 def main(argv):
   del argv
-  from dapo_jax import build, sharding
+  from dapo_jax import builders, sharding
   from dapo_jax.data import tokenizer
   from dapo_jax.serve import server as server_lib
   if _WORKDIR.value and _MODEL_DIR.value:
@@ -51,12 +51,12 @@ def main(argv):
   workdir = None if _MODEL_DIR.value else (_WORKDIR.value or common.default_workdir())
   # A run is served with its recorded config unless --config is given.
   cfg = common.run_config(_CONFIG, workdir) if workdir else _CONFIG.value
-  build.validate(cfg)
+  builders.validate(cfg)
   server_lib.http.check_bind(_HOST.value, _TOKEN.value or os.environ.get(server_lib.TOKEN_ENV),
                              server_lib.TOKEN_ENV)  # Before the model loads.
   server_lib.http.check_port(_HOST.value, _PORT.value)
   mesh = sharding.make_mesh(cfg.mesh)
-  model_cfg, params, tok, source, name = build.served_policy(cfg, workdir, _MODEL_DIR.value,
+  model_cfg, params, tok, source, name = builders.served_policy(cfg, workdir, _MODEL_DIR.value,
                                                                 _ADAPTER_DIR.value, mesh)
   eos = tokenizer.stop_ids(tok, source, cfg.rollout.stop)
   server = server_lib.PolicyServer(
@@ -66,7 +66,7 @@ def main(argv):
       compact=_COMPACT.value, mesh=mesh,
       limits=server_lib.http.limits(max_connections=_MAX_CONNECTIONS.value, header_timeout_s=_HEADER_TIMEOUT_S.value,
                                     body_timeout_s=_BODY_TIMEOUT_S.value, max_prompt_chars=_MAX_PROMPT_CHARS.value),
-      user_prompt=None if _RAW.value or not workdir else (lambda q: build.user_prompt_messages(cfg, q)))
+      user_prompt=None if _RAW.value or not workdir else (lambda q: builders.user_prompt_messages(cfg, q)))
   print(f"serving {server.policy.model_name} on {server.url} (OpenAI API: /v1/chat/completions, "
         "/v1/completions, /v1/models)", flush=True)
   common.serve_until_interrupted(server)

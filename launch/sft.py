@@ -25,12 +25,12 @@ def main(argv):
   common.init_distributed()
   import jax  # (after launch.common has set XLA_FLAGS)
 
-  from dapo_jax import build, hf
-  from dapo_jax.build import record
+  from dapo_jax import builders, hf
+  from dapo_jax.builders import record
   workdir = _WORKDIR.value or common.default_workdir()
   out = os.path.join(workdir, "sft_model")
   record.check_model_dir(out, "launch.sft", _OVERWRITE.value)  # Before any work: refused by name.
-  model_cfg, params, tok = build.run_sft(_CONFIG.value, workdir)
+  model_cfg, params, tok = builders.run_sft(_CONFIG.value, workdir)
   if jax.process_index() == 0:
     params = jax.device_get(params)
     record.write_model_dir(out, lambda d: hf.save(d, model_cfg, params, tokenizer=tok))

@@ -15,10 +15,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs, samples (def
 def main(argv):
   del argv
   common.init_distributed()
-  from dapo_jax import build  # After distributed init.
+  from dapo_jax import builders  # After distributed init.
   workdir = _WORKDIR.value or common.default_workdir()
   common.say_workdir(workdir, "writes to")
-  build.run(_CONFIG.value, workdir)  # Validates the config before it builds the mesh.
+  builders.run(_CONFIG.value, workdir)  # Validates the config before it builds the mesh.
   common.say_workdir(workdir, "wrote")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dapo_jax import metrics, sharding, testing
-from dapo_jax.build import ablation
+from dapo_jax.builders import ablation
 from launch import ablate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ import dapo_jax
 def test_load_config_applies_overrides_and_names_a_bad_one():
   cfg = dapo_jax.load_config("configs/default.py:runlocal", **{"train.num_steps": 3})
   assert cfg.train.num_steps == 3 and cfg.model.embed_dim == 32
-  from dapo_jax.build import ConfigError
+  from dapo_jax.builders import ConfigError
   with pytest.raises(ConfigError, match="names no config field"):
     dapo_jax.load_config("configs/default.py", **{"train.num_stepz": 3})
   with pytest.raises(ConfigError, match="'configs/nope.py' not found"):

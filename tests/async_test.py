@@ -72,14 +72,14 @@ def test_carried_groups_past_the_staleness_bound_are_dropped():
 
 
 def test_decoupled_loss_without_its_correction_is_one_line():
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = run_config(1)
   cfg.rollout.use_decoupled_loss = True
-  with pytest.raises(build.ConfigError, match=r"^rollout.use_decoupled_loss=True needs "
+  with pytest.raises(builders.ConfigError, match=r"^rollout.use_decoupled_loss=True needs "
                                                        r"dapo.rollout_correction.rollout_is='token' or 'sequence'"):
-    build.validate(cfg, num_devices=1)
+    builders.validate(cfg, num_devices=1)
   cfg.dapo.rollout_correction.rollout_is = "token"
-  build.validate(cfg, num_devices=1)
+  builders.validate(cfg, num_devices=1)
 
 
 def run_config(max_staleness: int, num_steps: int = 4, ckpt_every: int = 0):
@@ -106,8 +106,8 @@ def untimed(row: dict) -> dict:
 
 
 def train(cfg, workdir) -> dict[int, dict]:
-  from dapo_jax import build
-  with build.dapo(cfg, workdir) as run:
+  from dapo_jax import builders
+  with builders.dapo(cfg, workdir) as run:
     run.run()
   return logged(workdir)
 
@@ -139,11 +139,11 @@ def test_two_steps_off_bound_threaded_equals_in_order_and_exact_resume(tmp_path)
   (staleness 1, then 2), and no queued rollout crosses a checkpoint. The rollouts are a function of
   the schedule, not of the thread's timing: run in order on the main thread (as several processes
   do) they log the same values, and a resume from the step-3 checkpoint repeats steps 4-6."""
-  from dapo_jax import build
+  from dapo_jax import builders
   threaded = train(run_config(2, num_steps=6, ckpt_every=3), str(tmp_path / "threaded"))
   assert [threaded[s]["rollout/staleness_max"] for s in range(1, 7)] == [0, 1, 2, 0, 1, 2]
   assert threaded[3]["rollout/staleness_mean"] == 2
-  with build.dapo(run_config(2, num_steps=6, ckpt_every=3), str(tmp_path / "in_order")) as run:
+  with builders.dapo(run_config(2, num_steps=6, ckpt_every=3), str(tmp_path / "in_order")) as run:
     run.prefetch = pipelining.Prefetch(in_order=True)
     run.run()
   in_order = logged(str(tmp_path / "in_order"))
@@ -198,13 +198,13 @@ def test_a_stop_while_the_next_rollouts_are_in_flight_saves_the_state_from_befor
   """The stop-signal path: the rollouts queued are dropped, and the checkpoint holds the data
   position, keep rate and carried-over groups from before the oldest (those of a synchronous run's
   step 0), one rollout queued or two."""
-  from dapo_jax import build
+  from dapo_jax import builders
   states = {}
   for staleness in (0, 1, 2):
     cfg = run_config(staleness)
     cfg.dapo.carry_over = True  # Kept groups beyond Q wait for the next step.
     workdir = str(tmp_path / str(staleness))
-    with build.dapo(cfg, workdir) as run:
+    with builders.dapo(cfg, workdir) as run:
       run.step(0)
       if staleness:
         # The rollouts of steps 1..staleness, started before update 0.
@@ -214,7 +214,7 @@ def test_a_stop_while_the_next_rollouts_are_in_flight_saves_the_state_from_befor
       else:
         states[0] = (run.carry.to_json(), run.data_iter.state(), run.keep_rate.state())
     if staleness:
-      with build.dapo(cfg, workdir) as again:
+      with builders.dapo(cfg, workdir) as again:
         assert again.restore() == 1
         states[staleness] = (again.carry.to_json(), again.data_iter.state(), again.keep_rate.state())
   assert states[0][0]["prompt_QP"], "step 0 kept more groups than Q: something to carry"
@@ -257,11 +257,11 @@ def test_two_version_batch_loss_equals_numpy(tmp_path, decoupled):
 
 
 def test_a_negative_staleness_is_refused_in_one_line_naming_the_field():
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = run_config(-1)
-  with pytest.raises(build.ConfigError, match=r"^rollout.max_staleness=-1: expected >= 0 \(0: synchronous"):
-    build.validate(cfg, num_devices=1)
-  build.validate(run_config(3), num_devices=1)
+  with pytest.raises(builders.ConfigError, match=r"^rollout.max_staleness=-1: expected >= 0 \(0: synchronous"):
+    builders.validate(cfg, num_devices=1)
+  builders.validate(run_config(3), num_devices=1)
 
 
 def split_config(rollout_devices: int, max_staleness: int = 0):
@@ -276,13 +276,13 @@ def test_split_mesh_equals_the_shared_mesh_and_runs_one_step_off(tmp_path):
   """`mesh.rollout_devices=4`: devices 0-3 decode, 4-7 train, the policy copied over each step. In
   sync it is the run of one 4-device mesh doing both (same shapes: every value equal); one-step-off,
   the rollout of step 2 decodes on its devices while update 1 runs on the others."""
-  from dapo_jax import build, sharding
+  from dapo_jax import builders, sharding
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
   runs = {}
   for name, cfg, mesh in [("shared", split_config(0), sharding.make_mesh({"data": 4}, jax.devices()[:4])),
                           ("split", split_config(4), None), ("split_off", split_config(4, 1), None)]:
-    with build.dapo(cfg, str(tmp_path / name), mesh=mesh) as run:
+    with builders.dapo(cfg, str(tmp_path / name), mesh=mesh) as run:
       run.run()
       params = jax.device_get(run.state.params)
       devices = ({d.id for d in jax.tree.leaves(run.state.params)[0].sharding.device_set},
@@ -304,29 +304,29 @@ def test_split_mesh_equals_the_shared_mesh_and_runs_one_step_off(tmp_path):
     (3, {"data": 2, "fsdp": 1}, r"^mesh=.*\(mesh.rollout_devices=3: 3 rollout and 5 training devices\)$"),
 ])
 def test_a_split_that_cannot_work_is_one_line(rollout_devices, mesh, match):
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = split_config(rollout_devices)
   cfg.mesh.update(mesh)
-  with pytest.raises(build.ConfigError, match=match):
-    build.validate(cfg, num_devices=8)
+  with pytest.raises(builders.ConfigError, match=match):
+    builders.validate(cfg, num_devices=8)
   cfg.mesh.update(rollout_devices=4, data=-1)
-  build.validate(cfg, num_devices=8)
+  builders.validate(cfg, num_devices=8)
 
 
 def test_partial_rollouts_need_one_step_off_and_streaming_in_one_line():
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = run_config(0)
   cfg.rollout.partial_rollouts, cfg.dapo.streaming = True, True
-  with pytest.raises(build.ConfigError, match=r"^rollout.partial_rollouts=True needs rollout.max_staleness=1"):
-    build.validate(cfg, num_devices=1)
+  with pytest.raises(builders.ConfigError, match=r"^rollout.partial_rollouts=True needs rollout.max_staleness=1"):
+    builders.validate(cfg, num_devices=1)
   cfg.rollout.max_staleness = 2  # the params of one update go to one rollout in flight
-  with pytest.raises(build.ConfigError, match=r"^rollout.partial_rollouts=True needs rollout.max_staleness=1"):
-    build.validate(cfg, num_devices=1)
+  with pytest.raises(builders.ConfigError, match=r"^rollout.partial_rollouts=True needs rollout.max_staleness=1"):
+    builders.validate(cfg, num_devices=1)
   cfg.rollout.max_staleness = 1
-  build.validate(cfg, num_devices=1)
+  builders.validate(cfg, num_devices=1)
   cfg.dapo.streaming = False
-  with pytest.raises(build.ConfigError, match=r"needs dapo.streaming=True and rollout.engine='continuous'"):
-    build.validate(cfg, num_devices=1)
+  with pytest.raises(builders.ConfigError, match=r"needs dapo.streaming=True and rollout.engine='continuous'"):
+    builders.validate(cfg, num_devices=1)
 
 
 @pytest.mark.slow  # one 4-step runlocal run

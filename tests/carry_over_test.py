@@ -41,7 +41,7 @@ def sample_groups(params, seed: int, Q: int = 2) -> tuple[Groups, np.ndarray]:
 
 
 def make_trainer(minibatches: int) -> train_step.Trainer:
-  """The trainer `build.dapo` builds: with one update per rollout step π_old = π_θ."""
+  """The trainer `builders.dapo` builds: with one update per rollout step π_old = π_θ."""
   pg = objectives.PGConfig(**PG, temperature=T, old_is_current=minibatches == 1, group_size=G)
   return train_step.Trainer(CFG, optim.OptimConfig(lr=1e-3, warmup_steps=1), mesh1(),
                             objectives.policy_gradient(CFG, pg))

@@ -191,12 +191,12 @@ def test_run_whose_last_step_made_no_update_resumes(tmp_path):
   """Step 0 keeps no group (every score fails), so no update runs; its checkpoint must hold
   the state's own int32 rollout_step, and the run resumes from it (restore checks every dtype)."""
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
   cfg.reward.update(fn="dapo_jax.testing:raising_reward", workers=1)
   cfg.dapo.max_gen_batches = 1
   workdir = str(tmp_path / "run")
-  with build.dapo(cfg, workdir) as run:
+  with builders.dapo(cfg, workdir) as run:
     m, _ = run.step(0)
     assert "actor/pg_loss" not in m  # No update ran.
     run.save(1)

@@ -180,7 +180,7 @@ def test_a_task_row_the_reward_cannot_score_is_named_at_load(tmp_path, caplog):
   naming the file, the row and what is wrong, before any step; `data.missing_answer=skip` drops and
   counts such rows."""
   from configs import smollm2_135m_code  # noqa: PLC0415
-  from dapo_jax import build  # noqa: PLC0415
+  from dapo_jax import builders  # noqa: PLC0415
   rows = code_tasks.small_function_tasks(4, seed=0)
   good = json.loads(rows[0]["ground_truth"])
   bad = {1: "def f(): pass", 2: json.dumps([good]), 3: json.dumps(dict(good, entry_point=""))}
@@ -192,9 +192,9 @@ def test_a_task_row_the_reward_cannot_score_is_named_at_load(tmp_path, caplog):
   cfg.data.update(train_files=(path,), eval_files=())
   with pytest.raises(prompts.DataError, match=rf"^{path}: row 1: an unusable ground truth: python_tests: "
                                               r"ground_truth is not a JSON object .*missing_answer=skip"):
-    build.datasets(cfg)
+    builders.datasets(cfg)
   cfg.data.missing_answer = "skip"
-  train, _ = build.datasets(cfg)
+  train, _ = builders.datasets(cfg)
   assert [ex.index for ex in train] == [0]
   assert "skipped 3 rows with an unusable ground truth" in caplog.text
   for gt, needle in [(bad[2], r"not a JSON object \(a list"), (bad[3], r"lacks string fields \['entry_point'\]")]:

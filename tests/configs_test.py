@@ -7,7 +7,7 @@ import os
 import pytest
 
 from configs import ablation
-from dapo_jax import build
+from dapo_jax import builders
 from dapo_jax.model import transformer as model
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -29,13 +29,13 @@ def load(name, arg):
 @pytest.mark.parametrize("name,arg", ARGS)
 def test_config_builds_and_passes_startup_validation(name, arg):
   cfg = load(name, arg)
-  # The same check `build.run` makes before building anything (pod meshes: on their 128 devices).
+  # The same check `builders.run` makes before building anything (pod meshes: on their 128 devices).
   axes = [v for k, v in cfg.mesh.items() if k != "rollout_devices"]
   if arg and "mesh=" in arg and -1 not in axes:  # The mesh's own device count.
-    build.validate(cfg, num_devices=math.prod(axes))
+    builders.validate(cfg, num_devices=math.prod(axes))
   else:
-    build.validate(cfg, num_devices=128 if arg and "mesh=" in arg else None)
-  mc = build.model_config(cfg, 1024)
+    builders.validate(cfg, num_devices=128 if arg and "mesh=" in arg else None)
+  mc = builders.model_config(cfg, 1024)
   assert isinstance(mc, model.ModelConfig)
 
 
@@ -52,7 +52,7 @@ def test_startup_validation_names_the_field(field, value, message):
   group, name = field.split(".")
   cfg[group][name] = value
   with pytest.raises(ValueError, match=message):
-    build.validate(cfg)
+    builders.validate(cfg)
 
 
 def test_paper_recipe_values():
@@ -64,7 +64,7 @@ def test_paper_recipe_values():
   # verl's recipe: raise at the cap, drop surplus groups, filter on acc, stop on generation_config's EOS.
   assert (c.dapo.on_cap, c.dapo.carry_over, c.dapo.filter_metric) == ("raise", False, "acc")
   assert c.rollout.stop == "generation_config"
-  mc = build.model_config(c, 0)
+  mc = builders.model_config(c, 0)
   assert mc == model.ModelConfig.qwen2_5_32b(dtype="bfloat16", remat="full", attn_chunk=2048)
 
 
@@ -116,8 +116,8 @@ def test_locked_config_rejects_typos():
 def test_bf16_on_a_cpu_without_bf16_instructions_warns():
   fast_cpu = "flags : fpu sse2 avx512f avx512_bf16 avx512_vnni"
   slow_cpu = "flags : fpu sse2 avx2 fma"
-  assert "AVX512-BF16" in build.bf16_cpu_warning("bfloat16", "cpu", slow_cpu)
-  assert build.bf16_cpu_warning("bfloat16", "cpu", fast_cpu) is None
-  assert build.bf16_cpu_warning("bfloat16", "cpu", "flags : avx2 amx_bf16 amx_tile") is None
-  assert build.bf16_cpu_warning("float32", "cpu", slow_cpu) is None
-  assert build.bf16_cpu_warning("bfloat16", "gpu", slow_cpu) is None
+  assert "AVX512-BF16" in builders.bf16_cpu_warning("bfloat16", "cpu", slow_cpu)
+  assert builders.bf16_cpu_warning("bfloat16", "cpu", fast_cpu) is None
+  assert builders.bf16_cpu_warning("bfloat16", "cpu", "flags : avx2 amx_bf16 amx_tile") is None
+  assert builders.bf16_cpu_warning("float32", "cpu", slow_cpu) is None
+  assert builders.bf16_cpu_warning("bfloat16", "gpu", slow_cpu) is None

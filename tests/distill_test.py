@@ -11,7 +11,7 @@ import pytest
 
 from configs import dapo_qwen2_5_32b
 from dapo_jax import advantages as adv_lib
-from dapo_jax import build, objectives, ppo, sharding, testing, train_step
+from dapo_jax import builders, objectives, ppo, sharding, testing, train_step
 from dapo_jax import optim as optim_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import Groups
@@ -43,7 +43,7 @@ def test_the_per_token_advantage_is_the_teachers_minus_the_students_log_prob(set
   tok, student_cfg, teacher_cfg, teacher_params, path, cfg = setup
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   pg = objectives.PGConfig(group_size=2, temperature=1.0)
-  teacher = build.teacher(cfg, student_cfg, tok, mesh, pg)
+  teacher = builders.teacher(cfg, student_cfg, tok, mesh, pg)
   trainer = train_step.Trainer(student_cfg, optim_lib.OptimConfig(lr=1e-3), mesh,
                                objectives.policy_gradient(student_cfg, pg))
   params = trainer.init(jax.random.key(0)).params
@@ -79,7 +79,7 @@ def test_a_run_with_a_teacher_trains(setup, tmp_path, tiny_tokenizer_dir):
   cfg.tokenizer.path = tiny_tokenizer_dir  # The teacher's tokenizer.
   cfg.train.num_steps = 2
   cfg.dapo.dynamic_sampling = False
-  with build.dapo(cfg, str(tmp_path / "run")) as run:
+  with builders.dapo(cfg, str(tmp_path / "run")) as run:
     assert run.teacher is not None
     assert run.ref_params is None  # The teacher's log-probs are the advantage: no reference model to hold.
     run.run()
@@ -94,7 +94,7 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_naming_both(set
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   other = dataclasses.replace(student_cfg, vocab_size=student_cfg.vocab_size + 64)
   with pytest.raises(ValueError, match=f"{path}.*vocabulary of {student_cfg.vocab_size}"):
-    build.teacher(cfg, other, tok, mesh, objectives.PGConfig())
+    builders.teacher(cfg, other, tok, mesh, objectives.PGConfig())
   other_tok = testing.build_tokenizer(str(tmp_path / "tok"), vocab_size=260)
-  with pytest.raises(build.ConfigError, match="tokenizer is not the policy's"):
-    build.teacher(cfg, student_cfg, other_tok, mesh, objectives.PGConfig())
+  with pytest.raises(builders.ConfigError, match="tokenizer is not the policy's"):
+    builders.teacher(cfg, student_cfg, other_tok, mesh, objectives.PGConfig())

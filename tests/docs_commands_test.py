@@ -46,7 +46,7 @@ def command_lines(path: str) -> list[tuple[str, int, list[str]]]:
 RUNNER = r"""
 import json, os, sys, runpy
 import jax, ml_collections, absl.app  # imported once, before the children fork
-from dapo_jax import build
+from dapo_jax import builders
 results = []
 for argv in json.load(sys.stdin):
   r, w = os.pipe()

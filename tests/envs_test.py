@@ -232,7 +232,7 @@ def test_rows_an_environment_cannot_run_are_named_at_load(tmp_path):
   import json  # noqa: PLC0415
 
   from configs import dapo_qwen2_5_32b  # noqa: PLC0415
-  from dapo_jax import build  # noqa: PLC0415
+  from dapo_jax import builders  # noqa: PLC0415
   from dapo_jax.data import prompts  # noqa: PLC0415
   path = tmp_path / "games.jsonl"
   rows = [{"prompt": "Guess my number (1-100).", "reward_model": {"ground_truth": gt}} for gt in ("42", "seven", "7")]
@@ -242,9 +242,9 @@ def test_rows_an_environment_cannot_run_are_named_at_load(tmp_path):
   cfg.rollout.update(env="dapo_jax.envs.games:GuessNumberEnv", env_args='{"max_guesses": 3}')
   with pytest.raises(prompts.DataError, match=rf"^{path}: row 1: an unusable ground truth: GuessNumberEnv needs an "
                                               r"integer ground truth, got 'seven'"):
-    build.datasets(cfg)
+    builders.datasets(cfg)
   cfg.data.missing_answer = "skip"
-  assert [ex.ground_truth for ex in build.datasets(cfg)[0]] == ["42", "7"]
+  assert [ex.ground_truth for ex in builders.datasets(cfg)[0]] == ["42", "7"]
   # A tool environment asks the reward that scores its answers.
   env = tool_env.ToolEnv(reward="dapo_jax.rewards:python_tests")
   with pytest.raises(ValueError, match="ground_truth is not a JSON object \\(a int"):
@@ -256,19 +256,19 @@ def test_turn_stop_names_one_token_and_the_sampler_stops_on_it(tiny_tokenizer_di
   """`rollout.turn_stop` strings become stop ids of the sampler for episodes; a string that is not
   exactly one token, or turn_stop without an environment, is a one-line config error."""
   from configs import default  # noqa: PLC0415
-  from dapo_jax import build  # noqa: PLC0415
+  from dapo_jax import builders  # noqa: PLC0415
   from dapo_jax.data import tokenizer as tokenizer_lib  # noqa: PLC0415
   tok = tokenizer_lib.load(tiny_tokenizer_dir)
   cfg = default.get_config()
   cfg.rollout.turn_stop = ("<|endoftext|>",)
-  with pytest.raises(build.ConfigError, match=r"rollout.turn_stop=\('<\|endoftext\|>',\) ends turns of episodes"):
-    build.sampler_config(cfg, tok)
+  with pytest.raises(builders.ConfigError, match=r"rollout.turn_stop=\('<\|endoftext\|>',\) ends turns of episodes"):
+    builders.sampler_config(cfg, tok)
   cfg.rollout.env = "dapo_jax.envs.games:GuessNumberEnv"
-  (stop,) = build.turn_stop_ids(cfg, tok)
-  assert stop == tok.convert_tokens_to_ids("<|endoftext|>") and stop in build.sampler_config(cfg, tok).eos_ids
-  assert build.episodes(cfg, tok)[1].turn_stop_ids == (stop,)
+  (stop,) = builders.turn_stop_ids(cfg, tok)
+  assert stop == tok.convert_tokens_to_ids("<|endoftext|>") and stop in builders.sampler_config(cfg, tok).eos_ids
+  assert builders.episodes(cfg, tok)[1].turn_stop_ids == (stop,)
   cfg.rollout.turn_stop = ("</tool_call>",)
   n = len(tok("</tool_call>", add_special_tokens=False)["input_ids"])
-  with pytest.raises(build.ConfigError, match=rf"rollout.turn_stop: '</tool_call>' is {n} tokens of this "
+  with pytest.raises(builders.ConfigError, match=rf"rollout.turn_stop: '</tool_call>' is {n} tokens of this "
                                                     r"tokenizer .* each must be exactly one token"):
-    build.turn_stop_ids(cfg, tok)
+    builders.turn_stop_ids(cfg, tok)

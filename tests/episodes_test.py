@@ -392,7 +392,7 @@ def test_the_overlong_penalty_of_an_episode_counts_its_observations(tok, setup):
 
 def test_the_config_check_bounds_the_overlong_buffer_by_the_episode_budget_and_names_env_error():
   from configs import common
-  from dapo_jax import build
+  from dapo_jax import builders
 
   def config(**rollout):
     c = common.base()
@@ -402,21 +402,21 @@ def test_the_config_check_bounds_the_overlong_buffer_by_the_episode_budget_and_n
 
   c = config()
   c.dapo.overlong_buffer = 32  # > one turn's 8 tokens, = the episode's 4 x 8.
-  build.validate(c, num_devices=1)
+  builders.validate(c, num_devices=1)
   c.dapo.overlong_buffer = 33
-  with pytest.raises(build.ConfigError) as e:
-    build.validate(c, num_devices=1)
+  with pytest.raises(builders.ConfigError) as e:
+    builders.validate(c, num_devices=1)
   assert str(e.value).startswith("dapo.overlong_buffer=33: expected from 0 to the episode's response budget of 32")
   c = config(max_episode_tokens=100)
   c.dapo.overlong_buffer = 68
-  build.validate(c, num_devices=1)
-  assert build.completion_len(c) == 68
+  builders.validate(c, num_devices=1)
+  assert builders.completion_len(c) == 68
   c = config(env_error="drop")
-  with pytest.raises(build.ConfigError) as e:
-    build.validate(c, num_devices=1)
+  with pytest.raises(builders.ConfigError) as e:
+    builders.validate(c, num_devices=1)
   assert str(e.value).startswith("rollout.env_error='drop': expected 'mask'") and "\n" not in str(e.value)
-  assert build.episodes(config(env_error="score"))[1].env_error == "score"
-  assert build.episodes(config())[1].env_error == "mask"
+  assert builders.episodes(config(env_error="score"))[1].env_error == "score"
+  assert builders.episodes(config())[1].env_error == "mask"
 
 
 def test_a_masked_row_leaves_the_groups_advantages_as_if_it_were_absent():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import common
-from dapo_jax import build, testing
+from dapo_jax import builders, testing
 from dapo_jax.data import tokenizer
 from dapo_jax.hf import convert as hf
 from dapo_jax.hf import gguf
@@ -169,11 +169,11 @@ def test_tokenizer_larger_than_embedding_is_named(tmp_path, tiny_tokenizer_dir):
   c.model.update(init="hf", hf_dir=str(tmp_path / "m"))
   with pytest.raises(tokenizer.TokenizerError, match=rf"has {len(tok)} tokens, more than the 128 embedding rows "
                                                      rf"of the model \({tmp_path}/m/config.json\)"):
-    build.initial_model(c, str(tmp_path), tok, None, [])
+    builders.initial_model(c, str(tmp_path), tok, None, [])
   c.model.update(init="random", vocab_size=64)
   with pytest.raises(tokenizer.TokenizerError, match=r"more than the 64 embedding rows of the model "
                                                      r"\(model.vocab_size=64\)"):
-    build.initial_model(c, str(tmp_path), tok, None, [])
+    builders.initial_model(c, str(tmp_path), tok, None, [])
 
 
 def test_file_task_trains_its_tokenizer_on_the_file(tmp_path):
@@ -184,8 +184,8 @@ def test_file_task_trains_its_tokenizer_on_the_file(tmp_path):
   c = common.base()
   c.data.update(task="file", train_files=(str(path),))
   c.tokenizer.vocab_size = 300
-  train, _ = build.datasets(c)
-  tok = build.tokenizer(c, str(tmp_path / "work"), train)
+  train, _ = builders.datasets(c)
+  tok = builders.tokenizer(c, str(tmp_path / "work"), train)
   text = "Find x if x - 12 = 7."
   ids = tok(text, add_special_tokens=False)["input_ids"]
   assert 1 < len(ids) < len(text) and tok.decode(ids) == text  # Merges learnt from the file's text.

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from configs import common
-from dapo_jax import build
+from dapo_jax import builders
 from dapo_jax.data import prompts as data
 from dapo_jax.hf import convert as hf
 from dapo_jax.rewards import clients as reward_clients
@@ -163,8 +163,8 @@ def test_random_config_values(edits, devices):
   for group, key, value in edits:
     c[group][key] = value
   try:
-    build.validate(c, num_devices=devices)
-  except build.ConfigError as e:
+    builders.validate(c, num_devices=devices)
+  except builders.ConfigError as e:
     assert "\n" not in str(e) and "=" in str(e)
 
 

@@ -50,11 +50,11 @@ def our_logits(model_dir, ids_BT):
 
 def test_plan_prints_the_numbers_of_memory_plan():
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import build, train_step
+  from dapo_jax import builders, train_step
   from dapo_jax.model import memory
   stdout = ok(launch("plan", f"--config={ROOT}/configs/dapo_qwen2_5_32b.py:mesh=gpu16x8"))
   cfg = dapo_qwen2_5_32b.get_config("mesh=gpu16x8")
-  mc = build.model_config(cfg, cfg.model.vocab_size or 1024)
+  mc = builders.model_config(cfg, cfg.model.vocab_size or 1024)
   shape = dict(cfg.mesh)
   assert -1 not in shape.values()
   rows = cfg.dapo.prompts_per_step * cfg.rollout.group_size // cfg.train.minibatches

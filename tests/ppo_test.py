@@ -197,15 +197,15 @@ def test_ppo_settings_are_checked_at_start(field, value, message):
   cfg = ppo_cfg()
   group, name = field.split(".")
   cfg[group][name] = value
-  with pytest.raises(build.ConfigError, match=message):
-    build.validate(cfg)
+  with pytest.raises(builders.ConfigError, match=message):
+    builders.validate(cfg)
 
 
 def test_critic_from_a_reward_model_needs_its_directory():
   cfg = ppo_cfg()
   cfg.critic.init = "rm"  # reward.fn is a rule, so there is no rm:DIR to default to
-  with pytest.raises(build.ConfigError, match=r"critic.model_dir='': expected a reward model's HF directory"):
-    build.validate(cfg)
+  with pytest.raises(builders.ConfigError, match=r"critic.model_dir='': expected a reward model's HF directory"):
+    builders.validate(cfg)
 
 
 @pytest.mark.slow  # Two runs of the loop with compiles: ~40 s on 2 free cores.
@@ -213,7 +213,7 @@ def test_ppo_loop_trains_the_value_model_and_resumes_it_exactly(tmp_path):
   """3 PPO steps; the same run killed after step 2 and resumed from its checkpoint gives step 3's
   metrics and the final policy and value-model params exactly (the critic and β round-trip)."""
   ref_dir, dir_ = str(tmp_path / "ref"), str(tmp_path / "resumed")
-  with build.dapo(ppo_cfg(num_steps=3, ckpt_every=1), ref_dir) as run:
+  with builders.dapo(ppo_cfg(num_steps=3, ckpt_every=1), ref_dir) as run:
     critic0 = jax.device_get(run.critic.state.params)
     beta0 = run.kl_ctrl.value
     run.run()
@@ -234,7 +234,7 @@ def test_ppo_loop_trains_the_value_model_and_resumes_it_exactly(tmp_path):
   shutil.rmtree(os.path.join(dir_, "checkpoints", "3"))
   lines = open(os.path.join(dir_, "metrics.jsonl")).readlines()
   open(os.path.join(dir_, "metrics.jsonl"), "w").writelines(lines[:-1])
-  with build.dapo(ppo_cfg(num_steps=3, ckpt_every=1), dir_) as run:
+  with builders.dapo(ppo_cfg(num_steps=3, ckpt_every=1), dir_) as run:
     run.run()
     got_state, got_critic = jax.device_get((run.state.params, run.critic.state.params))
     assert run.kl_ctrl.value == ref_beta

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from configs import common
-from dapo_jax import build, rewards
+from dapo_jax import builders, rewards
 from dapo_jax.data import prompts
 from dapo_jax.data import reasoning_gym as rg_data
 
@@ -23,7 +23,7 @@ def _cfg(**data):
 
 
 def test_items_are_reasoning_gyms_own():
-  train, heldout = build.datasets(_cfg())
+  train, heldout = builders.datasets(_cfg())
   ref_train = {t: rg.create_dataset(t, size=50, seed=3, **SETTINGS.get(t, {})) for t in ("chain_sum", "basic_arithmetic")}
   ref_held = {t: rg.create_dataset(t, size=20, seed=3 + 10**9, **SETTINGS.get(t, {})) for t in ("chain_sum", "basic_arithmetic")}
   assert len(heldout) == 40
@@ -70,7 +70,7 @@ def test_reward_runs_in_the_pool():
 
 def test_unknown_task_names_the_field():
   with pytest.raises(prompts.DataError, match=r"data\.rg_tasks: unknown reasoning-gym task 'chain_summ'") as e:
-    build.datasets(_cfg(rg_tasks=("chain_summ",), rg_settings=""))
+    builders.datasets(_cfg(rg_tasks=("chain_summ",), rg_settings=""))
   assert "\n" not in str(e.value)
 
 
@@ -95,13 +95,13 @@ def test_worked_examples_open_every_prompt_and_are_never_held_out():
 
 
 def test_fewshot_reaches_the_data_through_the_config():
-  train, heldout = build.datasets(_cfg(fewshot=2))
+  train, heldout = builders.datasets(_cfg(fewshot=2))
   assert len(heldout[0].messages) == 5 and heldout[0].messages[:4] == train[0].messages[:4]
 
 
 def test_a_typed_question_gets_the_training_prompts_worked_examples():
   cfg = _cfg(fewshot=2, prompt_template=common.RG_INSTRUCTION)
-  _, heldout = build.datasets(cfg)
-  typed = build.user_prompt(cfg, "What is 2 + 2?")
+  _, heldout = builders.datasets(cfg)
+  typed = builders.user_prompt(cfg, "What is 2 + 2?")
   assert typed.messages[:-1] == heldout[0].messages[:-1] and len(typed.messages) == 5
   assert typed.messages[-1]["content"] == common.RG_INSTRUCTION.format(question="What is 2 + 2?")

@@ -236,11 +236,11 @@ def test_a_nan_reward_is_counted_and_the_run_goes_on(tmp_path):
   import math
 
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
   cfg.reward.update(fn="dapo_jax.testing:nan_reward", workers=1)
   cfg.dapo.max_gen_batches = 1
-  with build.dapo(cfg, str(tmp_path)) as run:
+  with builders.dapo(cfg, str(tmp_path)) as run:
     m, _ = run.step(0)
   assert m["reward/errors"] > 0 and "actor/pg_loss" not in m
   assert all(math.isfinite(v) for v in m.values() if isinstance(v, (int, float))), m

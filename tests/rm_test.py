@@ -135,7 +135,7 @@ def test_dapo_loop_trains_on_a_reward_model(tmp_path, tiny_tokenizer_dir):
   """configs/default.py with reward.fn=rm:DIR: the loop scores every rollout with the reward model
   (prompts included) and logs its scores."""
   from configs import common, default
-  from dapo_jax import build, metrics
+  from dapo_jax import builders, metrics
   from dapo_jax.data import tokenizer as tokenizer_lib
   from dapo_jax.rewards import model as rm_model
   tok = tokenizer_lib.load(tiny_tokenizer_dir)
@@ -147,7 +147,7 @@ def test_dapo_loop_trains_on_a_reward_model(tmp_path, tiny_tokenizer_dir):
   cfg.reward.fn = f"rm:{rm_dir}"
   cfg.train.update(num_steps=1, log_samples_every=0)
   cfg.data.num_eval = 0
-  with build.dapo(cfg, str(tmp_path / "run")) as run:
+  with builders.dapo(cfg, str(tmp_path / "run")) as run:
     reward = run.rollout.reward
     assert isinstance(reward, rm_model.RMReward)
     calls = []

@@ -6,26 +6,26 @@ import os
 import pytest
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import checkpoint, build
+from dapo_jax import checkpoint, builders
 
 
 def test_config_json_round_trips_and_validates(tmp_path):
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
-  build.save_run_config(cfg, str(tmp_path), argv=["launch/train.py", "--config=x.py:runlocal", "--a=b c"])
-  back = build.load_run_config(str(tmp_path))
+  builders.save_run_config(cfg, str(tmp_path), argv=["launch/train.py", "--config=x.py:runlocal", "--a=b c"])
+  back = builders.load_run_config(str(tmp_path))
   assert back.to_dict() == cfg.to_dict()
   assert isinstance(back.model.lora.targets, tuple) and isinstance(back.data.train_files, tuple)
-  build.validate(back)
+  builders.validate(back)
   with open(tmp_path / "command.txt") as f:
     assert f.read().rstrip().endswith("launch/train.py --config=x.py:runlocal '--a=b c'")
-  assert build.load_run_config(str(tmp_path / "none")) is None
+  assert builders.load_run_config(str(tmp_path / "none")) is None
 
 
 def test_a_restart_that_changes_the_model_is_refused_naming_the_field(tmp_path):
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
-  build.save_run_config(cfg, str(tmp_path), argv=["train"])
+  builders.save_run_config(cfg, str(tmp_path), argv=["train"])
   cfg.train.num_steps = 10  # Legitimate: a longer run.
-  build.save_run_config(cfg, str(tmp_path), argv=["train"])
+  builders.save_run_config(cfg, str(tmp_path), argv=["train"])
   with open(tmp_path / "config.json") as f:
     assert json.load(f)["train"]["num_steps"] == 10
   with open(tmp_path / "command.txt") as f:
@@ -40,7 +40,7 @@ def test_a_restart_that_changes_the_model_is_refused_naming_the_field(tmp_path):
     before = node[rest[-1]]
     node[rest[-1]] = value
     with pytest.raises(checkpoint.CheckpointMismatchError) as e:
-      build.save_run_config(bad, str(tmp_path), argv=["train"])
+      builders.save_run_config(bad, str(tmp_path), argv=["train"])
     path = os.path.join(tmp_path, "config.json")
     assert str(e.value) == (f"{path}: the run was started with {field}={before!r}, this config has "
                             f"{field}={value!r}; a run cannot change it (use another --workdir)")
@@ -48,5 +48,5 @@ def test_a_restart_that_changes_the_model_is_refused_naming_the_field(tmp_path):
 
 def test_an_unreadable_config_json_is_one_line(tmp_path):
   (tmp_path / "config.json").write_text("{not json")
-  with pytest.raises(build.ConfigError, match=r"config.json: not a readable run config"):
-    build.load_run_config(str(tmp_path))
+  with pytest.raises(builders.ConfigError, match=r"config.json: not a readable run config"):
+    builders.load_run_config(str(tmp_path))

@@ -12,13 +12,13 @@ from dapo_jax import dumps, metrics
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
   cfg.reward.update(fn="dapo_jax.testing:length_reward", workers=1)
   cfg.train.update(num_steps=2, eval_every=2, profile_steps=(2, 2), dump_rollouts_every=-1)  # -1: small job
   cfg.optim.update(lr=1e-2, warmup_steps=0)
   workdir = str(tmp_path_factory.mktemp("run"))
-  build.run(cfg, workdir)
+  builders.run(cfg, workdir)
   return workdir
 
 
@@ -156,17 +156,17 @@ def test_plot_writes_a_png_of_the_curves(tmp_path):
 ])
 def test_bad_dump_and_profile_fields_are_one_line(field, value, message):
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import build
+  from dapo_jax import builders
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
   cfg.train[field] = value
-  with pytest.raises(build.ConfigError) as e:
-    build.dump_rollouts_every(cfg)
+  with pytest.raises(builders.ConfigError) as e:
+    builders.dump_rollouts_every(cfg)
   assert str(e.value) == message
 
 
 def test_dumps_every_step_on_small_jobs_only():
   from configs import dapo_qwen2_5_32b, default
-  from dapo_jax import build
-  assert build.dump_rollouts_every(default.get_config()) == 1
-  assert build.dump_rollouts_every(dapo_qwen2_5_32b.get_config("runlocal")) == 1
-  assert build.dump_rollouts_every(dapo_qwen2_5_32b.get_config()) == 0
+  from dapo_jax import builders
+  assert builders.dump_rollouts_every(default.get_config()) == 1
+  assert builders.dump_rollouts_every(dapo_qwen2_5_32b.get_config("runlocal")) == 1
+  assert builders.dump_rollouts_every(dapo_qwen2_5_32b.get_config()) == 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import checkpoint, build, objectives, rewards, sharding, testing
+from dapo_jax import checkpoint, builders, objectives, rewards, sharding, testing
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
@@ -110,9 +110,9 @@ def test_workdir_checkpoint_one_prompt(tmp_path):
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
   workdir = tmp_path / "run"
   tok = testing.build_tokenizer(str(workdir / "tokenizer"), vocab_size=cfg.tokenizer.vocab_size)
-  model_cfg = build.model_config(cfg, ((len(tok) + 63) // 64) * 64)
+  model_cfg = builders.model_config(cfg, ((len(tok) + 63) // 64) * 64)
   mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
-  trainer = build.trainer(cfg, model_cfg, mesh, objectives.language_model(model_cfg))
+  trainer = builders.trainer(cfg, model_cfg, mesh, objectives.language_model(model_cfg))
   ckpt = checkpoint.Checkpointer(str(workdir / "checkpoints"))
   ckpt.save(2, trainer.init(jax.random.key(1)), {"rollout_step": 2, "seed": 0})
   ckpt.wait()
@@ -150,9 +150,9 @@ def test_a_typed_question_is_put_as_the_training_prompts_are(config):
   and worked examples around the question (a bare question is a prompt it never saw)."""
   import importlib
   cfg = importlib.import_module(f"configs.{config}").get_config()
-  train, _ = build.datasets(cfg)
+  train, _ = builders.datasets(cfg)
   ex = train[0]
   question = "What is " + ex.messages[-1]["content"].split("What is ")[1].split("?")[0] + "?"
-  asked = build.user_prompt(cfg, question)
+  asked = builders.user_prompt(cfg, question)
   assert asked.messages == ex.messages
   assert asked.messages[-1]["content"] != question

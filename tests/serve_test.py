@@ -366,21 +366,21 @@ def test_launch_serve_loads_a_run_checkpoint_and_a_peft_adapter(policy, tmp_path
   """What `launch.serve` serves: a run directory's newest checkpoint (its config, tokenizer and
   orbax state as a run writes them), and an HF directory with a PEFT LoRA adapter on it."""
   from configs import dapo_qwen2_5_32b
-  from dapo_jax import checkpoint, build, objectives, sharding
+  from dapo_jax import checkpoint, builders, objectives, sharding
   from dapo_jax.hf import peft
   from dapo_jax.model import lora
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
   workdir = tmp_path / "run"
   tok = testing.build_tokenizer(str(workdir / "tokenizer"), vocab_size=cfg.tokenizer.vocab_size)
-  model_cfg = build.model_config(cfg, ((len(tok) + 63) // 64) * 64)
+  model_cfg = builders.model_config(cfg, ((len(tok) + 63) // 64) * 64)
   mesh = sharding.make_mesh(cfg.mesh, devices=jax.devices()[:1])
-  trainer = build.trainer(cfg, model_cfg, mesh, objectives.language_model(model_cfg))
+  trainer = builders.trainer(cfg, model_cfg, mesh, objectives.language_model(model_cfg))
   state = trainer.init(jax.random.key(1))
   ckpt = checkpoint.Checkpointer(str(workdir / "checkpoints"))
   ckpt.save(2, state, {"rollout_step": 2, "seed": 0})
   ckpt.wait()
   ckpt.close()
-  got_cfg, params, _, _, name = build.served_policy(cfg, str(workdir), None, None, mesh)
+  got_cfg, params, _, _, name = builders.served_policy(cfg, str(workdir), None, None, mesh)
   assert got_cfg == model_cfg and name == "run"
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(state.params))
   # A PEFT adapter on the policy's directory: served as the adapted tree.
@@ -390,7 +390,7 @@ def test_launch_serve_loads_a_run_checkpoint_and_a_peft_adapter(policy, tmp_path
   adapted["lora"] = jax.tree.map(lambda x: x + 0.01, adapted["lora"])  # b != 0: the adapter changes outputs.
   peft.save_peft(str(tmp_path / "adapter"), p_cfg, adapted)
   cfg = dapo_qwen2_5_32b.get_config("runlocal")
-  _, served, _, _, name = build.served_policy(cfg, None, model_dir, str(tmp_path / "adapter"), mesh)
+  _, served, _, _, name = builders.served_policy(cfg, None, model_dir, str(tmp_path / "adapter"), mesh)
   assert name == "adapter" and lora.is_adapted(served)
   ids = np.asarray([chat_ids(p_tok, "What is 12 + 5?")], np.int32)
   mask = np.ones_like(ids, bool)
@@ -426,17 +426,17 @@ def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
   import copy
 
   from configs import default
-  from dapo_jax import build
+  from dapo_jax import builders
   from dapo_jax.serve import openai_api
   cfg, _, tok, _, _ = policy
   run_cfg = default.get_config()
   run_cfg.data.fewshot = 1
   as_trained = copy.copy(server.policy)
-  as_trained.user_prompt = lambda q: build.user_prompt_messages(run_cfg, q)
+  as_trained.user_prompt = lambda q: builders.user_prompt_messages(run_cfg, q)
   body = lambda messages, **kw: openai_api.ChatBody(messages=messages, **kw)
   question = [{"role": "user", "content": "What is 38+46?"}]
   ids, _ = as_trained.chat_prompt(body(question))
-  trained = build.user_prompt(run_cfg, "What is 38+46?").messages
+  trained = builders.user_prompt(run_cfg, "What is 38+46?").messages
   assert len(trained) == 3 and trained[-1]["content"] != "What is 38+46?"  # A worked example, then the question.
   want = tok(tokenizer_lib.render(tok, [dict(m) for m in trained], True), add_special_tokens=False)["input_ids"]
   assert ids == want

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from dapo_jax import build, objectives, settings
+from dapo_jax import builders, objectives, settings
 from dapo_jax.rollout import rollout as rollout_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ def test_every_shipped_config_is_typed_and_back_unchanged(path):
     return
   module = importlib.import_module(f"configs.{name}")
   cfg = module.get_config(None)
-  typed = build.as_config(cfg)
+  typed = builders.as_config(cfg)
   plain = lambda d: {k: plain(v) if isinstance(v, dict) else (tuple(v) if isinstance(v, list) else v)
                      for k, v in d.items()}
   assert plain(typed.to_dict()) == plain(cfg.to_dict())
@@ -103,13 +103,13 @@ def test_every_shipped_config_is_typed_and_back_unchanged(path):
 def test_a_name_that_is_not_a_setting_is_refused_naming_the_nearest():
   values = settings.Config().to_dict()
   values["dapo"]["eps_hgh"] = 0.3
-  with pytest.raises(build.ConfigError, match=r"^dapo.eps_hgh is not a setting; did you mean dapo.eps_high\?$"):
+  with pytest.raises(builders.ConfigError, match=r"^dapo.eps_hgh is not a setting; did you mean dapo.eps_high\?$"):
     settings.Config.from_dict(values)
   values = settings.Config().to_dict()
   values["dapo"]["rollout_correction"]["rollout_iz"] = "token"
-  with pytest.raises(build.ConfigError, match=r"^dapo.rollout_correction.rollout_iz is not a setting"):
+  with pytest.raises(builders.ConfigError, match=r"^dapo.rollout_correction.rollout_iz is not a setting"):
     settings.Config.from_dict(values)
-  with pytest.raises(build.ConfigError, match=r"^dapoo is not a config section"):
+  with pytest.raises(builders.ConfigError, match=r"^dapoo is not a config section"):
     settings.Config.from_dict({"dapoo": {}})
 
 
@@ -123,18 +123,18 @@ def test_each_section_checks_its_own_fields():
       (settings.Lora, "rank", -1, "model.lora.rank=-1: expected >= 0 (0 = full fine-tuning)"),
       (settings.DPO, "label_smoothing", 0.7, "dpo.label_smoothing=0.7: expected >= 0 and <= 0.5"),
   ]:
-    with pytest.raises(build.ConfigError) as e:
+    with pytest.raises(builders.ConfigError) as e:
       section.from_dict({field: value})
     assert str(e.value) == message
 
 
 def test_library_configs_are_picked_by_field_name():
   cfg = settings.Config.from_dict({"dapo": {"eps_high": 0.31, "tau_pos": 2.0}, "rollout": {"group_size": 4}})
-  pg = build.pg_config(cfg)
+  pg = builders.pg_config(cfg)
   assert (pg.eps_high, pg.tau_pos, pg.group_size) == (0.31, 2.0, 4)
   # What the config does not hold keeps the library class's default.
   assert pg.norm_len == cfg.rollout.max_new_tokens
-  rc = build.rollout_config(cfg)
+  rc = builders.rollout_config(cfg)
   assert (rc.shared_prefix, rc.overlong_buffer) == (cfg.rollout.shared_prefix, cfg.dapo.overlong_buffer)
   # A name two sections hold with two values must be passed: `pick` will not choose.
   with pytest.raises(TypeError, match=r"rollout.shared_prefix and train.shared_prefix differ"):

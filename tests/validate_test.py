@@ -1,4 +1,4 @@
-"""`build.validate`: every shipped config passes, and each impossible value is named in one line."""
+"""`builders.validate`: every shipped config passes, and each impossible value is named in one line."""
 import glob
 import importlib
 import logging
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from configs import ablation, common
-from dapo_jax import build
+from dapo_jax import builders
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
@@ -30,7 +30,7 @@ def load(name, arg=None):
 def test_shipped_configs_pass(name, arg, devices):
   cfg = load(name, arg)
   for n in [devices] if devices else [1, 2, 8]:
-    build.validate(cfg, num_devices=n)
+    builders.validate(cfg, num_devices=n)
 
 
 def base():
@@ -112,35 +112,35 @@ BAD = [
 @pytest.mark.parametrize("field,value,message", BAD, ids=[f"{f}={v}" for f, v, _ in BAD])
 def test_impossible_value_is_named(field, value, message):
   c = base()
-  build.validate(c, num_devices=8)  # The base is valid; only `field` breaks it.
+  builders.validate(c, num_devices=8)  # The base is valid; only `field` breaks it.
   group, key = field.split(".")
   c[group][key] = value
-  with pytest.raises(build.ConfigError) as e:
-    build.validate(c, num_devices=8)
+  with pytest.raises(builders.ConfigError) as e:
+    builders.validate(c, num_devices=8)
   assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_mesh_against_devices():
   c = base()
   c.mesh.update(data=1, fsdp=2, tensor=2)
-  build.validate(c, num_devices=4)
-  with pytest.raises(build.ConfigError, match=r"data\*fsdp\*expert\*tensor = 4, but there are 8 devices"):
-    build.validate(c, num_devices=8)
+  builders.validate(c, num_devices=4)
+  with pytest.raises(builders.ConfigError, match=r"data\*fsdp\*expert\*tensor = 4, but there are 8 devices"):
+    builders.validate(c, num_devices=8)
   c.mesh.update(data=1, fsdp=-1, tensor=1)
   c.train.minibatches = 4  # 4 rows per mini-batch over 8 batch shards.
   c.train.num_microbatches = 1
-  with pytest.raises(build.ConfigError, match=r"4 rows per mini-batch do not split over the mesh's "
+  with pytest.raises(builders.ConfigError, match=r"4 rows per mini-batch do not split over the mesh's "
                                                     r"data\*fsdp\*expert = 8 batch shards"):
-    build.validate(c, num_devices=8)
+    builders.validate(c, num_devices=8)
 
 
 def test_share_prompt_needs_whole_groups_per_microbatch():
   c = base()
   c.train.num_microbatches = 4  # 8 rows per mini-batch, 2 per micro-batch, groups of 4.
-  with pytest.raises(build.ConfigError, match="train.share_prompt needs whole groups"):
-    build.validate(c, num_devices=2)
+  with pytest.raises(builders.ConfigError, match="train.share_prompt needs whole groups"):
+    builders.validate(c, num_devices=2)
   c.train.share_prompt = False
-  build.validate(c, num_devices=2)
+  builders.validate(c, num_devices=2)
 
 
 def test_share_prompt_needs_whole_groups_per_minibatch_with_auto_microbatches():
@@ -149,28 +149,28 @@ def test_share_prompt_needs_whole_groups_per_minibatch_with_auto_microbatches():
   c = base()
   c.rollout.group_size, c.dapo.prompts_per_step, c.dapo.gen_prompts = 4, 3, 3  # 12 rows
   c.train.update(minibatches=2, num_microbatches=0)                           # of 6: groups of 4 cut
-  with pytest.raises(build.ConfigError) as e:
-    build.validate(c, num_devices=2)
+  with pytest.raises(builders.ConfigError) as e:
+    builders.validate(c, num_devices=2)
   assert "train.share_prompt needs whole groups per mini-batch: train.minibatches=2" in str(e.value)
   assert "rollout.group_size=4" in str(e.value)
   c.train.share_prompt = False
-  build.validate(c, num_devices=2)
+  builders.validate(c, num_devices=2)
 
 
 def test_sft_needs_the_arith_task():
   c = base()
   c.model.init = "sft"
   c.data.task, c.data.train_files = "file", ("x.parquet",)
-  with pytest.raises(build.ConfigError, match=r"model.init='sft': expected 'random', 'hf' or 'gguf' when "
+  with pytest.raises(builders.ConfigError, match=r"model.init='sft': expected 'random', 'hf' or 'gguf' when "
                                                     r"data.task='file'"):
-    build.validate(c, num_devices=8)
+    builders.validate(c, num_devices=8)
 
 
 def test_file_task_needs_a_file():
   c = base()
   c.data.task = "file"
-  with pytest.raises(build.ConfigError, match=r"data.train_files=\('',\): expected at least one dataset"):
-    build.validate(c, num_devices=8)
+  with pytest.raises(builders.ConfigError, match=r"data.train_files=\('',\): expected at least one dataset"):
+    builders.validate(c, num_devices=8)
 
 
 def test_lengths_beyond_the_models_positions_warn(tmp_path, caplog):
@@ -179,15 +179,15 @@ def test_lengths_beyond_the_models_positions_warn(tmp_path, caplog):
   c = base()
   c.model.update(init="hf", hf_dir=str(tmp_path))
   with caplog.at_level(logging.WARNING):
-    build.validate(c, num_devices=8)
+    builders.validate(c, num_devices=8)
   assert "data.max_prompt_len=32 + rollout.max_new_tokens=8 = 40 tokens exceeds the model's " \
          "max_position_embeddings=36" in caplog.text
   c.rollout.max_new_tokens, c.dapo.overlong_buffer = 4, 2
-  build.validate(c, num_devices=8)
+  builders.validate(c, num_devices=8)
 
 
 def test_dynamic_sampling_off_allows_any_gen_prompts():
   c = base()
   c.dapo.dynamic_sampling = False
   c.dapo.gen_prompts = 1
-  build.validate(c, num_devices=8)
+  builders.validate(c, num_devices=8)

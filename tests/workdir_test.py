@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from dapo_jax import testing
-from dapo_jax.build import record
+from dapo_jax.builders import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS, JAX_PLATFORMS="cpu")
-HOLD = ("import sys, time; from dapo_jax.build import record; record.lock(sys.argv[1]); print('locked', flush=True); "
+HOLD = ("import sys, time; from dapo_jax.builders import record; record.lock(sys.argv[1]); print('locked', flush=True); "
         "time.sleep(600)")
-TRY = ("import sys; from dapo_jax.build import record\n"
+TRY = ("import sys; from dapo_jax.builders import record\n"
        "try:\n  record.lock(sys.argv[1]); print('locked')\n"
        "except record.WorkdirBusyError as e:\n  print(e); sys.exit(3)")
 
@@ -122,7 +122,7 @@ def test_check_model_dir_accepts_what_an_export_writes_and_names_the_rest(tmp_pa
     record.check_model_dir(str(tmp_path / "f"), "x", overwrite=True)
 
 
-WRITE = ("import os, sys, time; from dapo_jax.build import record\n"
+WRITE = ("import os, sys, time; from dapo_jax.builders import record\n"
          "def write(d):\n"
          "  open(os.path.join(d, 'config.json'), 'w').write('new')\n"
          "  print('writing', flush=True); time.sleep(600)\n"

@@ -287,7 +287,7 @@ class OpenAIPolicy:
   def __init__(self, scheduler: scheduler_lib.Scheduler, tok, model_name: str, eos_ids: tuple[int, ...],
                user_prompt=None, max_prompt_chars: int = http.Limits.max_prompt_chars):
     """`user_prompt` (question -> messages): a chat request that is one user message, without tools, is put
-    as a run's training prompts were (`build.user_prompt`: the task's instruction, worked examples)."""
+    as a run's training prompts were (`builders.user_prompt`: the task's instruction, worked examples)."""
     self.scheduler, self.tok, self.model_name, self.eos_ids = scheduler, tok, model_name, tuple(eos_ids)
     self.user_prompt, self.max_prompt_chars = user_prompt, max_prompt_chars
     self.tool_format = tool_formats.detect(tok)

@@ -2,7 +2,7 @@
 
 A field's name is the name users type (`--config.dapo.eps_high`); its default and one-line doc sit on
 the field, or on the library class field it takes its default from. `configs/common.base()` is built
-from `Config().to_dict()`; the launch boundary (`dapo_jax.build`), the only reader of a config file's
+from `Config().to_dict()`; the launch boundary (`dapo_jax.builders`), the only reader of a config file's
 ConfigDict, turns its values back into a `Config` with `Config.from_dict`, which checks each section.
 """
 from dapo_jax.settings.model import RUNTIME_FIELDS, Lora, Model, Tokenizer  # noqa: F401

@@ -2,7 +2,7 @@
 
 A section is a frozen dataclass whose field names are the names users type (`--config.dapo.eps_high`);
 each field carries its default and a one-line doc. `Section.check` refuses the values that cannot
-work on their own; checks that read two sections live in `dapo_jax.build.checks`.
+work on their own; checks that read two sections live in `dapo_jax.builders.checks`.
 """
 from __future__ import annotations
 

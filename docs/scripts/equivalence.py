@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from configs import default
-from dapo_jax import build, sharding
+from dapo_jax import builders, sharding
 
 
 def digest(tree) -> dict:
@@ -38,7 +38,7 @@ def tiny_rl_config(**overrides):
 def two_steps(workdir: str, name: str, **overrides) -> dict:
   """Two DAPO steps of a variant (the reference's static path, PPO): the trained params and losses."""
   out = {}
-  with build.dapo(tiny_rl_config(**overrides), workdir) as run:
+  with builders.dapo(tiny_rl_config(**overrides), workdir) as run:
     for step in range(2):
       m, _ = run.step(step)
       out[f"{name}_step{step}_loss"] = np.float64(m.get("actor/pg_loss", np.nan))
@@ -52,7 +52,7 @@ def fingerprint(workdir: str) -> dict:
   cfg = tiny_rl_config()
   out = {}
   mesh = sharding.make_mesh(cfg.mesh)
-  with build.dapo(cfg, workdir, mesh) as run:
+  with builders.dapo(cfg, workdir, mesh) as run:
     out.update({"init" + k: v for k, v in digest(run.state.params).items()})
     tokens, mask = run.rollout.encode(["What is 12 + 30?", "What is 7 + 5?"])
     from dapo_jax import model as model_lib
@@ -71,18 +71,18 @@ def fingerprint(workdir: str) -> dict:
 def sft_fingerprint(workdir: str) -> dict:
   cfg = default.get_config()
   cfg.sft.update(steps=6, probe_every=3, num_examples=512, batch_size=8, seq_len=64)
-  train, _ = build.datasets(cfg)
-  tok = build.tokenizer(cfg, workdir, train)
-  model_cfg = build.model_config(cfg, ((len(tok) + 63) // 64) * 64)
+  train, _ = builders.datasets(cfg)
+  tok = builders.tokenizer(cfg, workdir, train)
+  model_cfg = builders.model_config(cfg, ((len(tok) + 63) // 64) * 64)
   try:
     from dapo_jax.pipelines import sft
   except ImportError:
     from dapo_jax import sft
   mesh = sharding.make_mesh(cfg.mesh)
   try:
-    params = sft.run(build.sft_config(cfg), model_cfg, tok, train, mesh, os.path.join(workdir, "run"))
+    params = sft.run(builders.sft_config(cfg), model_cfg, tok, train, mesh, os.path.join(workdir, "run"))
   except TypeError:  # Before the shared supervised loop.
-    params = sft.run(build.sft_config(cfg), model_cfg, tok, train, mesh)
+    params = sft.run(builders.sft_config(cfg), model_cfg, tok, train, mesh)
   return {"sft" + k: v for k, v in digest(params).items()}
 
 

@@ -17,7 +17,7 @@ def main():
   import numpy as np
 
   from configs import smollm2_135m_arith as C
-  from dapo_jax import build, rewards
+  from dapo_jax import builders, rewards
   from dapo_jax.data import tokenizer as tok_lib
   from dapo_jax.hf import convert as hf
   from dapo_jax.model import quant
@@ -25,15 +25,15 @@ def main():
   from dapo_jax.rollout import sampling
   cfg = C.get_config()
   workdir = "/tmp/int8_error"
-  tok = build.tokenizer(cfg, workdir)
-  model_dir = build.gguf_model_dir(cfg, workdir)
-  mc, fp32 = hf.load(model_dir, **build.runtime_overrides(cfg))
+  tok = builders.tokenizer(cfg, workdir)
+  model_dir = builders.gguf_model_dir(cfg, workdir)
+  mc, fp32 = hf.load(model_dir, **builders.runtime_overrides(cfg))
   int8 = quant.quantize_base(fp32)
-  _, heldout = build.datasets(cfg)
+  _, heldout = builders.datasets(cfg)
   texts = [tok_lib.render(tok, ex.messages) for ex in heldout]
   P = max(len(tok(t)["input_ids"]) for t in texts)
   prompt, pmask = tok_lib.encode_left_padded(tok, texts, P)
-  sc = build.sampler_config(cfg, tok, model_dir)
+  sc = builders.sampler_config(cfg, tok, model_dir)
   greedy = sampling.SamplerConfig(**{**sc.__dict__, "temperature": 0.0})
   outs = {name: sampling.generate(mc, greedy, p, prompt, pmask, jax.random.key(0))
           for name, p in (("fp32", fp32), ("int8", int8))}

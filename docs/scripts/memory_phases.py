@@ -33,7 +33,7 @@ def report(tag):
 def main():
   threading.Thread(target=sampler, daemon=True).start()
   from configs import smollm2_135m_arith as C
-  from dapo_jax import build, sharding
+  from dapo_jax import builders, sharding
   report('imports')
   cfg = C.get_config('lora' if arg == 'lora' else None)
   whole_run = os.environ.get('RUN') == '1'
@@ -42,7 +42,7 @@ def main():
                      num_steps=2 if whole_run else 3)
   wd = f'/tmp/memory_phases_{arg or "full"}'
   shutil.rmtree(wd, ignore_errors=True)
-  with build.dapo(cfg, wd, sharding.make_mesh(cfg.mesh)) as d:
+  with builders.dapo(cfg, wd, sharding.make_mesh(cfg.mesh)) as d:
     report('built (params, trainer, rollout)')
     from dapo_jax import host_memory
     trim = os.environ.get('TRIM') != '0'  # TRIM=0: undo the loop's host_memory.release calls.

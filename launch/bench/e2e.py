@@ -36,7 +36,7 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
   (jsonl with a "prompt" text; 32-token prompts), the model of `model_dir`: median timings."""
   import numpy as np
 
-  from dapo_jax import build, sharding
+  from dapo_jax import builders, sharding
   from dapo_jax.rollout import engine
   tmp = tempfile.mkdtemp(prefix="dapo_bench_")
   rows = [json.loads(line) for line in open(prompts)]
@@ -61,7 +61,7 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
     if shared.SLOTS.value is not None:
       cfg.rollout.slots = shared.SLOTS.value
     cfg.dapo.streaming = False  # Whole generation batches: both paths run the very same samples.
-  with build.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
+  with builders.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
     if _MEAN_LENGTH.value:
       dapo.rollout.length_hook = LengthHook(_MEAN_LENGTH.value, C)
     slots = cfg.rollout.slots or Q * G

@@ -26,7 +26,7 @@ def bench(cfg, peak):
   import jax
   import numpy as np
 
-  from dapo_jax import build, testing
+  from dapo_jax import builders, testing
   from dapo_jax.data import tokenizer as tokenizer_lib
   from dapo_jax.model import transformer as model_lib
   from dapo_jax.rollout import engine, sampling
@@ -37,7 +37,7 @@ def bench(cfg, peak):
     tok = tokenizer_lib.load(shared.MODEL_DIR.value)
   else:
     tok = testing.build_tokenizer(tempfile.mkdtemp(prefix="dapo_bench_"))
-    mc = dataclasses.replace(build.model_config(cfg, len(tok)), **shared.numerics(cfg))
+    mc = dataclasses.replace(builders.model_config(cfg, len(tok)), **shared.numerics(cfg))
     params = model_lib.init_params(mc, jax.random.key(0))
   P, C, S = shared.PROMPT_LEN.value, shared.NEW_TOKENS.value, shared.SLOTS.value or 32
   clients, per_client = (1, 8, 32), max(shared.BATCH.value // 32, 1)

@@ -53,13 +53,13 @@ def matmul_peak(dtype="float32", n=2048, runs=5) -> float:
 def load_model(cfg):
   import jax
 
-  from dapo_jax import build
+  from dapo_jax import builders
   from dapo_jax.hf import convert as hf
   from dapo_jax.model import transformer as model
   if MODEL_DIR.value:
-    mc, params = hf.load(MODEL_DIR.value, **{**build.runtime_overrides(cfg), **numerics(cfg)})
+    mc, params = hf.load(MODEL_DIR.value, **{**builders.runtime_overrides(cfg), **numerics(cfg)})
   else:
-    mc = dataclasses.replace(build.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))
+    mc = dataclasses.replace(builders.model_config(cfg, cfg.model.vocab_size or 1024), **numerics(cfg))
     params = model.init_params(mc, jax.random.key(0))
   return mc, params
 
@@ -68,9 +68,9 @@ def adapted(cfg, mc, params):
   """`params` as a run with `model.lora` holds them: the (int8) base and fresh adapters."""
   import jax
 
-  from dapo_jax import build
+  from dapo_jax import builders
   from dapo_jax.model import lora
-  lcfg = build.lora_config(cfg)
+  lcfg = builders.lora_config(cfg)
   return params if lcfg is None else lora.adapt(mc, lcfg, params, jax.random.key(1))
 
 

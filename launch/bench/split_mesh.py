@@ -24,7 +24,7 @@ def bench(cfg, peak):
   sampling); train = the rest of the step (advantages, π_old, update, metrics)."""
   import jax
 
-  from dapo_jax import build, pipelining
+  from dapo_jax import builders, pipelining
   R = _ROLLOUT_DEVICES.value or jax.device_count() // 2
   if not 0 < R < jax.device_count():
     raise SystemExit(f"--rollout_devices={R}: expected 1..{jax.device_count() - 1} of {jax.device_count()} devices "
@@ -41,7 +41,7 @@ def bench(cfg, peak):
     cfg.rollout.max_staleness = 0
     cfg.train.update(num_steps=runs + 1, eval_every=0, ckpt_every=0, log_samples_every=0, dump_rollouts_every=0)
   rollout_s, train_s, steps = [], [], []
-  with build.dapo(cfg, tmp) as dapo:
+  with builders.dapo(cfg, tmp) as dapo:
     collect = dapo.collect
 
     def timed_collect(*args, **kwargs):

@@ -13,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import build, metrics, testing
+from dapo_jax import builders, metrics, testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A toy reward with mixed correctness inside groups, so dynamic sampling keeps groups and the
@@ -30,7 +30,7 @@ def tiny_cfg(**train):
 
 def test_runlocal_loop_logs_checkpoints_and_resumes(tmp_path):
   workdir = str(tmp_path / "run")
-  last = build.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=2), workdir)
+  last = builders.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=2), workdir)
   assert math.isfinite(last["actor/pg_loss"]) and last["train/num_gen_batches"] >= 1
   recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   assert sorted(recs) == [0, 1, 2] and "val/acc/mean@2" in recs[0] and "val/acc/mean@2" in recs[2]
@@ -42,7 +42,7 @@ def test_runlocal_loop_logs_checkpoints_and_resumes(tmp_path):
   assert [e.step for e in acc.Scalars("actor/pg_loss")] == [1, 2]
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "2"))
   # Same command with more steps: resumes at step 2 and runs step 3 only.
-  last = build.run(tiny_cfg(num_steps=3, ckpt_every=1, eval_every=0), workdir)
+  last = builders.run(tiny_cfg(num_steps=3, ckpt_every=1, eval_every=0), workdir)
   recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   assert sorted(recs) == [0, 1, 2, 3]
   assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))
@@ -71,7 +71,7 @@ def test_bad_reward_path_fails_at_start(tmp_path):
   cfg = tiny_cfg()
   cfg.reward.fn = "no_such_pkg.rewards:score"
   with pytest.raises(Exception, match="no_such_pkg"):
-    build.dapo(cfg, str(tmp_path)).close()
+    builders.dapo(cfg, str(tmp_path)).close()
 
 
 @pytest.mark.parametrize("field,value", [("num_microbatches", -1), ("num_microbatches", 3),
@@ -80,7 +80,7 @@ def test_bad_microbatching_is_named_at_start(tmp_path, field, value):
   cfg = tiny_cfg()
   cfg.train[field] = value
   with pytest.raises(ValueError, match=f"train.{field}={value}"):
-    build.dapo(cfg, str(tmp_path)).close()
+    builders.dapo(cfg, str(tmp_path)).close()
 
 
 def train_cmd(workdir, steps):

@@ -34,9 +34,9 @@ def run(cfg, workdir, out):
   import jax
   import numpy as np
 
-  from dapo_jax import build, metrics, sharding
+  from dapo_jax import builders, metrics, sharding
 
-  with build.dapo(cfg, workdir) as dapo:
+  with builders.dapo(cfg, workdir) as dapo:
     dapo.run()
     params = sharding.fetch(dapo.state.params)
   if jax.process_index() == 0:

@@ -38,7 +38,7 @@ def test_quickstart_is_saved_with_the_outputs_of_its_own_code():
   assert last["val/acc/mean@4"] >= first["val/acc/mean@4"] + MIN_RISE, (first, last)
   install = nb.cells[1]
   assert "pip install" in install.source and "skip-execution" in install.metadata.get("tags", [])
-  assert "dapo_jax.build" not in "".join(c.source for c in nb.cells)   # the Python API only
+  assert "dapo_jax.builders" not in "".join(c.source for c in nb.cells)   # the Python API only
 
 
 def readme_sample_line():

@@ -8,13 +8,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from dapo_jax import build, objectives, optim, sharding, train_step
+from dapo_jax import builders, objectives, optim, sharding, train_step
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.rollout import sampling
 
 config_name, mesh_name = sys.argv[1:3]
 cfg = importlib.import_module(f"configs.{config_name}").get_config(f"mesh={mesh_name}")
-mc = build.model_config(cfg, 0)
+mc = builders.model_config(cfg, 0)
 mesh = sharding.make_mesh(cfg.mesh)
 assert mesh.devices.size == 128, mesh
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import dapo_qwen2_5_32b
-from dapo_jax import checkpoint, build, loop, testing
+from dapo_jax import checkpoint, builders, loop, testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,30 +45,30 @@ def test_missing_dataset_is_one_line(tmp_path):
 
 def test_checkpoint_from_another_config_is_named(tmp_path):
   workdir = str(tmp_path)
-  build.run(tiny_cfg(num_steps=1, ckpt_every=1, eval_every=0), workdir)
+  builders.run(tiny_cfg(num_steps=1, ckpt_every=1, eval_every=0), workdir)
   cfg = tiny_cfg(num_steps=2, eval_every=0)
   cfg.model.mlp_dim = 96
   # The run's recorded config names the field at start...
   with pytest.raises(checkpoint.CheckpointMismatchError, match=r"model.mlp_dim=64, this config has model.mlp_dim=96"):
-    build.dapo(cfg, workdir)
+    builders.dapo(cfg, workdir)
   # ...and without it, the checkpoint itself names the array and both shapes.
   os.remove(os.path.join(workdir, "config.json"))
   with pytest.raises(checkpoint.CheckpointMismatchError, match=r"w_down_FD has shape \(2, 64, 32\).*\(2, 96, 32\)"):
-    with build.dapo(cfg, workdir) as dapo:
+    with builders.dapo(cfg, workdir) as dapo:
       dapo.restore()
 
 
 def test_half_written_checkpoint_falls_back_to_the_last_intact_one(tmp_path, caplog):
   """A run checkpointed at steps 1 and 2 whose step-2 files were cut short resumes from step 1."""
   workdir = str(tmp_path)
-  build.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
+  builders.run(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir)
   step2 = os.path.join(workdir, "checkpoints", "2")
   for root, _, files in os.walk(os.path.join(step2, "state")):
     for f in files:  # What a copy or a write stopped half-way leaves.
       path = os.path.join(root, f)
       with open(path, "r+b") as fh:
         fh.truncate(os.path.getsize(path) // 2)
-  with build.dapo(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir) as dapo:
+  with builders.dapo(tiny_cfg(num_steps=2, ckpt_every=1, eval_every=0), workdir) as dapo:
     with caplog.at_level(logging.WARNING):
       assert dapo.restore() == 1
     assert f"checkpoint {step2}" in caplog.text and "falling back" in caplog.text
@@ -110,7 +110,7 @@ def test_nonfinite_updates_stop_after_k_in_a_row(tmp_path):
   counted failure, tests/rewards_test.py.)"""
   cfg = tiny_cfg(num_steps=10, ckpt_every=1, eval_every=0, max_bad_steps=2)
   cfg.dapo.kl_coef = 0.1
-  with build.dapo(cfg, str(tmp_path)) as dapo:
+  with builders.dapo(cfg, str(tmp_path)) as dapo:
     dapo.ref_params = jax.tree.map(lambda x: x * np.nan, dapo.ref_params)
     with pytest.raises(loop.TrainingError, match="2 updates in a row had a non-finite"):
       dapo.run()

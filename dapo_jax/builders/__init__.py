@@ -8,7 +8,7 @@ The default job is self-contained: with no paths set it trains its own tokenizer
 initialises a small model and warm-starts it with SFT (the result is saved in the workdir and reused
 by later runs).
 """
-from dapo_jax.build.checks import (  # noqa: F401
+from dapo_jax.builders.checks import (  # noqa: F401
   ConfigError,
   as_config,
   check,
@@ -18,7 +18,7 @@ from dapo_jax.build.checks import (  # noqa: F401
   validate,
   validate_pairs,
 )
-from dapo_jax.build.model import (  # noqa: F401
+from dapo_jax.builders.model import (  # noqa: F401
   bf16_cpu_warning,
   chat_tokenizer,
   gguf_model_dir,
@@ -35,8 +35,8 @@ from dapo_jax.build.model import (  # noqa: F401
   trained_model,
   trainer,
 )
-from dapo_jax.build.pipelines import chat_sft_config, dpo_config, dpo_evaluator, rm_config, run_sft  # noqa: F401
-from dapo_jax.build.record import (  # noqa: F401
+from dapo_jax.builders.pipelines import chat_sft_config, dpo_config, dpo_evaluator, rm_config, run_sft  # noqa: F401
+from dapo_jax.builders.record import (  # noqa: F401
   COMMAND_FILE,
   CONFIG_FILE,
   PIPELINE_RESUME_FIELDS,
@@ -45,7 +45,7 @@ from dapo_jax.build.record import (  # noqa: F401
   save_pipeline_config,
   save_run_config,
 )
-from dapo_jax.build.rl import (  # noqa: F401
+from dapo_jax.builders.rl import (  # noqa: F401
   critic,
   dapo,
   dump_rollouts_every,
@@ -60,7 +60,7 @@ from dapo_jax.build.rl import (  # noqa: F401
   sampler_config,
   teacher,
 )
-from dapo_jax.build.task import (  # noqa: F401
+from dapo_jax.builders.task import (  # noqa: F401
   completion_len,
   conversation_data,
   datasets,

@@ -37,7 +37,7 @@ import time
 
 import jax
 
-from dapo_jax.build.checks import as_config
+from dapo_jax.builders.checks import as_config
 from dapo_jax.errors import ConfigError
 from dapo_jax.model.config import ModelConfig
 from dapo_jax.settings import RUNTIME_FIELDS, Config

@@ -26,7 +26,7 @@ import numpy as np
 
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import sharding
-from dapo_jax.build import model, rl, task
+from dapo_jax.builders import model, rl, task
 from dapo_jax.errors import ConfigError
 
 END_STEPS = 5  # "At the end" is the mean over a run's last rollout steps: one step's batch is small.

@@ -6,7 +6,7 @@
       run.sample(["What is 38+46?"], temperature=0)  # [["... 84"]]
       run.export("exported/")                       # a directory transformers loads
 
-It is what `python -m launch.train` runs (`build.dapo`), held open: the run's state, engine and
+It is what `python -m launch.train` runs (`builders.dapo`), held open: the run's state, engine and
 reward workers live until `close` (or the end of the `with` block). `train(until_step)` trains up to
 that rollout step and can be called again to go on; a workdir that holds checkpoints resumes.
 """
@@ -21,7 +21,7 @@ from typing import Sequence
 import jax
 
 from dapo_jax import loop as loop_lib
-from dapo_jax.build import record, rl, task
+from dapo_jax.builders import record, rl, task
 from dapo_jax.errors import ConfigError
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

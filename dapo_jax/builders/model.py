@@ -10,9 +10,9 @@ import os
 import jax
 
 from dapo_jax import checkpoint, objectives, sharding, train_step
-from dapo_jax.build import record
-from dapo_jax.build.checks import ConfigError, typed
-from dapo_jax.build.task import episodes
+from dapo_jax.builders import record
+from dapo_jax.builders.checks import ConfigError, typed
+from dapo_jax.builders.task import episodes
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf

@@ -8,10 +8,10 @@ import jax
 
 from dapo_jax import evaluate, sharding
 from dapo_jax import rewards as rewards_lib
-from dapo_jax.build import record
-from dapo_jax.build.checks import typed
-from dapo_jax.build.model import chat_tokenizer, padded_vocab, sft_config, tokenizer
-from dapo_jax.build.task import conversation_data, datasets
+from dapo_jax.builders import record
+from dapo_jax.builders.checks import typed
+from dapo_jax.builders.model import chat_tokenizer, padded_vocab, sft_config, tokenizer
+from dapo_jax.builders.task import conversation_data, datasets
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from dapo_jax import rewards as rewards_lib
-from dapo_jax.build.checks import ConfigError, check, dataset_files, typed
+from dapo_jax.builders.checks import ConfigError, check, dataset_files, typed
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.envs import base as env_lib
 from dapo_jax.rollout import episodes as episodes_lib

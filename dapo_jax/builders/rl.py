@@ -15,10 +15,10 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import evaluate, loop, objectives, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import rewards as rewards_lib
-from dapo_jax.build import record
-from dapo_jax.build.checks import ConfigError, typed, validate
-from dapo_jax.build.model import initial_model, model_dir, tokenizer, trainer
-from dapo_jax.build.task import completion_len, datasets, episodes, reward, turn_stop_ids
+from dapo_jax.builders import record
+from dapo_jax.builders.checks import ConfigError, typed, validate
+from dapo_jax.builders.model import initial_model, model_dir, tokenizer, trainer
+from dapo_jax.builders.task import completion_len, datasets, episodes, reward, turn_stop_ids
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf
