@@ -15,6 +15,7 @@ import jax
 from dapo_jax import advantages as adv_lib
 from dapo_jax import sharding
 from dapo_jax.errors import ConfigError
+from dapo_jax.model import paged_cache
 from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.settings import Config, check, number
 
@@ -97,6 +98,10 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     if limit and P + C > limit:  # Rotary positions extend past it, but the model never trained there.
       logging.warning("data.max_prompt_len=%d + rollout.max_new_tokens=%d = %d tokens exceeds the model's "
                       "max_position_embeddings=%d (%s/config.json)", P, C, P + C, limit, m.hf_dir)
+  if r.kv_layout == "paged" and r.kv_pages:
+    M = paged_cache.pages_per_row(P + C, r.page_size)
+    r.number("kv_pages", M + 1, integer=True, allowed=f"0 (the dense layout's bytes) or >= {M + 1}: the pages of "
+             f"one sample of data.max_prompt_len + rollout.max_new_tokens = {P + C} tokens, and the null page")
   _check_mesh(cfg, per_mb, jax.device_count() if num_devices is None else num_devices)
 
 
@@ -142,6 +147,9 @@ def _check_mesh(cfg: Config, per_mb: int, devices: int) -> None:
   if cfg.rollout.engine == "continuous" and slots % rollout_shards:
     raise ConfigError(f"rollout.slots={slots}: the decode slots do not split over the {'rollout ' if R else ''}"
                       f"mesh's data*fsdp*expert = {rollout_shards} batch shards")
+  if cfg.rollout.kv_layout == "paged" and rollout_shards > 1:
+    raise ConfigError(f"rollout.kv_layout='paged': expected one batch shard for now (the {'rollout ' if R else ''}"
+                      f"mesh's data*fsdp*expert = {rollout_shards}); 'dense' splits the slots over them")
 
 
 def _max_positions(hf_dir: str) -> int:

@@ -15,6 +15,7 @@ Parameters live in `param_dtype`, activations in `dtype`; the weight matmuls rea
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -27,6 +28,7 @@ from dapo_jax import sharding
 from dapo_jax.model import kv_cache as kvc
 from dapo_jax.model import layers as layers_lib
 from dapo_jax.model import lora as lora_lib
+from dapo_jax.model import paged_cache as paged
 from dapo_jax.model import quant
 from dapo_jax.model.config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
 
@@ -430,6 +432,9 @@ def completion_logits_after_prefix(model_cfg: ModelConfig, params: Params, prefi
 # and gate/up into another: each decoded token then runs three matmuls fewer per layer and never
 # slices a stacked weight or cache (a slice inside the loop is a copy on every token).
 
+Cache = kvc.KVCache | paged.PagedCache  # A decode step reads either layout (`_attend_dense`, `_attend_paged`).
+
+
 def decode_params(cfg: ModelConfig, params: Params) -> dict:
   """Per-layer weights for `decode_step` (`decode_layers`) and the model's ends (`decode_ends`)."""
   return dict(layers=decode_layers(cfg, params), **decode_ends(cfg, params))
@@ -514,10 +519,11 @@ def _decode_layers(cfg: ModelConfig, p: dict, L: int, lora: dict | None = None) 
   return layers
 
 
-def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Array, cache: kvc.KVCache,
-                index: jax.Array) -> tuple[jax.Array, kvc.KVCache]:
+def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Array, cache: Cache,
+                index: jax.Array) -> tuple[jax.Array, Cache]:
   """One token per row through the cache: writes slot `index` of every layer, returns (logits_BV fp32, cache).
-  `index` is one slot for all rows, or one per row ([B]: a continuous batch).
+  `index` is one slot for all rows, or one per row ([B]: a continuous batch; a paged cache's rows
+  at `cache.size` or beyond write nothing).
 
   `cache.mask_BS` must already mark slot `index` (see `kv_cache.write_mask`); a row attends to
   every marked slot, which are exactly its real tokens up to and including this one (local layers:
@@ -531,20 +537,15 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     tables[True] = layers_lib.rope_table(pos_B[:, None], cfg, local=True)
     offset = index if jnp.ndim(index) == 0 else index[:, None, None]
     masks[True] = layers_lib.windowed(mask_B1S, cfg.sliding_window, offset=offset)
+  attend_cache = _attend_paged if isinstance(cache, paged.PagedCache) else _attend_dense
   x_BD = embed(cfg, dparams["embed_VD"], tok_B)
   ks, vs = [], []
-  for l, (p, k_BKHS, v_BKSH) in enumerate(zip(dparams["layers"], cache.k, cache.v)):
+  for l, (p, k_l, v_l) in enumerate(zip(dparams["layers"], cache.k, cache.v)):
     local = l in cfg.local_layers
-    def attend(q_BKRH, k_BKH, v_BKH, k_BKHS=k_BKHS, v_BKSH=v_BKSH, table=tables[local], mask_B1S=masks[local]):
-      k_BKHS, v_BKSH = kvc.update(k_BKHS, v_BKSH, layers_lib.rope(k_BKH[:, :, None], table), v_BKH[:, :, None],
-                                  index)
-      q_BKR1H = layers_lib.rope(q_BKRH, table)[:, :, :, None]
-      o_BKRH = layers_lib.attention(q_BKR1H, k_BKHS, v_BKSH, mask_B1S, k_layout="BKHS",
-                                    **layers_lib.attn_kw(cfg))[:, :, :, 0]
-      return o_BKRH.reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1]), (k_BKHS, v_BKSH)
-    x_BD, (k_BKHS, v_BKSH), _ = layers_lib.layer(cfg, p, x_BD, attend)
-    ks.append(k_BKHS)
-    vs.append(v_BKSH)
+    attend = functools.partial(attend_cache, cfg, k_l, v_l, cache, index, tables[local], masks[local])
+    x_BD, (k_l, v_l), _ = layers_lib.layer(cfg, p, x_BD, attend)
+    ks.append(k_l)
+    vs.append(v_l)
   x_BD = layers_lib.norm(cfg, x_BD, dparams["final_scale_D"])
   if "unembed_DV" in dparams:
     logits_BV = layers_lib.matmul("BD,DV->BV", x_BD, dparams["unembed_DV"], cfg, jnp.float32)
@@ -552,6 +553,30 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     logits_BV = layers_lib.matmul("BD,VD->BV", x_BD, dparams["embed_VD"], cfg, jnp.float32)
   logits_BV = layers_lib.soft_cap(logits_BV, cfg.final_softcap)
   return logits_BV, cache.replace(k=ks, v=vs)
+
+
+def _attend_dense(cfg, k_BKHS, v_BKSH, cache, index, table, mask_B1S, q_BKRH, k_BKH, v_BKH):
+  """A decode step's attention of one layer through a dense cache: writes the rows' new keys and values
+  at `index`, then attends. Returns (o_BNH, (k_BKHS, v_BKSH))."""
+  k_BKHS, v_BKSH = kvc.update(k_BKHS, v_BKSH, layers_lib.rope(k_BKH[:, :, None], table), v_BKH[:, :, None], index)
+  return _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S), (k_BKHS, v_BKSH)
+
+
+def _attend_paged(cfg, k_NKHp, v_NKpH, cache, index_B, table, mask_B1S, q_BKRH, k_BKH, v_BKH):
+  """`_attend_dense` through a paged cache: the new keys and values go to the rows' pages, whose dense view
+  is then gathered (`paged_cache.read`): the attention is the dense one's. Returns (o_BNH, (k_NKHp, v_NKpH))."""
+  T = cache.size
+  k_NKHp, v_NKpH = paged.update(k_NKHp, v_NKpH, cache.table_BM, layers_lib.rope(k_BKH[:, :, None], table),
+                                v_BKH[:, :, None], index_B, T)
+  k_BKHS, v_BKSH = paged.read(k_NKHp, v_NKpH, cache.table_BM, T)
+  return _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S), (k_NKHp, v_NKpH)
+
+
+def _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S) -> jax.Array:
+  """One query per row against its cache row: [B, N, H]."""
+  q_BKR1H = layers_lib.rope(q_BKRH, table)[:, :, :, None]
+  o_BKRH = layers_lib.attention(q_BKR1H, k_BKHS, v_BKSH, mask_B1S, k_layout="BKHS", **layers_lib.attn_kw(cfg))
+  return o_BKRH[:, :, :, 0].reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1])
 
 
 def last_token_scores(model_cfg: ModelConfig, params: Params, tokens_BT, mask_BT) -> jax.Array:

@@ -20,8 +20,12 @@ drawn, never from its slot or the width it runs in, so the same key gives the sa
 the number of slots or the order of admission. Every host runs the same host loop on the same
 (gathered) prompts, so all agree on the admission order.
 
-This module is the host side (which slot holds which sample, when each program runs); the pool's
-arrays and its jitted programs are `slots`.
+With `kv_layout="paged"` the slots' keys and values live in a pool of fixed-size pages instead of a
+row of P + C positions each: a sample holds pages as it grows, the samples of one prompt share its
+prompt's pages, and slots are admitted while free pages last (docs/paged_cache.md).
+
+This module is the host side (which slot holds which sample, when each program runs, which pages it
+holds); the pool's arrays and its jitted programs are `slots`.
 """
 from __future__ import annotations
 
@@ -32,11 +36,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import sharding
+from dapo_jax import errors, sharding
 from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.model import paged_cache
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.rollout import pages as pages_lib
 from dapo_jax.rollout import sampling
 from dapo_jax.rollout import slots as slots_lib
+
+KV_LAYOUTS = ("dense", "paged")
+ROUND_PAGES = 4  # A paged session's decode round draws at most this many pages' tokens (round_steps = 0).
 
 
 @dataclasses.dataclass
@@ -81,6 +90,10 @@ class _Prefill:
   mask_UP: jax.Array
   row: dict[int, int]              # prompt id -> its row u
   prompts: dict[int, np.ndarray]   # prompt id -> its (left-padded) tokens, to check a reuse
+  real_UP: np.ndarray | None = None  # paged: mask_UP on the host (which pages hold prompt tokens)
+  # Paged: prompt id -> the pool pages of its prompt's whole pages, written by its first sample to start
+  # and held by this prefill while more wait, so that they share them.
+  pages: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def _buckets(n: int) -> list[int]:
@@ -110,7 +123,8 @@ class Engine:
   def __init__(self, model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, *, slots: int,
                prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
                min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0, round_steps: int = 0,
-               kv_cache_dtype: str = "", shared_prefix: int = 0):
+               kv_cache_dtype: str = "", shared_prefix: int = 0, kv_layout: str = "dense", page_size: int = 16,
+               kv_pages: int = 0):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
@@ -129,7 +143,14 @@ class Engine:
     more (few-shot examples, a system prompt) run that common start through the model once
     (`slots.prefill_shared`), rounded down to a multiple of `shared_prefix` so that few shapes compile;
     not for sliding-window models (a window counts cache indices, and the shared layout moves the
-    padding between prefix and suffix)."""
+    padding between prefix and suffix).
+    `kv_layout="paged"` keeps the cache in a pool of `kv_pages` pages of `page_size` positions (0 = the
+    dense layout's bytes: slots x (prompt_len + max_new_tokens) positions), one of them the null page
+    (`paged_cache`); a sample holds pages for the tokens it has, its prompt's whole pages shared with
+    the other samples of its prefill, and a decode round draws at most `round_steps` tokens (0 =
+    `ROUND_PAGES` pages' worth), whose pages are allocated before it runs. Samples start while the
+    free pages hold their prompt and one round; a pool that runs dry mid-decode raises (no
+    pre-emption yet). One data shard, single-turn samples, fixed params."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -159,6 +180,21 @@ class Engine:
       raise ValueError(f"decode widths {self.widths}: expected multiples of the {shards} data shards up to {slots}")
     self.row_sharding = sharding.named(self.mesh, "B")
     self.eos = tuple(sampler_cfg.eos_ids)
+    if kv_layout not in KV_LAYOUTS:
+      raise ValueError(f"rollout.kv_layout={kv_layout!r}: expected 'dense' or 'paged'")
+    self.paged = kv_layout == "paged"
+    if self.paged:
+      if page_size < 1:
+        raise ValueError(f"rollout.page_size={page_size}: expected a positive number of tokens per page")
+      if shards > 1:
+        raise ValueError(f"rollout.kv_layout='paged' runs on one data shard (this mesh has {shards})")
+      self.page_size = page_size
+      self.pages_per_sample = paged_cache.pages_per_row(self.P + self.C, page_size)
+      self.kv_pages = kv_pages or slots * (self.P + self.C) // page_size
+      if self.kv_pages <= self.pages_per_sample:
+        raise ValueError(f"rollout.kv_pages={self.kv_pages}: expected more than the {self.pages_per_sample} "
+                         f"pages of one sample of {self.P} + {self.C} tokens (and the null page)")
+      self.round_tokens = round_steps or ROUND_PAGES * page_size
 
   def width_for(self, rows: int) -> int:
     """The smallest decode width that holds `rows` busy rows."""
@@ -166,7 +202,8 @@ class Engine:
 
   def empty_state(self) -> slots_lib.SlotState:
     """Every slot free: the pool's arrays, on the mesh (rows over the data shards)."""
-    state = slots_lib.empty(self.model_cfg, self.sampler_cfg, self.S, self.P + self.C, self.kv_cache_dtype)
+    state = slots_lib.empty(self.model_cfg, self.sampler_cfg, self.S, self.P + self.C, self.kv_cache_dtype,
+                            *((self.page_size, self.kv_pages) if self.paged else ()))
     return jax.device_put(state, self.row_sharding)
 
   # --- the host loop -------------------------------------------------------------------------
@@ -223,6 +260,8 @@ class Session:
     """`episodes` (an `episodes.EpisodeDriver`) makes every sample an episode: a slot whose turn ends
     keeps its row while the driver runs the environment, then continues with the observation's
     tokens or ends; `step` returns whole episodes."""
+    if engine.paged and episodes is not None:
+      raise ValueError("rollout.kv_layout='paged' samples single turns: episodes (rollout.env) need 'dense'")
     self.e = engine
     self.episodes = episodes
     self.turn_start: dict[tuple[int, int], int] = {}  # Episodes: where each one's current turn began.
@@ -246,6 +285,13 @@ class Session:
     self.rounds = 0
     self.resizes = 0
     self.closed = False
+    # Paged: the pool's free list and holders, and each slot's pages: held (released when its sample
+    # ends) and the logical pages [0, covered) its table names.
+    self.pages = pages_lib.PagePool(engine.kv_pages, engine.page_size) if engine.paged else None
+    self.held: list[list[int]] = [[] for _ in range(engine.S)]
+    self.covered = np.zeros(engine.S, np.int32)
+    self.prompt_pages = 0         # Prompt pages written (one copy per prompt and prefill).
+    self.prompt_pages_shared = 0  # Prompt pages a sample took from another's copy instead of its own.
 
   @property
   def busy(self) -> bool:
@@ -293,6 +339,8 @@ class Session:
     and slime accept; rebuilding it would cost a prefill of every row), and each token's recorded
     log-prob is that of the params that drew it. Each sample records where the new params took over
     (`Finished.switch_at`). Call it between rounds, from the thread that steps the session."""
+    if self.pages is not None:
+      raise ValueError("rollout.kv_layout='paged' decodes with fixed params: partial rollouts need 'dense'")
     self.params = params
     self.dparams = slots_lib.decode_params(self.e.model_cfg, params)
     for s, w in enumerate(self.slot_work):
@@ -300,7 +348,7 @@ class Session:
         w.switch_at = int(self.drawn[s]) + 1
     for w in self.queue:
       w.switch_at = 0
-    self.prefills = {}  # The earlier params' prefills: waiting samples start from the new params'.
+    self._keep_prefills(set())  # The earlier params' prefills: waiting samples start from the new params'.
     self.updated = True
 
   def cancel(self, prompt_id: int, sample: int | None = None) -> list[int]:
@@ -315,6 +363,9 @@ class Session:
       end_S = np.zeros(self.width, bool)
       end_S[rows] = True
       self.state = slots_lib.end_rows(self.state, sharding.put(end_S, self.rep))
+      for s in rows if self.pages else ():  # Their rows write nothing more: free their pages, grow none.
+        self._release(s)
+        self.covered[s] = self.e.pages_per_sample
     return dropped
 
   def progress(self) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
@@ -370,6 +421,9 @@ class Session:
       target = busy - smaller[-1] if smaller else busy
     else:  # A short tail: until all have ended, at this width.
       target = busy
+    if self.pages:  # The pages of the tokens a round may draw are allocated before it.
+      max_steps = min(max_steps, e.round_tokens)
+      self._grow(max_steps)
     self.state, steps = slots_lib.decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(max_steps, jnp.int32))
     self.rounds += 1
@@ -398,6 +452,7 @@ class Session:
       self.samples += 1
       finished.append(f)
       self.slot_work[s] = None
+      self._release(s)
     return finished
 
   def _rows(self, rows: list[int]):
@@ -436,6 +491,7 @@ class Session:
       self.samples += 1
       self.paused -= 1
       self.slot_work[s] = None
+      self._release(s)
       out.append(f)
     return out
 
@@ -452,6 +508,8 @@ class Session:
     self.state = slots_lib.move_rows(self.state, sharding.put(rows_N, self.rep), self.e.row_sharding)
     self.slot_work = [self.slot_work[s] for s in rows] + [None] * (width - len(rows))
     self.drawn = np.concatenate([self.drawn[rows], np.zeros(width - len(rows), np.int32)])
+    self.held = [self.held[s] for s in rows] + [[] for _ in range(width - len(rows))]
+    self.covered = np.concatenate([self.covered[rows], np.zeros(width - len(rows), np.int32)])
     self.resizes += 1
 
   def _insert(self) -> None:
@@ -482,16 +540,25 @@ class Session:
             and tokenizer_lib.bucket(int(w.mask_P.sum()), self.e.prompt_buckets) <= P):
           firsts[w.prompt_id] = w
       uniq = list(firsts.values())
+      self._keep_prefills(set(self.prefills) - set(firsts))  # Those of a prompt id's earlier tokens go.
       for c in range(0, len(uniq), chunk):
         prefill = self._prefill(uniq[c:c + chunk])
         for w in uniq[c:c + chunk]:
           self.prefills[w.prompt_id] = prefill
+    if self.pages:
+      work = self._admit(work)
     by_prefill: dict[int, list[int]] = {}
     for a, w in enumerate(work):
       by_prefill.setdefault(id(self.prefills[w.prompt_id]), []).append(a)
     for take in by_prefill.values():
       self._start(self.prefills[work[take[0]].prompt_id], [work[a] for a in take], [free[a] for a in take])
-    waiting = {w.prompt_id for w in self.queue}
+    self._keep_prefills({w.prompt_id for w in self.queue})
+
+  def _keep_prefills(self, waiting: set[int]) -> None:
+    """Keeps the prefills of the `waiting` prompts; the others' shared prompt pages lose this holder."""
+    for pid, p in self.prefills.items():
+      if pid not in waiting and pid in p.pages:
+        self.pages.release(p.pages.pop(pid))
     self.prefills = {pid: p for pid, p in self.prefills.items() if pid in waiting}
 
   def _prefilled_for(self, w: _Work) -> bool:
@@ -515,6 +582,7 @@ class Session:
       prompt_UP[u, :N], mask_UP[u, :N] = real[:N], True
       prompt_UP[u, P - len(real) + N:], mask_UP[u, P - len(real) + N:] = real[N:], True
     mask_UP[len(uniq):, -1] = True  # Padding rows: one real token, so their softmax is defined.
+    real_UP = mask_UP if self.pages else None
     prompt_UP, mask_UP = sharding.put((prompt_UP, mask_UP), self.rep)
     self.prefilled += len(uniq)
     if N:
@@ -522,7 +590,7 @@ class Session:
     else:
       out = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
     return _Prefill(*out, mask_UP, {w.prompt_id: u for u, w in enumerate(uniq)},
-                    {w.prompt_id: w.prompt_P for w in uniq})
+                    {w.prompt_id: w.prompt_P for w in uniq}, real_UP)
 
   def _start(self, prefill: "_Prefill", work: list[_Work], slots: list[int]) -> None:
     """Starts `work[a]` in slot `slots[a]` from its prompt's row of `prefill`."""
@@ -544,9 +612,14 @@ class Session:
     arrays = sharding.put((src_A, slot_A, key_id_A, sample_A, stop_A, turn_end_A, temperature_A, top_p_A), self.rep)
     src_A, slot_A, key_id_A, sample_A = arrays[:4]
     key_A = slots_lib.sample_keys(self.key_data, key_id_A, sample_A)
-    self.state = slots_lib.start_samples(e.sampler_cfg.pad_id, self.state, key_A, prefill.logits_UV, prefill.k_LUKPH,
-                                         prefill.v_LUKPH, prefill.mask_UP, src_A, slot_A, *arrays[4:],
-                                         jnp.asarray(n, jnp.int32))
+    if self.pages:
+      pages = sharding.put(self._start_pages(prefill, work, slots), self.rep)
+      self.state = slots_lib.start_paged(e.sampler_cfg.pad_id, self.state, key_A, prefill.logits_UV, prefill.k_LUKPH,
+                                         prefill.v_LUKPH, prefill.mask_UP, src_A, slot_A, *arrays[4:], *pages)
+    else:
+      self.state = slots_lib.start_samples(e.sampler_cfg.pad_id, self.state, key_A, prefill.logits_UV,
+                                           prefill.k_LUKPH, prefill.v_LUKPH, prefill.mask_UP, src_A, slot_A,
+                                           *arrays[4:], jnp.asarray(n, jnp.int32))
     for s, w in zip(slots, work):
       self.slot_work[s] = w
       self.drawn[s] = 0
@@ -556,7 +629,122 @@ class Session:
     return model_lib.shared_prefix_len(reals, self.e.shared_prefix)
 
   def stats(self) -> dict:
-    return {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
-            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes,
-            "prefilled_prompts": self.prefilled,
-            "slot_utilisation": self.generated / max(self.slot_steps, 1)}
+    out = {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
+           "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes,
+           "prefilled_prompts": self.prefilled,
+           "slot_utilisation": self.generated / max(self.slot_steps, 1)}
+    if self.pages:
+      out.update(kv_pages=self.pages.num_pages, kv_pages_used=self.pages.used, kv_pages_peak=self.pages.peak,
+                 prompt_pages=self.prompt_pages, prompt_pages_shared=self.prompt_pages_shared)
+    return out
+
+  # --- paged: pages held, shared, grown ---------------------------------------------------------
+
+  def _prompt_pages(self, prefill: _Prefill, w: _Work) -> tuple[list[int], int]:
+    """The logical pages of `w`'s prompt that it shares with the other samples of its prefill (the whole
+    pages holding prompt tokens: those below the completion's first page), and its own first page."""
+    e, p = self.e, self.e.page_size
+    real_P = prefill.real_UP[prefill.row[w.prompt_id]]
+    start = e.P - len(real_P)  # Where the prefill's positions sit in a row (`slots.start_samples`).
+    first_own = e.P // p
+    return sorted({int(j) for j in (start + np.flatnonzero(real_P)) // p if j < first_own}), first_own
+
+  def _last_page(self, w: _Work, drawn: int, steps: int) -> int:
+    """The logical page of the last position `w` may write within `steps` more tokens."""
+    most = min(drawn + steps, w.max_tokens, w.stop_at, self.e.C)
+    return (self.e.P + max(most, 1) - 1) // self.e.page_size
+
+  def _growth(self, steps: int) -> list[tuple[int, int]]:
+    """(slot, logical page) of every page the running samples need for `steps` more tokens."""
+    return [(s, j) for s, w in enumerate(self.slot_work) if w is not None
+            for j in range(self.covered[s], self._last_page(w, int(self.drawn[s]), steps) + 1)]
+
+  def _admit(self, work: list[_Work]) -> list[_Work]:
+    """The longest start of `work` whose samples' pages (their prompts' not yet held, their own for one
+    round) fit the free pages beside the running samples' next round; the rest wait at the queue's head."""
+    free = self.pages.available - len(self._growth(self.e.round_tokens))
+    written: set[int] = set()
+    n = 0
+    for w in work:
+      prefill = self.prefills[w.prompt_id]
+      shared, first_own = self._prompt_pages(prefill, w)
+      need = self._last_page(w, 0, self.e.round_tokens) - first_own + 1
+      if w.prompt_id not in prefill.pages and w.prompt_id not in written:
+        need += len(shared)
+        written.add(w.prompt_id)
+      if need > free:
+        break
+      free -= need
+      n += 1
+    if not n and not self.in_flight:
+      raise self._dry(need)
+    self.queue.extendleft(reversed(work[n:]))
+    return work[:n]
+
+  def _start_pages(self, prefill: _Prefill, work: list[_Work], slots: list[int]):
+    """Pages for samples starting from `prefill`: their prompt's shared pages (written once) and their own
+    for the first round (the first a copy of the prompt's partial last page). Returns `slots.start_paged`'s
+    page arguments: table rows [A, M], the page writes (prompt row, logical page, pool page) [W] and their
+    count."""
+    e, p = self.e, self.e.page_size
+    A, M = self.width, e.pages_per_sample
+    W = A * (e.P // p + 1)  # Every sample's shared pages and its own partial page, at most.
+    table_AM = np.full((A, M), paged_cache.NULL_PAGE, np.int32)
+    writes = []
+    for a, (w, s) in enumerate(zip(work, slots)):
+      u = prefill.row[w.prompt_id]
+      shared_js, first_own = self._prompt_pages(prefill, w)
+      if w.prompt_id in prefill.pages:
+        self.prompt_pages_shared += len(shared_js)
+      else:  # The first sample of the prompt: its pages are written, and the prefill holds them for the rest.
+        prefill.pages[w.prompt_id] = self.pages.allocate(len(shared_js))
+        writes += [(u, j, page) for j, page in zip(shared_js, prefill.pages[w.prompt_id])]
+        self.prompt_pages += len(shared_js)
+      shared = prefill.pages[w.prompt_id]
+      self.pages.retain(shared)
+      last = self._last_page(w, 0, e.round_tokens)
+      own = self.pages.allocate(last - first_own + 1)
+      if e.P % p:  # Its first page holds the prompt's last tokens: a copy of its own.
+        writes.append((u, first_own, own[0]))
+      table_AM[a, shared_js] = shared
+      table_AM[a, first_own:last + 1] = own
+      self.held[s] = shared + own
+      self.covered[s] = last + 1
+    src_W, page_W, dst_W = np.zeros((3, W), np.int32)
+    if writes:
+      src_W[:len(writes)], page_W[:len(writes)], dst_W[:len(writes)] = np.array(writes, np.int32).T
+    return table_AM, src_W, page_W, dst_W, np.int32(len(writes))
+
+  def _grow(self, steps: int) -> None:
+    """Allocates the pages the running samples may write within `steps` more tokens."""
+    need = self._growth(steps)
+    if not need:
+      return
+    if len(need) > self.pages.available:
+      raise self._dry(len(need))
+    pages = self.pages.allocate(len(need))
+    for (s, j), page in zip(need, pages):
+      self.held[s].append(page)
+      self.covered[s] = j + 1
+    W = 1 << max(len(need) - 1, 7).bit_length()  # Few shapes: powers of two from 128.
+    slot_W = np.full(W, self.width, np.int32)  # Out of range: no entry.
+    col_W, page_W = np.zeros((2, W), np.int32)
+    slot_W[:len(need)], col_W[:len(need)] = np.array(need, np.int32).T
+    page_W[:len(need)] = pages
+    self.state = slots_lib.assign_pages(self.state, *sharding.put((slot_W, col_W, page_W), self.rep))
+
+  def _release(self, s: int) -> None:
+    """Slot `s`'s sample lets go of its pages."""
+    if self.pages:
+      self.pages.release(self.held[s])
+      self.held[s] = []
+      self.covered[s] = 0
+
+  def _dry(self, need: int) -> errors.ConfigError:
+    e, pool = self.e, self.pages
+    most = (pool.num_pages - 1) // e.pages_per_sample
+    return errors.ConfigError(
+        f"rollout.kv_pages={pool.num_pages}: the page pool ran dry ({self.in_flight} samples in flight hold "
+        f"{pool.used} pages of {e.page_size} tokens, {need} more needed; samples are not yet pre-empted): "
+        f"{e.S} slots of samples up to {e.P} + {e.C} tokens never run dry with rollout.kv_pages >= "
+        f"{e.S * e.pages_per_sample + 1}, and these pages hold {most} such samples (rollout.slots)")

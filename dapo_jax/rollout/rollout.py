@@ -43,6 +43,9 @@ class RolloutConfig:
   prefill_tokens: int = 2048           # continuous: prompt tokens prefilled at once (whole prompts, at least one)
   kv_cache_dtype: str = ""             # continuous: dtype of the KV cache ("" = the model's compute dtype)
   shared_prefix: int = 0               # continuous: a common prompt start of >= this many tokens prefills once
+  kv_layout: str = "dense"             # continuous: "dense" (P + C positions per slot) or "paged" (a pool of pages)
+  page_size: int = 16                  # paged: tokens per page
+  kv_pages: int = 0                    # paged: pages in the pool (0 = the dense layout's bytes for these slots)
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
@@ -137,7 +140,8 @@ class Rollout:
                                           prompt_buckets=self.buckets, mesh=self.mesh,
                                           prefill_tokens=self.cfg.prefill_tokens, turn_tokens=self.cfg.turn_tokens,
                                           kv_cache_dtype=self.cfg.kv_cache_dtype,
-                                          shared_prefix=self.cfg.shared_prefix,
+                                          shared_prefix=self.cfg.shared_prefix, kv_layout=self.cfg.kv_layout,
+                                          page_size=self.cfg.page_size, kv_pages=self.cfg.kv_pages,
                                           **self.engine_options)
     return self.engines[k]
 

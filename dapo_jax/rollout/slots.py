@@ -5,6 +5,8 @@ by every engine and session.
     prefill        a chunk of distinct prompts' keys, values and first-token logits
     prefill_shared the same for prompts sharing a prefix, which runs once
     start_samples  their samples into free slots: cache rows written, keys and budgets set
+    start_paged    the same into a paged cache: the slots' page tables set, the prompts' new pages written
+    assign_pages   pages added to slots' tables (a paged cache grows ahead of each round)
     decode_round   every busy slot one token per step, until enough have ended
     take_rows      ended slots' tokens and log-probs to the host
     move_rows      busy rows (cache included) into a pool of another width
@@ -22,13 +24,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from dapo_jax.model import kv_cache as kvc
+from dapo_jax.model import paged_cache as paged
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import sampling
 
 
 @struct.dataclass
 class SlotState:
-  """The device side of the pool: S slots, C completion positions, a cache of P + C per slot."""
+  """The device side of the pool: S slots, C completion positions, a cache of P + C per slot (dense:
+  a row of its own; paged: pages of a shared pool, through the slot's page table)."""
   tokens_SC: jax.Array     # completion tokens of each slot's sample (pad after its end)
   logp_SC: jax.Array       # fp32 log-probs of those tokens (temperature-scaled logits)
   step_S: jax.Array        # tokens the slot's sample has drawn
@@ -37,7 +41,7 @@ class SlotState:
   prompt_len_S: jax.Array  # real prompt tokens (positions continue from there)
   key_S: jax.Array         # uint32 key data of each slot's sample
   stop_at_S: jax.Array     # forced EOS as token stop_at (benchmarks' length hook); C + 1 = never
-  cache: kvc.KVCache
+  cache: kvc.KVCache | paged.PagedCache
   # Episodes: tokens_SC[s, step:force_end_S[s]] are an observation's tokens, fed (not sampled)
   # one per decode step beside the other slots' sampling; policy_SC marks the sampled ones; the
   # current turn ends at EOS or once the sample has drawn turn_end_S tokens.
@@ -51,13 +55,18 @@ class SlotState:
 
 
 
-def empty(model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, S: int, T: int, kv_dtype) -> SlotState:
-  """S free slots of T = prompt + completion positions (on the default device; the engine places them)."""
+def empty(model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, S: int, T: int, kv_dtype,
+          page_size: int = 0, num_pages: int = 0) -> SlotState:
+  """S free slots of T = prompt + completion positions (on the default device; the engine places them);
+  page_size > 0: their cache is a pool of `num_pages` pages of that many positions (`paged_cache`)."""
   cfg, C = model_cfg, sampler_cfg.max_new_tokens
   dt = kv_dtype  # Writes into the cache cast to it (`kv_cache.update`, `write_row`).
-  cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
-                      v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],
-                      mask_BS=jnp.zeros((S, T), bool))
+  if page_size:
+    cache = paged.empty(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, page_size, S, T, dt)
+  else:
+    cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
+                        v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],
+                        mask_BS=jnp.zeros((S, T), bool))
   return SlotState(tokens_SC=jnp.full((S, C), sampler_cfg.pad_id, jnp.int32),
                    logp_SC=jnp.zeros((S, C), jnp.float32), step_S=jnp.zeros((S,), jnp.int32),
                    done_S=jnp.ones((S,), bool), logits_SV=jnp.zeros((S, cfg.vocab_size), jnp.float32),
@@ -115,6 +124,31 @@ def start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LU
     return kvc.write_row(cache, slot_S[a], start, k_LUKPH[:, u], v_LUKPH[:, u], mask_UT[u])
 
   cache = jax.lax.fori_loop(0, n, write, state.cache)
+  return _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, stop_at_S, turn_end_S,
+                  temperature_S, top_p_S)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def start_paged(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKPH, mask_UP, src_S, slot_S,
+                stop_at_S, turn_end_S, temperature_S, top_p_S, table_SM, src_W, page_W, dst_W, n_writes) -> SlotState:
+  """`start_samples` into a paged cache: slot slot_S[a] takes page table table_SM[a], and for w <
+  n_writes logical page page_W[w] of prefilled prompt src_W[w] is copied into pool page dst_W[w]
+  (the prompt pages that no running sample holds yet, and each sample's own copy of its prompt's
+  last, partial page). The write arrays have a fixed size per slot count; their entries w >=
+  n_writes are ignored."""
+  P, C = mask_UP.shape[1], state.tokens_SC.shape[1]
+  start = state.cache.size - C - P
+  mask_UT = jnp.pad(mask_UP, ((0, 0), (start, C)))
+  cache = paged.write_pages(state.cache, k_LUKPH, v_LUKPH, start, src_W, page_W, dst_W, n_writes)
+  cache = cache.replace(table_BM=cache.table_BM.at[slot_S].set(table_SM, mode="drop"),
+                        mask_BS=cache.mask_BS.at[slot_S].set(mask_UT[src_S], mode="drop"))
+  return _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, stop_at_S, turn_end_S,
+                  temperature_S, top_p_S)
+
+
+def _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, stop_at_S, turn_end_S, temperature_S,
+             top_p_S) -> SlotState:
+  """`state` with the samples of `start_samples` set up in their slots, beside `cache` (written)."""
   put = lambda x, v: x.at[slot_S].set(v, mode="drop")
   return SlotState(
       tokens_SC=put(state.tokens_SC, pad_id), logp_SC=put(state.logp_SC, 0.0),
@@ -127,12 +161,28 @@ def start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LU
       top_p_S=put(state.top_p_S, top_p_S))
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def assign_pages(state: SlotState, slot_W, col_W, page_W) -> SlotState:
+  """table[slot_W[w], col_W[w]] = page_W[w] (entries with a slot out of range: none)."""
+  table_BM = state.cache.table_BM.at[slot_W, col_W].set(page_W, mode="drop")
+  return state.replace(cache=state.cache.replace(table_BM=table_BM))
+
+
 sample_keys = jax.jit(jax.vmap(sample_key_data, in_axes=(None, 0, 0)))  # [A, 2] key data, one program per width.
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
 def move_rows(state: SlotState, rows_N, row_sharding) -> SlotState:
-  """A pool of N rows: row n is row rows_N[n] of `state` (cache included), or empty where out of range."""
+  """A pool of N rows: row n is row rows_N[n] of `state` (cache included), or empty where out of range. A
+  paged cache's pool stays as it is: the rows' page tables move."""
+  if not isinstance(state.cache, paged.PagedCache):
+    return _move_rows(state, rows_N, row_sharding)
+  k, v = state.cache.k, state.cache.v
+  moved = _move_rows(state.replace(cache=state.cache.replace(k=[], v=[])), rows_N, row_sharding)
+  return moved.replace(cache=moved.cache.replace(k=k, v=v))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _move_rows(state: SlotState, rows_N, row_sharding) -> SlotState:
   take = lambda x, fill=0: jax.lax.with_sharding_constraint(
       jnp.take(x, rows_N, axis=0, mode="fill", fill_value=fill), row_sharding)
   return jax.tree.map(take, state).replace(done_S=take(state.done_S, True))
@@ -175,6 +225,8 @@ def decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, d
     ended_S = running_S & ~observed_S & (jnp.isin(tok_S, eos) | (s.step_S + 1 >= jnp.minimum(s.turn_end_S, C)))
     index_S = jnp.minimum(P + s.step_S, P + C - 1)
     cache = kvc.write_mask_rows(s.cache, running_S, index_S)
+    if isinstance(cache, paged.PagedCache):  # An ended row writes nothing: its pages may be another's now.
+      index_S = jnp.where(running_S, index_S, cache.size)
     logits_SV, cache = model_lib.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
     return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, policy_SC=policy_SC, step_S=s.step_S + running_S,
                             done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)

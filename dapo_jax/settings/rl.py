@@ -12,6 +12,7 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import loop, objectives, optim, train_step
 from dapo_jax import loss as loss_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import rollout as rollout_lib
 from dapo_jax.rollout import sampling
@@ -37,6 +38,9 @@ class Rollout(Section):
   prefill_tokens: int = _ROLLOUT.prefill_tokens   # continuous: prompt tokens an insert prefills at once
   kv_cache_dtype: str = _ROLLOUT.kv_cache_dtype   # continuous: "" = model.dtype; bfloat16 halves a decode step's reads
   shared_prefix: int = 32          # continuous: prompts of one prefill sharing >= this many first tokens run them once
+  kv_layout: str = _ROLLOUT.kv_layout   # continuous: "dense" (P + C positions per slot) or "paged" (docs/paged_cache.md)
+  page_size: int = _ROLLOUT.page_size   # paged: tokens per page of the KV cache's pool
+  kv_pages: int = _ROLLOUT.kv_pages     # paged: pages in the pool (0 = what the dense layout's slots would take)
   rows_per_call: int = _ROLLOUT.rows_per_call     # static: rows per sampler call (0 = the whole generation batch)
   max_staleness: int = _LOOP.max_staleness        # rollout versions a sample may lag its update (docs/async.md)
   use_decoupled_loss: bool = _LOOP.use_decoupled_loss   # stale rows' π_old = this step's policy (AReaL's)
@@ -65,6 +69,15 @@ class Rollout(Section):
     self.number("max_staleness", 0, integer=True, allowed=">= 0 (0: synchronous, 1: one-step-off)")
     self.choice("kv_cache_dtype", KV_DTYPES, "'' (the model's dtype), 'float32', 'bfloat16' or 'float16'")
     self.number("rows_per_call", 0, integer=True, allowed=">= 0 (0 = the whole generation batch)")
+    self.choice("kv_layout", engine_lib.KV_LAYOUTS, "'dense' or 'paged'")
+    if self.kv_layout == "paged":
+      self.number("page_size", 1, integer=True, allowed=">= 1 (tokens per page)")
+      self.number("kv_pages", 0, integer=True, allowed=">= 0 (0 = the dense layout's bytes)")
+      for ok, why in ((self.engine == "continuous", f"with rollout.engine={self.engine!r} (pages are the continuous "
+                                                    "engine's)"),
+                      (not self.env, "with rollout.env set (episodes decode from dense rows for now)"),
+                      (not self.partial_rollouts, "with rollout.partial_rollouts=True (not paged yet)")):
+        check(ok, "rollout.kv_layout", self.kv_layout, f"'dense' {why}")
     if self.partial_rollouts:
       check(self.max_staleness == 1, "rollout.partial_rollouts", True,
             "rollout.max_staleness=1 (a rollout in flight while the policy updates)")
