@@ -1,0 +1,162 @@
+"""The paged KV cache (`rollout.kv_layout="paged"`): its gathered read against the dense cache, the
+paged engine against the dense one bit for bit, prompt pages shared by a group and returned at its
+end, admission by free pages, and the settings that refuse what it does not run yet."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import common
+from dapo_jax import builders, testing
+from dapo_jax.model import layers
+from dapo_jax.model import paged_cache as paged
+from dapo_jax.rollout import engine, sampling
+
+CFG = testing.tiny_model_config(vocab_size=64)
+PARAMS = testing.sharp_params(CFG, seed=2)
+P = 21  # Not a multiple of most page sizes: a prompt's last page is also its samples' first.
+
+
+def prompts(lengths=(21, 3, 9, 16, 17), prefix=0, seed=0):
+  """Left-padded prompts of these lengths; with `prefix`, those that long begin with the same tokens."""
+  rng = np.random.default_rng(seed)
+  start = rng.integers(4, 64, size=prefix)
+  tokens = np.zeros((len(lengths), P), np.int32)
+  for q, n in enumerate(lengths):
+    tokens[q, P - n:] = rng.integers(4, 64, size=n)
+    if n >= prefix:
+      tokens[q, P - n:P - n + prefix] = start
+  return tokens, np.arange(P)[None, :] >= P - np.array(lengths)[:, None]
+
+
+def test_paged_read_and_write_are_the_dense_caches():
+  """Rows whose pages lie anywhere in the pool (shared, or the null page) read as the dense rows they
+  stand for, and the attention over them is the dense cache's; a write lands at its row's position,
+  and a row at index T writes nothing."""
+  B, K, H, p, M, N = 3, 2, 4, 4, 5, 20
+  T = M * p - 2  # The last page is not whole.
+  rng = np.random.default_rng(0)
+  k_NKHp = rng.normal(size=(N, K, H, p)).astype(np.float32)
+  v_NKpH = rng.normal(size=(N, K, p, H)).astype(np.float32)
+  k_NKHp[paged.NULL_PAGE], v_NKpH[paged.NULL_PAGE] = 0, 0
+  table_BM = np.stack([rng.permutation(np.arange(1, N))[:M] for _ in range(B)]).astype(np.int32)
+  table_BM[1, :2] = paged.NULL_PAGE  # A row that holds no token there.
+  table_BM[2, 2] = table_BM[0, 2]    # A page two rows share.
+  dense_k = np.concatenate([k_NKHp[table_BM[:, j]] for j in range(M)], axis=3)[..., :T]
+  dense_v = np.concatenate([v_NKpH[table_BM[:, j]] for j in range(M)], axis=2)[:, :, :T]
+  k_BKHT, v_BKTH = paged.read(jnp.asarray(k_NKHp), jnp.asarray(v_NKpH), jnp.asarray(table_BM), T)
+  np.testing.assert_array_equal(k_BKHT, dense_k)
+  np.testing.assert_array_equal(v_BKTH, dense_v)
+  mask_B1T = jnp.asarray(rng.random((B, 1, T)) < 0.7).at[1, 0, :2 * p].set(False)
+  q_BKR1H = jnp.asarray(rng.normal(size=(B, K, 2, 1, H)).astype(np.float32))
+  np.testing.assert_array_equal(layers.attention(q_BKR1H, k_BKHT, v_BKTH, mask_B1T, k_layout="BKHS"),
+                                layers.attention(q_BKR1H, dense_k, dense_v, mask_B1T, k_layout="BKHS"))
+  new_k, new_v = rng.normal(size=(2, B, K, 1, H)).astype(np.float32)
+  index_B = np.array([6, 13, T])
+  k2, v2 = paged.update(jnp.asarray(k_NKHp), jnp.asarray(v_NKpH), jnp.asarray(table_BM), new_k, new_v,
+                        jnp.asarray(index_B), T)
+  k_read, v_read = paged.read(k2, v2, jnp.asarray(table_BM), T)
+  for b in range(2):
+    np.testing.assert_array_equal(k_read[b, :, :, index_B[b]], new_k[b, :, 0])
+    np.testing.assert_array_equal(v_read[b, :, index_B[b]], new_v[b, :, 0])
+  changed = (np.asarray(k2) != k_NKHp).any(axis=(1, 2, 3))
+  assert sorted(np.flatnonzero(changed)) == sorted([table_BM[0, 6 // p], table_BM[1, 13 // p]])
+
+
+def generate(tokens, mask, G, stop_at_B, slots=4, C=40, key=0, **kw):
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(5, 9))
+  return engine.Engine(CFG, sc, slots=slots, prompt_len=P, **kw).generate(PARAMS, tokens, mask, G,
+                                                                          jax.random.key(key), stop_at_B)
+
+
+@pytest.mark.parametrize("page_size,shared_prefix", [(4, 0), (7, 0), (4, 8)],
+                         ids=["partial_last_page", "whole_pages", "shared_prefix"])
+def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix):
+  """Prompts of 3 to 21 tokens, 3 samples each through 4 slots (refilled as samples end), ending at
+  different steps (EOS drawn or forced, or the budget), crossing pages: the paged engine's tokens and
+  fp32 log-probs are the dense engine's, and every page is free again at the end."""
+  tokens, mask = prompts(prefix=shared_prefix)  # Shared: their start is prefilled once, [prefix | suffix].
+  G = 3
+  stop_at_B = np.random.default_rng(1).integers(2, 40, size=len(tokens) * G)
+  stop_at_B[[3, 7, 10]] = 41  # Never forced: these run to the budget unless they draw EOS.
+  dense, dense_stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix)
+  out, stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix, kv_layout="paged",
+                        page_size=page_size)
+  assert dense.length_B.min() < 5 and dense.length_B.max() == 40 and dense.truncated_B.any()
+  np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
+  np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
+  np.testing.assert_array_equal(out.length_B, dense.length_B)
+  assert stats["samples"] == dense_stats["samples"] == 15 and stats["kv_pages_used"] == 0
+  assert stats["prompt_pages_shared"] > 0
+
+
+def test_a_group_holds_one_copy_of_its_prompts_pages():
+  """All 15 samples start at once: each prompt's whole pages (4-token pages below position 20) are
+  written once and taken by its 2 other samples; each sample's own pages follow its length."""
+  tokens, mask = prompts()
+  G, C, p = 3, 40, 4
+  stop_at_B = np.random.default_rng(1).integers(2, C + 2, size=len(tokens) * G)
+  out, stats = generate(tokens, mask, G, stop_at_B, slots=16, kv_layout="paged", page_size=p)
+  first = P - mask.sum(1)  # Each prompt's first real position.
+  whole = [len(range(f // p, P // p)) for f in first]  # Its pages below the samples' first own page.
+  assert stats["prompt_pages"] == sum(whole) == 16
+  assert stats["prompt_pages_shared"] == (G - 1) * sum(whole)
+  assert stats["kv_pages_used"] == 0
+  # Each sample's own pages: at the start those of a round of 16 tokens, and at most those of its budget.
+  own_pages = lambda n_B: ((P + np.minimum(n_B, C) - 1) // p - P // p + 1).sum()
+  assert sum(whole) + own_pages(np.minimum(stop_at_B, 16)) <= stats["kv_pages_peak"] <= sum(whole) + own_pages(stop_at_B)
+
+
+def test_admission_waits_for_free_pages_and_a_dry_pool_is_refused():
+  """8 slots but pages for about two samples: samples start as pages free up (the same tokens as the
+  dense engine's); a pool that a round's growth overdraws names rollout.kv_pages."""
+  tokens, mask = prompts()
+  G, C, p = 2, 40, 4
+  stop_at_B = np.random.default_rng(3).integers(2, 16, size=len(tokens) * G)  # Short: fits, one after another.
+  dense, _ = generate(tokens, mask, G, stop_at_B, slots=8)
+  M = -(-(P + C) // p)
+  out, stats = generate(tokens, mask, G, stop_at_B, slots=8, kv_layout="paged", page_size=p, kv_pages=2 * M + 1)
+  np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
+  np.testing.assert_allclose(out.logp_BC, dense.logp_BC, atol=1e-6)
+  assert stats["kv_pages_peak"] <= 2 * M and stats["kv_pages_used"] == 0
+  never = np.full(len(tokens) * G, C + 1)  # Every sample runs to its budget: the pool cannot hold them.
+  with pytest.raises(builders.ConfigError, match=r"^rollout.kv_pages=23: the page pool ran dry") as e:
+    generate(tokens, mask, G, never, slots=8, kv_layout="paged", page_size=p, kv_pages=M + 7)
+  assert "rollout.kv_pages >= 129" in str(e.value) and "\n" not in str(e.value)
+
+
+def base():
+  c = common.base()
+  common.runlocal(c)
+  c.rollout.kv_layout = "paged"
+  return c
+
+
+def test_settings_pass_the_layout_through_and_refuse_what_it_does_not_run():
+  c = base()
+  builders.validate(c, num_devices=1)
+  rc = builders.rollout_config(c)
+  assert (rc.kv_layout, rc.page_size, rc.kv_pages) == ("paged", 16, 0)
+  for field, value, message in [
+      ("rollout.kv_layout", "blocked", "rollout.kv_layout='blocked': expected 'dense' or 'paged'"),
+      ("rollout.page_size", 0, "rollout.page_size=0: expected >= 1 (tokens per page)"),
+      ("rollout.kv_pages", 3, "rollout.kv_pages=3: expected 0 (the dense layout's bytes) or >= 4"),
+      ("rollout.engine", "static", "rollout.kv_layout='paged': expected 'dense' with rollout.engine='static'"),
+      ("rollout.env", "dapo_jax.envs.games:GuessNumber", "rollout.kv_layout='paged': expected 'dense' with "
+       "rollout.env set"),
+      ("rollout.partial_rollouts", True, "rollout.kv_layout='paged': expected 'dense' with "
+       "rollout.partial_rollouts=True")]:
+    c = base()
+    group, key = field.split(".")
+    c[group][key] = value
+    with pytest.raises(builders.ConfigError) as e:
+      builders.validate(c, num_devices=1)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+  with pytest.raises(builders.ConfigError, match=r"rollout.kv_layout='paged': expected one batch shard"):
+    builders.validate(base(), num_devices=8)
+  sc = sampling.SamplerConfig(max_new_tokens=8)
+  with pytest.raises(ValueError, match="episodes"):
+    engine.Engine(CFG, sc, slots=2, prompt_len=P, kv_layout="paged").session(PARAMS, jax.random.key(0), episodes=1)
+  with pytest.raises(ValueError, match="partial rollouts"):
+    engine.Engine(CFG, sc, slots=2, prompt_len=P, kv_layout="paged").session(PARAMS, jax.random.key(0)).update_params(
+        PARAMS)
