@@ -1,6 +1,10 @@
 """The paged KV cache (`rollout.kv_layout="paged"`): its gathered read against the dense cache, the
 paged engine against the dense one bit for bit, prompt pages shared by a group and returned at its
 end, admission by free pages, and the settings that refuse what it does not run yet."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +18,7 @@ from dapo_jax.rollout import engine, sampling
 
 CFG = testing.tiny_model_config(vocab_size=64)
 PARAMS = testing.sharp_params(CFG, seed=2)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = 21  # Not a multiple of most page sizes: a prompt's last page is also its samples' first.
 
 
@@ -102,9 +107,10 @@ def test_a_group_holds_one_copy_of_its_prompts_pages():
   assert stats["prompt_pages"] == sum(whole) == 16
   assert stats["prompt_pages_shared"] == (G - 1) * sum(whole)
   assert stats["kv_pages_used"] == 0
-  # Each sample's own pages: at the start those of a round of 16 tokens, and at most those of its budget.
+  # Each sample's own pages: at the start those of its first round, and at most those of its budget.
   own_pages = lambda n_B: ((P + np.minimum(n_B, C) - 1) // p - P // p + 1).sum()
-  assert sum(whole) + own_pages(np.minimum(stop_at_B, 16)) <= stats["kv_pages_peak"] <= sum(whole) + own_pages(stop_at_B)
+  first_round = np.minimum(stop_at_B, engine.ROUND_PAGES * p)
+  assert sum(whole) + own_pages(first_round) <= stats["kv_pages_peak"] <= sum(whole) + own_pages(stop_at_B)
 
 
 def test_admission_waits_for_free_pages_and_a_dry_pool_is_refused():
@@ -160,3 +166,15 @@ def test_settings_pass_the_layout_through_and_refuse_what_it_does_not_run():
   with pytest.raises(ValueError, match="partial rollouts"):
     engine.Engine(CFG, sc, slots=2, prompt_len=P, kv_layout="paged").session(PARAMS, jax.random.key(0)).update_params(
         PARAMS)
+
+
+def test_train_resolves_a_paged_config_and_refuses_an_unsupported_one_in_one_line():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS)  # 1 device.
+  train = lambda *args: subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/default.py:runlocal",
+                                        "--config.rollout.kv_layout=paged", "--dry_run", *args], cwd=ROOT, env=env,
+                                       capture_output=True, text=True, timeout=300)
+  shown = train()
+  assert shown.returncode == 0 and "  kv_layout: paged\n" in shown.stdout, shown.stderr[-2000:]
+  refused = train("--config.rollout.engine=static")
+  assert refused.returncode == 1 and refused.stderr == ("error: rollout.kv_layout='paged': expected 'dense' with "
+                                                        "rollout.engine='static' (pages are the continuous engine's)\n")

@@ -45,7 +45,7 @@ from dapo_jax.rollout import sampling
 from dapo_jax.rollout import slots as slots_lib
 
 KV_LAYOUTS = ("dense", "paged")
-ROUND_PAGES = 4  # A paged session's decode round draws at most this many pages' tokens (round_steps = 0).
+ROUND_PAGES = 1  # A paged session's decode round draws at most this many pages' tokens (round_steps = 0).
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from absl import flags
 from . import probes, shared
 
 _PROMPTS = flags.DEFINE_string("prompts", None, "jsonl of prompts with input_ids (e2e).")
-_MEAN_LENGTH = flags.DEFINE_integer("mean_length", 0, "e2e: each response's length is drawn from a long-tailed "
+MEAN_LENGTH = flags.DEFINE_integer("mean_length", 0, "e2e, engine: each response's length is drawn from a long-tailed "
                                     "(log-normal, sigma 1) distribution with this mean, capped at --new_tokens, "
                                     "and forced to end there with EOS (fixed seed); 0 = the sampler decides.")
 _ENGINE = flags.DEFINE_enum("engine", None, ["continuous", "static"], "e2e: 'continuous' (the engine and "
@@ -62,8 +62,8 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
       cfg.rollout.slots = shared.SLOTS.value
     cfg.dapo.streaming = False  # Whole generation batches: both paths run the very same samples.
   with builders.dapo(cfg, tmp, sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})) as dapo:
-    if _MEAN_LENGTH.value:
-      dapo.rollout.length_hook = LengthHook(_MEAN_LENGTH.value, C)
+    if MEAN_LENGTH.value:
+      dapo.rollout.length_hook = LengthHook(MEAN_LENGTH.value, C)
     slots = cfg.rollout.slots or Q * G
     dapo.rollout.engine_options = {"round_fraction": _ROUND_FRACTION.value, "widths": {
         "thirds": None, "pow2": engine.decode_widths(slots, thirds=False), "off": (slots,)}[_WIDTHS.value]}
@@ -108,7 +108,7 @@ def dapo_steps(cfg, peak, model_dir: str, prompts: str, Q: int, G: int, C: int, 
           "slot_utilisation": statistics.median(s["slot_utilisation"] for s in engine_stats),
           "rounds": statistics.median(s.get("rounds", 1) for s in engine_stats), "engine": cfg.rollout.engine,
           "slots": dapo.rollout.engines and next(iter(dapo.rollout.engines.values())).S or None,
-          "length_buckets": list(dapo.cfg.length_buckets), "mean_length": _MEAN_LENGTH.value,
+          "length_buckets": list(dapo.cfg.length_buckets), "mean_length": MEAN_LENGTH.value,
           **({"widths": _WIDTHS.value, "round_fraction": _ROUND_FRACTION.value}
              if cfg.rollout.engine == "continuous" else {})}
 
