@@ -15,6 +15,7 @@ from dapo_jax import builders, testing
 from dapo_jax.model import layers
 from dapo_jax.model import paged_cache as paged
 from dapo_jax.rollout import engine, sampling
+from dapo_jax.rollout import slots as slots_lib
 
 CFG = testing.tiny_model_config(vocab_size=64)
 PARAMS = testing.sharp_params(CFG, seed=2)
@@ -76,11 +77,15 @@ def generate(tokens, mask, G, stop_at_B, slots=4, C=40, key=0, **kw):
 
 @pytest.mark.parametrize("page_size,shared_prefix", [(4, 0), (7, 0), (4, 8)],
                          ids=["partial_last_page", "whole_pages", "shared_prefix"])
-def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix):
+def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, monkeypatch):
   """Prompts of 3 to 21 tokens, 3 samples each through 4 slots (refilled as samples end), ending at
   different steps (EOS drawn or forced, or the budget), crossing pages: the paged engine's tokens and
-  fp32 log-probs are the dense engine's, and every page is free again at the end."""
-  tokens, mask = prompts(prefix=shared_prefix)  # Shared: their start is prefilled once, [prefix | suffix].
+  fp32 log-probs are the dense engine's, and every page is free again at the end. With a shared
+  prefix the prompts' common start is prefilled once, laid out [prefix | left-padded suffix]."""
+  tokens, mask = prompts((21, 9, 10, 16, 17) if shared_prefix else (21, 3, 9, 16, 17), prefix=shared_prefix)
+  shared_prefills = []
+  prefill_shared = slots_lib.prefill_shared
+  monkeypatch.setattr(slots_lib, "prefill_shared", lambda *a: shared_prefills.append(1) or prefill_shared(*a))
   G = 3
   stop_at_B = np.random.default_rng(1).integers(2, 40, size=len(tokens) * G)
   stop_at_B[[3, 7, 10]] = 41  # Never forced: these run to the budget unless they draw EOS.
@@ -92,7 +97,7 @@ def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size,
   np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
   np.testing.assert_array_equal(out.length_B, dense.length_B)
   assert stats["samples"] == dense_stats["samples"] == 15 and stats["kv_pages_used"] == 0
-  assert stats["prompt_pages_shared"] > 0
+  assert stats["prompt_pages_shared"] > 0 and bool(shared_prefills) == bool(shared_prefix)
 
 
 def test_a_group_holds_one_copy_of_its_prompts_pages():
