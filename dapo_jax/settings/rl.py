@@ -38,7 +38,7 @@ class Rollout(Section):
   prefill_tokens: int = _ROLLOUT.prefill_tokens   # continuous: prompt tokens an insert prefills at once
   kv_cache_dtype: str = _ROLLOUT.kv_cache_dtype   # continuous: "" = model.dtype; bfloat16 halves a decode step's reads
   shared_prefix: int = 32          # continuous: prompts of one prefill sharing >= this many first tokens run them once
-  kv_layout: str = _ROLLOUT.kv_layout   # continuous: "dense" (P + C positions per slot) or "paged" (docs/paged_cache.md)
+  kv_layout: str = _ROLLOUT.kv_layout   # continuous: "dense" (P + C positions a slot) or "paged" (docs/paged_cache.md)
   page_size: int = _ROLLOUT.page_size   # paged: tokens per page of the KV cache's pool
   kv_pages: int = _ROLLOUT.kv_pages     # paged: pages in the pool (0 = what the dense layout's slots would take)
   rows_per_call: int = _ROLLOUT.rows_per_call     # static: rows per sampler call (0 = the whole generation batch)
