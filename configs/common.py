@@ -101,6 +101,7 @@ def reasoning_gym(c: mlc.ConfigDict, tasks: str) -> None:
   c.reward.update(fn="dapo_jax.rewards:reasoning_gym", workers=2)
   c.rollout.update(defaults(settings.Rollout, "temperature", "top_p", "top_k"), group_size=8, max_new_tokens=32)
   c.dapo.update(prompts_per_step=8, gen_prompts=12, max_gen_batches=3, overlong_buffer=8)
-  c.train.update(num_steps=30, minibatches=1, ckpt_every=5, eval_every=10, log_samples_every=5)
+  c.train.update(defaults(settings.Train, "ckpt_every", "log_samples_every"), num_steps=30, minibatches=1,
+                 eval_every=10)
   c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
   c.mesh.update(defaults(settings.Mesh, "data", "fsdp", "tensor"))
