@@ -13,7 +13,7 @@ by every engine and session.
     resume         an episode's observation tokens appended to its slot
     end_rows       slots ended early (a cancelled request)
 
-The host side, which slot holds which sample and when each program runs, is `engine.Session`.
+The host side, which slot holds which sample and when each program runs, is `session.Session`.
 """
 from __future__ import annotations
 
