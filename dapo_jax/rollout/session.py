@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +21,6 @@ from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import pages as pages_lib
 from dapo_jax.rollout import sampling
 from dapo_jax.rollout import slots as slots_lib
-
-if TYPE_CHECKING:
-  from dapo_jax.rollout.engine import Engine
 
 
 @dataclasses.dataclass
@@ -97,7 +93,7 @@ class Session:
   """One use of the engine with fixed params and key: `add` queues samples, `step` runs one round
   (insert, compact once closed, decode, harvest) and returns the samples that ended in it."""
 
-  def __init__(self, engine: Engine, params, key, episodes=None):
+  def __init__(self, engine, params, key, episodes=None):  # engine: the `engine.Engine` it runs on
     """`episodes` (an `episodes.EpisodeDriver`) makes every sample an episode: a slot whose turn ends
     keeps its row while the driver runs the environment, then continues with the observation's
     tokens or ends; `step` returns whole episodes."""
