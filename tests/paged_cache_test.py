@@ -77,13 +77,15 @@ def generate(tokens, mask, G, stop_at_B, slots=4, C=40, key=0, **kw):
                                                                           jax.random.key(key), stop_at_B)
 
 
-@pytest.mark.parametrize("page_size,shared_prefix", [(4, 0), (7, 0), (4, 8)],
-                         ids=["partial_last_page", "whole_pages", "shared_prefix"])
-def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, monkeypatch):
+@pytest.mark.parametrize("page_size,shared_prefix,compact", [(4, 0, 64), (7, 0, 64), (4, 8, 64), (4, 0, 1)],
+                         ids=["partial_last_page", "whole_pages", "shared_prefix", "compacting"])
+def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, compact,
+                                                                      monkeypatch):
   """Prompts of 3 to 21 tokens, 3 samples each through 4 slots (refilled as samples end), ending at
   different steps (EOS drawn or forced, or the budget), crossing pages: the paged engine's tokens and
   fp32 log-probs are the dense engine's, and every page is free again at the end. With a shared
-  prefix the prompts' common start is prefilled once, laid out [prefix | left-padded suffix]."""
+  prefix the prompts' common start is prefilled once, laid out [prefix | left-padded suffix];
+  compacting, the tail's samples move into smaller widths with their pages."""
   tokens, mask = prompts((21, 9, 10, 16, 17) if shared_prefix else (21, 3, 9, 16, 17), prefix=shared_prefix)
   shared_prefills = []
   prefill_shared = slots_lib.prefill_shared
@@ -91,15 +93,16 @@ def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size,
   G = 3
   stop_at_B = np.random.default_rng(1).integers(2, 40, size=len(tokens) * G)
   stop_at_B[[3, 7, 10]] = 41  # Never forced: these run to the budget unless they draw EOS.
-  dense, dense_stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix)
+  dense, dense_stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix, min_compact_steps=compact)
   out, stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix, kv_layout="paged",
-                        page_size=page_size)
+                        page_size=page_size, min_compact_steps=compact)
   assert dense.length_B.min() < 5 and dense.length_B.max() == 40 and dense.truncated_B.any()
   np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
   np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
   np.testing.assert_array_equal(out.length_B, dense.length_B)
   assert stats["samples"] == dense_stats["samples"] == 15 and stats["kv_pages_used"] == 0
   assert stats["prompt_pages_shared"] > 0 and bool(shared_prefills) == bool(shared_prefix)
+  assert stats["resizes"] == dense_stats["resizes"] and (stats["resizes"] > 0) == (compact == 1)
 
 
 def test_the_paged_engine_splits_its_slots_and_pool_over_batch_shards():

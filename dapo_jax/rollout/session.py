@@ -340,9 +340,10 @@ class Session:
     within its shard, with the pages it holds)."""
     rows = [s for s, w in enumerate(self.slot_work) if w is not None]
     if self.pages:
+      old = self.width
       rows_N = self.pages.resize(rows, width)
-      self.slot_work = [self.slot_work[r] if r < self.width else None for r in rows_N]
-      self.drawn = np.where(rows_N < self.width, self.drawn[np.minimum(rows_N, self.width - 1)], 0).astype(np.int32)
+      self.slot_work = [self.slot_work[r] if r < old else None for r in rows_N]
+      self.drawn = np.where(rows_N < old, self.drawn[np.minimum(rows_N, old - 1)], 0).astype(np.int32)
     else:
       rows_N = np.full((width,), self.width, np.int32)  # Out of range: an empty row.
       rows_N[:len(rows)] = rows
