@@ -1,6 +1,7 @@
 """The paged KV cache (`rollout.kv_layout="paged"`): its gathered read against the dense cache, the
-paged engine against the dense one bit for bit, prompt pages shared by a group and returned at its
-end, admission by free pages, and the settings that refuse what it does not run yet."""
+paged engine against the dense one bit for bit (on one device and split over batch shards), prompt
+pages shared by a group and returned at its end, admission by free pages, pre-emption when the pool
+runs dry, and the settings that refuse what it does not run yet."""
 import math
 import os
 import re
