@@ -1,7 +1,10 @@
 """The paged KV cache (`rollout.kv_layout="paged"`): its gathered read against the dense cache, the
-paged engine against the dense one bit for bit, prompt pages shared by a group and returned at its
-end, admission by free pages, and the settings that refuse what it does not run yet."""
+paged engine against the dense one bit for bit (on one device and split over batch shards), prompt
+pages shared by a group and returned at its end, admission by free pages, pre-emption when the pool
+runs dry, and the settings that refuse what it does not run yet."""
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import common
-from dapo_jax import builders, testing
+from dapo_jax import builders, sharding, testing
 from dapo_jax.model import layers
 from dapo_jax.model import paged_cache as paged
 from dapo_jax.rollout import engine, sampling
@@ -75,13 +78,15 @@ def generate(tokens, mask, G, stop_at_B, slots=4, C=40, key=0, **kw):
                                                                           jax.random.key(key), stop_at_B)
 
 
-@pytest.mark.parametrize("page_size,shared_prefix", [(4, 0), (7, 0), (4, 8)],
-                         ids=["partial_last_page", "whole_pages", "shared_prefix"])
-def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, monkeypatch):
+@pytest.mark.parametrize("page_size,shared_prefix,compact", [(4, 0, 64), (7, 0, 64), (4, 8, 64), (4, 0, 1)],
+                         ids=["partial_last_page", "whole_pages", "shared_prefix", "compacting"])
+def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, compact,
+                                                                      monkeypatch):
   """Prompts of 3 to 21 tokens, 3 samples each through 4 slots (refilled as samples end), ending at
   different steps (EOS drawn or forced, or the budget), crossing pages: the paged engine's tokens and
   fp32 log-probs are the dense engine's, and every page is free again at the end. With a shared
-  prefix the prompts' common start is prefilled once, laid out [prefix | left-padded suffix]."""
+  prefix the prompts' common start is prefilled once, laid out [prefix | left-padded suffix];
+  compacting, the tail's samples move into smaller widths with their pages."""
   tokens, mask = prompts((21, 9, 10, 16, 17) if shared_prefix else (21, 3, 9, 16, 17), prefix=shared_prefix)
   shared_prefills = []
   prefill_shared = slots_lib.prefill_shared
@@ -89,15 +94,44 @@ def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size,
   G = 3
   stop_at_B = np.random.default_rng(1).integers(2, 40, size=len(tokens) * G)
   stop_at_B[[3, 7, 10]] = 41  # Never forced: these run to the budget unless they draw EOS.
-  dense, dense_stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix)
+  dense, dense_stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix, min_compact_steps=compact)
   out, stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix, kv_layout="paged",
-                        page_size=page_size)
+                        page_size=page_size, min_compact_steps=compact)
   assert dense.length_B.min() < 5 and dense.length_B.max() == 40 and dense.truncated_B.any()
   np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
   np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
   np.testing.assert_array_equal(out.length_B, dense.length_B)
   assert stats["samples"] == dense_stats["samples"] == 15 and stats["kv_pages_used"] == 0
   assert stats["prompt_pages_shared"] > 0 and bool(shared_prefills) == bool(shared_prefix)
+  assert stats["resizes"] == dense_stats["resizes"] and (stats["resizes"] > 0) == (compact == 1)
+
+
+def test_the_paged_engine_splits_its_slots_and_pool_over_batch_shards():
+  """On a (data=1, fsdp=4) rollout mesh each shard's 2 slots take pages of its own pool only (page ids
+  within it): the dense engine's tokens and fp32 log-probs on the same mesh bit for bit, every shard's
+  pages used and all free again at the end; a compiled round reads and writes its own device's pages
+  (no collective moves the pool)."""
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, jax.devices()[:4])
+  tokens, mask = prompts()
+  G = 3
+  stop_at_B = np.random.default_rng(1).integers(2, 40, size=len(tokens) * G)
+  dense, _ = generate(tokens, mask, G, stop_at_B, slots=8, mesh=mesh)
+  out, stats = generate(tokens, mask, G, stop_at_B, slots=8, mesh=mesh, kv_layout="paged", page_size=4)
+  np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
+  np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
+  M = -(-(P + 40) // 4)
+  assert stats["kv_shards"] == 4 and stats["kv_pages"] == 2 * (P + 40) // 4 and stats["kv_pages_used"] == 0
+  assert all(0 < peak <= 2 * M for peak in stats["kv_pages_peak_shards"]), stats
+  # The compiled round's collectives carry a few numbers per slot (flags, scatter indices), never a page.
+  sc = sampling.SamplerConfig(max_new_tokens=40, temperature=1.0, eos_ids=(5, 9))
+  session = engine.Engine(CFG, sc, slots=8, prompt_len=P, mesh=mesh, kv_layout="paged", page_size=4).session(
+      PARAMS, jax.random.key(0))
+  hlo = slots_lib.decode_round.lower(CFG, sc, session.dparams, session.state, jnp.int32(1), jnp.int32(4)).compile()
+  moved = [math.prod(int(d) for d in dims.split(",") if d) for line in hlo.as_text().splitlines()
+           for found in [re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)",
+                                   line)] if found
+           for dims in re.findall(r"\[([0-9,]*)\]", found.group(1))]
+  assert moved and max(moved) <= 2 * 8, moved
 
 
 def test_a_group_holds_one_copy_of_its_prompts_pages():
@@ -118,9 +152,9 @@ def test_a_group_holds_one_copy_of_its_prompts_pages():
   assert sum(whole) + own_pages(first_round) <= stats["kv_pages_peak"] <= sum(whole) + own_pages(stop_at_B)
 
 
-def test_admission_waits_for_free_pages_and_a_dry_pool_is_refused():
+def test_admission_waits_for_free_pages():
   """8 slots but pages for about two samples: samples start as pages free up (the same tokens as the
-  dense engine's); a pool that a round's growth overdraws names rollout.kv_pages."""
+  dense engine's)."""
   tokens, mask = prompts()
   G, C, p = 2, 40, 4
   stop_at_B = np.random.default_rng(3).integers(2, 16, size=len(tokens) * G)  # Short: fits, one after another.
@@ -130,10 +164,25 @@ def test_admission_waits_for_free_pages_and_a_dry_pool_is_refused():
   np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
   np.testing.assert_allclose(out.logp_BC, dense.logp_BC, atol=1e-6)
   assert stats["kv_pages_peak"] <= 2 * M and stats["kv_pages_used"] == 0
-  never = np.full(len(tokens) * G, C + 1)  # Every sample runs to its budget: the pool cannot hold them.
-  with pytest.raises(builders.ConfigError, match=r"^rollout.kv_pages=23: the page pool ran dry") as e:
-    generate(tokens, mask, G, never, slots=8, kv_layout="paged", page_size=p, kv_pages=M + 7)
-  assert "rollout.kv_pages >= 129" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_dry_pool_pre_empts_the_latest_samples_which_start_over_and_draw_the_same_tokens():
+  """8 slots want to run samples to their 40-token budget, the pool holds about two whole samples: as
+  they grow, the latest started are pre-empted (pages freed, queued again) and recomputed from their
+  prompt later: the dense engine's tokens, and its log-probs within XLA:CPU's last bit (a recomputed
+  sample's prompt is prefilled again beside other prompts, in a batch of another shape, as samples
+  admitted late are in `test_admission_waits_for_free_pages`); every page free at the end."""
+  tokens, mask = prompts()
+  G, C, p = 2, 40, 4
+  stop_at_B = np.random.default_rng(3).integers(20, C + 2, size=len(tokens) * G)  # Long: most outgrow a round.
+  dense, _ = generate(tokens, mask, G, stop_at_B, slots=8)
+  M = -(-(P + C) // p)
+  out, stats = generate(tokens, mask, G, stop_at_B, slots=8, kv_layout="paged", page_size=p, kv_pages=2 * M + 1)
+  np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
+  np.testing.assert_allclose(out.logp_BC, dense.logp_BC, atol=1e-6)
+  np.testing.assert_array_equal(out.length_B, dense.length_B)
+  assert stats["preempted"] > 0 and stats["recomputed_tokens"] > 0, stats
+  assert stats["kv_pages_peak"] <= 2 * M and stats["kv_pages_used"] == 0
 
 
 def base():
@@ -163,8 +212,7 @@ def test_settings_pass_the_layout_through_and_refuse_what_it_does_not_run():
     with pytest.raises(builders.ConfigError) as e:
       builders.validate(c, num_devices=1)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
-  with pytest.raises(builders.ConfigError, match=r"rollout.kv_layout='paged': expected one batch shard"):
-    builders.validate(base(), num_devices=8)
+  builders.validate(base(), num_devices=8)  # The pool splits over the batch shards.
   sc = sampling.SamplerConfig(max_new_tokens=8)
   with pytest.raises(ValueError, match="episodes"):
     engine.Engine(CFG, sc, slots=2, prompt_len=P, kv_layout="paged").session(PARAMS, jax.random.key(0), episodes=1)

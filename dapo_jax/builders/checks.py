@@ -147,9 +147,6 @@ def _check_mesh(cfg: Config, per_mb: int, devices: int) -> None:
   if cfg.rollout.engine == "continuous" and slots % rollout_shards:
     raise ConfigError(f"rollout.slots={slots}: the decode slots do not split over the {'rollout ' if R else ''}"
                       f"mesh's data*fsdp*expert = {rollout_shards} batch shards")
-  if cfg.rollout.kv_layout == "paged" and rollout_shards > 1:
-    raise ConfigError(f"rollout.kv_layout='paged': expected one batch shard for now (the {'rollout ' if R else ''}"
-                      f"mesh's data*fsdp*expert = {rollout_shards}); 'dense' splits the slots over them")
 
 
 def _max_positions(hf_dir: str) -> int:

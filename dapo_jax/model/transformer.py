@@ -567,8 +567,8 @@ def _attend_paged(cfg, k_NKHp, v_NKpH, cache, index_B, table, mask_B1S, q_BKRH, 
   is then gathered (`paged_cache.read`): the attention is the dense one's. Returns (o_BNH, (k_NKHp, v_NKpH))."""
   T = cache.size
   k_NKHp, v_NKpH = paged.update(k_NKHp, v_NKpH, cache.table_BM, layers_lib.rope(k_BKH[:, :, None], table),
-                                v_BKH[:, :, None], index_B, T)
-  k_BKHS, v_BKSH = paged.read(k_NKHp, v_NKpH, cache.table_BM, T)
+                                v_BKH[:, :, None], index_B, T, cache.shards)
+  k_BKHS, v_BKSH = paged.read(k_NKHp, v_NKpH, cache.table_BM, T, cache.shards)
   return _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S), (k_NKHp, v_NKpH)
 
 

@@ -85,13 +85,14 @@ class Engine:
     (`slots.prefill_shared`), rounded down to a multiple of `shared_prefix` so that few shapes compile;
     not for sliding-window models (a window counts cache indices, and the shared layout moves the
     padding between prefix and suffix).
-    `kv_layout="paged"` keeps the cache in a pool of `kv_pages` pages of `page_size` positions (0 = the
-    dense layout's bytes: slots x (prompt_len + max_new_tokens) positions), one of them the null page
-    (`paged_cache`); a sample holds pages for the tokens it has, its prompt's whole pages shared with
-    the other samples of its prefill, and a decode round draws at most `round_steps` tokens (0 =
-    `ROUND_PAGES` pages' worth), whose pages are allocated before it runs. Samples start while the
-    free pages hold their prompt and one round; a pool that runs dry mid-decode raises (no
-    pre-emption yet). One data shard, single-turn samples, fixed params."""
+    `kv_layout="paged"` keeps the cache in a pool of `kv_pages` pages of `page_size` positions per batch
+    shard (0 = the dense layout's bytes: the shard's slots x (prompt_len + max_new_tokens) positions),
+    one of them the shard's null page (`paged_cache`); a sample holds pages of its slot's shard for the
+    tokens it has, its prompt's whole pages shared with the other samples of its prefill there, and a
+    decode round draws at most `round_steps` tokens (0 = `ROUND_PAGES` pages' worth), whose pages are
+    allocated before it runs. Samples start while a shard's free pages hold their prompt and one round;
+    where a shard's pool runs dry mid-decode its latest started samples are pre-empted and start over
+    later (`slot_pages`). Single-turn samples, fixed params."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -124,14 +125,14 @@ class Engine:
     if kv_layout not in KV_LAYOUTS:
       raise ValueError(f"rollout.kv_layout={kv_layout!r}: expected 'dense' or 'paged'")
     self.paged = kv_layout == "paged"
+    self.shards = shards
     if self.paged:
       if page_size < 1:
         raise ValueError(f"rollout.page_size={page_size}: expected a positive number of tokens per page")
-      if shards > 1:
-        raise ValueError(f"rollout.kv_layout='paged' runs on one data shard (this mesh has {shards})")
       self.page_size = page_size
       self.pages_per_sample = paged_cache.pages_per_row(self.P + self.C, page_size)
-      self.kv_pages = kv_pages or slots * (self.P + self.C) // page_size
+      # Pages of each shard's pool: a device's memory.
+      self.kv_pages = kv_pages or max(slots // shards * (self.P + self.C) // page_size, self.pages_per_sample + 1)
       if self.kv_pages <= self.pages_per_sample:
         raise ValueError(f"rollout.kv_pages={self.kv_pages}: expected more than the {self.pages_per_sample} "
                          f"pages of one sample of {self.P} + {self.C} tokens (and the null page)")
@@ -144,7 +145,7 @@ class Engine:
   def empty_state(self) -> slots_lib.SlotState:
     """Every slot free: the pool's arrays, on the mesh (rows over the data shards)."""
     state = slots_lib.empty(self.model_cfg, self.sampler_cfg, self.S, self.P + self.C, self.kv_cache_dtype,
-                            *((self.page_size, self.kv_pages) if self.paged else ()))
+                            *((self.page_size, self.kv_pages, self.shards) if self.paged else ()))
     return jax.device_put(state, self.row_sharding)
 
   # --- the host loop -------------------------------------------------------------------------

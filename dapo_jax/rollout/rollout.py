@@ -45,7 +45,7 @@ class RolloutConfig:
   shared_prefix: int = 0               # continuous: a common prompt start of >= this many tokens prefills once
   kv_layout: str = "dense"             # continuous: "dense" (P + C positions per slot) or "paged" (a pool of pages)
   page_size: int = 16                  # paged: tokens per page
-  kv_pages: int = 0                    # paged: pages in the pool (0 = the dense layout's bytes for these slots)
+  kv_pages: int = 0                    # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0

@@ -14,12 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import errors, sharding
+from dapo_jax import sharding
 from dapo_jax.data import tokenizer as tokenizer_lib
-from dapo_jax.model import paged_cache
 from dapo_jax.model import transformer as model_lib
-from dapo_jax.rollout import pages as pages_lib
-from dapo_jax.rollout import sampling
+from dapo_jax.rollout import sampling, slot_pages
 from dapo_jax.rollout import slots as slots_lib
 
 
@@ -66,9 +64,9 @@ class _Prefill:
   row: dict[int, int]              # prompt id -> its row u
   prompts: dict[int, np.ndarray]   # prompt id -> its (left-padded) tokens, to check a reuse
   real_UP: np.ndarray | None = None  # paged: mask_UP on the host (which pages hold prompt tokens)
-  # Paged: prompt id -> the pool pages of its prompt's whole pages, written by its first sample to start
-  # and held by this prefill while more wait, so that they share them.
-  pages: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+  # Paged: (prompt id, batch shard) -> the pages of its prompt's whole pages in that shard's pool, written
+  # by its first sample to start there and held by this prefill while more wait, so that they share them.
+  pages: dict[tuple[int, int], list[int]] = dataclasses.field(default_factory=dict)
 
 
 def _buckets(n: int) -> list[int]:
@@ -122,13 +120,8 @@ class Session:
     self.rounds = 0
     self.resizes = 0
     self.closed = False
-    # Paged: the pool's free list and holders, and each slot's pages: held (released when its sample
-    # ends) and the logical pages [0, covered) its table names.
-    self.pages = pages_lib.PagePool(engine.kv_pages, engine.page_size) if engine.paged else None
-    self.held: list[list[int]] = [[] for _ in range(engine.S)]
-    self.covered = np.zeros(engine.S, np.int32)
-    self.prompt_pages = 0         # Prompt pages written (one copy per prompt and prefill).
-    self.prompt_pages_shared = 0  # Prompt pages a sample took from another's copy instead of its own.
+    # Paged: each shard's pool, and the pages each slot's sample holds.
+    self.pages = slot_pages.SlotPages(engine, engine.S) if engine.paged else None
 
   @property
   def busy(self) -> bool:
@@ -201,8 +194,7 @@ class Session:
       end_S[rows] = True
       self.state = slots_lib.end_rows(self.state, sharding.put(end_S, self.rep))
       for s in rows if self.pages else ():  # Their rows write nothing more: free their pages, grow none.
-        self._release(s)
-        self.covered[s] = self.e.pages_per_sample
+        self.pages.release(s)
     return dropped
 
   def progress(self) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
@@ -252,8 +244,8 @@ class Session:
       target = max(1, int(busy * e.round_fraction))
     elif self.closed and self._worth_compacting():
       # The tail: the smallest width that holds the busy rows, until they fit the next.
-      if e.width_for(busy) < self.width:
-        self._resize(e.width_for(busy))
+      if e.width_for(self._rows_to_fit()) < self.width:
+        self._resize(e.width_for(self._rows_to_fit()))
       smaller = [w for w in e.widths if w < busy]
       target = busy - smaller[-1] if smaller else busy
     else:  # A short tail: until all have ended, at this width.
@@ -261,6 +253,7 @@ class Session:
     if self.pages:  # The pages of the tokens a round may draw are allocated before it.
       max_steps = min(max_steps, e.round_tokens)
       self._grow(max_steps)
+      target = min(target, self.in_flight)  # Less any pre-empted.
     self.state, steps = slots_lib.decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(max_steps, jnp.int32))
     self.rounds += 1
@@ -289,7 +282,8 @@ class Session:
       self.samples += 1
       finished.append(f)
       self.slot_work[s] = None
-      self._release(s)
+      if self.pages:
+        self.pages.release(s)
     return finished
 
   def _rows(self, rows: list[int]):
@@ -328,7 +322,6 @@ class Session:
       self.samples += 1
       self.paused -= 1
       self.slot_work[s] = None
-      self._release(s)
       out.append(f)
     return out
 
@@ -337,16 +330,26 @@ class Session:
     busy = [s for s, w in enumerate(self.slot_work) if w is not None]
     return self.e.C - int(self.drawn[busy].min()) >= self.e.min_compact_steps
 
+  def _rows_to_fit(self) -> int:
+    """The rows a width must have to hold the busy ones (paged: each on its own shard)."""
+    busy = [s for s, w in enumerate(self.slot_work) if w is not None]
+    return self.pages.rows_to_fit(busy) if self.pages else len(busy)
+
   def _resize(self, width: int) -> None:
-    """Moves the busy rows (cache included) into a pool of `width` rows, in slot order."""
+    """Moves the busy rows (cache included) into a pool of `width` rows, in slot order (paged: each
+    within its shard, with the pages it holds)."""
     rows = [s for s, w in enumerate(self.slot_work) if w is not None]
-    rows_N = np.full((width,), self.width, np.int32)  # Out of range: an empty row.
-    rows_N[:len(rows)] = rows
+    if self.pages:
+      old = self.width
+      rows_N = self.pages.resize(rows, width)
+      self.slot_work = [self.slot_work[r] if r < old else None for r in rows_N]
+      self.drawn = np.where(rows_N < old, self.drawn[np.minimum(rows_N, old - 1)], 0).astype(np.int32)
+    else:
+      rows_N = np.full((width,), self.width, np.int32)  # Out of range: an empty row.
+      rows_N[:len(rows)] = rows
+      self.slot_work = [self.slot_work[s] for s in rows] + [None] * (width - len(rows))
+      self.drawn = np.concatenate([self.drawn[rows], np.zeros(width - len(rows), np.int32)])
     self.state = slots_lib.move_rows(self.state, sharding.put(rows_N, self.rep), self.e.row_sharding)
-    self.slot_work = [self.slot_work[s] for s in rows] + [None] * (width - len(rows))
-    self.drawn = np.concatenate([self.drawn[rows], np.zeros(width - len(rows), np.int32)])
-    self.held = [self.held[s] for s in rows] + [[] for _ in range(width - len(rows))]
-    self.covered = np.concatenate([self.covered[rows], np.zeros(width - len(rows), np.int32)])
     self.resizes += 1
 
   def _insert(self) -> None:
@@ -382,20 +385,21 @@ class Session:
         prefill = self._prefill(uniq[c:c + chunk])
         for w in uniq[c:c + chunk]:
           self.prefills[w.prompt_id] = prefill
+    slots = free
     if self.pages:
-      work = self._admit(work)
+      work, slots = self._admit(work, free)
     by_prefill: dict[int, list[int]] = {}
     for a, w in enumerate(work):
       by_prefill.setdefault(id(self.prefills[w.prompt_id]), []).append(a)
     for take in by_prefill.values():
-      self._start(self.prefills[work[take[0]].prompt_id], [work[a] for a in take], [free[a] for a in take])
+      self._start(self.prefills[work[take[0]].prompt_id], [work[a] for a in take], [slots[a] for a in take])
     self._keep_prefills({w.prompt_id for w in self.queue})
 
   def _keep_prefills(self, waiting: set[int]) -> None:
     """Keeps the prefills of the `waiting` prompts; the others' shared prompt pages lose this holder."""
     for pid, p in self.prefills.items():
-      if pid not in waiting and pid in p.pages:
-        self.pages.release(p.pages.pop(pid))
+      if pid not in waiting and self.pages:
+        self.pages.drop_prompt(p, pid)
     self.prefills = {pid: p for pid, p in self.prefills.items() if pid in waiting}
 
   def _prefilled_for(self, w: _Work) -> bool:
@@ -450,7 +454,7 @@ class Session:
     src_A, slot_A, key_id_A, sample_A = arrays[:4]
     key_A = slots_lib.sample_keys(self.key_data, key_id_A, sample_A)
     if self.pages:
-      pages = sharding.put(self._start_pages(prefill, work, slots), self.rep)
+      pages = sharding.put(self.pages.start(prefill, work, slots), self.rep)
       self.state = slots_lib.start_paged(e.sampler_cfg.pad_id, self.state, key_A, prefill.logits_UV, prefill.k_LUKPH,
                                          prefill.v_LUKPH, prefill.mask_UP, src_A, slot_A, *arrays[4:], *pages)
     else:
@@ -471,117 +475,43 @@ class Session:
            "prefilled_prompts": self.prefilled,
            "slot_utilisation": self.generated / max(self.slot_steps, 1)}
     if self.pages:
-      out.update(kv_pages=self.pages.num_pages, kv_pages_used=self.pages.used, kv_pages_peak=self.pages.peak,
-                 prompt_pages=self.prompt_pages, prompt_pages_shared=self.prompt_pages_shared)
+      out.update(self.pages.stats())
     return out
 
-  # --- paged: pages held, shared, grown ---------------------------------------------------------
+  # --- paged: admission, growth, pre-emption ----------------------------------------------------
 
-  def _prompt_pages(self, prefill: _Prefill, w: _Work) -> tuple[list[int], int]:
-    """The logical pages of `w`'s prompt that it shares with the other samples of its prefill (the whole
-    pages holding prompt tokens: those below the completion's first page), and its own first page."""
-    e, p = self.e, self.e.page_size
-    real_P = prefill.real_UP[prefill.row[w.prompt_id]]
-    start = e.P - len(real_P)  # Where the prefill's positions sit in a row (`slots.start_samples`).
-    first_own = e.P // p
-    return sorted({int(j) for j in (start + np.flatnonzero(real_P)) // p if j < first_own}), first_own
-
-  def _last_page(self, w: _Work, drawn: int, steps: int) -> int:
-    """The logical page of the last position `w` may write within `steps` more tokens."""
-    most = min(drawn + steps, w.max_tokens, w.stop_at, self.e.C)
-    return (self.e.P + max(most, 1) - 1) // self.e.page_size
-
-  def _growth(self, steps: int) -> list[tuple[int, int]]:
-    """(slot, logical page) of every page the running samples need for `steps` more tokens."""
-    return [(s, j) for s, w in enumerate(self.slot_work) if w is not None
-            for j in range(self.covered[s], self._last_page(w, int(self.drawn[s]), steps) + 1)]
-
-  def _admit(self, work: list[_Work]) -> list[_Work]:
-    """The longest start of `work` whose samples' pages (their prompts' not yet held, their own for one
-    round) fit the free pages beside the running samples' next round; the rest wait at the queue's head."""
-    free = self.pages.available - len(self._growth(self.e.round_tokens))
-    written: set[int] = set()
-    n = 0
-    for w in work:
-      prefill = self.prefills[w.prompt_id]
-      shared, first_own = self._prompt_pages(prefill, w)
-      need = self._last_page(w, 0, self.e.round_tokens) - first_own + 1
-      if w.prompt_id not in prefill.pages and w.prompt_id not in written:
-        need += len(shared)
-        written.add(w.prompt_id)
-      if need > free:
-        break
-      free -= need
-      n += 1
-    if not n and not self.in_flight:
-      raise self._dry(need)
-    self.queue.extendleft(reversed(work[n:]))
-    return work[:n]
-
-  def _start_pages(self, prefill: _Prefill, work: list[_Work], slots: list[int]):
-    """Pages for samples starting from `prefill`: their prompt's shared pages (written once) and their own
-    for the first round (the first a copy of the prompt's partial last page). Returns `slots.start_paged`'s
-    page arguments: table rows [A, M], the page writes (prompt row, logical page, pool page) [W] and their
-    count."""
-    e, p = self.e, self.e.page_size
-    A, M = self.width, e.pages_per_sample
-    W = A * (e.P // p + 1)  # Every sample's shared pages and its own partial page, at most.
-    table_AM = np.full((A, M), paged_cache.NULL_PAGE, np.int32)
-    writes = []
-    for a, (w, s) in enumerate(zip(work, slots)):
-      u = prefill.row[w.prompt_id]
-      shared_js, first_own = self._prompt_pages(prefill, w)
-      if w.prompt_id in prefill.pages:
-        self.prompt_pages_shared += len(shared_js)
-      else:  # The first sample of the prompt: its pages are written, and the prefill holds them for the rest.
-        prefill.pages[w.prompt_id] = self.pages.allocate(len(shared_js))
-        writes += [(u, j, page) for j, page in zip(shared_js, prefill.pages[w.prompt_id])]
-        self.prompt_pages += len(shared_js)
-      shared = prefill.pages[w.prompt_id]
-      self.pages.retain(shared)
-      last = self._last_page(w, 0, e.round_tokens)
-      own = self.pages.allocate(last - first_own + 1)
-      if e.P % p:  # Its first page holds the prompt's last tokens: a copy of its own.
-        writes.append((u, first_own, own[0]))
-      table_AM[a, shared_js] = shared
-      table_AM[a, first_own:last + 1] = own
-      self.held[s] = shared + own
-      self.covered[s] = last + 1
-    src_W, page_W, dst_W = np.zeros((3, W), np.int32)
-    if writes:
-      src_W[:len(writes)], page_W[:len(writes)], dst_W[:len(writes)] = np.array(writes, np.int32).T
-    return table_AM, src_W, page_W, dst_W, np.int32(len(writes))
+  def _admit(self, work: list[_Work], free: list[int]) -> tuple[list[_Work], list[int]]:
+    """The longest start of `work` whose pages fit a shard with a free slot (`SlotPages.admit`), and their
+    slots; the rest wait at the queue's head. With nothing in flight, prompt pages held for waiting
+    samples give way to the queue's head."""
+    started, slots = self.pages.admit(work, free, self.prefills, self.slot_work, self.drawn)
+    if not started and not self.in_flight:
+      for g in range(self.pages.G):
+        self.pages.let_go_prompts(self.prefills, g)
+      started, slots = self.pages.admit(work, free, self.prefills, self.slot_work, self.drawn)
+      if not started:
+        raise self.pages.dry(0, 0, 0)
+    self.queue.extendleft(reversed(work[len(started):]))
+    return started, slots
 
   def _grow(self, steps: int) -> None:
-    """Allocates the pages the running samples may write within `steps` more tokens."""
-    need = self._growth(steps)
-    if not need:
+    """Allocates the pages the running samples may write within `steps` more tokens; where a shard's pool
+    runs dry its latest started samples are pre-empted: ended on the device, their pages freed, and queued
+    again at the head, to start over from their prompt (a sample's randomness is its key's and the number
+    of tokens it has drawn, so it draws the same tokens again)."""
+    added, victims = self.pages.grow(self.slot_work, self.drawn, steps, self.prefills)
+    if victims:
+      end_S = np.zeros(self.width, bool)
+      end_S[victims] = True
+      self.state = slots_lib.end_rows(self.state, sharding.put(end_S, self.rep))
+      for s in victims:  # The latest first: the earliest ends up at the head.
+        self.queue.appendleft(self.slot_work[s])
+        self.slot_work[s] = None
+        self.drawn[s] = 0
+    if not added:
       return
-    if len(need) > self.pages.available:
-      raise self._dry(len(need))
-    pages = self.pages.allocate(len(need))
-    for (s, j), page in zip(need, pages):
-      self.held[s].append(page)
-      self.covered[s] = j + 1
-    W = 1 << max(len(need) - 1, 7).bit_length()  # Few shapes: powers of two from 128.
+    W = 1 << max(len(added) - 1, 7).bit_length()  # Few shapes: powers of two from 128.
     slot_W = np.full(W, self.width, np.int32)  # Out of range: no entry.
     col_W, page_W = np.zeros((2, W), np.int32)
-    slot_W[:len(need)], col_W[:len(need)] = np.array(need, np.int32).T
-    page_W[:len(need)] = pages
+    slot_W[:len(added)], col_W[:len(added)], page_W[:len(added)] = np.array(added, np.int32).T
     self.state = slots_lib.assign_pages(self.state, *sharding.put((slot_W, col_W, page_W), self.rep))
-
-  def _release(self, s: int) -> None:
-    """Slot `s`'s sample lets go of its pages."""
-    if self.pages:
-      self.pages.release(self.held[s])
-      self.held[s] = []
-      self.covered[s] = 0
-
-  def _dry(self, need: int) -> errors.ConfigError:
-    e, pool = self.e, self.pages
-    most = (pool.num_pages - 1) // e.pages_per_sample
-    return errors.ConfigError(
-        f"rollout.kv_pages={pool.num_pages}: the page pool ran dry ({self.in_flight} samples in flight hold "
-        f"{pool.used} pages of {e.page_size} tokens, {need} more needed; samples are not yet pre-empted): "
-        f"{e.S} slots of samples up to {e.P} + {e.C} tokens never run dry with rollout.kv_pages >= "
-        f"{e.S * e.pages_per_sample + 1}, and these pages hold {most} such samples (rollout.slots)")

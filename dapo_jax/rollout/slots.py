@@ -56,13 +56,14 @@ class SlotState:
 
 
 def empty(model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, S: int, T: int, kv_dtype,
-          page_size: int = 0, num_pages: int = 0) -> SlotState:
+          page_size: int = 0, num_pages: int = 0, shards: int = 1) -> SlotState:
   """S free slots of T = prompt + completion positions (on the default device; the engine places them);
-  page_size > 0: their cache is a pool of `num_pages` pages of that many positions (`paged_cache`)."""
+  page_size > 0: their cache is a pool of `num_pages` pages of that many positions per batch shard
+  (`paged_cache`)."""
   cfg, C = model_cfg, sampler_cfg.max_new_tokens
   dt = kv_dtype  # Writes into the cache cast to it (`kv_cache.update`, `write_row`).
   if page_size:
-    cache = paged.empty(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, page_size, S, T, dt)
+    cache = paged.empty(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, page_size, S, T, dt, shards)
   else:
     cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
                         v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],
@@ -130,16 +131,17 @@ def start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LU
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
 def start_paged(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKPH, mask_UP, src_S, slot_S,
-                stop_at_S, turn_end_S, temperature_S, top_p_S, table_SM, src_W, page_W, dst_W, n_writes) -> SlotState:
+                stop_at_S, turn_end_S, temperature_S, top_p_S, table_SM, src_GW, page_GW, dst_GW,
+                n_writes) -> SlotState:
   """`start_samples` into a paged cache: slot slot_S[a] takes page table table_SM[a], and for w <
-  n_writes logical page page_W[w] of prefilled prompt src_W[w] is copied into pool page dst_W[w]
-  (the prompt pages that no running sample holds yet, and each sample's own copy of its prompt's
-  last, partial page). The write arrays have a fixed size per slot count; their entries w >=
-  n_writes are ignored."""
+  n_writes logical page page_GW[g, w] of prefilled prompt src_GW[g, w] is copied into page dst_GW[g, w]
+  of shard g's pool (the prompt pages that no running sample of the shard holds yet, and each
+  sample's own copy of its prompt's last, partial page). The write arrays have a fixed size per slot
+  count; their entries w >= n_writes, or whose page is out of the shard's range, are ignored."""
   P, C = mask_UP.shape[1], state.tokens_SC.shape[1]
   start = state.cache.size - C - P
   mask_UT = jnp.pad(mask_UP, ((0, 0), (start, C)))
-  cache = paged.write_pages(state.cache, k_LUKPH, v_LUKPH, start, src_W, page_W, dst_W, n_writes)
+  cache = paged.write_pages(state.cache, k_LUKPH, v_LUKPH, start, src_GW, page_GW, dst_GW, n_writes)
   cache = cache.replace(table_BM=cache.table_BM.at[slot_S].set(table_SM, mode="drop"),
                         mask_BS=cache.mask_BS.at[slot_S].set(mask_UT[src_S], mode="drop"))
   return _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, stop_at_S, turn_end_S,

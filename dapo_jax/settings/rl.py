@@ -40,7 +40,7 @@ class Rollout(Section):
   shared_prefix: int = 32          # continuous: prompts of one prefill sharing >= this many first tokens run them once
   kv_layout: str = _ROLLOUT.kv_layout   # continuous: "dense" (P + C positions a slot) or "paged" (docs/paged_cache.md)
   page_size: int = _ROLLOUT.page_size   # paged: tokens per page of the KV cache's pool
-  kv_pages: int = _ROLLOUT.kv_pages     # paged: pages in the pool (0 = what the dense layout's slots would take)
+  kv_pages: int = _ROLLOUT.kv_pages     # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
   rows_per_call: int = _ROLLOUT.rows_per_call     # static: rows per sampler call (0 = the whole generation batch)
   max_staleness: int = _LOOP.max_staleness        # rollout versions a sample may lag its update (docs/async.md)
   use_decoupled_loss: bool = _LOOP.use_decoupled_loss   # stale rows' π_old = this step's policy (AReaL's)

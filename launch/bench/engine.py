@@ -1,8 +1,8 @@
 """`bench engine`: the continuous engine with a dense and a paged KV cache, side by side at one cache
 byte budget, on a long-tailed workload (`e2e.LengthHook`): samples in flight, tokens/s, rollout time
 and the pages used. The dense engine's `--slots` rows of prompt + completion positions set the
-budget; the paged engine holds as many bytes of pages and `--paged_slots` rows, admitted while free
-pages last."""
+budget; the paged engine holds as many bytes of pages (or `--kv_pages`) and `--paged_slots` rows,
+admitted while free pages last and pre-empted when they run out."""
 from absl import flags
 
 from . import e2e, shared
@@ -10,6 +10,8 @@ from . import e2e, shared
 _PAGED_SLOTS = flags.DEFINE_integer("paged_slots", 0, "engine: decode slots of the paged engine (0 = 4x --slots); "
                                     "its page pool holds the bytes of the dense engine's --slots rows.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "engine: tokens per page of the paged KV cache.")
+_KV_PAGES = flags.DEFINE_integer("kv_pages", 0, "engine: pages of the paged engine's pool (0 = the bytes of the "
+                                 "dense engine's --slots rows); fewer pre-empt samples when it runs dry.")
 
 
 def bench(cfg, peak):
@@ -32,7 +34,7 @@ def bench(cfg, peak):
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, top_p=1.0, eos_ids=())
   layouts = {"dense": dict(slots=S),
              "paged": dict(slots=_PAGED_SLOTS.value or 4 * S, kv_layout="paged", page_size=p,
-                           kv_pages=S * (P + C) // p)}
+                           kv_pages=_KV_PAGES.value or S * (P + C) // p)}
   out = {"bench": "engine", "samples": Q * G, "prompt_len": P, "new_tokens": C,
          "mean_length": float(stop_at_B.mean()), "max_length": int(stop_at_B.max()),
          "cache_bytes": S * (P + C) * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * np.dtype(mc.dtype).itemsize}
@@ -50,7 +52,7 @@ def bench(cfg, peak):
                  "samples_in_flight": stats["generated_tokens"] / stats["decode_steps"],
                  "decode_steps": stats["decode_steps"], "rounds": stats["rounds"],
                  "slot_utilisation": stats["slot_utilisation"],
-                 **{k: stats[k] for k in ("kv_pages", "kv_pages_peak", "prompt_pages", "prompt_pages_shared")
-                    if k in stats}}
+                 **{k: stats[k] for k in ("kv_pages", "kv_pages_peak", "prompt_pages", "prompt_pages_shared",
+                                          "preempted", "recomputed_tokens") if k in stats}}
   out["paged_speedup"] = out["dense"]["rollout_s"] / out["paged"]["rollout_s"]
   return out
