@@ -12,8 +12,8 @@ import pytest
 from configs import ppo_arith
 from dapo_jax import (
   advantages,
+  builders,
   checkpoint,
-  build,
   loss,
   metrics,
   objectives,

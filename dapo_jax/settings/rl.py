@@ -12,6 +12,7 @@ from dapo_jax import advantages as adv_lib
 from dapo_jax import loop, objectives, optim, train_step
 from dapo_jax import loss as loss_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.errors import ConfigError
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import rollout as rollout_lib
@@ -78,10 +79,11 @@ class Rollout(Section):
                       (not self.env, "with rollout.env set (episodes decode from dense rows for now)"),
                       (not self.partial_rollouts, "with rollout.partial_rollouts=True (not paged yet)")):
         check(ok, "rollout.kv_layout", self.kv_layout, f"'dense' {why}")
-    if self.partial_rollouts:
-      check(self.max_staleness == 1, "rollout.partial_rollouts", True,
-            "rollout.max_staleness=1 (a rollout in flight while the policy updates)")
-      check(not self.env, "rollout.partial_rollouts", True, "single-turn samples (rollout.env is set)")
+    if self.partial_rollouts and self.max_staleness != 1:
+      raise ConfigError("rollout.partial_rollouts=True needs rollout.max_staleness=1 (a rollout in flight while "
+                        "the policy updates)")
+    if self.partial_rollouts and self.env:
+      raise ConfigError("rollout.partial_rollouts=True needs single-turn samples (rollout.env is set)")
     if self.env:
       self.number("max_turns", 1, integer=True)
       self.number("env_timeout_s", 0, lo_open=True)

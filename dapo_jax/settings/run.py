@@ -53,7 +53,7 @@ class Mesh(Section):
 
   def check(self) -> None:
     self.number("rollout_devices", 0, integer=True,
-                allowed=">= 0 (0: rollout and training share the devices; R: the first R decode)")
+                allowed="0 (rollout and training share the devices) or R >= 1 (the first R devices decode)")
 
 
 @dataclasses.dataclass(frozen=True)
