@@ -5,6 +5,7 @@ The one-letter shape alphabet (array names end with their axes: `x_BTD`, `logp_B
   P prompt positions         C completion positions      T = P + C model positions
   S key / cache slots        L layers                    D model width
   F MLP width                V vocabulary                N query heads
+  M packed sequences (of T positions each; `PackedRows`)
   K KV heads                 R query heads per KV head   H head dimension
 `sharding.LOGICAL` maps these letters to logical axis names.
 """
@@ -15,6 +16,23 @@ import dataclasses
 import jax
 import numpy as np
 from flax import struct
+
+
+@struct.dataclass
+class PackedRows:
+  """The model's inputs of a packed micro-batch (`train_step.packed_microbatches`): rows' real tokens
+  packed into M sequences of T positions, one segment per row; each data shard holds M / shards
+  consecutive sequences and the rows packed in them. Attention stays inside a segment and positions
+  restart at each one."""
+  tokens_MT: jax.Array      # int32 [M, T]
+  next_MT: jax.Array        # int32: the row's token after each position (0 past the row's last)
+  positions_MT: jax.Array   # int32: position within the segment (the row's position ids)
+  segments_MT: jax.Array    # int32: 1.. = the segment's number in its sequence; 0 = padding
+  # int32 [B, C]: for completion token c of row b (shard d's rows are the d-th B / shards), the index,
+  # in its shard's sequences laid end to end, of the position whose logits predict it (0: padding).
+  source_BC: jax.Array
+  row_B: jax.Array          # bool [B]: a row of the mini-batch (False: an unused row slot)
+  shards: int = struct.field(pytree_node=False, default=1)
 
 
 @struct.dataclass
@@ -36,6 +54,9 @@ class RLBatch:
   # batch, and the rest of each prompt fits in its last `suffix_len` columns. 0: each group's prompt whole.
   prefix_len: int = struct.field(pytree_node=False, default=0)
   suffix_len: int = struct.field(pytree_node=False, default=0)
+  # A packed micro-batch: the model reads `packed`; tokens_BT / mask_BT then hold the completions
+  # alone ([B, C], no prompt columns) and every [B, ...] array has B = D x R row slots.
+  packed: PackedRows | None = None
 
 
 @struct.dataclass

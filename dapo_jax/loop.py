@@ -84,6 +84,7 @@ class LoopConfig:
   max_staleness: int = 0        # 0: synchronous; S: the rollouts of the next S steps are sampled during this update
   use_decoupled_loss: bool = False  # stale rows' π_old: False = sampler log-probs; True = this step's policy
   partial_rollouts: bool = False  # the rollout in flight continues with each update's params as it ends
+  packing: bool = False         # micro-batches of rows packed without padding (`train_step.packed_microbatches`)
 
   @property
   def updates_per_step(self) -> int:
@@ -200,7 +201,11 @@ class DAPO:
     minibatches = [train_step.shared_prefix_layout(mb, self.trainer.group_size, self.shared_prefix)
                    for mb in self.split(batch)]
     C = batch.loss_mask_BC.shape[1]
-    if c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
+    if c.packing:  # Each mini-batch's rows packed into sequences of the token budget, no padding.
+      pack = functools.partial(train_step.packed_microbatches, max_tokens=self.trainer.microbatch_tokens,
+                               shards=sharding.batch_shards(self.trainer.mesh.shape), buckets=c.length_buckets)
+      minibatches = [pack(mb) for mb in self.split(batch)]
+    elif c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
       # A set micro-batch count is kept; auto (0) packs each bucket's rows to the token budget.
       cut = functools.partial(train_step.bucketed_microbatches, num_microbatches=self.trainer.num_microbatches,
                               group_size=self.trainer.group_size, buckets=c.length_buckets,

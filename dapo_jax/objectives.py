@@ -189,16 +189,47 @@ def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, 
   [B, C] (no gradient), the routing statistics or None). With `model.logits_chunk` the logits are
   made `logits_chunk` positions at a time and remade in the backward pass (`jax.checkpoint`), so at
   most B x logits_chunk x V of them exist at once; the values are those of the whole tensor."""
+  if getattr(mb, "packed", None) is not None:
+    return _packed_stats(model_cfg, params, mb, temperature, with_router)
   P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
   targets_BC = mb.tokens_BT[:, P:]
-  chunk = model_cfg.logits_chunk
-  if not chunk:
+  if not model_cfg.logits_chunk:
     out = completion_logits(model_cfg, group_size, params, mb, with_router=with_router)
     z_BCV, routing = out if with_router else (out, None)
-    z_BCV = z_BCV / temperature
-    return (loss_lib.token_logprobs(z_BCV, targets_BC), loss_lib.entropy(jax.lax.stop_gradient(z_BCV)), routing)
+    return (*_logprobs_and_entropy(z_BCV / temperature, targets_BC), routing)
   out = _completion_hidden(model_cfg, group_size, params, mb, with_router=with_router)
   x_BCD, routing = out if with_router else (out, None)
+  return (*_chunked_stats(model_cfg, params, x_BCD, targets_BC, temperature), routing)
+
+
+def _logprobs_and_entropy(z_BCV, targets_BC):
+  return loss_lib.token_logprobs(z_BCV, targets_BC), loss_lib.entropy(jax.lax.stop_gradient(z_BCV))
+
+
+def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, temperature: float, with_router: bool):
+  """`completion_stats` of a packed micro-batch (`datatypes.PackedRows`): the model runs on the packed
+  sequences, each position's log-prob of the next token is taken there, and completion token (b, c)
+  reads the position that predicts it; the [B, C] results are the padded layout's."""
+  pk = mb.packed
+  B, C = mb.loss_mask_BC.shape
+  head = "hidden" if model_cfg.logits_chunk else "lm"
+  out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT,
+                          model_lib.packed_attention_mask(pk.segments_MT), head=head, with_router=with_router)
+  y_MT, routing = out if with_router else (out, None)
+  if model_cfg.logits_chunk:
+    logp_MT, entropy_MT = _chunked_stats(model_cfg, params, y_MT, pk.next_MT, temperature)
+  else:
+    logp_MT, entropy_MT = _logprobs_and_entropy(y_MT / temperature, pk.next_MT)
+  # Each shard's sequences end to end, read at its rows' sources.
+  read = lambda y_MT: jnp.take_along_axis(y_MT.reshape(pk.shards, -1), pk.source_BC.reshape(pk.shards, -1),
+                                          axis=1).reshape(B, C)
+  return read(logp_MT), read(entropy_MT), routing
+
+
+def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, temperature: float):
+  """Log-probs and entropies [B, C] of the lm head on final hidden states [B, C, D], `model.logits_chunk`
+  positions at a time, each chunk's logits remade in the backward pass."""
+  chunk = model_cfg.logits_chunk
   B, C, D = x_BCD.shape
   n = -(-C // chunk)
   pad = n * chunk - C  # The last chunk is padded; its extra positions are dropped.
@@ -208,12 +239,11 @@ def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, 
   @jax.checkpoint
   def one(args):
     x_BcD, t_Bc = args
-    z_BcV = model_lib.unembed(model_cfg, params, x_BcD) / temperature
-    return loss_lib.token_logprobs(z_BcV, t_Bc), loss_lib.entropy(jax.lax.stop_gradient(z_BcV))
+    return _logprobs_and_entropy(model_lib.unembed(model_cfg, params, x_BcD) / temperature, t_Bc)
 
   logp_NBc, ent_NBc = jax.lax.map(one, (x_NBcD, t_NBc))
   unchunk = lambda y_NBc: y_NBc.swapaxes(0, 1).reshape(B, n * chunk)[:, :C]
-  return unchunk(logp_NBc), unchunk(ent_NBc), routing
+  return unchunk(logp_NBc), unchunk(ent_NBc)
 
 
 def completion_logprobs(model_cfg: model_lib.ModelConfig, temperature: float, group_size: int = 0) -> Callable:
@@ -223,13 +253,20 @@ def completion_logprobs(model_cfg: model_lib.ModelConfig, temperature: float, gr
   return fn
 
 
+def num_rows(batch: RLBatch) -> jax.Array:
+  """The batch's rows (a packed micro-batch's row slots that hold one)."""
+  if batch.packed is not None:
+    return jnp.sum(batch.packed.row_B.astype(jnp.float32))
+  return jnp.asarray(batch.adv_B.shape[0], jnp.float32)
+
+
 def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objective:
   """The clipped policy-gradient loss (verl's compute_policy_loss; paper Eq. 10) with a global token mean
   over micro-batches."""
   def counts(batch: RLBatch) -> dict:
     return {"num_tokens": jnp.sum(batch.loss_mask_BC.astype(jnp.float32)),
             "num_seqs": loss_lib.num_seqs_with_tokens(batch.loss_mask_BC),
-            "num_rows": jnp.asarray(batch.adv_B.shape[0], jnp.float32)}
+            "num_rows": num_rows(batch)}
 
   def loss(params, mb: RLBatch, counts: dict):
     logp_BC, entropy_BC, routing = completion_stats(model_cfg, cfg.group_size, params, mb, cfg.temperature,
@@ -276,7 +313,7 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
     metrics["entropy"] = loss_lib.masked_mean(entropy_BC, mb.loss_mask_BC, denoms["num_tokens"]) * weight
     value = value * weight
     if model_cfg.moe:  # This micro-batch's load-balancing loss and router metrics, by its share of rows.
-      share = mb.adv_B.shape[0] / counts["num_rows"]
+      share = num_rows(mb) / counts["num_rows"]
       aux, router_metrics = loss_lib.router_aux_loss(routing)
       if model_cfg.router_aux_coef:
         value = value + model_cfg.router_aux_coef * aux * share

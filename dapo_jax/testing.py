@@ -9,8 +9,9 @@ import numpy as np
 # module for the toy rewards and should not pay for jax.
 
 # XLA flags of test processes on CPU: tests compile many tiny programs and run each a few times, so
-# compile time dominates; without LLVM's optimisation passes it is ~30% shorter.
-FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# compile time dominates. Without LLVM's optimisation passes and with the classic fusion code
+# generator rather than the MLIR fusion emitters, the suite runs in about half the time (docs/testing.md).
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def tiny_model_config(vocab_size: int = 128, **kw):

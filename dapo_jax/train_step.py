@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dapo_jax import optim, sharding
-from dapo_jax.datatypes import RLBatch
+from dapo_jax.datatypes import PackedRows, RLBatch
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.objectives import Objective
@@ -354,7 +354,10 @@ class Trainer:
     return dict(lora_lib.adapters_off(params), lora=self._copy_adapters(params["lora"]))
 
   def microbatches_for(self, batch) -> int:
-    """Micro-batches an update (or forward pass) over `batch`, an array tree of [B, T] rows, runs in."""
+    """Micro-batches an update (or forward pass) over `batch`, an array tree of [B, T] rows, runs in
+    (a packed micro-batch is one)."""
+    if getattr(batch, "packed", None) is not None:
+      return 1
     if self.num_microbatches:
       return self.num_microbatches
     rows, seq_len = batch.tokens_BT.shape
@@ -483,3 +486,96 @@ def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edg
       chunks.append((pending[:size * shards], edges[-1]))
       pending = pending[size * shards:]
   return chunks
+
+
+# --- packed micro-batches ---------------------------------------------------------------------
+
+def packed_microbatches(batch: RLBatch, *, max_tokens: int, shards: int = 1,
+                        buckets: Sequence[int] = ()) -> list[RLBatch]:
+  """A mini-batch's rows packed without padding (host, pure): the micro-batches of a padding-free
+  update (`datatypes.PackedRows`).
+
+  A row's segment is what the padded forward reads of it, its real tokens among the first P + C - 1
+  columns, so every log-prob, entropy and routing statistic is the padded update's. Rows go longest
+  first. A micro-batch's sequences are as long as its longest row's length bucket, P + the smallest of
+  `buckets` (or C) that holds its completion, so attention, quadratic in a sequence's length, costs no
+  more than the padded rows' would; it holds `max_tokens` // that many sequences per data shard (one
+  at least), filled first-fit, and the rows that do not fit wait for the next micro-batch. Row slots
+  per shard (and the last micro-batch's sequences) are a power of two: a run compiles few shapes. The
+  rows' [B, C] arrays are cut to the micro-batch's completion bucket.
+  """
+  B, C = batch.loss_mask_BC.shape
+  T = batch.tokens_BT.shape[1]
+  P = T - C
+  tokens, mask = np.asarray(batch.tokens_BT), np.asarray(batch.mask_BT, bool)
+  length_B = mask[:, :T - 1].sum(1)  # The forward's real tokens per row.
+  prompt_B, completion_B = mask[:, :P].sum(1), mask[:, P:].sum(1)
+  edges = sorted({c for c in buckets if c < C} | {C})
+  bucket = lambda n: next(c for c in edges if c >= n)
+  pending = sorted(np.flatnonzero(length_B), key=lambda b: -length_B[b])
+  out = []
+  while pending:
+    Cb = bucket(completion_B[pending[0]])
+    L = P + Cb  # Holds any row whose completion fits Cb (a row feeds at most P + Cb - 1 tokens then).
+    n = shards * max(1, max_tokens // L)
+    bins, fill, rest = [[] for _ in range(n)], [0] * n, []
+    for b in pending:  # First fit, longest first; what fits nowhere waits.
+      k = next((i for i, f in enumerate(fill) if f + length_B[b] <= L and completion_B[b] <= Cb), None)
+      if k is None:
+        rest.append(b)
+      else:
+        bins[k].append(int(b))
+        fill[k] += int(length_B[b])
+    pending = rest
+    used = [rows for rows in bins if rows]
+    S = _pow2_at_least(-(-len(used) // shards), len(bins) // shards)
+    out.append(_pack(batch, used, shards, S, L, Cb, length_B, prompt_B, completion_B))
+  return out
+
+
+def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb: int, length_B, prompt_B,
+          completion_B) -> RLBatch:
+  """One packed micro-batch: bin i is sequence i // shards of shard i % shards (S sequences of L each)."""
+  tokens, mask = np.asarray(batch.tokens_BT), np.asarray(batch.mask_BT, bool)
+  per_shard = [[rows for i, rows in enumerate(bins) if i % shards == d] for d in range(shards)]
+  R = _pow2_at_least(max(sum(len(rows) for rows in seqs) for seqs in per_shard), len(length_B))
+  row_idx = np.full((shards, R), -1)
+  tokens_DL, next_DL, positions_DL, segments_DL = (np.zeros((shards, S * L), np.int32) for _ in range(4))
+  source_DRC = np.zeros((shards, R, Cb), np.int32)
+  for d, seqs in enumerate(per_shard):
+    r = 0
+    for s, rows in enumerate(seqs):
+      start = s * L
+      for k, b in enumerate(rows):
+        n, real = int(length_B[b]), tokens[b][mask[b]]
+        tokens_DL[d, start:start + n] = real[:n]
+        next_DL[d, start:start + len(real) - 1] = real[1:]  # (real is the n tokens, or one more)
+        positions_DL[d, start:start + n] = np.arange(n)
+        segments_DL[d, start:start + n] = k + 1
+        # Completion token c is predicted at the segment's position prompt_len - 1 + c.
+        source_DRC[d, r, :completion_B[b]] = start + prompt_B[b] - 1 + np.arange(completion_B[b])
+        row_idx[d, r] = b
+        start, r = start + n, r + 1
+  seq = lambda x: x.reshape(shards * S, L)  # [D, S x L] -> [D x S, L]: shard d's are sequences d*S .. d*S + S - 1.
+  P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
+  return _rows_of(batch, row_idx.reshape(-1), P, Cb).replace(packed=PackedRows(
+      tokens_MT=seq(tokens_DL), next_MT=seq(next_DL), positions_MT=seq(positions_DL), segments_MT=seq(segments_DL),
+      source_BC=source_DRC.reshape(shards * R, Cb), row_B=row_idx.reshape(-1) >= 0, shards=shards))
+
+
+def _pow2_at_least(n: int, cap: int) -> int:
+  """The smallest power of two >= n, but at most `cap` (when cap >= n)."""
+  return min(1 << max(int(n) - 1, 0).bit_length(), max(cap, int(n)))
+
+
+def _rows_of(batch: RLBatch, idx: np.ndarray, P: int, Cb: int) -> RLBatch:
+  """The completion columns [:Cb] of rows `idx` of `batch` (-1: an empty row: no token, no loss)."""
+  real = idx >= 0
+  take = lambda x: None if x is None else np.where(
+      real.reshape((-1,) + (1,) * (np.ndim(x) - 1)), np.asarray(x)[np.maximum(idx, 0)], 0).astype(np.asarray(x).dtype)
+  cut = lambda x: None if x is None else take(np.asarray(x)[:, :Cb])
+  return RLBatch(tokens_BT=take(np.asarray(batch.tokens_BT)[:, P:P + Cb]),
+                 mask_BT=take(np.asarray(batch.mask_BT)[:, P:P + Cb]), loss_mask_BC=cut(batch.loss_mask_BC),
+                 old_logp_BC=cut(batch.old_logp_BC), adv_B=take(batch.adv_B), ref_logp_BC=cut(batch.ref_logp_BC),
+                 behaviour_B=take(batch.behaviour_B), adv_BC=cut(batch.adv_BC),
+                 rollout_logp_BC=cut(batch.rollout_logp_BC))

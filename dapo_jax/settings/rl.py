@@ -246,6 +246,7 @@ class Train(Section):
   share_prompt: bool = True        # a group's prompt runs through the model once (exact)
   shared_prefix: int = 32          # and a mini-batch's common first tokens, in multiples of this many (0 = off)
   length_buckets: int = 8          # micro-batches cut to one of this many lengths (0 = pad to max_new_tokens)
+  packing: bool = False            # rows packed without padding into sequences of microbatch_tokens (exact)
   ckpt_every: int = 5              # rollout steps between checkpoints (0 = at the end only)
   keep_ckpts: int = 3              # checkpoints kept
   eval_every: int = 5              # rollout steps between held-out evaluations (0 = start and end only)
@@ -264,6 +265,8 @@ class Train(Section):
     self.number("microbatch_tokens", 1, integer=True, allowed="a positive token budget")
     self.number("shared_prefix", 0, integer=True, allowed=">= 0 (0 = each group's prompt whole)")
     self.number("length_buckets", 0, integer=True, allowed=">= 0 (0 = every row padded to rollout.max_new_tokens)")
+    check(not (self.packing and self.num_microbatches), "train.num_microbatches", self.num_microbatches,
+          "0 with train.packing (packed micro-batches are sized by train.microbatch_tokens)")
     for f in ("num_steps", "ckpt_every", "eval_every", "log_samples_every"):
       self.number(f, 0, integer=True)
     self.number("keep_ckpts", 1, integer=True)

@@ -4,6 +4,7 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
   python -m launch.bench sampler --model_dir=DIR --batch=64 --prompt_len=32 --new_tokens=64
   python -m launch.bench train   --model_dir=DIR --batch=64 --seq_len=96
   python -m launch.bench e2e     --model_dir=DIR --prompts=prompts_32tok.jsonl   # 8 prompts x 8 samples
+  python -m launch.bench update --num_prompts=8 --group=8 --new_tokens=512   # padded vs packed update, long tail
   python -m launch.bench engine --slots=16 --mean_length=32   # dense vs paged KV cache at one byte budget
   python -m launch.bench episodes --tool_ms=50    # 3-turn episodes, environment latency vs a turn-synchronous loop
   python -m launch.bench serve --batch=64 --new_tokens=64   # the OpenAI server at 1/8/32 clients vs offline
@@ -27,9 +28,10 @@ from .. import common
 if "async" in sys.argv[1:] and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
-from . import device, e2e, engine, episodes, sampler, serve, shared, split_mesh, train  # noqa: E402
+from . import device, e2e, engine, episodes, sampler, serve, shared, split_mesh, train, update  # noqa: E402
 
-BENCHES = {"sampler": sampler.bench, "train": train.bench, "e2e": e2e.bench, "engine": engine.bench,
+BENCHES = {"sampler": sampler.bench, "train": train.bench, "update": update.bench, "e2e": e2e.bench,
+           "engine": engine.bench,
            "episodes": episodes.bench, "serve": serve.bench, "device": device.bench, "async": split_mesh.bench}
 
 # --help lists every benchmark's flags, as this command's own.
