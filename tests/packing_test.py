@@ -171,3 +171,19 @@ def test_two_packed_updates_equal_two_padded_updates(case):
   params0 = jax.device_get(trainer.init(jax.random.key(0)).params)
   parts = train_step.packed_microbatches(batch, max_tokens=budget, shards=sharding.batch_shards(mesh.shape))
   _assert_same_update(_two_steps(trainer, params0, [batch]), _two_steps(trainer, params0, parts))
+
+
+def test_a_run_with_packing_makes_the_padded_runs_update(tmp_path):
+  """`train.packing=True` through the loop: the same rollouts, the same first update's metrics."""
+  import dapo_jax
+  metrics = {}
+  for packing in (False, True):
+    overrides = {"train.num_steps": 1, "train.packing": packing, "train.num_microbatches": 0, "train.eval_every": 0,
+                 "reward.fn": "dapo_jax.testing:length_reward", "reward.workers": 1}
+    with dapo_jax.Run("configs/default.py:runlocal", workdir=str(tmp_path / str(packing)), **overrides) as run:
+      metrics[packing] = run.train()
+  padded, packed = metrics[False], metrics[True]
+  actor = sorted(k for k in padded if k.startswith("actor/") and not k.endswith("_s"))
+  assert {"actor/pg_loss", "actor/entropy", "actor/grad_norm"} <= set(actor), sorted(padded)
+  for k in actor + ["rollout/samples", "response_length/mean"]:
+    np.testing.assert_allclose(packed[k], padded[k], rtol=1e-4, atol=1e-6, err_msg=k)
