@@ -25,7 +25,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory whose latest chec
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Sample this HF model directory instead.")
 _PROMPT = flags.DEFINE_string("prompt", None, "One question, put as the run's training prompts were (the task's "
                               "instruction and worked examples; --raw: as typed).")
-_RAW = flags.DEFINE_bool("raw", False, "Send --prompt as typed: one user turn, no task instruction.")
+_RAW = flags.DEFINE_bool("raw", False, "Send --prompt as typed: one user turn, no task instruction (always so "
+                        "with --model_dir, whose task is not known).")
 _GROUND_TRUTH = flags.DEFINE_string("ground_truth", None, "The answer to --prompt, to score the completions.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "A .jsonl/.parquet file of prompts (a batch).")
 _K = flags.DEFINE_integer("k", 1, "Completions per prompt.")
@@ -84,7 +85,8 @@ def main(argv):
   if _PROMPTS.value:  # Before the model loads: a bad file fails at once.
     prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template)
   else:
-    prompts = [_PROMPT.value if _RAW.value else builders.user_prompt(cfg, _PROMPT.value)]
+    wrap = not (_RAW.value or _MODEL_DIR.value)  # Only a run's own task is known.
+    prompts = [builders.user_prompt(cfg, _PROMPT.value) if wrap else _PROMPT.value]
     truths = [_GROUND_TRUTH.value]
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:

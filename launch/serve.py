@@ -29,9 +29,10 @@ _ROUND_STEPS = flags.DEFINE_integer("round_steps", 4, "Tokens per decode round a
                                     "and streams advance between rounds).")
 _COMPACT = flags.DEFINE_bool("compact", False, "The pool's width follows the load (lower latency for few "
                               "clients; each width compiles when the load first meets it).")
-_RAW = flags.DEFINE_bool("raw", False, "Chat requests as sent. Default with --workdir: a request that is one user "
-                        "message is put as the run's training prompts were (the task's instruction and worked "
-                        "examples), as launch.sample puts --prompt.")
+_WRAP_PROMPTS = flags.DEFINE_bool("wrap_prompts", False, "With --workdir: a chat request that is one user message "
+                                  "(no tools) is put as the run's training prompts were (the task's instruction "
+                                  "and worked examples), as launch.sample puts --prompt. Off: every request is "
+                                  "rendered exactly as sent, as vLLM and OpenAI do.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask for (default: the directory's name).")
 # What clients may hold of the server; unset, serve.http.Limits' defaults.
 _MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", None, "Connections open at once (http.Limits).")
@@ -66,7 +67,7 @@ def main(argv):
       compact=_COMPACT.value, mesh=mesh,
       limits=server_lib.http.limits(max_connections=_MAX_CONNECTIONS.value, header_timeout_s=_HEADER_TIMEOUT_S.value,
                                     body_timeout_s=_BODY_TIMEOUT_S.value, max_prompt_chars=_MAX_PROMPT_CHARS.value),
-      user_prompt=None if _RAW.value or not workdir else (lambda q: builders.user_prompt_messages(cfg, q)))
+      user_prompt=(lambda q: builders.user_prompt_messages(cfg, q)) if _WRAP_PROMPTS.value and workdir else None)
   print(f"serving {server.policy.model_name} on {server.url} (OpenAI API: /v1/chat/completions, "
         "/v1/completions, /v1/models)", flush=True)
   common.serve_until_interrupted(server)

@@ -150,10 +150,12 @@ def _params():
   return model_lib.init_params(CFG, jax.random.key(3))
 
 
-@pytest.mark.parametrize("case", ["one_device", "mesh_2x2x2", "lora_int8", "moe", "chunked_logits"])
+@pytest.mark.parametrize("case", ["one_device", "mesh_2x2x2", "lora_int8", "moe", "chunked_logits",
+                                  "vs_shared_prompt"])
 def test_two_packed_updates_equal_two_padded_updates(case):
   """Through the Trainer (micro-batches of two shapes accumulated, AdamW): metrics of each update and
-  params after two, on one device and the (2, 2, 2) mesh, LoRA on int8, Qwen3-MoE, chunked logits."""
+  params after two, on one device and the (2, 2, 2) mesh, LoRA on int8, Qwen3-MoE, chunked logits, and
+  against the padded shared-prompt layout (groups of 2 rows sharing a prompt, which runs once)."""
   cfg, adapters, mesh = CFG, None, sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   budget = 64  # Two micro-batches of 4 and 8 row slots.
   if case == "mesh_2x2x2":
@@ -166,8 +168,13 @@ def test_two_packed_updates_equal_two_padded_updates(case):
     cfg, budget = MOE, 256  # The load-balancing loss is one micro-batch's: compare one with one.
   elif case == "chunked_logits":
     cfg = dataclasses.replace(CFG, logits_chunk=8)
-  batch = long_tail_batch()
-  trainer = _trainer(cfg, objectives.PGConfig(kl_coef=0.1), mesh, adapters)
+  batch, G = long_tail_batch(), 0
+  if case == "vs_shared_prompt":
+    G, P = 2, 5
+    tokens, mask = batch.tokens_BT.copy(), batch.mask_BT.copy()
+    tokens[1::2, :P], mask[1::2, :P] = tokens[::2, :P], mask[::2, :P]
+    batch = batch.replace(tokens_BT=tokens, mask_BT=mask)
+  trainer = _trainer(cfg, objectives.PGConfig(kl_coef=0.1, group_size=G), mesh, adapters)
   params0 = jax.device_get(trainer.init(jax.random.key(0)).params)
   parts = train_step.packed_microbatches(batch, max_tokens=budget, shards=sharding.batch_shards(mesh.shape))
   _assert_same_update(_two_steps(trainer, params0, [batch]), _two_steps(trainer, params0, parts))

@@ -140,6 +140,82 @@ def test_completions_greedy_equal_the_argmax_loop_with_logprobs(client, policy):
     assert "".join(choice.logprobs.tokens) == choice.text
 
 
+def model_logp(cfg, params, row):
+  """[len(row), V]: log-softmax of the teacher-forced logits at each position of `row` (fp64)."""
+  logits = np.asarray(model_lib.logits(cfg, params, np.asarray([row], np.int32), np.ones((1, len(row)), bool)))[0]
+  z = logits.astype(np.float64)
+  return z - z.max(-1, keepdims=True) - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def test_echo_scores_the_prompt_as_the_forward_with_its_top_alternatives(client, policy):
+  """vLLM's `echo` with `max_tokens=0`: each prompt token's log-prob under the model (the first null)
+  and a dict of it and the 5 likeliest tokens, for a text prompt, an id prompt and a batch of three."""
+  cfg, params, tok, _, _ = policy
+  text = "What is 7 + 8?"
+  ids = tok(text, add_special_tokens=True)["input_ids"]
+  batch = [chat_ids(tok, q) for q, _, _ in ANSWERS[:3]]
+  for prompt, rows in ((text, [ids]), (ids, [ids]), (batch, batch)):
+    r = client.completions.create(model="dapo-policy", prompt=prompt, echo=True, max_tokens=0, logprobs=5)
+    assert [c.index for c in r.choices] == list(range(len(rows)))
+    assert r.usage.prompt_tokens == sum(map(len, rows)) and r.usage.completion_tokens == 0
+    for c, row in zip(r.choices, rows):
+      ref = model_logp(cfg, params, row)
+      lp = c.logprobs
+      assert c.finish_reason == "length" and c.text == (text if isinstance(prompt, str) else tok.decode(row))
+      assert lp.tokens == [tok.decode([t]) for t in row]
+      assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+      np.testing.assert_allclose(lp.token_logprobs[1:], ref[np.arange(len(row) - 1), row[1:]], atol=2e-4)
+      assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens])[:-1].tolist()
+      for j in range(1, len(row)):  # The token and the 5 likeliest at its position (a text seen twice: its max).
+        want = {lp.tokens[j]: ref[j - 1, row[j]]}
+        for i in np.argsort(-ref[j - 1])[:5]:
+          key = tok.decode([int(i)])
+          want[key] = max(want.get(key, -np.inf), ref[j - 1, i])
+        top = lp.top_logprobs[j]
+        assert top.keys() == want.keys(), (j, top, want)
+        np.testing.assert_allclose([top[k] for k in want], list(want.values()), atol=2e-4)
+
+
+def test_lm_eval_loglikelihood_requests_score_the_continuation(client, policy):
+  """What lm-evaluation-harness's `local-completions` sends for a log-likelihood task (context +
+  continuation ids, max_tokens=1, temperature 0, logprobs=1, echo) and how it reads the answer:
+  the continuation's log-likelihood is the sum of token_logprobs[ctxlen:-1], and it is greedy when
+  each of those is the largest of its top_logprobs."""
+  cfg, params, tok, eos, _ = policy
+  end = tok.convert_tokens_to_ids("<|im_end|>")
+  for q, a, _ in ANSWERS[:3]:
+    context = chat_ids(tok, q)
+    for continuation, greedy in ((tok(a, add_special_tokens=False)["input_ids"] + [end], True),
+                                 (tok("99", add_special_tokens=False)["input_ids"] + [end], False)):
+      row = context + continuation
+      r = client.completions.create(model="dapo-policy", prompt=[row], max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True, seed=1234)
+      lp = r.choices[0].logprobs
+      assert len(lp.token_logprobs) == len(row) + 1  # the prompt, then the one generated token
+      ctxlen = len(context)
+      ref = model_logp(cfg, params, row)
+      want = ref[np.arange(ctxlen - 1, len(row) - 1), row[ctxlen:]].sum()
+      np.testing.assert_allclose(sum(lp.token_logprobs[ctxlen:-1]), want, atol=1e-3)
+      is_greedy = all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values()) for i in range(ctxlen, len(row)))
+      assert is_greedy == greedy, (q, greedy)
+      # The generated token is the model's argmax after the whole row.
+      assert lp.tokens[-1] == tok.decode([int(np.argmax(model_logp(cfg, params, row)[-1]))])
+
+
+def test_logprobs_n_gives_the_sampled_tokens_top_alternatives(client, policy):
+  cfg, params, tok, eos, _ = policy
+  ids = chat_ids(tok, ANSWERS[0][0])
+  ref_tokens = argmax_loop(cfg, params, ids, eos, 12)
+  r = client.completions.create(model="dapo-policy", prompt=ids, max_tokens=12, temperature=0, logprobs=3)
+  lp = r.choices[0].logprobs
+  assert r.choices[0].text == ANSWERS[0][1]
+  ref = model_logp(cfg, params, ids + ref_tokens)
+  np.testing.assert_allclose(lp.token_logprobs, ref[np.arange(len(ids) - 1, len(ids) + len(ref_tokens) - 1),
+                                                     ref_tokens], atol=2e-4)
+  for value, top in zip(lp.token_logprobs, lp.top_logprobs):
+    assert value == max(top.values()) and len(top) <= 4   # greedy: the sampled token is the likeliest
+
+
 def test_sampled_logprobs_are_the_temperature_scaled_ones(client, policy):
   cfg, params, tok, _, _ = policy
   q = "What is 1 + 1?"
@@ -200,7 +276,9 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_is_served(serv
            ("/v1/completions", {"prompt": "x " * 400}, 400, "prompt"),
            ("/v1/completions", {"prompt": "x", "temperature": 7}, 400, "temperature"),
            ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
-           ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo")]
+           ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
+           ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+           ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens")]
   for path, body, status, field in cases:
     r = post(path, body)
     assert r.status_code == status, (body, r.text)
@@ -420,7 +498,7 @@ def test_an_engine_failure_is_a_500_naming_an_id_and_the_next_request_is_served(
 
 
 def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
-  """`launch.serve --workdir` (without --raw): a chat request that is one user message becomes the run's
+  """`launch.serve --workdir --wrap_prompts`: a chat request that is one user message becomes the run's
   training prompt (the arithmetic task's instruction and worked examples), as `launch.sample` puts
   --prompt; longer conversations and requests with tools are served as sent."""
   import copy
@@ -440,7 +518,7 @@ def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
   assert len(trained) == 3 and trained[-1]["content"] != "What is 38+46?"  # A worked example, then the question.
   want = tok(tokenizer_lib.render(tok, [dict(m) for m in trained], True), add_special_tokens=False)["input_ids"]
   assert ids == want
-  assert server.policy.chat_prompt(body(question))[0] == chat_ids(tok, "What is 38+46?")  # --raw
+  assert server.policy.chat_prompt(body(question))[0] == chat_ids(tok, "What is 38+46?")  # as sent (the default)
   longer = question + [{"role": "assistant", "content": "84"}, {"role": "user", "content": "And 1+2?"}]
   assert as_trained.chat_prompt(body(longer))[0] == server.policy.chat_prompt(body(longer))[0]
   tools = [{"type": "function", "function": {"name": "calc", "description": "A calculator.",

@@ -1,12 +1,15 @@
 """The OpenAI API on the engine: /v1/models, /v1/completions, /v1/chat/completions (FastAPI).
 
-Semantics follow OpenAI's where we can honour them, and a request asks for anything else gets a
-400 naming the field (echo, top alternatives in logprobs, penalties). Log-probs are those the
-sampler drew from: the temperature-scaled distribution, before top-p (at temperature 0, the
-model's own), the quantity a trainer recomputes. Chat prompts are rendered with the model's chat
-template, tools with the template's own tool support (`envs.tool_formats`), and an answer's tool
-calls are parsed in the template's format into `tool_calls`. A streamed answer with tools is sent
-whole at its end (its calls can only be parsed then).
+Semantics follow OpenAI's and vLLM's where we can honour them, and a request that asks for anything
+else gets a 400 naming the field (penalties, streamed echo or alternatives). A completion's `echo` and
+`logprobs=N` (up to 20 alternatives) are vLLM's: the prompt's tokens scored too (the first null),
+`max_tokens=0` scoring without sampling (what log-likelihood evaluations send), each value the model's
+own distribution at temperature 1 (`scoring`). `logprobs=0` alone, and chat log-probs, are those the
+sampler drew from: the temperature-scaled distribution, before top-p, the quantity a trainer
+recomputes. Chat prompts are rendered with the model's chat template, tools with the template's own
+tool support (`envs.tool_formats`), and an answer's tool calls are parsed in the template's format
+into `tool_calls`. A streamed answer with tools is sent whole at its end (its calls can only be
+parsed then).
 
 A request is admitted whole or not at all (its prompts x n against the queue), and any failure
 cancels all its samples. Text work that grows with a request (checking, rendering and tokenising
@@ -31,7 +34,7 @@ from fastapi import responses
 
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import tool_formats
-from dapo_jax.serve import http
+from dapo_jax.serve import http, scoring
 from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve.http import APIError
 
@@ -56,7 +59,7 @@ class _Body(pydantic.BaseModel):
 
 class CompletionBody(_Body):
   prompt: Union[str, list[str], list[int], list[list[int]]]
-  logprobs: int | None = pydantic.Field(None, ge=0, le=5)
+  logprobs: int | None = pydantic.Field(None, ge=0, le=scoring.TOP)
   echo: bool = False
 
 
@@ -98,6 +101,12 @@ class SampleText:
     if self.update(ended.tokens, ended.logp) or self.finish is not None:
       return
     self.finish = "length" if ended.truncated else "stop"
+
+  def answer_tokens(self) -> list[int]:
+    """The tokens the answer is made of: up to a stop string, or all of them with their stop token."""
+    if self.cut_at is None:
+      return self.tokens.tolist()
+    return self._content_tokens()[:len(self.token_logprobs())].tolist()
 
   def _content_tokens(self) -> np.ndarray:
     n = len(self.tokens)
@@ -296,7 +305,8 @@ class OpenAIPolicy:
 
   # --- checks ---------------------------------------------------------------------------------
 
-  def _check(self, body: _Body, max_tokens: int | None) -> int:
+  def _check(self, body: _Body, max_tokens: int | None, scoring_only: bool = False) -> int:
+    """max_tokens, checked (0, the prompt scored alone, where `scoring_only` allows it)."""
     if body.model not in (None, self.model_name):
       raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                      param="model", code="model_not_found")
@@ -304,9 +314,9 @@ class OpenAIPolicy:
       if getattr(body, name):
         raise APIError(400, f"{name}: not supported (0 only)", param=name)
     max_tokens = self.max_tokens if max_tokens is None else max_tokens
-    if not 1 <= max_tokens <= self.max_tokens:
-      raise APIError(400, f"max_tokens={max_tokens}: expected 1..{self.max_tokens} (the server's --max_new_tokens)",
-                     param="max_tokens")
+    if not int(not scoring_only) <= max_tokens <= self.max_tokens:
+      raise APIError(400, f"max_tokens={max_tokens}: expected {int(not scoring_only)}..{self.max_tokens} (the "
+                     "server's --max_new_tokens; 0 only with echo)", param="max_tokens")
     return max_tokens
 
   def _check_chars(self, chars: int, param: str) -> None:
@@ -366,7 +376,7 @@ class OpenAIPolicy:
 
   @staticmethod
   def _usage(prompts, samples) -> dict:
-    p = sum(len(ids) for ids in prompts) * (len(samples) // max(len(prompts), 1))
+    p = sum(len(ids) for ids in prompts)  # Once per prompt, whatever n (OpenAI, vLLM).
     c = sum(len(s.tokens) for s in samples)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -387,18 +397,70 @@ class OpenAIPolicy:
     return [self._prompt_ids(list(x), f"prompt[{i}]" if len(ids) > 1 else "prompt") for i, x in enumerate(ids)]
 
   def _completion_logprobs(self, s: SampleText) -> dict:
+    """`logprobs=0` without echo: the sampled tokens' own log-probs, as the sampler drew them."""
     pairs = s.token_logprobs()
     offsets = np.cumsum([0] + [len(t) for t, _ in pairs])[:-1].tolist()
     return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
             "top_logprobs": None, "text_offset": offsets}
 
+  def _scored_logprobs(self, prompt: list[int], answer: list[int], scores: scoring.Scores, top: int,
+                       echo: bool) -> dict:
+    """vLLM's completion log-probs of the answer (and with `echo` the prompt before it, its first
+    token null) from a teacher-forced `scoring.Scores` of prompt + answer: each token's log-prob and
+    a dict of it and the `top` likeliest tokens at its position."""
+    start = 0 if echo else len(prompt)
+    ids = (prompt + answer)[start:]
+    piece = lambda t: self.tok.decode([int(t)], skip_special_tokens=False)
+    tokens = [piece(t) for t in ids]
+    value = lambda x: max(float(x), -9999.0)  # vLLM's floor (-inf is not JSON)
+    token_logprobs, tops = [], []
+    for j, t in enumerate(ids, start):
+      if j == 0:
+        token_logprobs.append(None)
+        tops.append(None)
+        continue
+      alternatives = {tokens[j - start]: value(scores.logp[j])}
+      for lp, alt in zip(scores.top_logp[j][:top], scores.top_ids[j][:top]):
+        key = piece(alt)
+        alternatives[key] = max(alternatives.get(key, -float("inf")), value(lp))
+      token_logprobs.append(value(scores.logp[j]))
+      tops.append(alternatives)
+    offsets = np.cumsum([0] + [len(t) for t in tokens])[:-1].tolist()
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+  async def _scores(self, rows: list[list[int]]) -> list[scoring.Scores]:
+    try:
+      future = self.scheduler.score(rows)
+    except scheduler_lib.QueueFull as e:
+      raise APIError(429, f"the server is busy: {e}", code="queue_full") from None
+    try:
+      return await asyncio.wrap_future(future)
+    except RuntimeError as e:
+      raise http.internal_error("scoring failed", str(e), "engine_failed") from None
+
+  def _echo_texts(self, body: CompletionBody, prompts: list[list[int]]) -> list[str]:
+    """The prompts' text as echoed: as sent, or the ids decoded."""
+    p = body.prompt
+    if isinstance(p, str):
+      return [p]
+    if p and all(isinstance(x, str) for x in p):
+      return list(p)
+    return [self.tok.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+  def _unscored(self, count: int) -> list[SampleText]:
+    """`max_tokens=0`: answers with no token (the prompt is scored alone)."""
+    samples = [SampleText(self.tok, [], self.eos_ids) for _ in range(count)]
+    for s in samples:
+      s.finish = "length"
+    return samples
+
   async def completions(self, body: CompletionBody):
-    max_tokens = self._check(body, body.max_tokens)
-    if body.echo:
-      raise APIError(400, "echo: not supported (false only)", param="echo")
-    if body.logprobs:
-      raise APIError(400, "logprobs: top alternatives are not returned; logprobs=0 gives the sampled tokens' "
-                     "log-probs", param="logprobs")
+    max_tokens = self._check(body, body.max_tokens, scoring_only=body.echo)
+    if body.stream and body.echo:
+      raise APIError(400, "echo: not supported with stream", param="echo")
+    if body.stream and body.logprobs:
+      raise APIError(400, "logprobs: alternatives are not streamed; logprobs=0 gives the sampled tokens' log-probs",
+                     param="logprobs")
     stops = _stops(body.stop)
     prompts = await asyncio.to_thread(self.completion_prompts, body)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -410,9 +472,28 @@ class OpenAIPolicy:
               "logprobs": self._completion_logprobs(s) if want_logprobs and finish else None}
 
     if not body.stream:
-      samples = await self._gather(prompts, body, max_tokens, stops, _nothing)
-      choices = await _text_work(_tokens(samples) if want_logprobs else 0,
-                                 lambda: [choice(i, s, s.text, s.finish) for i, s in enumerate(samples)])
+      n = body.n
+      if max_tokens:
+        samples = await self._gather(prompts, body, max_tokens, stops, _nothing)
+      else:
+        samples = self._unscored(len(prompts) * n)
+      if not (body.echo or body.logprobs):
+        choices = await _text_work(_tokens(samples) if want_logprobs else 0,
+                                   lambda: [choice(i, s, s.text, s.finish) for i, s in enumerate(samples)])
+        return {**head, "choices": choices, "usage": self._usage(prompts, samples)}
+      answers = [s.answer_tokens() for s in samples]
+      scores = await self._scores([prompts[i // n] + a for i, a in enumerate(answers)]) if want_logprobs else None
+      texts = self._echo_texts(body, prompts) if body.echo else None
+
+      def scored_choices():
+        out = []
+        for i, s in enumerate(samples):
+          text = texts[i // n] + s.text if body.echo else s.text
+          lp = (self._scored_logprobs(prompts[i // n], answers[i], scores[i], body.logprobs, body.echo)
+                if want_logprobs else None)
+          out.append({"index": i, "text": text, "finish_reason": s.finish, "logprobs": lp})
+        return out
+      choices = await _text_work(_tokens(samples) + sum(map(len, prompts)), scored_choices)
       return {**head, "choices": choices, "usage": self._usage(prompts, samples)}
 
     async def chunks(emit):

@@ -12,6 +12,7 @@ busy rows fit half of it), so one client does not pay for 32 slots.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -26,6 +27,7 @@ import numpy as np
 
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout import sampling
+from dapo_jax.serve import scoring
 
 
 class QueueFull(Exception):
@@ -77,6 +79,8 @@ class Scheduler:
     self._next_id = 0
     self._stop = False
     self.session = self._new_session()
+    self.scorer = scoring.Scorer(engine.model_cfg, engine.P + engine.C, mesh=engine.mesh)
+    self._scores: list[tuple[list[list[int]], concurrent.futures.Future]] = []
     self._thread = threading.Thread(target=self._run, name="serve-engine", daemon=True)
     self._thread.start()
 
@@ -102,6 +106,18 @@ class Scheduler:
     for req in reqs:
       self.inbox.put(("add", req))
     return [req.rid for req in reqs]
+
+  def score(self, rows: list[list[int]]) -> concurrent.futures.Future:
+    """Queues token rows for teacher-forced scoring (`scoring.Scorer`) on the engine thread, between
+    decode rounds; the future holds one `scoring.Scores` per row (QueueFull when the queue is)."""
+    with self._lock:
+      if self.pending + len(rows) > self.max_queue:
+        raise QueueFull(f"{self.pending} samples in flight and {len(rows)} rows to score; the server admits "
+                        f"{self.max_queue}")
+      self.pending += len(rows)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self.inbox.put(("score", (rows, future)))
+    return future
 
   def cancel(self, rid: int, sample: int | None = None) -> None:
     """Ends request `rid`'s samples (or one of them) early; each still gets its "end" event."""
@@ -135,6 +151,8 @@ class Scheduler:
         key = x.seed if x.seed is not None else random.getrandbits(31)
         self.session.add([x.rid], np.asarray([x.prompt_ids], np.int32), np.ones((1, len(x.prompt_ids)), bool), x.n,
                          key_ids=[key % (1 << 31)], max_tokens=x.max_tokens, temperature=x.temperature, top_p=x.top_p)
+      elif kind == "score":
+        self._scores.append(x)
       elif kind == "cancel" and x[0] in self.requests:
         for g in self.session.cancel(*x):  # Never started: they end empty.
           self._end(x[0], g, Ended(np.zeros(0, np.int32), np.zeros(0, np.float32), truncated=False))
@@ -158,6 +176,8 @@ class Scheduler:
   def _run(self) -> None:
     while not self._stop:
       self._admit(block=not self.session.busy)
+      if self._scores:
+        self._run_scores()
       if self._stop or not self.session.busy:
         continue
       try:
@@ -177,6 +197,27 @@ class Scheduler:
           for g in sorted(req.open_samples):
             self._end(rid, g, None, error=eid)
         self.session = self._new_session()
+
+  def _run_scores(self) -> None:
+    """Scores every waiting job's rows in one call; a failure goes to each job's future with an id
+    under which the log has the cause."""
+    jobs, self._scores = self._scores, []
+    rows = [row for job_rows, _ in jobs for row in job_rows]
+    try:
+      scores = self.scorer(self.params, rows)
+    except Exception:  # noqa: BLE001
+      eid = f"err_{secrets.token_hex(6)}"
+      logging.exception("scoring failed (%s)", eid)
+      scores, error = None, RuntimeError(eid)
+    with self._lock:
+      self.pending -= len(rows)
+    start = 0
+    for job_rows, future in jobs:
+      if scores is None:
+        future.set_exception(error)
+      else:
+        future.set_result(scores[start:start + len(job_rows)])
+      start += len(job_rows)
 
   def _end(self, rid: int, g: int, ended: Ended | None, error: str | None = None) -> None:
     req = self.requests.get(rid)
