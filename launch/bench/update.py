@@ -1,19 +1,22 @@
 """`bench update`: one rollout step's update on long-tailed rows, padded (micro-batches cut to length
 buckets, `train.packing=False`) and packed (`train.packing=True`), side by side on the very same batch:
 the update's median time (all micro-batches, forward + backward + AdamW; runs interleaved A B A B),
-the positions each layout computes, and XLA's own FLOP count of each against the real tokens' FLOPs."""
+the positions each layout computes, and XLA's own FLOP count of each against the real tokens' FLOPs
+(on the model cut to one layer: XLA's cost analysis counts a scanned loop's body once)."""
 from . import e2e, shared
 
 
 def bench(cfg, peak):
   """--num_prompts x --group rows: prompts of --prompt_len/4 to --prompt_len tokens, completions of up to
   --new_tokens tokens, log-normal with mean --mean_length (default --new_tokens / 4), one mini-batch."""
+  import dataclasses
   import time
 
   import jax
   import numpy as np
 
   from dapo_jax import objectives, optim, sharding, train_step
+  from dapo_jax.model import transformer as model_lib
   mc, params = shared.load_model(cfg)
   Q, G, P, C = shared.NUM_PROMPTS.value, shared.GROUP.value, shared.PROMPT_LEN.value, shared.NEW_TOKENS.value
   batch = long_tail_batch(mc.vocab_size, Q, G, P, C, e2e.MEAN_LENGTH.value or max(C // 4, 1))
@@ -44,15 +47,18 @@ def bench(cfg, peak):
       jax.block_until_ready(update(parts))
       times[name].append(time.perf_counter() - t0)
   real = real_tokens(batch)
-  per_row = np.asarray(batch.mask_BT[:, :-1]).sum(1)
-  real_flops = 3 * (2 * shared.matmul_params(mc) * real + shared.attention_flops(mc, 1, 1) * float(
-      (per_row.astype(np.float64) ** 2).sum() / 2))
+  per_row = np.asarray(batch.mask_BT[:, :-1]).sum(1).astype(np.float64)
+  one = dataclasses.replace(mc, num_layers=1, local_layers=(), logits_chunk=0)  # No loop for the count to miss.
+  one_params = jax.eval_shape(lambda: model_lib.init_params(one, jax.random.key(0)))
+  one_objective = objectives.policy_gradient(one, pg)
+  # Matmuls, and attention's QK^T and AV over each row's causal pairs, forward and backward.
+  real_flops = 3 * (2 * shared.matmul_params(one) * real + shared.attention_flops(one, 1, 1) * (per_row ** 2).sum() / 2)
   out = {"bench": "update", "rows": Q * G, "prompt_len": P, "new_tokens": C,
          "microbatch_tokens": trainer.microbatch_tokens,
          "mean_length": float(np.asarray(batch.mask_BT[:, P:]).sum(1).mean()), "real_tokens": real,
-         "real_update_flops": real_flops}
+         "real_update_flops_one_layer": real_flops}
   for name, parts in layouts.items():
-    flops = sum(update_flops(trainer, state["s"].params, parts, p) for p in parts)
+    flops = sum(update_flops(one_objective, one_params, parts, p) for p in parts)
     out[name] = {"update_s": float(np.median(times[name])), "runs_s": times[name], "microbatches": len(parts),
                  "shapes": sorted({shape(p) for p in parts}), "positions": sum(positions(p) for p in parts),
                  "xla_update_flops": flops, "xla_flops_over_real": flops / real_flops}
@@ -95,10 +101,9 @@ def shape(mb) -> tuple:
   return tuple(mb.packed.tokens_MT.shape) + (mb.loss_mask_BC.shape[0],) if mb.packed is not None else mb.tokens_BT.shape
 
 
-def update_flops(trainer, params, parts, mb) -> float:
+def update_flops(obj, params, parts, mb) -> float:
   """XLA's FLOP count (cost analysis of the compiled program) of one micro-batch's loss and gradient."""
   import jax
-  obj = trainer.objective
   counts = jax.tree.map(lambda *c: sum(c), *[obj.counts(p) for p in parts])
   lowered = jax.jit(jax.value_and_grad(obj.loss, has_aux=True)).lower(params, mb, counts)
   cost = lowered.compile().cost_analysis()
