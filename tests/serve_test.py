@@ -519,6 +519,8 @@ def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
   want = tok(tokenizer_lib.render(tok, [dict(m) for m in trained], True), add_special_tokens=False)["input_ids"]
   assert ids == want
   assert server.policy.chat_prompt(body(question))[0] == chat_ids(tok, "What is 38+46?")  # as sent (the default)
+  # A client that sends the training prompt's messages itself gets, as sent, the training rows' tokens.
+  assert server.policy.chat_prompt(body([dict(m) for m in trained]))[0] == want
   longer = question + [{"role": "assistant", "content": "84"}, {"role": "user", "content": "And 1+2?"}]
   assert as_trained.chat_prompt(body(longer))[0] == server.policy.chat_prompt(body(longer))[0]
   tools = [{"type": "function", "function": {"name": "calc", "description": "A calculator.",
