@@ -216,6 +216,24 @@ def test_logprobs_n_gives_the_sampled_tokens_top_alternatives(client, policy):
     assert value == max(top.values()) and len(top) <= 4   # greedy: the sampled token is the likeliest
 
 
+def test_chat_top_logprobs_are_the_models_likeliest_tokens(client, policy):
+  cfg, params, tok, eos, _ = policy
+  q, answer, _ = ANSWERS[1]
+  ids = chat_ids(tok, q)
+  r = ask(client, q, max_tokens=16, logprobs=True, top_logprobs=3)
+  assert r.choices[0].message.content == answer
+  content = r.choices[0].logprobs.content
+  tokens = tok(answer, add_special_tokens=False)["input_ids"]
+  assert [c.token for c in content] == [tok.decode([t]) for t in tokens]
+  ref = model_logp(cfg, params, ids + tokens)
+  for k, (c, t) in enumerate(zip(content, tokens)):
+    dist = ref[len(ids) - 1 + k]
+    np.testing.assert_allclose(c.logprob, dist[t], atol=2e-4)
+    assert [a.token for a in c.top_logprobs] == [tok.decode([int(i)]) for i in np.argsort(-dist)[:3]]
+    np.testing.assert_allclose([a.logprob for a in c.top_logprobs], np.sort(dist)[::-1][:3], atol=2e-4)
+    assert c.top_logprobs[0].logprob == c.logprob  # greedy: the answer's token is the likeliest
+
+
 def test_sampled_logprobs_are_the_temperature_scaled_ones(client, policy):
   cfg, params, tok, _, _ = policy
   q = "What is 1 + 1?"
@@ -278,7 +296,9 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_is_served(serv
            ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
            ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
            ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-           ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens")]
+           ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                     "top_logprobs": 2, "stream": True}, 400, "top_logprobs")]
   for path, body, status, field in cases:
     r = post(path, body)
     assert r.status_code == status, (body, r.text)

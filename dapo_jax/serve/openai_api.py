@@ -4,8 +4,8 @@ Semantics follow OpenAI's and vLLM's where we can honour them, and a request tha
 else gets a 400 naming the field (penalties, streamed echo or alternatives). A completion's `echo` and
 `logprobs=N` (up to 20 alternatives) are vLLM's: the prompt's tokens scored too (the first null),
 `max_tokens=0` scoring without sampling (what log-likelihood evaluations send), each value the model's
-own distribution at temperature 1 (`scoring`). `logprobs=0` alone, and chat log-probs, are those the
-sampler drew from: the temperature-scaled distribution, before top-p, the quantity a trainer
+own distribution at temperature 1 (`scoring`), as are chat's `top_logprobs`. `logprobs=0` alone, and
+chat's `logprobs` alone, are those the sampler drew from: the temperature-scaled distribution, before top-p, the quantity a trainer
 recomputes. Chat prompts are rendered with the model's chat template, tools with the template's own
 tool support (`envs.tool_formats`), and an answer's tool calls are parsed in the template's format
 into `tool_calls`. A streamed answer with tools is sent whole at its end (its calls can only be
@@ -453,24 +453,42 @@ class OpenAIPolicy:
     return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                         for t, lp in s.token_logprobs()]}
 
+  def _chat_scored_logprobs(self, s: SampleText, prompt_len: int, scores: scoring.Scores, top: int) -> dict:
+    """`top_logprobs` > 0: each answer token's log-prob and its position's `top` likeliest, from a
+    teacher-forced pass (`scoring`: the model's own distribution, as completions' `logprobs=N`)."""
+    value = lambda x: max(float(x), -9999.0)
+    entry = lambda t, lp: {"token": t, "logprob": value(lp), "bytes": list(t.encode())}
+    content = []
+    for k, (t, _) in enumerate(s.token_logprobs()):
+      j = prompt_len + k
+      alternatives = [entry(self.tok.decode([int(i)], skip_special_tokens=False), lp)
+                      for lp, i in zip(scores.top_logp[j][:top], scores.top_ids[j][:top])]
+      content.append(dict(entry(t, scores.logp[j]), top_logprobs=alternatives))
+    return {"content": content}
+
   async def chat(self, body: ChatBody):
     max_tokens = self._check(body, body.max_completion_tokens or body.max_tokens)
-    if body.top_logprobs:
-      raise APIError(400, "top_logprobs: top alternatives are not returned (0 only); logprobs=true gives the "
+    if body.top_logprobs and body.stream:
+      raise APIError(400, "top_logprobs: alternatives are not streamed (0 only); logprobs=true gives the "
                      "sampled tokens' log-probs", param="top_logprobs")
     stops = _stops(body.stop)
     ids, tools = await asyncio.to_thread(self.chat_prompt, body)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": self.model_name, "system_fingerprint": None}
 
-    def choice(i, s: SampleText) -> dict:
+    def choice(i, s: SampleText, scores=None) -> dict:
       message, finish = self._message(s, tools)
-      return {"index": i, "message": message, "finish_reason": finish,
-              "logprobs": self._chat_logprobs(s) if body.logprobs else None}
+      if scores is not None:
+        logprobs = self._chat_scored_logprobs(s, len(ids), scores[i], body.top_logprobs)
+      else:
+        logprobs = self._chat_logprobs(s) if body.logprobs else None
+      return {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
     if not body.stream:
       samples = await self._gather([ids], body, max_tokens, stops, _nothing)
-      choices = await _text_work(_tokens(samples), lambda: [choice(i, s) for i, s in enumerate(samples)])
+      scored = body.logprobs and body.top_logprobs
+      scores = await self._scores([ids + s.answer_tokens() for s in samples]) if scored else None
+      choices = await _text_work(_tokens(samples), lambda: [choice(i, s, scores) for i, s in enumerate(samples)])
       return {**head, "object": "chat.completion", "choices": choices, "usage": self._usage([ids], samples)}
 
     head = {**head, "object": "chat.completion.chunk"}
