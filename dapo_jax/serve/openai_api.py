@@ -5,11 +5,11 @@ else gets a 400 naming the field (penalties, streamed echo or alternatives). A c
 `logprobs=N` (up to 20 alternatives) are vLLM's: the prompt's tokens scored too (the first null),
 `max_tokens=0` scoring without sampling (what log-likelihood evaluations send), each value the model's
 own distribution at temperature 1 (`scoring`), as are chat's `top_logprobs`. `logprobs=0` alone, and
-chat's `logprobs` alone, are those the sampler drew from: the temperature-scaled distribution, before top-p, the quantity a trainer
-recomputes. Chat prompts are rendered with the model's chat template, tools with the template's own
-tool support (`envs.tool_formats`), and an answer's tool calls are parsed in the template's format
-into `tool_calls`. A streamed answer with tools is sent whole at its end (its calls can only be
-parsed then).
+chat's `logprobs` alone, are those the sampler drew from: the temperature-scaled distribution,
+before top-p, the quantity a trainer recomputes. Chat prompts are rendered with the model's chat
+template, tools with the template's own tool support (`envs.tool_formats`), and an answer's tool calls
+are parsed in the template's format into `tool_calls`. A streamed answer with tools is sent whole at
+its end (its calls can only be parsed then).
 
 A request is admitted whole or not at all (its prompts x n against the queue), and any failure
 cancels all its samples. Text work that grows with a request (checking, rendering and tokenising
