@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 
 import jax
 
@@ -66,7 +68,17 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
       tools = _corpus_tools(cfg, corpus_examples[0])
       texts += [tokenizer_lib.render_template(template, ex.messages, tools=tools) + answer(ex)
                 + f"\n<tool_response>\n{ex.ground_truth}\n</tool_response>" for ex in corpus_examples[:2000]]
-    tokenizer_lib.train_bpe(path, texts, vocab_size=cfg.tokenizer.vocab_size, chat_template=template)
+    # Trained aside, then renamed into place: another process of the run that finds the directory finds
+    # it whole (each trains the same tokenizer; the first rename wins).
+    os.makedirs(workdir, exist_ok=True)
+    aside = tempfile.mkdtemp(prefix=".tokenizer-", dir=workdir)
+    tokenizer_lib.train_bpe(aside, texts, vocab_size=cfg.tokenizer.vocab_size, chat_template=template)
+    try:
+      os.rename(aside, path)
+    except OSError:
+      shutil.rmtree(aside, ignore_errors=True)
+      if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        raise
     logging.info("trained a %d-token BPE tokenizer into %s", cfg.tokenizer.vocab_size, path)
   return tokenizer_lib.load(path)
 
