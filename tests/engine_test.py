@@ -245,16 +245,20 @@ def test_eval_of_the_aime_file_samples_its_960_rows_once(tiny_tokenizer_dir):
   assert set(m) == {"val/acc/mean@32", "val/acc/best@32", "val/acc/maj@32"}
 
 
-def test_updated_params_take_over_the_samples_in_flight_and_each_token_keeps_its_samplers_logprob():
+@pytest.mark.parametrize("layout", [dict(), dict(kv_layout="paged", page_size=2, kv_pages=13),
+                                    dict(kv_layout="paged", page_size=2, kv_pages=13, paged_attention="ragged")],
+                         ids=["dense", "paged", "paged_ragged"])
+def test_updated_params_take_over_the_samples_in_flight_and_each_token_keeps_its_samplers_logprob(layout):
   """Partial rollouts: after a round, `update_params(B)`; the samples in flight draw their remaining
   tokens with B (their cache kept), the queued ones start with B. B differs from A in the final norm
   alone, so the KV cache is the same under both and each token's recorded log-prob can be checked
-  against a teacher-forced forward: A's before the sample's switch, B's from it on."""
+  against a teacher-forced forward: A's before the sample's switch, B's from it on. Paged, on a pool of
+  about two samples: those pre-empted after the switch are drawn again by B alone (switch 0)."""
   tokens, mask = prompts()
   G, C, T = 4, 10, 1.0
   B = dict(PARAMS, final_norm={"scale_D": PARAMS["final_norm"]["scale_D"] * 1.7})
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=T, eos_ids=(5, 9), pad_id=0)
-  session = engine.Engine(CFG, sc, slots=3, prompt_len=7).session(PARAMS, jax.random.key(3))
+  session = engine.Engine(CFG, sc, slots=3, prompt_len=7, **layout).session(PARAMS, jax.random.key(3))
   session.add(list(range(5)), tokens, mask, G)
   session.close()
   finished = session.step(round_steps=3)
@@ -262,6 +266,8 @@ def test_updated_params_take_over_the_samples_in_flight_and_each_token_keeps_its
   while session.busy:
     finished += session.step()
   assert len(finished) == 5 * G
+  if layout:
+    assert session.stats()["preempted"] > 0 and session.stats()["kv_pages_used"] == 0
   switch = np.array([f.switch_at for f in finished])
   length = np.array([f.length for f in finished])
   assert ((0 < switch) & (switch < length)).any() and (switch == 0).sum() >= 5 * G - 3  # Mid-sample and queued.

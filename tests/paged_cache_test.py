@@ -72,21 +72,54 @@ def test_paged_read_and_write_are_the_dense_caches():
   assert sorted(np.flatnonzero(changed)) == sorted([table_BM[0, 6 // p], table_BM[1, 13 // p]])
 
 
+@pytest.mark.parametrize("G,chunk_pages,softcap", [(1, 1, 0.0), (1, 3, 5.0), (2, 2, 0.0), (2, 64, 5.0)])
+def test_the_ragged_read_attends_as_the_gathered_rows_do(G, chunk_pages, softcap):
+  """`paged.attend` (each row's pages that hold a marked position, a chunk of them at a time, an online
+  softmax) against `layers.attention` over `read`'s dense rows: rows of one page, of many, with holes
+  (a sliding window's mask), starting past a page's first position, across G shards of the pool; a row
+  not live reads nothing (zeros) whatever its table names."""
+  rng = np.random.default_rng(3)
+  B, K, R, H, p, N, T = 6, 2, 3, 8, 4, 40, 37
+  M = paged.pages_per_row(T, p)
+  k_NKHp = jnp.asarray(rng.normal(size=(N, K, H, p)).astype(np.float32))
+  v_NKpH = jnp.asarray(rng.normal(size=(N, K, p, H)).astype(np.float32))
+  table_BM = jnp.asarray(rng.integers(1, N // G, size=(B, M)).astype(np.int32))  # Ids within each shard's pool.
+  mask_BT = np.zeros((B, T), bool)
+  for b, (lo, hi) in enumerate([(3, 20), (10, 11), (0, 37), (5, 9), (13, 30), (2, 36)]):
+    mask_BT[b, lo:hi] = True
+  mask_BT[5, 8:25] = False  # A window's hole.
+  live_B = np.array([True, True, True, False, True, True])
+  q_BKRH = jnp.asarray(rng.normal(size=(B, K, R, H)).astype(np.float32))
+  k_BKHT, v_BKTH = paged.read(k_NKHp, v_NKpH, table_BM, T, G)
+  want = layers.attention(q_BKRH[:, :, :, None], k_BKHT, v_BKTH, jnp.asarray(mask_BT)[:, None], k_layout="BKHS",
+                          softcap=softcap)[:, :, :, 0]
+  got = paged.attend(q_BKRH, k_NKHp, v_NKpH, table_BM, jnp.asarray(mask_BT), jnp.asarray(live_B), chunk_pages, G,
+                     softcap=softcap)
+  np.testing.assert_allclose(got[live_B], want[live_B], rtol=0, atol=1e-6)
+  np.testing.assert_array_equal(got[~live_B], 0.0)
+
+
 def generate(tokens, mask, G, stop_at_B, slots=4, C=40, key=0, **kw):
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(5, 9))
   return engine.Engine(CFG, sc, slots=slots, prompt_len=P, **kw).generate(PARAMS, tokens, mask, G,
                                                                           jax.random.key(key), stop_at_B)
 
 
-@pytest.mark.parametrize("page_size,shared_prefix,compact", [(4, 0, 64), (7, 0, 64), (4, 8, 64), (4, 0, 1)],
-                         ids=["partial_last_page", "whole_pages", "shared_prefix", "compacting"])
-def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, compact,
+@pytest.mark.parametrize("page_size,shared_prefix,compact,read", [
+    (4, 0, 64, "gather"), (7, 0, 64, "gather"), (4, 8, 64, "gather"), (4, 0, 1, "gather"),
+    (4, 0, 64, "ragged"), (7, 8, 1, "ragged")],
+    ids=["partial_last_page", "whole_pages", "shared_prefix", "compacting", "ragged", "ragged_shared_compacting"])
+def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, compact, read,
                                                                       monkeypatch):
   """Prompts of 3 to 21 tokens, 3 samples each through 4 slots (refilled as samples end), ending at
   different steps (EOS drawn or forced, or the budget), crossing pages: the paged engine's tokens and
   fp32 log-probs are the dense engine's, and every page is free again at the end. With a shared
   prefix the prompts' common start is prefilled once, laid out [prefix | left-padded suffix];
-  compacting, the tail's samples move into smaller widths with their pages."""
+  compacting, the tail's samples move into smaller widths with their pages.
+  Bit for bit where both engines decode each token at the same width. Compacting, a paged round runs
+  its page's tokens before the rows move (the dense one moves them as soon as they fit), and each width
+  is its own program: the log-probs agree to rounding. So do the ragged read's, whose softmax is summed
+  page by page."""
   tokens, mask = prompts((21, 9, 10, 16, 17) if shared_prefix else (21, 3, 9, 16, 17), prefix=shared_prefix)
   shared_prefills = []
   prefill_shared = slots_lib.prefill_shared
@@ -96,36 +129,45 @@ def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size,
   stop_at_B[[3, 7, 10]] = 41  # Never forced: these run to the budget unless they draw EOS.
   dense, dense_stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix, min_compact_steps=compact)
   out, stats = generate(tokens, mask, G, stop_at_B, shared_prefix=shared_prefix, kv_layout="paged",
-                        page_size=page_size, min_compact_steps=compact)
+                        page_size=page_size, min_compact_steps=compact, paged_attention=read)
   assert dense.length_B.min() < 5 and dense.length_B.max() == 40 and dense.truncated_B.any()
   np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
-  np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
+  if read == "gather" and compact > 1:
+    np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
+  else:
+    np.testing.assert_allclose(out.logp_BC, dense.logp_BC, rtol=0, atol=2e-6)
   np.testing.assert_array_equal(out.length_B, dense.length_B)
   assert stats["samples"] == dense_stats["samples"] == 15 and stats["kv_pages_used"] == 0
   assert stats["prompt_pages_shared"] > 0 and bool(shared_prefills) == bool(shared_prefix)
   assert stats["resizes"] == dense_stats["resizes"] and (stats["resizes"] > 0) == (compact == 1)
 
 
-def test_the_paged_engine_splits_its_slots_and_pool_over_batch_shards():
+@pytest.mark.parametrize("read", ["gather", "ragged"])
+def test_the_paged_engine_splits_its_slots_and_pool_over_batch_shards(read):
   """On a (data=1, fsdp=4) rollout mesh each shard's 2 slots take pages of its own pool only (page ids
   within it): the dense engine's tokens and fp32 log-probs on the same mesh bit for bit, every shard's
   pages used and all free again at the end; a compiled round reads and writes its own device's pages
-  (no collective moves the pool)."""
+  (no collective moves the pool). The ragged read lists each shard's pages on its own device: the same
+  tokens, the log-probs to rounding, and no page moves either."""
   mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 1}, jax.devices()[:4])
   tokens, mask = prompts()
   G = 3
   stop_at_B = np.random.default_rng(1).integers(2, 40, size=len(tokens) * G)
   dense, _ = generate(tokens, mask, G, stop_at_B, slots=8, mesh=mesh)
-  out, stats = generate(tokens, mask, G, stop_at_B, slots=8, mesh=mesh, kv_layout="paged", page_size=4)
+  out, stats = generate(tokens, mask, G, stop_at_B, slots=8, mesh=mesh, kv_layout="paged", page_size=4,
+                        paged_attention=read)
   np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
-  np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
+  if read == "gather":
+    np.testing.assert_array_equal(out.logp_BC, dense.logp_BC)
+  else:
+    np.testing.assert_allclose(out.logp_BC, dense.logp_BC, rtol=0, atol=2e-6)
   M = -(-(P + 40) // 4)
   assert stats["kv_shards"] == 4 and stats["kv_pages"] == 2 * (P + 40) // 4 and stats["kv_pages_used"] == 0
   assert all(0 < peak <= 2 * M for peak in stats["kv_pages_peak_shards"]), stats
   # The compiled round's collectives carry a few numbers per slot (flags, scatter indices), never a page.
   sc = sampling.SamplerConfig(max_new_tokens=40, temperature=1.0, eos_ids=(5, 9))
-  session = engine.Engine(CFG, sc, slots=8, prompt_len=P, mesh=mesh, kv_layout="paged", page_size=4).session(
-      PARAMS, jax.random.key(0))
+  session = engine.Engine(CFG, sc, slots=8, prompt_len=P, mesh=mesh, kv_layout="paged", page_size=4,
+                          paged_attention=read).session(PARAMS, jax.random.key(0))
   hlo = slots_lib.decode_round.lower(CFG, sc, session.dparams, session.state, jnp.int32(1), jnp.int32(4)).compile()
   moved = [math.prod(int(d) for d in dims.split(",") if d) for line in hlo.as_text().splitlines()
            for found in [re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)",
@@ -201,24 +243,41 @@ def test_settings_pass_the_layout_through_and_refuse_what_it_does_not_run():
       ("rollout.kv_layout", "blocked", "rollout.kv_layout='blocked': expected 'dense' or 'paged'"),
       ("rollout.page_size", 0, "rollout.page_size=0: expected >= 1 (tokens per page)"),
       ("rollout.kv_pages", 3, "rollout.kv_pages=3: expected 0 (the dense layout's bytes) or >= 4"),
+      ("rollout.kv_memory_mb", -1.0, "rollout.kv_memory_mb=-1.0: expected >= 0"),
+      ("rollout.paged_attention", "pallas", "rollout.paged_attention='pallas': expected 'gather' or 'ragged'"),
       ("rollout.engine", "static", "rollout.kv_layout='paged': expected 'dense' with rollout.engine='static'"),
       ("rollout.env", "dapo_jax.envs.games:GuessNumber", "rollout.kv_layout='paged': expected 'dense' with "
-       "rollout.env set"),
-      ("rollout.partial_rollouts", True, "rollout.kv_layout='paged': expected 'dense' with "
-       "rollout.partial_rollouts=True")]:
+       "rollout.env set")]:
     c = base()
     group, key = field.split(".")
     c[group][key] = value
     with pytest.raises(builders.ConfigError) as e:
       builders.validate(c, num_devices=1)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+  c = base()
+  c.rollout.kv_pages, c.rollout.kv_memory_mb = 100, 1.0
+  with pytest.raises(builders.ConfigError, match=r"^rollout.kv_memory_mb=1.0: expected 0 with rollout.kv_pages set"):
+    builders.validate(c, num_devices=1)
   builders.validate(base(), num_devices=8)  # The pool splits over the batch shards.
   sc = sampling.SamplerConfig(max_new_tokens=8)
   with pytest.raises(ValueError, match="episodes"):
     engine.Engine(CFG, sc, slots=2, prompt_len=P, kv_layout="paged").session(PARAMS, jax.random.key(0), episodes=1)
-  with pytest.raises(ValueError, match="partial rollouts"):
-    engine.Engine(CFG, sc, slots=2, prompt_len=P, kv_layout="paged").session(PARAMS, jax.random.key(0)).update_params(
-        PARAMS)
+
+
+def test_a_memory_budget_sizes_the_pool():
+  """`kv_memory_mb` MiB of keys and values: 2 (keys, values) x layers x KV heads x head dim x page x 4
+  bytes (fp32) a page, by hand; a budget below one sample's pages is refused naming it."""
+  sc = sampling.SamplerConfig(max_new_tokens=40)
+  page_bytes = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 4 * 4
+  e = engine.Engine(CFG, sc, slots=4, prompt_len=P, kv_layout="paged", page_size=4, kv_memory_mb=0.25)
+  assert e.kv_pages == 2**18 // page_bytes
+  half = engine.Engine(CFG, sc, slots=4, prompt_len=P, kv_layout="paged", page_size=4, kv_memory_mb=0.25,
+                       kv_cache_dtype="bfloat16")
+  assert half.kv_pages == 2 * e.kv_pages
+  tiny = 10 * page_bytes / 2**20
+  with pytest.raises(builders.ConfigError, match=rf"^rollout.kv_memory_mb={tiny} holds 10 pages: expected more "
+                                                 r"than the 16 pages of one sample of 21 \+ 40 tokens"):
+    engine.Engine(CFG, sc, slots=4, prompt_len=P, kv_layout="paged", page_size=4, kv_memory_mb=tiny)
 
 
 def test_train_resolves_a_paged_config_and_refuses_an_unsupported_one_in_one_line():

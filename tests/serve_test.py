@@ -278,6 +278,18 @@ def test_stop_strings_cut_the_answer(client):
   assert "".join(ch.choices[0].delta.content or "" for ch in s) == r.message.content
 
 
+def test_usage_counts_the_tokens_up_to_the_one_completing_a_stop_string(client):
+  """vLLM's count: the tokens through the one whose text completes the stop string, none drawn after it
+  (the greedy answer's own tokens, from its log-probs, give the hand count)."""
+  full = ask(client, "Say hello.", max_tokens=32, logprobs=True)
+  pieces = [t.token for t in full.choices[0].logprobs.content]
+  text = "".join(pieces)
+  for stop in (text[5:8], text[len(text) // 2:len(text) // 2 + 2]):
+    want = next(k for k in range(1, len(pieces) + 1) if stop in "".join(pieces[:k]))
+    r = ask(client, "Say hello.", max_tokens=32, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == want < full.usage.completion_tokens
+
+
 def test_sixteen_concurrent_clients_are_all_answered(client):
   questions = [ANSWERS[i % 3] for i in range(24)]
   with concurrent.futures.ThreadPoolExecutor(16) as pool:

@@ -19,14 +19,21 @@ Layout (one pool per layer, like the dense cache's rows, so a decode step writes
 A page is then a contiguous block of a dense row: gathering a row's pages in table order and
 joining their position axes gives its dense cache exactly ([B, K, H, T] and [B, K, T, H]), which the
 attention core reads unchanged, so paged and dense decoding compute the very same numbers. This
-gather (`read`) is the reference path, runnable on every backend; a kernel that reads the pages in
-place (the peers' paged attention) contracts the same axes.
+gather (`read`) is the reference path, runnable on every backend.
+
+`attend` reads the pages in place instead, ragged (as the peers' paged-attention kernels do): only
+the pages that hold a row's tokens, a chunk of (row, page) pairs at a time, each page's scores joining
+its row's online softmax. Its cost follows the tokens the rows hold, not B x (P + C) positions, and
+it never holds more than a chunk of pages' keys; it equals the gathered read to rounding (the softmax
+is summed page by page), so the gather stays the bit-exact reference.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from dapo_jax.model import layers
 
 NULL_PAGE = 0  # Never written: the page of positions a row holds no token at.
 
@@ -38,6 +45,7 @@ class PagedCache:
   table_BM: jax.Array  # int32 page of each logical page, an id within the row's shard's pool
   mask_BS: jax.Array   # [B, T] bool
   shards: int = struct.field(pytree_node=False, default=1)  # G: rows and pool pages split alike
+  chunk_pages: int = struct.field(pytree_node=False, default=0)  # `attend`'s pages per chunk; 0 = `read`
 
   @property
   def size(self) -> int:
@@ -60,14 +68,14 @@ def pages_per_row(T: int, page_size: int) -> int:
 
 
 def empty(num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int, page_size: int, B: int, T: int,
-          dtype, shards: int = 1) -> PagedCache:
+          dtype, shards: int = 1, chunk_pages: int = 0) -> PagedCache:
   """A pool of `num_pages` zeroed pages per shard (each shard's page 0 its null page) and B rows of T
-  positions holding none."""
+  positions holding none; decoding reads it by `attend`, `chunk_pages` pages at a time (0: by `read`)."""
   K, H, p, N = num_kv_heads, head_dim, page_size, shards * num_pages
   return PagedCache(k=[jnp.zeros((N, K, H, p), dtype) for _ in range(num_layers)],
                     v=[jnp.zeros((N, K, p, H), dtype) for _ in range(num_layers)],
                     table_BM=jnp.full((B, pages_per_row(T, p)), NULL_PAGE, jnp.int32),
-                    mask_BS=jnp.zeros((B, T), bool), shards=shards)
+                    mask_BS=jnp.zeros((B, T), bool), shards=shards, chunk_pages=chunk_pages)
 
 
 def by_shard(x_N: jax.Array, G: int) -> jax.Array:
@@ -75,17 +83,77 @@ def by_shard(x_N: jax.Array, G: int) -> jax.Array:
   return x_N.reshape(G, x_N.shape[0] // G, *x_N.shape[1:])
 
 
+def _gather(pool_N: jax.Array, table_BM: jax.Array, G: int) -> jax.Array:
+  """pool_N[table_BM] [B, M, ...], each of the G shards' rows from its own block of the pool."""
+  B, M = table_BM.shape
+  gathered = jax.vmap(lambda pool_n, table_bM: pool_n[table_bM])(by_shard(pool_N, G), by_shard(table_BM, G))
+  return gathered.reshape(B, M, *pool_N.shape[1:])
+
+
 def read(k_NKHp: jax.Array, v_NKpH: jax.Array, table_BM: jax.Array, T: int, G: int = 1) -> tuple[jax.Array, jax.Array]:
   """One layer's dense view of every row, gathered through the table: keys [B, K, H, T], values [B, K, T, H].
   Each of the G shards' rows gathers from its own pool (the pages [g N/G, (g + 1) N/G))."""
   B, M = table_BM.shape
   _, K, H, p = k_NKHp.shape
-  gather = jax.vmap(lambda pool_n, table_bM: pool_n[table_bM])
-  k_BMKHp = gather(by_shard(k_NKHp, G), by_shard(table_BM, G)).reshape(B, M, K, H, p)
-  v_BMKpH = gather(by_shard(v_NKpH, G), by_shard(table_BM, G)).reshape(B, M, K, p, H)
+  k_BMKHp, v_BMKpH = _gather(k_NKHp, table_BM, G), _gather(v_NKpH, table_BM, G)
   k_BKHMp = k_BMKHp.transpose(0, 2, 3, 1, 4)
   v_BKMpH = v_BMKpH.transpose(0, 2, 1, 3, 4)
   return k_BKHMp.reshape(B, K, H, M * p)[..., :T], v_BKMpH.reshape(B, K, M * p, H)[:, :, :T]
+
+
+def attend(q_BKRH: jax.Array, k_NKHp: jax.Array, v_NKpH: jax.Array, table_BM: jax.Array, mask_BT: jax.Array,
+           live_B: jax.Array, chunk_pages: int, G: int = 1, scale: float | None = None,
+           softcap: float = 0.0) -> jax.Array:
+  """One query per head of each row against the positions its mask marks, the pages read in place:
+  [B, K, R, H]. Rows not `live_B` (ended: their pages may be another's by now) read nothing.
+
+  Ragged, as the peers' paged-attention kernels are: the (row, page) pairs whose page holds a marked
+  position are listed, and a loop takes them `chunk_pages` at a time, as many chunks as there are
+  such pages (the work follows the tokens the rows hold, not B x M). Each page's scores (scaled by
+  `scale`, default H**-0.5, soft-capped at `softcap`) join its row's online softmax in fp32:
+  `layers.attention` over the gathered rows (`read`), to rounding."""
+  B, M = table_BM.shape
+  _, K, H, p = k_NKHp.shape
+  R, T = q_BKRH.shape[2], mask_BT.shape[1]
+  scale = H ** -0.5 if scale is None else scale
+  low = jnp.finfo(jnp.float32).min  # A score no key has: exp(low - a real max) = 0, and no inf - inf.
+  mask_BMp = jnp.pad(mask_BT, ((0, 0), (0, M * p - T))).reshape(B, M, p) & live_B[:, None, None]
+
+  def shard(q_bKRH, k_nKHp, v_nKpH, table_bM, mask_bMp):
+    b = table_bM.shape[0]
+    live_X = mask_bMp.any(-1).reshape(b * M)  # X = b x M (row, page) pairs.
+    (item_X,) = jnp.nonzero(live_X, size=b * M, fill_value=b * M)
+    item_X = jnp.pad(item_X, (0, -(b * M) % chunk_pages), constant_values=b * M)
+    page_X = jnp.append(table_bM.reshape(b * M), NULL_PAGE)[item_X]
+    mask_Xp = jnp.append(mask_bMp.reshape(b * M, p), jnp.zeros((1, p), bool), axis=0)[item_X]
+    row_X = item_X // M  # b for no pair: dropped by the segment sums.
+
+    def step(c, carry):
+      max_bKR, sum_bKR, out_bKRH = carry
+      take = lambda x: jax.lax.dynamic_slice_in_dim(x, c * chunk_pages, chunk_pages)
+      page_c, row_c, mask_cp = take(page_X), take(row_X), take(mask_Xp)
+      q_cKRH = q_bKRH[jnp.minimum(row_c, b - 1)]
+      scores_cKRp = jnp.einsum("cKRH,cKHp->cKRp", q_cKRH, k_nKHp[page_c], preferred_element_type=jnp.float32)
+      live_c11p = mask_cp[:, None, None]
+      scores_cKRp = jnp.where(live_c11p, layers.soft_cap(scores_cKRp * scale, softcap), low)
+      max_cKR = scores_cKRp.max(-1)
+      new_max_bKR = jnp.maximum(max_bKR, jax.ops.segment_max(max_cKR, row_c, num_segments=b))
+      weight_cKR = jnp.exp(max_cKR - new_max_bKR[jnp.minimum(row_c, b - 1)])
+      probs_cKRp = jnp.where(live_c11p, jnp.exp(scores_cKRp - max_cKR[..., None]), 0.0)
+      out_cKRH = jnp.einsum("cKRp,cKpH->cKRH", probs_cKRp.astype(q_bKRH.dtype), v_nKpH[page_c],
+                            preferred_element_type=jnp.float32)
+      rescale_bKR = jnp.exp(max_bKR - new_max_bKR)
+      sum_bKR = sum_bKR * rescale_bKR + jax.ops.segment_sum(probs_cKRp.sum(-1) * weight_cKR, row_c, b)
+      out_bKRH = out_bKRH * rescale_bKR[..., None] + jax.ops.segment_sum(out_cKRH * weight_cKR[..., None], row_c, b)
+      return new_max_bKR, sum_bKR, out_bKRH
+
+    init = (jnp.full((b, K, R), low), jnp.zeros((b, K, R)), jnp.zeros((b, K, R, H)))
+    chunks = -(-live_X.sum() // chunk_pages)
+    _, sum_bKR, out_bKRH = jax.lax.fori_loop(0, chunks, step, init)
+    return out_bKRH / jnp.where(sum_bKR > 0, sum_bKR, 1.0)[..., None]
+
+  out_GbKRH = jax.vmap(shard)(*(by_shard(x, G) for x in (q_BKRH, k_NKHp, v_NKpH, table_BM, mask_BMp)))
+  return out_GbKRH.reshape(B, K, R, H).astype(q_BKRH.dtype)
 
 
 def update(k_NKHp: jax.Array, v_NKpH: jax.Array, table_BM: jax.Array, new_k_BKTH: jax.Array, new_v_BKTH: jax.Array,

@@ -563,11 +563,17 @@ def _attend_dense(cfg, k_BKHS, v_BKSH, cache, index, table, mask_B1S, q_BKRH, k_
 
 
 def _attend_paged(cfg, k_NKHp, v_NKpH, cache, index_B, table, mask_B1S, q_BKRH, k_BKH, v_BKH):
-  """`_attend_dense` through a paged cache: the new keys and values go to the rows' pages, whose dense view
-  is then gathered (`paged_cache.read`): the attention is the dense one's. Returns (o_BNH, (k_NKHp, v_NKpH))."""
+  """`_attend_dense` through a paged cache: the new keys and values go to the rows' pages, which are then
+  read by gathering their dense view (`paged_cache.read`: the dense attention's very numbers) or, with
+  `cache.chunk_pages`, in place, only those holding tokens (`paged_cache.attend`). Returns (o_BNH, (k_NKHp, v_NKpH))."""
   T = cache.size
   k_NKHp, v_NKpH = paged.update(k_NKHp, v_NKpH, cache.table_BM, layers_lib.rope(k_BKH[:, :, None], table),
                                 v_BKH[:, :, None], index_B, T, cache.shards)
+  if cache.chunk_pages:
+    kw = layers_lib.attn_kw(cfg)
+    o_BKRH = paged.attend(layers_lib.rope(q_BKRH, table), k_NKHp, v_NKpH, cache.table_BM, mask_B1S[:, 0],
+                          index_B < T, cache.chunk_pages, cache.shards, kw["scale"], kw["softcap"])
+    return o_BKRH.reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1]), (k_NKHp, v_NKpH)
   k_BKHS, v_BKSH = paged.read(k_NKHp, v_NKpH, cache.table_BM, T, cache.shards)
   return _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S), (k_NKHp, v_NKpH)
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dapo_jax import sharding
+from dapo_jax.errors import ConfigError
 from dapo_jax.model import paged_cache
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import sampling
@@ -42,7 +43,10 @@ from dapo_jax.rollout import slots as slots_lib
 from dapo_jax.rollout.session import Finished, Session, stack  # noqa: F401 (public here too)
 
 KV_LAYOUTS = ("dense", "paged")
+PAGED_READS = ("gather", "ragged")  # How decoding reads a paged cache (`paged_cache.read`, `paged_cache.attend`).
+CHUNK_PAGES = 128  # "ragged": the pages each step of its loop reads (docs/paged_cache.md measures it).
 ROUND_PAGES = 1  # A paged session's decode round draws at most this many pages' tokens (round_steps = 0).
+RESERVE_ROUNDS = 2  # Paged admission keeps free the pages its running samples need for this many rounds.
 
 
 def decode_widths(slots: int, shards: int = 1, thirds: bool = True) -> list[int]:
@@ -65,7 +69,7 @@ class Engine:
                prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
                min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0, round_steps: int = 0,
                kv_cache_dtype: str = "", shared_prefix: int = 0, kv_layout: str = "dense", page_size: int = 16,
-               kv_pages: int = 0):
+               kv_pages: int = 0, kv_memory_mb: float = 0.0, paged_attention: str = "gather"):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
@@ -86,13 +90,16 @@ class Engine:
     not for sliding-window models (a window counts cache indices, and the shared layout moves the
     padding between prefix and suffix).
     `kv_layout="paged"` keeps the cache in a pool of `kv_pages` pages of `page_size` positions per batch
-    shard (0 = the dense layout's bytes: the shard's slots x (prompt_len + max_new_tokens) positions),
+    shard (0 = the dense layout's bytes: the shard's slots x (prompt_len + max_new_tokens) positions; or
+    as many as `kv_memory_mb` MiB of keys and values hold),
     one of them the shard's null page (`paged_cache`); a sample holds pages of its slot's shard for the
     tokens it has, its prompt's whole pages shared with the other samples of its prefill there, and a
     decode round draws at most `round_steps` tokens (0 = `ROUND_PAGES` pages' worth), whose pages are
     allocated before it runs. Samples start while a shard's free pages hold their prompt and one round;
     where a shard's pool runs dry mid-decode its latest started samples are pre-empted and start over
-    later (`slot_pages`). Single-turn samples, fixed params."""
+    later (`slot_pages`). Decoding reads a slot's pages by `paged_attention`: "gather" (its dense view,
+    the dense engine's numbers bit for bit) or "ragged" (in place, only the pages holding tokens,
+    `CHUNK_PAGES` at a time: equal to rounding). Single-turn samples, fixed params."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -131,12 +138,28 @@ class Engine:
         raise ValueError(f"rollout.page_size={page_size}: expected a positive number of tokens per page")
       self.page_size = page_size
       self.pages_per_sample = paged_cache.pages_per_row(self.P + self.C, page_size)
+      if kv_pages and kv_memory_mb:
+        raise ValueError(f"rollout.kv_memory_mb={kv_memory_mb} with rollout.kv_pages={kv_pages}: set one of them")
+      if kv_memory_mb:
+        kv_pages = int(kv_memory_mb * 2**20 // self.page_bytes(model_cfg, page_size, self.kv_cache_dtype))
       # Pages of each shard's pool: a device's memory.
       self.kv_pages = kv_pages or max(slots // shards * (self.P + self.C) // page_size, self.pages_per_sample + 1)
       if self.kv_pages <= self.pages_per_sample:
-        raise ValueError(f"rollout.kv_pages={self.kv_pages}: expected more than the {self.pages_per_sample} "
-                         f"pages of one sample of {self.P} + {self.C} tokens (and the null page)")
+        field = (f"rollout.kv_memory_mb={kv_memory_mb} holds {self.kv_pages} pages" if kv_memory_mb else
+                 f"rollout.kv_pages={self.kv_pages}")
+        raise ConfigError(f"{field}: expected more than the {self.pages_per_sample} pages of one sample of "
+                          f"{self.P} + {self.C} tokens (and the null page)")
       self.round_tokens = round_steps or ROUND_PAGES * page_size
+      self.reserve_rounds = RESERVE_ROUNDS
+      if paged_attention not in PAGED_READS:
+        raise ValueError(f"rollout.paged_attention={paged_attention!r}: expected one of {PAGED_READS}")
+      self.chunk_pages = CHUNK_PAGES if paged_attention == "ragged" else 0
+
+  @staticmethod
+  def page_bytes(model_cfg: model_lib.ModelConfig, page_size: int, dtype) -> int:
+    """The bytes of one page of the pool: its keys and values in every layer."""
+    c = model_cfg
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * page_size * jnp.dtype(dtype).itemsize
 
   def width_for(self, rows: int) -> int:
     """The smallest decode width that holds `rows` busy rows."""
@@ -145,7 +168,7 @@ class Engine:
   def empty_state(self) -> slots_lib.SlotState:
     """Every slot free: the pool's arrays, on the mesh (rows over the data shards)."""
     state = slots_lib.empty(self.model_cfg, self.sampler_cfg, self.S, self.P + self.C, self.kv_cache_dtype,
-                            *((self.page_size, self.kv_pages, self.shards) if self.paged else ()))
+                            *((self.page_size, self.kv_pages, self.shards, self.chunk_pages) if self.paged else ()))
     return jax.device_put(state, self.row_sharding)
 
   # --- the host loop -------------------------------------------------------------------------

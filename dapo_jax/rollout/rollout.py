@@ -46,6 +46,8 @@ class RolloutConfig:
   kv_layout: str = "dense"             # continuous: "dense" (P + C positions per slot) or "paged" (a pool of pages)
   page_size: int = 16                  # paged: tokens per page
   kv_pages: int = 0                    # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
+  kv_memory_mb: float = 0.0            # paged: each batch shard's pool in MiB, instead of kv_pages (0 = off)
+  paged_attention: str = "gather"      # paged: "gather" (the dense view, bit-exact) or "ragged" (in place)
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
@@ -142,6 +144,8 @@ class Rollout:
                                           kv_cache_dtype=self.cfg.kv_cache_dtype,
                                           shared_prefix=self.cfg.shared_prefix, kv_layout=self.cfg.kv_layout,
                                           page_size=self.cfg.page_size, kv_pages=self.cfg.kv_pages,
+                                          kv_memory_mb=self.cfg.kv_memory_mb,
+                                          paged_attention=self.cfg.paged_attention,
                                           **self.engine_options)
     return self.engines[k]
 

@@ -168,9 +168,9 @@ class Session:
     The KV cache of the tokens drawn so far is kept: it was computed by the earlier params (as verl
     and slime accept; rebuilding it would cost a prefill of every row), and each token's recorded
     log-prob is that of the params that drew it. Each sample records where the new params took over
-    (`Finished.switch_at`). Call it between rounds, from the thread that steps the session."""
-    if self.pages is not None:
-      raise ValueError("rollout.kv_layout='paged' decodes with fixed params: partial rollouts need 'dense'")
+    (`Finished.switch_at`). Call it between rounds, from the thread that steps the session.
+    Paged, a prompt's shared pages stay those of the params that prefilled it, for the samples holding
+    them; its samples that start later prefill it again."""
     self.params = params
     self.dparams = slots_lib.decode_params(self.e.model_cfg, params)
     for s, w in enumerate(self.slot_work):
@@ -253,6 +253,10 @@ class Session:
     if self.pages:  # The pages of the tokens a round may draw are allocated before it.
       max_steps = min(max_steps, e.round_tokens)
       self._grow(max_steps)
+      if (self.queue or not self.closed) and not (round_steps or e.round_steps or self.episodes):
+        # A round is a page's tokens: freed slots and pages wait at most that long to be refilled, and
+        # ending it at the first sample to end would pay the host's work every step or two.
+        target = busy
       target = min(target, self.in_flight)  # Less any pre-empted.
     self.state, steps = slots_lib.decode_round(e.model_cfg, e.sampler_cfg, self.dparams, self.state,
                                       jnp.asarray(target, jnp.int32), jnp.asarray(max_steps, jnp.int32))
@@ -505,6 +509,8 @@ class Session:
       end_S[victims] = True
       self.state = slots_lib.end_rows(self.state, sharding.put(end_S, self.rep))
       for s in victims:  # The latest first: the earliest ends up at the head.
+        if self.slot_work[s].switch_at > 0:  # Drawn again from its prompt, by the params of now alone.
+          self.slot_work[s].switch_at = 0
         self.queue.appendleft(self.slot_work[s])
         self.slot_work[s] = None
         self.drawn[s] = 0

@@ -30,6 +30,7 @@ class SlotPages:
     self.covered = np.zeros(width, np.int32)
     self.started_at = np.zeros(width, np.int64)  # Start number of each slot's sample: pre-emption takes the latest.
     self.starts = 0
+    self.preempted_last = [False] * self.G  # Per shard: the last round's growth pre-empted a sample there.
     self.prompt_pages = 0         # Prompt pages written (one copy per prompt, prefill and shard).
     self.prompt_pages_shared = 0  # Prompt pages a sample took from another's copy instead of its own.
     self.preempted = 0            # Samples pre-empted (their pages freed, re-queued from their prompt).
@@ -73,14 +74,19 @@ class SlotPages:
 
   def admit(self, work, free: list[int], prefills, slot_work, drawn) -> tuple[list, list[int]]:
     """Places the longest start of `work` (queued samples, in order) in the `free` slots: each on a shard
-    with a free slot whose free pages, less those its running samples need for the next round, hold the
-    sample's own pages for one round and its prompt's pages not held on that shard yet. Of the shards
-    that fit, the one where it costs the fewest pages (its prompt's pages are there: its group gathers on
-    a shard), then the one with the most free pages. Returns (the samples started, their slots)."""
+    with a free slot whose free pages, less those its running samples need for the next
+    `engine.RESERVE_ROUNDS` rounds (a reserve for their growth), hold the sample's own pages for one
+    round and its prompt's pages not held on that shard yet; a shard that pre-empted a sample before
+    this round admits none while samples run there (what it freed would go to a newcomer, and the next
+    round pre-empt again). Of the shards that fit, the one where it costs the fewest pages (its prompt's
+    pages are there: its group gathers on a shard), then the one with the most free pages. Returns
+    (the samples started, their slots)."""
     rt = self.e.round_tokens
-    room = [pool.available - len(self._growth(slot_work, drawn, self._running(slot_work, g), rt))
+    reserve = self.e.reserve_rounds * rt
+    room = [pool.available - len(self._growth(slot_work, drawn, self._running(slot_work, g), reserve))
             for g, pool in enumerate(self.pools)]
-    free_of = [[s for s in free if self.shard(s) == g] for g in range(self.G)]
+    paused = [self.preempted_last[g] and bool(self._running(slot_work, g)) for g in range(self.G)]
+    free_of = [[] if paused[g] else [s for s in free if self.shard(s) == g] for g in range(self.G)]
     written: set[tuple[int, int]] = set()
     started, slots = [], []
     for w in work:
@@ -147,6 +153,7 @@ class SlotPages:
     pages that prefills hold for waiting samples there are let go. Returns (slot, logical page, page) of
     every page added, and the pre-empted slots, the latest started first (the caller re-queues them)."""
     added, victims = [], []
+    self.preempted_last = [False] * self.G
     for g, pool in enumerate(self.pools):
       running = self._running(slot_work, g)
       need = self._growth(slot_work, drawn, running, steps)
@@ -158,6 +165,7 @@ class SlotPages:
           self.recomputed_tokens += int(drawn[victim])
           self.release(victim)
           victims.append(victim)
+          self.preempted_last[g] = True
         elif not self.let_go_prompts(prefills, g):
           raise self.dry(len(need), g, len(running))
         need = self._growth(slot_work, drawn, running, steps)

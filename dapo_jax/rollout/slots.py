@@ -56,14 +56,15 @@ class SlotState:
 
 
 def empty(model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, S: int, T: int, kv_dtype,
-          page_size: int = 0, num_pages: int = 0, shards: int = 1) -> SlotState:
+          page_size: int = 0, num_pages: int = 0, shards: int = 1, chunk_pages: int = 0) -> SlotState:
   """S free slots of T = prompt + completion positions (on the default device; the engine places them);
   page_size > 0: their cache is a pool of `num_pages` pages of that many positions per batch shard
-  (`paged_cache`)."""
+  (`paged_cache`), read in place `chunk_pages` pages at a time (0: gathered whole)."""
   cfg, C = model_cfg, sampler_cfg.max_new_tokens
   dt = kv_dtype  # Writes into the cache cast to it (`kv_cache.update`, `write_row`).
   if page_size:
-    cache = paged.empty(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, page_size, S, T, dt, shards)
+    cache = paged.empty(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, page_size, S, T, dt, shards,
+                        chunk_pages)
   else:
     cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
                         v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],

@@ -289,7 +289,7 @@ class OpenAIPolicy:
   @staticmethod
   def _usage(prompts, samples) -> dict:
     p = sum(len(ids) for ids in prompts)  # Once per prompt, whatever n (OpenAI, vLLM).
-    c = sum(len(s.tokens) for s in samples)
+    c = sum(s.completion_tokens() for s in samples)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
   # --- /v1/completions ------------------------------------------------------------------------

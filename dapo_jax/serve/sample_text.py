@@ -17,6 +17,7 @@ class SampleText:
     self.text, self.sent = "", 0
     self.finish: str | None = None
     self.cut_at: int | None = None     # the text ends at a stop string
+    self.stop_len = 0                  # the length of the stop string found there
     self.reported = False              # a stream has sent its finish_reason
 
   def update(self, tokens: np.ndarray, logp: np.ndarray) -> bool:
@@ -25,9 +26,9 @@ class SampleText:
       return False
     self.tokens, self.logp = tokens, logp
     self.text = self.tok.decode(self._content_tokens(), skip_special_tokens=True)
-    hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+    hits = [(i, len(s)) for s, i in ((s, self.text.find(s)) for s in self.stops) if i >= 0]
     if hits:
-      self.cut_at = min(hits)
+      self.cut_at, self.stop_len = min(hits)
       self.text, self.finish = self.text[:self.cut_at], "stop"
       return True
     return False
@@ -42,6 +43,15 @@ class SampleText:
     if self.cut_at is None:
       return self.tokens.tolist()
     return self._content_tokens()[:len(self.token_logprobs())].tolist()
+
+  def completion_tokens(self) -> int:
+    """The tokens the sample generated, as vLLM counts them: up to the one that completes a stop string
+    (those drawn while its cancel was on the way are not), or all of them, an EOS included."""
+    if self.cut_at is None:
+      return len(self.tokens)
+    content = self._content_tokens()
+    pieces = [self.tok.decode([int(t)], skip_special_tokens=False) for t in content]
+    return self._tokens_before(content, pieces, self.cut_at + self.stop_len)
 
   def _content_tokens(self) -> np.ndarray:
     n = len(self.tokens)

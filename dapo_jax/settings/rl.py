@@ -42,6 +42,8 @@ class Rollout(Section):
   kv_layout: str = _ROLLOUT.kv_layout   # continuous: "dense" (P + C positions a slot) or "paged" (docs/paged_cache.md)
   page_size: int = _ROLLOUT.page_size   # paged: tokens per page of the KV cache's pool
   kv_pages: int = _ROLLOUT.kv_pages     # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
+  kv_memory_mb: float = _ROLLOUT.kv_memory_mb   # paged: each batch shard's pool in MiB, instead of kv_pages (0 = off)
+  paged_attention: str = _ROLLOUT.paged_attention   # paged: "gather" (bit-exact dense view) or "ragged" (in place)
   rows_per_call: int = _ROLLOUT.rows_per_call     # static: rows per sampler call (0 = the whole generation batch)
   max_staleness: int = _LOOP.max_staleness        # rollout versions a sample may lag its update (docs/async.md)
   use_decoupled_loss: bool = _LOOP.use_decoupled_loss   # stale rows' π_old = this step's policy (AReaL's)
@@ -74,10 +76,13 @@ class Rollout(Section):
     if self.kv_layout == "paged":
       self.number("page_size", 1, integer=True, allowed=">= 1 (tokens per page)")
       self.number("kv_pages", 0, integer=True, allowed=">= 0 (0 = the dense layout's bytes)")
+      self.number("kv_memory_mb", 0, allowed=">= 0 (0 = rollout.kv_pages sets the pool)")
+      check(not (self.kv_pages and self.kv_memory_mb), "rollout.kv_memory_mb", self.kv_memory_mb,
+            "0 with rollout.kv_pages set (one of the two sizes the pool)")
+      self.choice("paged_attention", engine_lib.PAGED_READS, "'gather' or 'ragged'")
       for ok, why in ((self.engine == "continuous", f"with rollout.engine={self.engine!r} (pages are the continuous "
                                                     "engine's)"),
-                      (not self.env, "with rollout.env set (episodes decode from dense rows for now)"),
-                      (not self.partial_rollouts, "with rollout.partial_rollouts=True (not paged yet)")):
+                      (not self.env, "with rollout.env set (episodes decode from dense rows for now)")):
         check(ok, "rollout.kv_layout", self.kv_layout, f"'dense' {why}")
     if self.partial_rollouts and self.max_staleness != 1:
       raise ConfigError("rollout.partial_rollouts=True needs rollout.max_staleness=1 (a rollout in flight while "
