@@ -33,6 +33,9 @@ _WRAP_PROMPTS = flags.DEFINE_bool("wrap_prompts", False, "With --workdir: a chat
                                   "(no tools) is put as the run's training prompts were (the task's instruction "
                                   "and worked examples), as launch.sample puts --prompt. Off: every request is "
                                   "rendered exactly as sent, as vLLM and OpenAI do.")
+_LOGPROBS_MODE = flags.DEFINE_string("logprobs_mode", "raw", "The sampled tokens' log-probs: the model's own (raw, "
+                                     "temperature 1, vLLM's default) or the sampler's (processed: temperature-scaled; "
+                                     "serve.server.LOGPROBS_MODES).")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients ask for (default: the directory's name).")
 # What clients may hold of the server; unset, serve.http.Limits' defaults.
 _MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", None, "Connections open at once (http.Limits).")
@@ -64,7 +67,7 @@ def main(argv):
       model_cfg, params, tok, eos_ids=eos, model_name=_MODEL_NAME.value or name, host=_HOST.value, port=_PORT.value,
       token=_TOKEN.value, slots=_SLOTS.value, max_prompt_len=_MAX_PROMPT_LEN.value,
       max_new_tokens=_MAX_NEW_TOKENS.value, round_steps=_ROUND_STEPS.value, max_queue=_MAX_QUEUE.value,
-      compact=_COMPACT.value, mesh=mesh,
+      compact=_COMPACT.value, mesh=mesh, logprobs_mode=_LOGPROBS_MODE.value,
       limits=server_lib.http.limits(max_connections=_MAX_CONNECTIONS.value, header_timeout_s=_HEADER_TIMEOUT_S.value,
                                     body_timeout_s=_BODY_TIMEOUT_S.value, max_prompt_chars=_MAX_PROMPT_CHARS.value),
       user_prompt=(lambda q: builders.user_prompt_messages(cfg, q)) if _WRAP_PROMPTS.value and workdir else None)

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
@@ -23,6 +24,7 @@ from dapo_jax import testing
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.rollout import sampling
 from dapo_jax.serve import http as http_lib
 from dapo_jax.serve import openai_api
 from dapo_jax.serve import scheduler as scheduler_lib
@@ -116,13 +118,36 @@ def test_tools_come_back_as_tool_calls(client):
   (call,) = choice.message.tool_calls
   assert call.type == "function" and call.function.name == "add"
   assert json.loads(call.function.arguments) == {"a": 3, "b": 4}
-  # Streamed, the calls arrive whole in the last chunk.
+  # Streamed as OpenAI streams them: the call's id and name first, then its arguments' text in pieces.
   chunks = list(ask(client, "Add 3 and 4.", tools=[ADD], max_tokens=MAX_NEW, stream=True))
   calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
-  assert [c.function.name for c in calls] == ["add"] and chunks[-1].choices[0].finish_reason == "tool_calls"
-  # Without tools the same turn is text.
-  r = ask(client, "Add 3 and 4.", max_tokens=MAX_NEW, tools=[ADD], tool_choice="none")
-  assert r.choices[0].message.tool_calls is None
+  assert calls[0].function.name == "add" and calls[0].id.startswith("call_") and calls[0].type == "function"
+  assert all(c.index == 0 and c.function.name is None and c.id is None for c in calls[1:]) and len(calls) > 2
+  assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"a": 3, "b": 4}
+  assert chunks[-1].choices[0].finish_reason == "tool_calls"
+  assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)
+
+
+def test_tool_choice_required_or_named_forces_a_call_and_none_keeps_the_tools_rendered(client, policy):
+  """"required" and a named function put the template's call opening after the generation prompt (the
+  prompt is the template's own rendering with the tools, then the opening: counted in `usage`); "none"
+  renders the tools as "auto" does and parses no call: the same greedy turn comes back as text."""
+  tok = policy[2]
+  rendered = tok.apply_chat_template([{"role": "user", "content": "Add 3 and 4."}], tools=[ADD],
+                                     add_generation_prompt=True, tokenize=False)
+  count = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+  named = {"type": "function", "function": {"name": "add"}}
+  for choice, opening in [("required", '<tool_call>\n{"name": "'),
+                          (named, '<tool_call>\n{"name": "add", "arguments": ')]:
+    r = ask(client, "Add 3 and 4.", tools=[ADD], tool_choice=choice, max_tokens=MAX_NEW)
+    assert r.usage.prompt_tokens == count(rendered + opening)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 3, "b": 4}
+    assert r.choices[0].finish_reason == "tool_calls"
+  auto = ask(client, "Add 3 and 4.", tools=[ADD], max_tokens=MAX_NEW)
+  none = ask(client, "Add 3 and 4.", tools=[ADD], tool_choice="none", max_tokens=MAX_NEW)
+  assert none.usage.prompt_tokens == auto.usage.prompt_tokens == count(rendered)
+  assert none.choices[0].message.tool_calls is None and none.choices[0].message.content == CALL
 
 
 def test_completions_greedy_equal_the_argmax_loop_with_logprobs(client, policy):
@@ -234,14 +259,34 @@ def test_chat_top_logprobs_are_the_models_likeliest_tokens(client, policy):
     assert c.top_logprobs[0].logprob == c.logprob  # greedy: the answer's token is the likeliest
 
 
-def test_sampled_logprobs_are_the_temperature_scaled_ones(client, policy):
+def test_sampled_logprobs_are_the_models_own_by_default(client, policy):
+  """vLLM's default `logprobs_mode`: a token drawn at temperature 1.3 reports the model's log-prob
+  (temperature 1), teacher-forced; the sampler's (processed) differ."""
   cfg, params, tok, _, _ = policy
   q = "What is 1 + 1?"
   r = ask(client, q, temperature=1.3, seed=5, max_tokens=10, logprobs=True)
   tokens = tok(r.choices[0].message.content, add_special_tokens=False)["input_ids"]
   got = [t.logprob for t in r.choices[0].logprobs.content]
   assert len(got) == len(tokens) > 0
-  np.testing.assert_allclose(got, sampled_logp(cfg, params, chat_ids(tok, q), tokens, 1.3), atol=2e-4)
+  np.testing.assert_allclose(got, sampled_logp(cfg, params, chat_ids(tok, q), tokens, 1.0), atol=2e-4)
+  assert np.abs(np.array(got) - sampled_logp(cfg, params, chat_ids(tok, q), tokens, 1.3)).max() > 1e-2
+
+
+def test_processed_logprobs_are_the_samplers():
+  """`choose_rows(raw=False)`: the temperature-scaled distribution's log-prob of the drawn token (what a
+  `--logprobs_mode=processed` server reports); raw=True: the logits' own log-softmax; the same tokens."""
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(4, 11)).astype(np.float32) * 3)
+  u, temperature, top_p = jnp.asarray(rng.uniform(size=4)), jnp.array([0.0, 0.7, 1.3, 1.0]), jnp.ones(4)
+  tok, processed = sampling.choose_rows(logits, u, temperature, top_p)
+  tok_raw, raw = sampling.choose_rows(logits, u, temperature, top_p, raw=True)
+  np.testing.assert_array_equal(tok, tok_raw)
+  z = np.asarray(logits, np.float64) / np.where(temperature == 0, 1.0, temperature)[:, None]
+  log_softmax = lambda x: x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1,
+                                                                                                         keepdims=True))
+  rows = np.arange(4)
+  np.testing.assert_allclose(processed, log_softmax(z)[rows, tok], atol=1e-5)
+  np.testing.assert_allclose(raw, log_softmax(np.asarray(logits, np.float64))[rows, tok], atol=1e-5)
 
 
 def test_streaming_joins_to_the_text_and_seeds_fix_it(client):
@@ -256,6 +301,20 @@ def test_streaming_joins_to_the_text_and_seeds_fix_it(client):
   c = list(client.completions.create(model="dapo-policy", prompt="What is", stream=True, **kw))
   assert "".join(ch.choices[0].text for ch in c) == client.completions.create(
       model="dapo-policy", prompt="What is", **kw).choices[0].text
+
+
+def test_streamed_logprobs_arrive_with_their_tokens_and_join_to_the_whole_answers(client):
+  """Chat `logprobs` streamed: each chunk carries the log-probs of the tokens drawn since the last, none
+  a stop string may still cut; joined, the unstreamed answer's (tokens and values), with and without
+  a stop string."""
+  for kw in (dict(temperature=1.0, seed=11, max_tokens=40), dict(max_tokens=32, stop=["wor"])):
+    question = "Say hello." if "stop" in kw else "What is 1 + 1?"
+    whole = ask(client, question, logprobs=True, **kw).choices[0].logprobs.content
+    chunks = list(ask(client, question, logprobs=True, stream=True, **kw))
+    parts = [ch.choices[0].logprobs.content for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert len(parts) > 1
+    joined = [t for part in parts for t in part]
+    assert [(t.token, t.logprob) for t in joined] == [(t.token, t.logprob) for t in whole]
 
 
 def test_n_samples_with_a_seed_are_the_same_whatever_else_is_in_flight(client):
@@ -307,6 +366,11 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_next_request_is_served(serv
            ("/v1/completions", {"prompt": "x", "temperature": 7}, 400, "temperature"),
            ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
            ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+            "tool_choice"),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [ADD],
+                                     "tool_choice": {"type": "function", "function": {"name": "mul"}}}, 400,
+            "tool_choice"),
            ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
            ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
@@ -545,7 +609,7 @@ def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
   as_trained.user_prompt = lambda q: builders.user_prompt_messages(run_cfg, q)
   body = lambda messages, **kw: openai_api.ChatBody(messages=messages, **kw)
   question = [{"role": "user", "content": "What is 38+46?"}]
-  ids, _ = as_trained.chat_prompt(body(question))
+  ids, _, _ = as_trained.chat_prompt(body(question))
   trained = builders.user_prompt(run_cfg, "What is 38+46?").messages
   assert len(trained) == 3 and trained[-1]["content"] != "What is 38+46?"  # A worked example, then the question.
   want = tok(tokenizer_lib.render(tok, [dict(m) for m in trained], True), add_special_tokens=False)["input_ids"]

@@ -187,6 +187,17 @@ def test_the_template_rendered_call_parses_back(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_forced_call_opening_begins_the_templates_own_call(family):
+  """What a server forces for tool_choice "required" (any call) and a named function: a prefix of the
+  call as the family's real chat template renders it (Qwen3's empty thinking block aside)."""
+  fmt = FORMAT[family]
+  text = generated_part(family, [CALC]).removeprefix("<think>\n\n</think>\n\n")
+  assert text.startswith(tf.call_opening(fmt)) and text.startswith(tf.call_opening(fmt, CALC.name))
+  assert len(tf.call_opening(fmt, CALC.name)) > len(tf.call_opening(fmt)) > 0
+  assert tf.call_opening("none") == ""
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_rendered_call_tokenizes_back_to_itself(family):
   tok = tokenizer(family)
   text = generated_part(family, [CALC])

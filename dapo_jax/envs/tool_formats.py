@@ -195,6 +195,20 @@ def render_tool_calls(calls: Sequence[ToolCall], fmt: str) -> str:
   return "\n".join(f"<tool_call>\n{_json({'name': c.name, 'arguments': c.arguments})}\n</tool_call>" for c in calls)
 
 
+def call_opening(fmt: str, name: str | None = None) -> str:
+  """The text that opens a call in the format (of function `name`, up to its arguments): what a server
+  puts after the generation prompt to force a call (OpenAI's tool_choice "required" or a named one).
+  '' for a format without calls."""
+  _check_format(fmt)
+  if fmt == "none":
+    return ""
+  if fmt == "gemma":
+    return "```tool_code\n" + (f"{name}(" if name else "")
+  args = "parameters" if fmt == "llama3" else "arguments"
+  opening = "" if fmt == "llama3" else "<tool_call>\n"
+  return opening + '{"name": "' + (f'{name}", "{args}": ' if name else "")
+
+
 def strip_calls(text: str, fmt: str) -> str:
   """The content left beside the calls: Llama's call is the whole message (or follows <|python_tag|>)."""
   if fmt == "llama3":

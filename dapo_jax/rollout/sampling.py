@@ -26,6 +26,7 @@ class SamplerConfig:
   eos_ids: tuple[int, ...] = ()   # a row stops at the first of any of these
   pad_id: int = 0                 # written after a row has stopped
   per_request: bool = False       # the engine's rows carry their own temperature and top-p (a server)
+  raw_logprobs: bool = False      # per_request: record the model's log-probs (temperature 1), not the sampled ones
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -123,10 +124,11 @@ def choose(logits_BV: jax.Array, u_B: jax.Array, cfg: SamplerConfig) -> tuple[ja
 
 
 def choose_rows(logits_BV: jax.Array, u_B: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
-                top_k: int = 0) -> tuple[jax.Array, jax.Array]:
+                top_k: int = 0, raw: bool = False) -> tuple[jax.Array, jax.Array]:
   """`choose` with each row's own temperature (0 = greedy) and top-p, as a server's requests ask:
   row b gets exactly what `choose` gives with SamplerConfig(temperature_B[b], top_p_B[b], top_k).
-  The nucleus sort runs only when some row truncates."""
+  The nucleus sort runs only when some row truncates. `raw`: the log-probs returned are the model's
+  own (the logits' log-softmax, vLLM's default `raw_logprobs`), not those of the distribution drawn from."""
   greedy_B1 = (temperature_B == 0.0)[:, None]
   z_BV = logits_BV.astype(jnp.float32)
   z_BV = jnp.where(greedy_B1, z_BV, z_BV / jnp.where(greedy_B1, 1.0, temperature_B[:, None]))
@@ -146,6 +148,8 @@ def choose_rows(logits_BV: jax.Array, u_B: jax.Array, temperature_B: jax.Array, 
   truncates = jnp.any(top_p_B < 1.0) | (top_k > 0)
   logq_BV = jax.lax.cond(truncates, truncated, lambda _: logp_BV, z_BV)
   tok_B = jnp.where(greedy_B1[:, 0], jnp.argmax(z_BV, axis=-1), sample_inverse_cdf(logq_BV, u_B)).astype(jnp.int32)
+  if raw:
+    logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   return tok_B, jnp.take_along_axis(logp_BV, tok_B[:, None], axis=-1)[:, 0]
 
 

@@ -211,7 +211,7 @@ def decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, d
     keys = jax.random.wrap_key_data(s.key_S)
     u_S = jax.vmap(lambda k, t: jax.random.uniform(jax.random.fold_in(k, t)))(keys, s.step_S)
     if sc.per_request:
-      tok_S, logp_S = sampling.choose_rows(s.logits_SV, u_S, s.temperature_S, s.top_p_S, sc.top_k)
+      tok_S, logp_S = sampling.choose_rows(s.logits_SV, u_S, s.temperature_S, s.top_p_S, sc.top_k, sc.raw_logprobs)
     else:
       tok_S, logp_S = sampling.choose(s.logits_SV, u_S, sc)
     running_S = ~s.done_S

@@ -36,6 +36,7 @@ from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import tool_formats
 from dapo_jax.serve import http, scoring
 from dapo_jax.serve import scheduler as scheduler_lib
+from dapo_jax.serve import tool_stream
 from dapo_jax.serve.http import APIError
 from dapo_jax.serve.sample_text import SampleText
 
@@ -424,14 +425,39 @@ class OpenAIPolicy:
 
   # --- /v1/chat/completions -------------------------------------------------------------------
 
-  def chat_prompt(self, body: ChatBody) -> tuple[list[int], list | None]:
-    """The conversation's token ids and its tools, checked (text capped before it is rendered);
-    slow for a long conversation: called in a thread."""
+  def forced_opening(self, body: ChatBody) -> str:
+    """The call opening `tool_choice` forces after the generation prompt ("required": a call; a named
+    function: a call of it), checked; '' for "auto" and "none"."""
+    choice = body.tool_choice
+    if choice in (None, "auto", "none"):
+      return ""
+    if not body.tools:
+      raise APIError(400, f"tool_choice: {choice!r} needs tools", param="tool_choice")
+    name = None
+    if isinstance(choice, dict):
+      name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+      names = [(t.get("function") or {}).get("name") for t in body.tools]
+      if name not in names:
+        raise APIError(400, f"tool_choice: expected \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\": one of {names}}}}}, got {json.dumps(choice)[:200]}",
+                       param="tool_choice")
+    opening = tool_formats.call_opening(self.tool_format, name)
+    if not opening:
+      raise APIError(400, f"tool_choice: {json.dumps(choice)[:200]} cannot be forced: the chat template has no "
+                     "tool-call format (\"auto\" and \"none\" only)", param="tool_choice")
+    return opening
+
+  def chat_prompt(self, body: ChatBody) -> tuple[list[int], list | None, str]:
+    """The conversation's token ids, the tools whose calls are parsed from the answer, and the call
+    opening that `tool_choice` forces (the ids end with it), checked (text capped before it is
+    rendered); slow for a long conversation: called in a thread. The tools are rendered whatever
+    `tool_choice` is; "none" parses no call (vLLM's behaviour)."""
     chars = sum(text_chars(m, f"messages[{i}]") for i, m in enumerate(body.messages))
     chars += check_tools(body.tools) if body.tools is not None else 0
     self._check_chars(chars, "messages")
     messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
-    tools = body.tools if body.tool_choice != "none" else None
+    tools = body.tools
+    opening = self.forced_opening(body)
     if not getattr(self.tok, "chat_template", None):
       raise APIError(400, "messages: the model has no chat template; use /v1/completions", param="messages")
     if self.user_prompt is not None and tools is None and len(messages) == 1 and messages[0]["role"] == "user":
@@ -442,16 +468,20 @@ class OpenAIPolicy:
       text = tokenizer_lib.render(self.tok, messages, True, tools=native)
     except Exception as e:  # The template refused the conversation (roles out of order, ...).
       raise APIError(400, f"messages: the chat template cannot render them: {e}", param="messages") from None
-    return self._prompt_ids(tokenizer_lib.encode_prompts(self.tok, [text])[0], "messages"), tools
+    ids = self._prompt_ids(tokenizer_lib.encode_prompts(self.tok, [text + opening])[0], "messages")
+    return ids, (tools if body.tool_choice != "none" else None), opening
 
-  def _message(self, s: SampleText, tools) -> tuple[dict, str]:
-    """The assistant message of a finished sample, and its finish reason."""
-    return assistant_message(s.text, tools, self.tool_format, s.finish)
+  def _message(self, s: SampleText, tools, opening: str = "") -> tuple[dict, str]:
+    """The assistant message of a finished sample (after a forced call `opening`), and its finish reason."""
+    return assistant_message(opening + s.text, tools, self.tool_format, s.finish)
 
   @staticmethod
-  def _chat_logprobs(s: SampleText) -> dict:
+  def _logprobs_content(pairs) -> dict:
     return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in s.token_logprobs()]}
+                        for t, lp in pairs]}
+
+  def _chat_logprobs(self, s: SampleText) -> dict:
+    return self._logprobs_content(s.token_logprobs())
 
   def _chat_scored_logprobs(self, s: SampleText, prompt_len: int, scores: scoring.Scores, top: int) -> dict:
     """`top_logprobs` > 0: each answer token's log-prob and its position's `top` likeliest, from a
@@ -472,12 +502,12 @@ class OpenAIPolicy:
       raise APIError(400, "top_logprobs: alternatives are not streamed (0 only); logprobs=true gives the "
                      "sampled tokens' log-probs", param="top_logprobs")
     stops = _stops(body.stop)
-    ids, tools = await asyncio.to_thread(self.chat_prompt, body)
+    ids, tools, opening = await asyncio.to_thread(self.chat_prompt, body)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": self.model_name, "system_fingerprint": None}
 
     def choice(i, s: SampleText, scores=None) -> dict:
-      message, finish = self._message(s, tools)
+      message, finish = self._message(s, tools, opening)
       if scores is not None:
         logprobs = self._chat_scored_logprobs(s, len(ids), scores[i], body.top_logprobs)
       else:
@@ -494,32 +524,36 @@ class OpenAIPolicy:
     head = {**head, "object": "chat.completion.chunk"}
 
     async def chunks(emit):
-      started = set()
+      calls = {}  # A choice's tool calls as they stream (`tool_stream`).
+      logprobs_sent = {}  # A choice's tokens whose log-probs went out.
 
       async def update(i, s: SampleText, done: bool):
-        if i not in started:
-          started.add(i)
+        if i not in calls:
+          calls[i], logprobs_sent[i] = tool_stream.ToolCallStream(self.tool_format, tools), 0
           await emit({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                            "finish_reason": None}]})
-        if s.reported or (tools and not done):
-          return  # (Calls are parsed from the whole turn: the answer goes out at its end.)
+        if s.reported:
+          return
+        finish = None
         if tools:
-          message, finish = await _text_work(len(s.tokens), self._message, s, tools)
-          delta = {k: v for k, v in message.items() if k != "role"}
-          if "tool_calls" in delta:
-            delta["tool_calls"] = [dict(c, index=k) for k, c in enumerate(delta["tool_calls"])]
+          ended = done or s.finish is not None
+          text = opening + (s.text if ended else s.settled_text())
+          delta, finish = await _text_work(len(s.tokens), calls[i].update, text, ended, s.finish)
         else:
           delta, finish = {"content": s.delta()}, s.finish
           if not delta["content"] and not (done or s.finish):
-            return
-        chunk = {"index": i, "delta": delta, "finish_reason": None,
-                 "logprobs": None}
-        if done or (not tools and s.finish):
+            delta = None
+        chunk = {"index": i, "delta": delta or {}, "finish_reason": None, "logprobs": None}
+        if body.logprobs:  # The tokens drawn since the last chunk (up to a stop string).
+          pairs = await _text_work(len(s.tokens), s.token_logprobs, True)
+          if len(pairs) > logprobs_sent[i]:
+            chunk["logprobs"] = self._logprobs_content(pairs[logprobs_sent[i]:])
+            logprobs_sent[i] = len(pairs)
+        if done or (not tools and s.finish) or (tools and finish):
           s.reported = True
           chunk["finish_reason"] = finish
-          if body.logprobs:
-            chunk["logprobs"] = await _text_work(len(s.tokens), self._chat_logprobs, s)
-        await emit({**head, "choices": [chunk]})
+        if delta or chunk["logprobs"] or chunk["finish_reason"]:
+          await emit({**head, "choices": [chunk]})
 
       samples = await self._gather([ids], body, max_tokens, stops, update)
       if (body.stream_options or {}).get("include_usage"):

@@ -57,22 +57,36 @@ class SampleText:
     n = len(self.tokens)
     return self.tokens[:n - 1] if n and int(self.tokens[-1]) in self.eos else self.tokens
 
-  def delta(self) -> str:
-    """Text not yet sent that no stop string can still claim (and no half-decoded character)."""
+  def settled_text(self) -> str:
+    """The text so far that no stop string can still claim (and no half-decoded character)."""
     end = len(self.text)
     if self.finish is None:
-      hold = max((len(s) - 1 for s in self.stops), default=0)
-      end = max(self.sent, end - hold)
-      while end > self.sent and self.text[end - 1] == "\ufffd":
+      end -= max((len(s) - 1 for s in self.stops), default=0)
+      while end > 0 and self.text[end - 1] == "\ufffd":
         end -= 1
+    return self.text[:max(end, 0)]
+
+  def delta(self) -> str:
+    """Text not yet sent that no stop string can still claim (and no half-decoded character)."""
+    end = max(self.sent, len(self.settled_text()))
     out, self.sent = self.text[self.sent:end], end
     return out
 
-  def token_logprobs(self) -> list[tuple[str, float]]:
-    """(token text, log-prob) of the content's tokens (up to a stop string; the EOS left out)."""
+  def _pieces(self, content: np.ndarray) -> list[str]:
+    """Each content token's own text; the tokens only grow, so each is decoded once."""
+    self._piece_cache = getattr(self, "_piece_cache", [])
+    self._piece_cache += [self.tok.decode([int(t)], skip_special_tokens=False)
+                          for t in content[len(self._piece_cache):]]
+    return self._piece_cache[:len(content)]
+
+  def token_logprobs(self, settled: bool = False) -> list[tuple[str, float]]:
+    """(token text, log-prob) of the content's tokens (up to a stop string; the EOS left out); `settled`:
+    only those whose text a stop string can no longer claim (what a stream may send)."""
     content = self._content_tokens()
-    pieces = [self.tok.decode([int(t)], skip_special_tokens=False) for t in content]
+    pieces = self._pieces(content)
     kept = len(content) if self.cut_at is None else self._tokens_before(content, pieces, self.cut_at)
+    if settled and self.finish is None and len(settled_text := self.settled_text()) < len(self.text):
+      kept = min(kept, self._tokens_before(content, pieces, len(settled_text) + 1) - 1)
     return [(pieces[i], float(self.logp[i])) for i in range(kept)]
 
   def _tokens_before(self, content: np.ndarray, pieces: list[str], cut_at: int) -> int:

@@ -13,6 +13,7 @@ from dapo_jax.serve import http, openai_api
 from dapo_jax.serve import scheduler as scheduler_lib
 
 TOKEN_ENV = "DAPO_SERVE_TOKEN"
+LOGPROBS_MODES = ("raw", "processed")  # The sampled tokens' log-probs: the model's, or the sampler's (vLLM's names).
 
 
 def prompt_buckets(max_prompt_len: int, smallest: int = 32) -> tuple[int, ...]:
@@ -31,17 +32,24 @@ class PolicyServer:
   `round_steps` tokens (new requests join then). `compact` lets the pool's width follow the load
   (lower latency for few clients, at the cost of compiling each width as the load first meets it);
   off, every round runs all `slots` rows. `user_prompt`: see `openai_api.OpenAIPolicy`. What clients
-  may hold (bodies, connections, the time to send a request, a prompt's characters): `limits`. A
-  context manager; `start()` serves in a thread, `serve_forever()` in front."""
+  may hold (bodies, connections, the time to send a request, a prompt's characters): `limits`. The
+  sampled tokens' log-probs are the model's own (`logprobs_mode="raw"`: temperature 1, before any
+  truncation, vLLM's default) or those of the distribution the sampler drew from ("processed": the
+  temperature-scaled logits', what a trainer recomputes). A context manager; `start()` serves in a
+  thread, `serve_forever()` in front."""
 
   def __init__(self, model_cfg, params, tok, *, eos_ids, model_name: str = "dapo-policy", host: str = "127.0.0.1",
                port: int = 0, token: str | None = None, slots: int = 16, max_prompt_len: int = 512,
                max_new_tokens: int = 256, round_steps: int = 4, max_queue: int = 1024, top_k: int = 0, mesh=None,
-               compact: bool = False, user_prompt=None, limits: http.Limits = http.Limits()):
+               compact: bool = False, user_prompt=None, limits: http.Limits = http.Limits(),
+               logprobs_mode: str = "raw"):
     token = token or os.environ.get(TOKEN_ENV) or None
     http.check_bind(host, token, TOKEN_ENV)
+    if logprobs_mode not in LOGPROBS_MODES:
+      raise http.ServerConfigError(f"--logprobs_mode={logprobs_mode!r}: expected one of {LOGPROBS_MODES}")
     sampler_cfg = sampling.SamplerConfig(max_new_tokens=max_new_tokens, top_k=top_k, eos_ids=tuple(eos_ids),
-                                         pad_id=tok.pad_token_id or 0, per_request=True)
+                                         pad_id=tok.pad_token_id or 0, per_request=True,
+                                         raw_logprobs=logprobs_mode == "raw")
     self.engine = engine_lib.Engine(model_cfg, sampler_cfg, slots=slots, prompt_len=max_prompt_len,
                                     prompt_buckets=prompt_buckets(max_prompt_len), mesh=mesh,
                                     round_steps=round_steps)
