@@ -1,6 +1,6 @@
 """The device mesh and the logical-axis rules that place every array on it.
 
-Mesh axes are (data, fsdp, expert, tensor). Every array is named by the one-letter shape alphabet
+Mesh axes are (data, fsdp, expert, sequence, tensor). Every array is named by the one-letter shape alphabet
 of `datatypes` (`x_BTD`, `wq_DNH`); `LOGICAL` turns those letters into logical axis names
 and the rule tables below map logical names onto mesh axes.
 """
@@ -16,7 +16,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 # Rows are split over these axes. The expert axis holds whole experts of a mixture-of-experts
 # model; outside the expert layers its devices work as more data shards.
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -36,10 +36,11 @@ PARAM_RULES: Rules = (
     ("kv_heads", "tensor"), ("vocab", "tensor"), ("seq", None), ("kv_seq", None),
     ("head_dim", None), ("layers", None), ("expert", "expert"),
 )
-# Activations in the train step: the batch is split over data, fsdp and expert.
+# Activations in the train step: the batch is split over data, fsdp and expert, a row's tokens over
+# sequence (the keys and values each shard's queries read are gathered: "kv_seq" stays whole).
 ACT_RULES: Rules = (
     ("batch", BATCH_AXES), ("embed", None), ("mlp", "tensor"), ("heads", "tensor"),
-    ("kv_heads", "tensor"), ("vocab", "tensor"), ("seq", None), ("kv_seq", None),
+    ("kv_heads", "tensor"), ("vocab", "tensor"), ("seq", "sequence"), ("kv_seq", None),
     ("head_dim", None), ("layers", None), ("expert", "expert"),
 )
 # Sampling keeps whole weights per tensor shard (no FSDP gather per decoded token).
@@ -53,7 +54,7 @@ def mesh_devices(mesh_cfg: Mapping[str, int]) -> int | None:
 
 
 def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """The (data, fsdp, expert, tensor) sizes of `mesh_cfg` on `num_devices` devices: one size may be
+  """The (data, fsdp, expert, sequence, tensor) sizes of `mesh_cfg` on `num_devices` devices: one size may be
   -1 for "the rest of the devices", an axis left out has size 1. Raises ValueError naming the mesh."""
   sizes = {a: mesh_cfg.get(a, 1) for a in MESH_AXES}
   for a, v in sizes.items():
@@ -69,12 +70,13 @@ def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
                        f"{num_devices} devices")
     sizes[unknown[0]] = num_devices // fixed
   elif fixed != num_devices:
-    raise ValueError(f"mesh={sizes}: data*fsdp*expert*tensor = {fixed}, but there are {num_devices} devices")
+    raise ValueError(f"mesh={sizes}: data*fsdp*expert*sequence*tensor = {fixed}, but there are {num_devices} "
+                     "devices")
   return sizes
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, expert, tensor) mesh of `mesh_shape(mesh_cfg, len(devices))` (other keys,
+  """Builds the (data, fsdp, expert, sequence, tensor) mesh of `mesh_shape(mesh_cfg, len(devices))` (other keys,
   e.g. `rollout_devices`, are not axes: see `split_meshes`)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape({a: int(v) for a, v in mesh_cfg.items()}, len(devices))

@@ -297,6 +297,15 @@ class Trainer:
       rest, metrics = self._step(_without_base(state), base, batch)
       return rest.replace(params=dict(rest.params, base=base)), metrics
 
+  def compiled_step_memory(self, batch):
+    """XLA's memory analysis (per device) of the update compiled for `batch`'s shapes and this mesh,
+    without running it or allocating the state (full fine-tunes; `launch.plan --compiled` prints it)."""
+    if self.lora is not None:
+      raise ValueError("compiled_step_memory: full fine-tunes only (a LoRA step takes its base apart)")
+    with jax.set_mesh(self.mesh):
+      state = jax.eval_shape(lambda: self._create(self._init_params(jax.random.key(0))))
+      return self._step.lower(state, batch).compile().memory_analysis()
+
   def accumulate_step(self, state: TrainState, micro_batches: list) -> tuple[TrainState, dict]:
     """One optimizer update from placed micro-batches of different shapes (e.g. completion axes cut
     to length buckets): gradients accumulate on device, the counts of the whole mini-batch are the

@@ -2,7 +2,14 @@
 
   python -m launch.plan --config=configs/dapo_qwen2_5_32b.py:mesh=gpu16x8
   python -m launch.plan --config=configs/dapo_qwen2_5_32b.py:mesh=v5p256
+
+`--compiled` also compiles the update of one micro-batch (the model cut to `--layers` layers) on as many
+forced host devices as the mesh has, and prints XLA's own memory analysis of it per device: what the
+sequence axis (`mesh.sequence`) and packing change, measured rather than modelled.
 """
+import dataclasses
+import os
+
 from absl import flags
 
 from . import common
@@ -10,6 +17,9 @@ from . import common
 _CONFIG = common.define_config()
 _DEVICES = flags.DEFINE_integer("devices", None, "Device count (default: the recipe's mesh's own size; 128 for a "
                                 "mesh with a -1 axis).")
+_COMPILED = flags.DEFINE_bool("compiled", False, "Also compile one micro-batch's update on forced host devices and "
+                              "print XLA's per-device memory analysis.")
+_LAYERS = flags.DEFINE_integer("layers", 2, "--compiled: the layers of the model compiled (the rest cut off).")
 
 
 def devices_of(mesh_cfg, devices: int | None) -> int:
@@ -51,9 +61,48 @@ def report(cfg, devices: int | None = None, name: str = "") -> str:
   return "\n".join(lines)
 
 
+def compiled(cfg, devices: int | None = None, layers: int = 2) -> str:
+  """XLA's memory analysis, per device, of the update of one micro-batch of `cfg` (rows of data.max_prompt_len +
+  rollout.max_new_tokens tokens, one per batch shard; packed: one sequence of train.microbatch_tokens per
+  shard) on its mesh, the model cut to its first `layers` layers. Needs that many JAX devices (`main` forces
+  host devices)."""
+  import jax
+  import jax.numpy as jnp
+
+  from dapo_jax import builders, objectives, optim, sharding, train_step
+  from dapo_jax.datatypes import RLBatch
+  mc = builders.model_config(cfg, cfg.model.vocab_size or 1024)
+  full = mc.num_layers
+  kept = lambda ls: tuple(l for l in ls if l < layers)
+  mc = dataclasses.replace(mc, num_layers=min(layers, full), local_layers=kept(mc.local_layers),
+                           dense_layers=kept(mc.dense_layers))
+  n = devices_of(cfg.mesh, devices)
+  mesh = sharding.make_mesh({k: v for k, v in dict(cfg.mesh).items() if k != "rollout_devices"}, jax.devices()[:n])
+  trainer = train_step.Trainer(mc, optim.OptimConfig(), mesh, objectives.policy_gradient(mc, objectives.PGConfig()),
+                               num_microbatches=1)
+  P, C, rows = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, sharding.batch_shards(mesh.shape)
+  if cfg.train.packing:  # One packed sequence of the budget per shard, its completion part all real tokens.
+    P, C = 0, cfg.train.microbatch_tokens
+  shape = lambda *s, dt=jnp.float32: jax.ShapeDtypeStruct(s, dt)
+  batch = RLBatch(tokens_BT=shape(rows, P + C, dt=jnp.int32), mask_BT=shape(rows, P + C, dt=jnp.bool_),
+                  loss_mask_BC=shape(rows, C, dt=jnp.bool_), old_logp_BC=shape(rows, C), adv_B=shape(rows),
+                  ref_logp_BC=shape(rows, C))
+  m = trainer.compiled_step_memory(batch)
+  gb = lambda b: f"{b / 2**30:.2f} GB"
+  return (f"compiled update ({mc.num_layers} of {full} layers; {rows} rows x {P + C} tokens; mesh {dict(mesh.shape)}), "
+          f"per device: arguments {gb(m.argument_size_in_bytes)}, temporaries {gb(m.temp_size_in_bytes)}, "
+          f"outputs {gb(m.output_size_in_bytes)}")
+
+
 def main(argv):
   del argv
-  print(report(_CONFIG.value, _DEVICES.value, common.default_workdir().split("/")[-1]))
+  cfg = _CONFIG.value
+  print(report(cfg, _DEVICES.value, common.default_workdir().split("/")[-1]))
+  if _COMPILED.value:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices_of(cfg.mesh, _DEVICES.value)}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    print(compiled(cfg, _DEVICES.value, _LAYERS.value))
 
 
 if __name__ == "__main__":

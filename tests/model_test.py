@@ -1,4 +1,6 @@
 """Model properties that need no reference implementation: causality, remat, padding, cache."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +138,30 @@ def test_chunked_attention_matches_whole_rows():
   v2, g2 = jax.value_and_grad(lambda p: loss(cfg, p))(PARAMS)
   np.testing.assert_allclose(v1, v2, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g1, g2)
+
+
+@pytest.mark.parametrize("layout", ["rows", "shared_prompt"])
+def test_chunked_attention_of_any_length_and_layout_matches_whole_rows(layout):
+  """attn_chunk = 4 on rows of 11 tokens (not a multiple of 4: the last block padded), and on the
+  shared-prompt layout an RL update reads (2 prompts of 6 positions, 2 completions each of 7 tokens
+  in blocks of 4), with a sliding-window layer: the logits and gradients of whole rows."""
+  kw = dict(arch="gemma3", qk_norm=True, qkv_bias=False, local_layers=(0,), sliding_window=3, query_scale=16.0,
+            rope_local_theta=10_000.0)
+  whole = testing.tiny_model_config(vocab_size=40, **kw)
+  chunked = dataclasses.replace(whole, attn_chunk=4)
+  params = model.init_params(whole, jax.random.key(1))
+  rng = np.random.default_rng(5)
+  if layout == "rows":
+    tokens = jnp.asarray(rng.integers(0, 40, size=(2, 11)))
+    mask = jnp.asarray(np.arange(11)[None] >= np.array([[0], [4]]))
+    out = lambda c, p: model.logits(c, p, tokens, mask) * mask[..., None]
+  else:
+    prompt, pmask = jnp.asarray(rng.integers(0, 40, size=(2, 6))), jnp.asarray(np.arange(6)[None] >= np.array([[0], [2]]))
+    comp = jnp.asarray(rng.integers(0, 40, size=(4, 7)))
+    cmask = jnp.asarray(np.arange(7)[None] < np.array([[7], [3], [5], [7]]))
+    out = lambda c, p: model.completion_logits(c, p, prompt, pmask, comp, cmask) * cmask[..., None]
+  np.testing.assert_allclose(out(chunked, params), out(whole, params), atol=1e-5)
+  loss = lambda c: jax.value_and_grad(lambda p: jnp.sum(out(c, p) ** 2) / 100)(params)
+  (v1, g1), (v2, g2) = loss(whole), loss(chunked)
+  np.testing.assert_allclose(v2, v1, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g2, g1)

@@ -194,3 +194,49 @@ def test_a_run_with_packing_makes_the_padded_runs_update(tmp_path):
   assert {"actor/pg_loss", "actor/entropy", "actor/grad_norm"} <= set(actor), sorted(padded)
   for k in actor + ["rollout/samples", "response_length/mean"]:
     np.testing.assert_allclose(packed[k], padded[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_sequence_parallel_update_equals_the_unsharded_one(packed):
+  """`mesh.sequence` = 4 splits each row's (or packed sequence's) tokens over 4 of 8 forced devices, fsdp
+  = 2 the rows: two updates give the metrics and params of one device's to 1e-5."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
+  one = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  split = sharding.make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+  assert dict(split.shape)["sequence"] == 4
+  batch = long_tail_batch()
+  pg = objectives.PGConfig(kl_coef=0.1)
+  params0 = jax.device_get(_trainer(CFG, pg, one).init(jax.random.key(0)).params)
+  runs = []
+  for mesh in (one, split):
+    parts = (train_step.packed_microbatches(batch, max_tokens=64, shards=sharding.batch_shards(mesh.shape))
+             if packed else [batch])
+    runs.append(_two_steps(_trainer(CFG, pg, mesh), params0, parts))
+  _assert_same_update(*runs)
+
+
+def test_the_sequence_axis_and_query_blocks_bound_a_long_rows_update_memory():
+  """One row of 4,096 tokens: the compiled update's temporary memory per device (XLA's own memory
+  analysis) on mesh.sequence = 4 is about a quarter of one device's (each device holds its quarter
+  of the queries and their scores; the keys and values are gathered whole); `model.attn_chunk` cuts
+  it further, in the rows layout and the shared-prompt one."""
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices)")
+  cfg = testing.tiny_model_config(vocab_size=64, embed_dim=64, mlp_dim=128)
+  T, C = 4096, 4032
+  rng = np.random.default_rng(0)
+  batch = RLBatch(tokens_BT=rng.integers(4, 60, size=(1, T)).astype(np.int32), mask_BT=np.ones((1, T), bool),
+                  loss_mask_BC=np.ones((1, C), bool), old_logp_BC=np.zeros((1, C), np.float32),
+                  adv_B=np.ones(1, np.float32), ref_logp_BC=np.zeros((1, C), np.float32))
+  temp = []
+  for shape, n in (({"data": 1, "fsdp": 1, "tensor": 1}, 1), ({"data": 1, "fsdp": 1, "sequence": 4, "tensor": 1}, 4)):
+    trainer = _trainer(cfg, objectives.PGConfig(), sharding.make_mesh(shape, jax.devices()[:n]))
+    temp.append(trainer.compiled_step_memory(trainer.put_batch(batch)).temp_size_in_bytes)
+  assert temp[1] < 0.3 * temp[0], temp
+  # Query blocks bound the scores of the update's rows too (P + C - 1 = 4,095 tokens: the last block
+  # padded), in both layouts, and compose with the sequence axis.
+  for G in (0, 1):
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    blocks = _trainer(dataclasses.replace(cfg, attn_chunk=512), objectives.PGConfig(group_size=G), mesh)
+    assert blocks.compiled_step_memory(blocks.put_batch(batch)).temp_size_in_bytes < 0.2 * temp[0]

@@ -11,8 +11,8 @@ from dapo_jax.rollout import rollout, sampling
 def test_make_mesh_sizes_and_errors():
   n = len(jax.devices())
   mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  assert dict(mesh.shape) == {"data": 1, "fsdp": n, "expert": 1, "tensor": 1}
-  with pytest.raises(ValueError, match=r"data\*fsdp\*expert\*tensor = 3, but there are"):
+  assert dict(mesh.shape) == {"data": 1, "fsdp": n, "expert": 1, "sequence": 1, "tensor": 1}
+  with pytest.raises(ValueError, match=r"data\*fsdp\*expert\*sequence\*tensor = 3, but there are"):
     sharding.make_mesh({"data": 3, "fsdp": 1, "tensor": 1})
   with pytest.raises(ValueError, match="at most one axis may be -1"):
     sharding.make_mesh({"data": -1, "fsdp": -1, "tensor": 1})
@@ -31,7 +31,7 @@ def test_model_must_divide_the_tensor_axis():
 
 
 def test_logical_rules():
-  assert sharding.spec("BTD") == P(("data", "fsdp", "expert"), None, None)
+  assert sharding.spec("BTD") == P(("data", "fsdp", "expert"), "sequence", None)
   assert sharding.spec("DF", sharding.PARAM_RULES) == P("fsdp", "tensor")
   assert sharding.spec("EDF", sharding.PARAM_RULES) == P("expert", "fsdp", "tensor")
   assert sharding.spec("EDF", sharding.SAMPLING_PARAM_RULES) == P("expert", None, "tensor")

@@ -124,7 +124,7 @@ def test_mesh_against_devices():
   c = base()
   c.mesh.update(data=1, fsdp=2, tensor=2)
   builders.validate(c, num_devices=4)
-  with pytest.raises(builders.ConfigError, match=r"data\*fsdp\*expert\*tensor = 4, but there are 8 devices"):
+  with pytest.raises(builders.ConfigError, match=r"data\*fsdp\*expert\*sequence\*tensor = 4, but there are 8 devices"):
     builders.validate(c, num_devices=8)
   c.mesh.update(data=1, fsdp=-1, tensor=1)
   c.train.minibatches = 4  # 4 rows per mini-batch over 8 batch shards.

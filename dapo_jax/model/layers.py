@@ -265,22 +265,24 @@ def attend_rows(q_BTKRH, k_BSKH, v_BSKH, mask_BTS, **kw):
 
 
 def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask_QP, window=None,
-                         scale=None, softcap=0.0, impl="einsum"):
+                         scale=None, softcap=0.0, impl="einsum", query_offset=0):
   """Attention of B = Q*G completion rows, row qG+g seeing prompt q's keys and then its own.
 
   The prompt's keys and values are read once per prompt, never repeated G times: against them,
   all G*R*C queries of a (prompt, KV head) pair form one matmul. One softmax over both key blocks,
   as `attention` over the concatenated row would compute. With `window`, completion token c (row
-  index P + c) sees only keys fewer than `window` indices behind it.
+  index P + c) sees only keys fewer than `window` indices behind it. The queries may be a block of
+  the completion's ([B, c, K, R, H] from completion token `query_offset` on, mask_BCC [B, c, C]).
 
   Always einsum, whatever `impl`: `jax.nn.dot_product_attention` takes one key block per row, so
   it could only run this by copying each prompt's keys G times (what this layout exists to avoid).
   """
   del impl
   Q, P = mask_QP.shape
-  B, C, K, R, H = q_BCKRH.shape
+  B, Cq, K, R, H = q_BCKRH.shape
+  C = k_BCKH.shape[1]
   G = B // Q
-  q_QKGRCH = q_BCKRH.reshape(Q, G, C, K, R, H).transpose(0, 3, 1, 4, 2, 5)
+  q_QKGRCH = q_BCKRH.reshape(Q, G, Cq, K, R, H).transpose(0, 3, 1, 4, 2, 5)
   k_QKGCH = k_BCKH.reshape(Q, G, C, K, H).transpose(0, 3, 1, 2, 4)
   v_QKGCH = v_BCKH.reshape(Q, G, C, K, H).transpose(0, 3, 1, 2, 4)
   k_QKPH, v_QKPH = k_QPKH.transpose(0, 2, 1, 3), v_QPKH.transpose(0, 2, 1, 3)
@@ -288,15 +290,15 @@ def attend_shared_prompt(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask
   scores_QKGRCS = jnp.concatenate([jnp.einsum("QKGRCH,QKPH->QKGRCP", q_QKGRCH, k_QKPH, **f32),
                                    jnp.einsum("QKGRCH,QKGSH->QKGRCS", q_QKGRCH, k_QKGCH, **f32)], -1)
   mask_QKGRCS = jnp.concatenate(
-      [jnp.broadcast_to(mask_QP[:, None, None, None, None, :], (Q, 1, G, 1, C, P)),
-       mask_BCC.reshape(Q, 1, G, 1, C, C)], -1)
+      [jnp.broadcast_to(mask_QP[:, None, None, None, None, :], (Q, 1, G, 1, Cq, P)),
+       mask_BCC.reshape(Q, 1, G, 1, Cq, C)], -1)
   if window is not None:
-    mask_QKGRCS = windowed(mask_QKGRCS, window, offset=P)
+    mask_QKGRCS = windowed(mask_QKGRCS, window, offset=P + query_offset)
   scores_QKGRCS = soft_cap(scores_QKGRCS * (H ** -0.5 if scale is None else scale), softcap)
   probs_QKGRCS = masked_softmax(scores_QKGRCS, mask_QKGRCS).astype(q_BCKRH.dtype)
   o_QKGRCH = (jnp.einsum("QKGRCP,QKPH->QKGRCH", probs_QKGRCS[..., :P], v_QKPH)
               + jnp.einsum("QKGRCS,QKGSH->QKGRCH", probs_QKGRCS[..., P:], v_QKGCH))
-  return o_QKGRCH.transpose(0, 2, 4, 1, 3, 5).reshape(B, C, K, R, H)
+  return o_QKGRCH.transpose(0, 2, 4, 1, 3, 5).reshape(B, Cq, K, R, H)
 
 
 def attend_after_contexts(q_BCKRH, k_BCKH, v_BCKH, mask_BCC, contexts, scale=None, softcap=0.0, impl="einsum"):

@@ -147,10 +147,8 @@ class Block(nn.Module):
                                                  [(ks[0], vs[0], real_1N), (ks[1], vs[1], real_QP)], **kw)]
       else:  # Prompts attend among themselves; completions to their prompt, then to themselves.
         mask_QPP, mask_BCC = masks  # mask_QPP is windowed already; its last row is not.
-        kw = layers_lib.attn_kw(cfg)
-        outs = [layers_lib.attend_rows(qs[0], ks[0], vs[0], mask_QPP, **kw),
-                layers_lib.attend_shared_prompt(qs[1], ks[1], vs[1], mask_BCC, ks[0], vs[0], shared[2][0][:, -1],
-                                     window=window, **kw)]
+        outs = [self._attend_rows(qs[0], ks[0], vs[0], mask_QPP),
+                self._attend_completions(qs[1], ks[1], vs[1], mask_BCC, ks[0], vs[0], shared[2][0][:, -1], window)]
       # [B, K, T, H] per segment: (k, v) of the rows, or (k, v) of the prompts then of the completions.
       kv = tuple(a.transpose(0, 2, 1, 3) for pair in zip(ks, vs) for a in pair) if self.emit_kv else None
       return jnp.concatenate([o.reshape(-1, N, H) for o in outs]), kv
@@ -165,17 +163,37 @@ class Block(nn.Module):
     return tuple(sharding.constrain(s, "BTD" if s.shape[0] > 1 else (None, "seq", "embed"))
                  for s in per_segment(x_XD, D)), kv
 
+  def _attend_completions(self, q_BCKRH, k_BCKH, v_BCKH, mask_BCC, k_QPKH, v_QPKH, mask_QP, window):
+    """`layers.attend_shared_prompt`, in blocks of `attn_chunk` completion queries as `_attend_rows`
+    runs rows: the scores of one block at a time, each block rematerialised."""
+    kw = layers_lib.attn_kw(self.cfg)
+    attend = lambda q, mask, offset: layers_lib.attend_shared_prompt(
+        q, k_BCKH, v_BCKH, mask, k_QPKH, v_QPKH, mask_QP, window=window, query_offset=offset, **kw)
+    return _query_blocks(attend, q_BCKRH, mask_BCC, self.cfg.attn_chunk)
+
   def _attend_rows(self, q_BTKRH, k_BTKH, v_BTKH, mask_BTS):
-    B, T, K, R, H = q_BTKRH.shape
     c = self.cfg.attn_chunk
     kw = layers_lib.attn_kw(self.cfg)
-    if not (c and T > c and T % c == 0):
-      return layers_lib.attend_rows(q_BTKRH, k_BTKH, v_BTKH, mask_BTS, **kw)
-    # Query blocks, each rematerialised: scores never exceed [B, K, R, c, S] in memory.
-    q_nBcKRH = jnp.moveaxis(q_BTKRH.reshape(B, T // c, c, K, R, H), 1, 0)
-    mask_nBcS = jnp.moveaxis(mask_BTS.reshape(B, T // c, c, -1), 1, 0)
-    block = jax.checkpoint(lambda qm: layers_lib.attend_rows(qm[0], k_BTKH, v_BTKH, qm[1], **kw))
-    return jnp.moveaxis(jax.lax.map(block, (q_nBcKRH, mask_nBcS)), 0, 1).reshape(B, T, K, R, H)
+    attend = lambda q, mask, offset: layers_lib.attend_rows(q, k_BTKH, v_BTKH, mask, **kw)
+    return _query_blocks(attend, q_BTKRH, mask_BTS, c)
+
+
+def _query_blocks(attend, q_BTKRH, mask_BTS, c: int):
+  """`attend(q, mask, offset)` over blocks of `c` queries (offset: the block's first), each block
+  rematerialised, so that scores never exceed [B, K, R, c, S] in memory; 0 (or T <= c): all at once.
+  A T that c does not divide is padded with zero queries that see what the last query sees (never
+  nothing: no fully masked row for any attention implementation), sliced off after (a row of P + C - 1
+  tokens, what an update's forward reads, is rarely a multiple of c)."""
+  B, T, K, R, H = q_BTKRH.shape
+  if not (c and T > c):
+    return attend(q_BTKRH, mask_BTS, 0)
+  n = -(-T // c)
+  pad = lambda x, mode: jnp.pad(x, ((0, 0), (0, n * c - T)) + ((0, 0),) * (x.ndim - 2), mode=mode)
+  q_nBcKRH = jnp.moveaxis(pad(q_BTKRH, "constant").reshape(B, n, c, K, R, H), 1, 0)
+  mask_nBcS = jnp.moveaxis(pad(mask_BTS, "edge").reshape(B, n, c, -1), 1, 0)
+  block = jax.checkpoint(lambda a: attend(*a))
+  out_nBcKRH = jax.lax.map(block, (q_nBcKRH, mask_nBcS, jnp.arange(n) * c))
+  return jnp.moveaxis(out_nBcKRH, 0, 1).reshape(B, n * c, K, R, H)[:, :T]
 
 
 def router_stats(probs_XE: jax.Array, expert_Xk: jax.Array, real_X: jax.Array) -> dict:

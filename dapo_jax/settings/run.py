@@ -49,6 +49,7 @@ class Mesh(Section):
   fsdp: int = -1                   # devices that split the params and the rows (-1: the rest)
   tensor: int = 1                  # devices that split heads, MLP and vocabulary
   expert: int = 1                  # devices that split a mixture's experts (rows elsewhere)
+  sequence: int = 1                # devices that split each row's tokens in the update (docs/packing.md)
   rollout_devices: int = 0         # R > 0: the first R devices decode, the rest train (docs/async.md)
 
   def check(self) -> None:
