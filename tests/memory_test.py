@@ -25,6 +25,14 @@ def test_plan_by_hand():
   assert p.kv_cache == 2 * L * 8 * T * H * 4   # 16 rows / 2 shards; one KV head per tensor shard
   assert p.fits(16) and not p.fits(1e-6)
   assert "fits H100-80GB" in memory.report(p)
+  # The sequence axis (2) halves a device's tokens, queries and logits; one layer's keys and values
+  # (K/t = 1 head of H per row) are gathered whole.
+  q = memory.plan(mc, dict(mesh, sequence=2), rows_per_update=8, num_microbatches=2, prompt_len=6,
+                  completion_len=10, gen_rows=16)
+  gathered = 2 * 2 * T * 1 * H * 4
+  assert q.activations_remat == (L * 2 * T / 2 * D * 4 + 2 * T / 2 * per_token_layer + scores / 2 + logits / 2
+                                 + gathered)
+  assert q.devices == 2 * p.devices
 
 
 # --- the plan against XLA's own accounting of the compiled train step ---------------------------

@@ -61,8 +61,8 @@ class Plan:
 def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, num_microbatches: int,
          prompt_len: int, completion_len: int, gen_rows: int, lora: lora_lib.LoraConfig | None = None) -> Plan:
   """Bytes per device. Rows are sequences; one update sees rows_per_update rows in micro-batches."""
-  e = mesh_shape.get("expert", 1)
-  devices = mesh_shape["data"] * mesh_shape["fsdp"] * e * mesh_shape["tensor"]
+  e, s = mesh_shape.get("expert", 1), mesh_shape.get("sequence", 1)
+  devices = mesh_shape["data"] * mesh_shape["fsdp"] * e * s * mesh_shape["tensor"]
   model_shards = mesh_shape["fsdp"] * mesh_shape["tensor"]     # Parameters: FSDP x tensor (experts: x expert).
   batch_shards = sharding.batch_shards(mesh_shape)             # Rows: data x FSDP x expert.
   p_bytes = jnp.dtype(mc.param_dtype).itemsize
@@ -90,7 +90,7 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
     decode_weights = matrices * decode_bytes / mesh_shape["tensor"]
   T = prompt_len + completion_len
   rows = max(rows_per_update / num_microbatches / batch_shards, 1)
-  tokens = rows * T
+  tokens = rows * T / s  # The sequence axis splits a row's tokens (its queries; keys and values are gathered).
   t = mesh_shape["tensor"]
   D, F, N, K, H, L, V = (mc.embed_dim, mc.mlp_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.num_layers,
                          mc.vocab_size)
@@ -111,14 +111,15 @@ def plan(mc: model_lib.ModelConfig, mesh_shape: dict, *, rows_per_update: int, n
       moe_token_layer += e * k * c_bytes * (2 * D + 3 * Fe / t)
   layer_tokens = (L - L_moe) * per_token_layer + L_moe * moe_token_layer  # Summed over the layers.
   widest = max(per_token_layer if L > L_moe else 0, moe_token_layer)     # The layer being recomputed.
-  q_block = mc.attn_chunk if mc.attn_chunk and T > mc.attn_chunk else T
+  q_block = mc.attn_chunk if mc.attn_chunk and T / s > mc.attn_chunk else T / s
   scores = 2 * 4 * rows * (N / t) * q_block * T                # fp32 scores + probs of one query block
-  logits = 2 * 4 * rows * completion_len * V / t                 # fp32 logits and their gradient.
-  act_full = tokens * layer_tokens + L * (scores if q_block == T else 0) + logits + dispatch
-  act_remat = L * tokens * D * c_bytes + tokens * widest + scores + logits + dispatch
+  logits = 2 * 4 * rows * completion_len / s * V / t             # fp32 logits and their gradient.
+  gathered = 2 * rows * T * max(K / t, 1) * H * c_bytes if s > 1 else 0.0  # One layer's keys and values, whole.
+  act_full = tokens * layer_tokens + L * (scores if q_block == T / s else 0) + logits + dispatch + gathered
+  act_remat = L * tokens * D * c_bytes + tokens * widest + scores + logits + dispatch + gathered
   # "dots" keeps q/k/v and gate/up (attention scores are batched matmuls: recomputed); experts as "full".
   dots_layers = (L - L_moe) * dots_token_layer + L_moe * c_bytes * (D + (N + 2 * K) * H / t)
-  act_dots = tokens * dots_layers + tokens * widest + scores + logits + dispatch
+  act_dots = tokens * dots_layers + tokens * widest + scores + logits + dispatch + gathered
   kv_rows = gen_rows / batch_shards
   kv = 2 * L * kv_rows * T * (K / min(K, t)) * H * c_bytes if K >= t else 2 * L * kv_rows * T * H * c_bytes
   return Plan(params, optimizer, gradients, act_full, act_remat, act_dots, kv, devices, mc.remat, adapters,
