@@ -87,3 +87,25 @@ def test_quickstart_runs_the_default_job_which_learns_and_answers_the_readme_que
   # launch.sample prints "prompt 1/1: '<the prompt as trained>'" then "  1: '<the completion>'".
   completion = ast.literal_eval(out.stdout.strip().splitlines()[-1].split(": ", 1)[1])
   assert answer.isdigit() and completion.endswith(f"Answer: {answer}"), (answer, out.stdout)
+
+  # The policy server, asked that question as the run's training prompts put it (the text a client
+  # sends: `builders.user_prompt_messages`), answers as the run's greedy decoding does.
+  import openai
+
+  from dapo_jax import builders
+  question = next(a.split("=", 1)[1] for a in command if a.startswith("--prompt="))
+  messages = builders.user_prompt_messages(builders.load_run_config(workdir), question)
+  server = subprocess.Popen([sys.executable, "-m", "launch.serve", f"--workdir={workdir}", "--port=0"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+  try:
+    line = ""
+    while not line.startswith("serving "):
+      line = server.stdout.readline()
+      assert line, "launch.serve ended before it served"
+    client = openai.OpenAI(base_url=line.split(" on ")[1].split()[0] + "/v1", api_key="unused")
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, temperature=0)
+    assert r.choices[0].message.content == completion, (r.choices[0].message.content, completion)
+  finally:
+    server.terminate()
+    server.wait(timeout=60)
