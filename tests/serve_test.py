@@ -817,3 +817,25 @@ def test_logprobs_with_a_stop_string_are_the_naive_ones_in_linear_work(policy):
     assert len(pairs) < n and pairs == naive_token_logprobs(sample)
   # Each token's piece, then a prefix or two: ~3n tokens (every prefix, as before: ~n^2/2, 16x from 1k to 4k).
   assert all(work[n] <= 4 * n for n in work) and work[4000] / work[1000] < 4.5, work
+
+
+@pytest.mark.parametrize("read", ["gather", "ragged"])
+def test_a_paged_server_answers_as_the_dense_one(policy, client, read):
+  """The engine on a paged KV cache (`engine_options`, from a run's `rollout.kv_layout`): greedy answers,
+  and seeded samples of n = 3 beside other requests, are the dense server's."""
+  cfg, params, tok, eos, _ = policy
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=8, max_prompt_len=256, max_new_tokens=MAX_NEW,
+                               round_steps=4, engine_options=dict(kv_layout="paged", page_size=8,
+                                                                  paged_attention=read)) as paged:
+    other = openai.OpenAI(base_url=paged.url + "/v1", api_key="unused", max_retries=0)
+    for q, a, tools in ANSWERS:
+      kw = dict(max_tokens=MAX_NEW, tools=tools) if tools else dict(max_tokens=32)
+      said = lambda m: (m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []])
+      assert said(ask(other, q, **kw).choices[0].message) == said(ask(client, q, **kw).choices[0].message)
+    kw = dict(temperature=1.0, seed=7, max_tokens=24, n=3)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      noise = [pool.submit(ask, other, "What is 3 + 9?", temperature=1.0, max_tokens=16) for _ in range(3)]
+      got = [c.message.content for c in ask(other, "Say hello.", **kw).choices]
+      [f.result() for f in noise]
+    assert got == [c.message.content for c in ask(client, "Say hello.", **kw).choices]
+    assert paged.engine.paged and paged.engine.kv_pages > 0

@@ -14,6 +14,8 @@ from dapo_jax.serve import scheduler as scheduler_lib
 
 TOKEN_ENV = "DAPO_SERVE_TOKEN"
 LOGPROBS_MODES = ("raw", "processed")  # The sampled tokens' log-probs: the model's, or the sampler's (vLLM's names).
+# The rollout settings of the KV cache that the server's engine takes from a run's config.
+CACHE_SETTINGS = ("kv_layout", "page_size", "kv_pages", "kv_memory_mb", "paged_attention")
 
 
 def prompt_buckets(max_prompt_len: int, smallest: int = 32) -> tuple[int, ...]:
@@ -35,14 +37,16 @@ class PolicyServer:
   may hold (bodies, connections, the time to send a request, a prompt's characters): `limits`. The
   sampled tokens' log-probs are the model's own (`logprobs_mode="raw"`: temperature 1, before any
   truncation, vLLM's default) or those of the distribution the sampler drew from ("processed": the
-  temperature-scaled logits', what a trainer recomputes). A context manager; `start()` serves in a
-  thread, `serve_forever()` in front."""
+  temperature-scaled logits', what a trainer recomputes). `engine_options`: more of `engine.Engine`'s
+  arguments (the KV cache's layout: `launch.serve` passes the run config's `rollout.kv_layout`,
+  `page_size`, `kv_pages`, `kv_memory_mb` and `paged_attention`). A context manager; `start()` serves
+  in a thread, `serve_forever()` in front."""
 
   def __init__(self, model_cfg, params, tok, *, eos_ids, model_name: str = "dapo-policy", host: str = "127.0.0.1",
                port: int = 0, token: str | None = None, slots: int = 16, max_prompt_len: int = 512,
                max_new_tokens: int = 256, round_steps: int = 4, max_queue: int = 1024, top_k: int = 0, mesh=None,
                compact: bool = False, user_prompt=None, limits: http.Limits = http.Limits(),
-               logprobs_mode: str = "raw"):
+               logprobs_mode: str = "raw", engine_options: dict | None = None):
     token = token or os.environ.get(TOKEN_ENV) or None
     http.check_bind(host, token, TOKEN_ENV)
     if logprobs_mode not in LOGPROBS_MODES:
@@ -52,7 +56,7 @@ class PolicyServer:
                                          raw_logprobs=logprobs_mode == "raw")
     self.engine = engine_lib.Engine(model_cfg, sampler_cfg, slots=slots, prompt_len=max_prompt_len,
                                     prompt_buckets=prompt_buckets(max_prompt_len), mesh=mesh,
-                                    round_steps=round_steps)
+                                    round_steps=round_steps, **(engine_options or {}))
     self.scheduler = scheduler_lib.Scheduler(self.engine, params, max_queue=max_queue, compact=compact)
     app = http.new_app("dapo_jax policy server", token, limits.max_body_bytes)
     self.policy = openai_api.OpenAIPolicy(self.scheduler, tok, model_name, tuple(eos_ids), user_prompt=user_prompt,
