@@ -34,9 +34,8 @@ from fastapi import responses
 
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import tool_formats
-from dapo_jax.serve import http, scoring
+from dapo_jax.serve import http, scoring, tool_stream
 from dapo_jax.serve import scheduler as scheduler_lib
-from dapo_jax.serve import tool_stream
 from dapo_jax.serve.http import APIError
 from dapo_jax.serve.sample_text import SampleText
 
