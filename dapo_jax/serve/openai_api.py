@@ -482,13 +482,18 @@ class OpenAIPolicy:
   def _chat_logprobs(self, s: SampleText) -> dict:
     return self._logprobs_content(s.token_logprobs())
 
-  def _chat_scored_logprobs(self, s: SampleText, prompt_len: int, scores: scoring.Scores, top: int) -> dict:
+  def _chat_scored_logprobs(self, s: SampleText, prompt_len: int, scores: scoring.Scores, top: int,
+                            start: int = 0, pairs=None) -> dict:
     """`top_logprobs` > 0: each answer token's log-prob and its position's `top` likeliest, from a
-    teacher-forced pass (`scoring`: the model's own distribution, as completions' `logprobs=N`)."""
+    teacher-forced pass (`scoring`: the model's own distribution, as completions' `logprobs=N`); from
+    the answer's token `start` on, of `pairs` (default: all its tokens)."""
     value = lambda x: max(float(x), -9999.0)
     entry = lambda t, lp: {"token": t, "logprob": value(lp), "bytes": list(t.encode())}
     content = []
-    for k, (t, _) in enumerate(s.token_logprobs()):
+    pairs = s.token_logprobs() if pairs is None else pairs
+    for k, (t, _) in enumerate(pairs):
+      if k < start:
+        continue
       j = prompt_len + k
       alternatives = [entry(self.tok.decode([int(i)], skip_special_tokens=False), lp)
                       for lp, i in zip(scores.top_logp[j][:top], scores.top_ids[j][:top])]
@@ -497,9 +502,6 @@ class OpenAIPolicy:
 
   async def chat(self, body: ChatBody):
     max_tokens = self._check(body, body.max_completion_tokens or body.max_tokens)
-    if body.top_logprobs and body.stream:
-      raise APIError(400, "top_logprobs: alternatives are not streamed (0 only); logprobs=true gives the "
-                     "sampled tokens' log-probs", param="top_logprobs")
     stops = _stops(body.stop)
     ids, tools, opening = await asyncio.to_thread(self.chat_prompt, body)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -546,7 +548,12 @@ class OpenAIPolicy:
         if body.logprobs:  # The tokens drawn since the last chunk (up to a stop string).
           pairs = await _text_work(len(s.tokens), s.token_logprobs, True)
           if len(pairs) > logprobs_sent[i]:
-            chunk["logprobs"] = self._logprobs_content(pairs[logprobs_sent[i]:])
+            if body.top_logprobs:  # Their alternatives: a teacher-forced pass over what is settled.
+              scores = await self._scores([ids + s.answer_tokens()[:len(pairs)]])
+              chunk["logprobs"] = self._chat_scored_logprobs(s, len(ids), scores[0], body.top_logprobs,
+                                                             start=logprobs_sent[i], pairs=pairs)
+            else:
+              chunk["logprobs"] = self._logprobs_content(pairs[logprobs_sent[i]:])
             logprobs_sent[i] = len(pairs)
         if done or (not tools and s.finish) or (tools and finish):
           s.reported = True
