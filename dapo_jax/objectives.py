@@ -95,6 +95,8 @@ class PGConfig:
   temperature: float = 1.0                  # rollout temperature; log-probs use scaled logits
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
+  entropy_coeff: float = 0.0                # verl's actor.entropy_coeff: minus this x the entropy, aggregated
+                                            # as the loss is (0 = off: the entropy is a metric only)
   old_is_current: bool = False              # π_old = π_θ (one update per rollout step): ratio is 1
                                             # (rows flagged in `behaviour_B` keep their old_logp_BC)
   group_size: int = 0                       # >0: rows come in groups of G sharing one prompt, which
@@ -184,29 +186,32 @@ def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params
 
 
 def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch, temperature: float,
-                     with_router: bool = False):
+                     with_router: bool = False, entropy_grad: bool = False):
   """(log π of each completion token [B, C], the entropy of its temperature-scaled distribution
-  [B, C] (no gradient), the routing statistics or None). With `model.logits_chunk` the logits are
-  made `logits_chunk` positions at a time and remade in the backward pass (`jax.checkpoint`), so at
-  most B x logits_chunk x V of them exist at once; the values are those of the whole tensor."""
+  [B, C] (differentiable with `entropy_grad`, else not), the routing statistics or None). With
+  `model.logits_chunk` the logits are made `logits_chunk` positions at a time and remade in the
+  backward pass (`jax.checkpoint`), so at most B x logits_chunk x V of them exist at once; the values
+  are those of the whole tensor."""
   if getattr(mb, "packed", None) is not None:
-    return _packed_stats(model_cfg, params, mb, temperature, with_router)
+    return _packed_stats(model_cfg, params, mb, temperature, with_router, entropy_grad)
   P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
   targets_BC = mb.tokens_BT[:, P:]
   if not model_cfg.logits_chunk:
     out = completion_logits(model_cfg, group_size, params, mb, with_router=with_router)
     z_BCV, routing = out if with_router else (out, None)
-    return (*_logprobs_and_entropy(z_BCV / temperature, targets_BC), routing)
+    return (*_logprobs_and_entropy(z_BCV / temperature, targets_BC, entropy_grad), routing)
   out = _completion_hidden(model_cfg, group_size, params, mb, with_router=with_router)
   x_BCD, routing = out if with_router else (out, None)
-  return (*_chunked_stats(model_cfg, params, x_BCD, targets_BC, temperature), routing)
+  return (*_chunked_stats(model_cfg, params, x_BCD, targets_BC, temperature, entropy_grad), routing)
 
 
-def _logprobs_and_entropy(z_BCV, targets_BC):
-  return loss_lib.token_logprobs(z_BCV, targets_BC), loss_lib.entropy(jax.lax.stop_gradient(z_BCV))
+def _logprobs_and_entropy(z_BCV, targets_BC, entropy_grad: bool = False):
+  z_for_entropy = z_BCV if entropy_grad else jax.lax.stop_gradient(z_BCV)
+  return loss_lib.token_logprobs(z_BCV, targets_BC), loss_lib.entropy(z_for_entropy)
 
 
-def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, temperature: float, with_router: bool):
+def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, temperature: float, with_router: bool,
+                  entropy_grad: bool = False):
   """`completion_stats` of a packed micro-batch (`datatypes.PackedRows`): the model runs on the packed
   sequences, each position's log-prob of the next token is taken there, and completion token (b, c)
   reads the position that predicts it; the [B, C] results are the padded layout's."""
@@ -217,16 +222,17 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
                           model_lib.packed_attention_mask(pk.segments_MT), head=head, with_router=with_router)
   y_MT, routing = out if with_router else (out, None)
   if model_cfg.logits_chunk:
-    logp_MT, entropy_MT = _chunked_stats(model_cfg, params, y_MT, pk.next_MT, temperature)
+    logp_MT, entropy_MT = _chunked_stats(model_cfg, params, y_MT, pk.next_MT, temperature, entropy_grad)
   else:
-    logp_MT, entropy_MT = _logprobs_and_entropy(y_MT / temperature, pk.next_MT)
+    logp_MT, entropy_MT = _logprobs_and_entropy(y_MT / temperature, pk.next_MT, entropy_grad)
   # Each shard's sequences end to end, read at its rows' sources.
   read = lambda y_MT: jnp.take_along_axis(y_MT.reshape(pk.shards, -1), pk.source_BC.reshape(pk.shards, -1),
                                           axis=1).reshape(B, C)
   return read(logp_MT), read(entropy_MT), routing
 
 
-def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, temperature: float):
+def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, temperature: float,
+                   entropy_grad: bool = False):
   """Log-probs and entropies [B, C] of the lm head on final hidden states [B, C, D], `model.logits_chunk`
   positions at a time, each chunk's logits remade in the backward pass."""
   chunk = model_cfg.logits_chunk
@@ -239,7 +245,7 @@ def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, 
   @jax.checkpoint
   def one(args):
     x_BcD, t_Bc = args
-    return _logprobs_and_entropy(model_lib.unembed(model_cfg, params, x_BcD) / temperature, t_Bc)
+    return _logprobs_and_entropy(model_lib.unembed(model_cfg, params, x_BcD) / temperature, t_Bc, entropy_grad)
 
   logp_NBc, ent_NBc = jax.lax.map(one, (x_NBcD, t_NBc))
   unchunk = lambda y_NBc: y_NBc.swapaxes(0, 1).reshape(B, n * chunk)[:, :C]
@@ -270,7 +276,8 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
 
   def loss(params, mb: RLBatch, counts: dict):
     logp_BC, entropy_BC, routing = completion_stats(model_cfg, cfg.group_size, params, mb, cfg.temperature,
-                                                    with_router=bool(model_cfg.moe))
+                                                    with_router=bool(model_cfg.moe),
+                                                    entropy_grad=bool(cfg.entropy_coeff))
     old_logp_BC = mb.old_logp_BC
     if cfg.old_is_current:  # π_old = π_θ, except on rows an earlier policy sampled (carried groups).
       current_BC = jax.lax.stop_gradient(logp_BC)
@@ -309,6 +316,11 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
         clip_ratio_c=cfg.clip_ratio_c, agg=cfg.loss_agg, ref_logp_BC=mb.ref_logp_BC, kl_coef=cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, norm_len=cfg.norm_len or None, mode=mode,
         is_weights_BC=is_weights_BC, **cfg.loss_knobs(), **denoms)
+    if cfg.entropy_coeff:  # verl: policy_loss = pg_loss - entropy_coeff x agg_loss(entropy, mask, loss_agg_mode).
+      entropy_loss = loss_lib.aggregate(entropy_BC, mb.loss_mask_BC, cfg.loss_agg, norm_len=cfg.norm_len or None,
+                                        **denoms)
+      value = value - cfg.entropy_coeff * entropy_loss
+      extra["entropy_loss"] = entropy_loss
     metrics = jax.tree.map(lambda m: m * weight, dict(metrics, **extra))
     metrics["entropy"] = loss_lib.masked_mean(entropy_BC, mb.loss_mask_BC, denoms["num_tokens"]) * weight
     value = value * weight

@@ -130,3 +130,35 @@ def test_old_is_current_equals_old_logp_from_the_current_policy():
   np.testing.assert_allclose(m_cur["pg_loss"], -(b.adv_B * w).sum() / w.sum(), rtol=1e-5)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), s_cur.params, s_ref.params)
   assert np.abs(s_cur.params["layers"]["wq_DNH"] - params["layers"]["wq_DNH"]).max() > 1e-4
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_train_step_with_an_entropy_bonus_matches_the_reference_gradient(agg):
+  """`entropy_coeff` (verl's): the loss is the policy loss minus the coefficient times the entropy of each
+  token's distribution, aggregated as the loss is; through the jitted step (2 micro-batches), the loss,
+  the entropy term and the gradient norm equal a hand-written objective over the model's logits."""
+  b = make_batch()
+  pg = objectives.PGConfig(entropy_coeff=0.05, loss_agg=agg)
+  trainer = train_step.Trainer(CFG, OPT, mesh1(), objectives.policy_gradient(CFG, pg), num_microbatches=2)
+  params = jax.device_get(trainer.init(jax.random.key(0)).params)
+  _, m = trainer.step(trainer.init(params=params), trainer.put_batch(b))
+  P = b.tokens_BT.shape[1] - b.loss_mask_BC.shape[1]
+  mask = jnp.asarray(b.loss_mask_BC, jnp.float32)
+  per_row = lambda x: jnp.sum(x * mask, 1) / jnp.maximum(mask.sum(1), 1)
+  reduce = (lambda x: jnp.sum(x * mask) / mask.sum()) if agg == "token_mean" else (lambda x: per_row(x).mean())
+
+  def objective(p):
+    logits = model.logits(CFG, p, b.tokens_BT[:, :-1], b.mask_BT[:, :-1])[:, P - 1:]
+    logp = loss.token_logprobs(logits, b.tokens_BT[:, P:])
+    ratio = jnp.exp(logp - b.old_logp_BC)
+    a = b.adv_B[:, None]
+    pg_tok = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28))
+    pg_tok = jnp.where(a < 0, jnp.minimum(pg_tok, -a * 10.0), pg_tok)
+    probs = jax.nn.softmax(logits, -1)
+    entropy = -jnp.sum(probs * jax.nn.log_softmax(logits, -1), -1)
+    return reduce(pg_tok) - 0.05 * reduce(entropy), reduce(entropy)
+
+  (ref_loss, ref_entropy), grads = jax.value_and_grad(objective, has_aux=True)(params)
+  np.testing.assert_allclose(m["loss"], ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(m["entropy_loss"], ref_entropy, rtol=1e-5)
+  np.testing.assert_allclose(m["grad_norm"], optax.global_norm(grads), rtol=1e-4)

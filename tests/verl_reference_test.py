@@ -72,7 +72,7 @@ class DataProto:
 
 
 verl_F = types.SimpleNamespace(**{k: v for k, v in extract(
-    "torch_functional.py.txt", ("masked_sum", "masked_mean", "masked_var", "masked_whiten"),
+    "torch_functional.py.txt", ("masked_sum", "masked_mean", "masked_var", "masked_whiten", "entropy_from_logits"),
     {"torch": torch}).items() if not k.startswith("__")})
 BASE = {"torch": torch, "np": np, "math": math, "verl_F": verl_F, "defaultdict": collections.defaultdict,
         "ActorConfig": ActorConfig, "AlgoConfig": AlgoConfig, "DataProto": DataProto}
@@ -245,6 +245,25 @@ def test_aggregations_match_verl_agg_loss(agg):
   with jax.enable_x64(True):
     got = float(loss.aggregate(jnp.asarray(logp), jnp.asarray(mask), agg, norm_len=NORM_LEN))
   assert got == pytest.approx(want, rel=1e-7)
+
+
+@pytest.mark.parametrize("agg", list(AGGS))
+def test_the_entropy_term_matches_verls_value_and_gradient(agg):
+  """`dapo.entropy_coeff`'s term: verl's actor subtracts entropy_coeff x agg_loss(entropy_from_logits(logits),
+  response_mask, loss_agg_mode); ours aggregates `loss.entropy` alike. Values and gradients in the
+  logits, float64."""
+  _, _, _, mask = case(5)
+  logits = np.random.default_rng(6).normal(0, 2.0, size=(*mask.shape, 13))
+  scale = NORM_LEN if agg.endswith("norm") else None
+  x = torch.tensor(logits, requires_grad=True)
+  want = verl["agg_loss"](verl_F.entropy_from_logits(x), torch.tensor(mask.astype(float)), AGGS[agg],
+                          loss_scale_factor=scale)
+  want.backward()
+  term = lambda z: loss.aggregate(loss.entropy(z), jnp.asarray(mask), agg, norm_len=NORM_LEN)
+  with jax.enable_x64(True):
+    got, grad = jax.value_and_grad(term)(jnp.asarray(logits))
+  assert float(got) == pytest.approx(float(want), rel=1e-7)
+  np.testing.assert_allclose(np.asarray(grad), x.grad.numpy(), rtol=1e-7, atol=1e-12)
 
 
 # --- rollout correction -------------------------------------------------------------------------

@@ -154,6 +154,7 @@ class Dapo(Section):
   overlong_filter: bool = False    # mask truncated samples out of the loss
   kl_coef: float = _PG.kl_coef     # DAPO: no KL, no reference model
   kl_estimator: str = _PG.kl_estimator
+  entropy_coeff: float = _PG.entropy_coeff   # entropy bonus: the loss minus this x the aggregated entropy (verl's)
   adv_estimator: str = _LOOP.adv_estimator   # advantages.ESTIMATORS; gae = PPO (critic), distill = a teacher
   teacher_dir: str = ""            # distill: the teacher, an HF directory of the policy's tokenizer
 
@@ -172,6 +173,7 @@ class Dapo(Section):
     self.choice("adv_estimator", adv_lib.ESTIMATORS)
     self.choice("kl_estimator", ("k1", "k3"), "'k1' or 'k3'")
     self.number("kl_coef", 0)
+    self.number("entropy_coeff", 0)
     self.number("overlong_penalty", 0)
     self.number("max_gen_batches", 0, integer=True, allowed=">= 0 (0 = unlimited)")
     self.number("admit_margin", 0, allowed=">= 0 (standard deviations of the expected keeps)")
