@@ -251,7 +251,8 @@ def test_aggregations_match_verl_agg_loss(agg):
 def test_the_entropy_term_matches_verls_value_and_gradient(agg):
   """`dapo.entropy_coeff`'s term: verl's actor subtracts entropy_coeff x agg_loss(entropy_from_logits(logits),
   response_mask, loss_agg_mode); ours aggregates `loss.entropy` alike. Values and gradients in the
-  logits, float64."""
+  logits against verl's in float64 (ours computes the entropy in float32, as the train step does:
+  1e-6 relative on the value, 1e-5 on each gradient entry's scale)."""
   _, _, _, mask = case(5)
   logits = np.random.default_rng(6).normal(0, 2.0, size=(*mask.shape, 13))
   scale = NORM_LEN if agg.endswith("norm") else None
@@ -262,8 +263,8 @@ def test_the_entropy_term_matches_verls_value_and_gradient(agg):
   term = lambda z: loss.aggregate(loss.entropy(z), jnp.asarray(mask), agg, norm_len=NORM_LEN)
   with jax.enable_x64(True):
     got, grad = jax.value_and_grad(term)(jnp.asarray(logits))
-  assert float(got) == pytest.approx(float(want), rel=1e-7)
-  np.testing.assert_allclose(np.asarray(grad), x.grad.numpy(), rtol=1e-7, atol=1e-12)
+  assert float(got) == pytest.approx(float(want), rel=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), x.grad.numpy(), rtol=0, atol=1e-5 * np.abs(x.grad.numpy()).max())
 
 
 # --- rollout correction -------------------------------------------------------------------------
