@@ -303,6 +303,27 @@ def test_streaming_joins_to_the_text_and_seeds_fix_it(client):
       model="dapo-policy", prompt="What is", **kw).choices[0].text
 
 
+@pytest.mark.parametrize("logprobs", [0, 3])
+def test_streamed_completion_logprobs_arrive_with_their_tokens_and_join_to_the_whole_answers(client, policy,
+                                                                                             logprobs):
+  """Completions streamed with `logprobs` (the sampled tokens', or N alternatives scored per chunk): the
+  chunks' tokens, log-probs, alternatives and offsets joined are the unstreamed answer's (the scored
+  values to rounding: each chunk's pass is over the answer so far)."""
+  kw = dict(prompt=chat_ids(policy[2], "What is 1 + 1?"), temperature=1.0, seed=11, max_tokens=40, logprobs=logprobs)
+  whole = client.completions.create(model="dapo-policy", **kw).choices[0].logprobs
+  chunks = list(client.completions.create(model="dapo-policy", stream=True, **kw))
+  parts = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+  assert len(parts) > 1
+  joined = lambda field: [x for part in parts for x in getattr(part, field)]
+  assert joined("tokens") == whole.tokens and joined("text_offset") == whole.text_offset
+  np.testing.assert_allclose(joined("token_logprobs"), whole.token_logprobs, rtol=0, atol=1e-5)
+  if logprobs:
+    tops = joined("top_logprobs")
+    assert [sorted(t) for t in tops] == [sorted(t) for t in whole.top_logprobs]
+    for got, want in zip(tops, whole.top_logprobs):
+      np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], atol=1e-5)
+
+
 def test_streamed_logprobs_arrive_with_their_tokens_and_join_to_the_whole_answers(client):
   """Chat `logprobs` streamed: each chunk carries the log-probs of the tokens drawn since the last, none
   a stop string may still cut; joined, the unstreamed answer's (tokens and values), with and without

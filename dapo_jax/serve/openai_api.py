@@ -370,9 +370,6 @@ class OpenAIPolicy:
     max_tokens = self._check(body, body.max_tokens, scoring_only=body.echo)
     if body.stream and body.echo:
       raise APIError(400, "echo: not supported with stream", param="echo")
-    if body.stream and body.logprobs:
-      raise APIError(400, "logprobs: alternatives are not streamed; logprobs=0 gives the sampled tokens' log-probs",
-                     param="logprobs")
     stops = _stops(body.stop)
     prompts = await asyncio.to_thread(self.completion_prompts, body)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -409,13 +406,37 @@ class OpenAIPolicy:
       return {**head, "choices": choices, "usage": self._usage(prompts, samples)}
 
     async def chunks(emit):
+      sent = [0] * (len(prompts) * body.n)  # Each choice's tokens whose log-probs went out.
+
+      async def logprobs_delta(i, s: SampleText):
+        """The log-probs of the tokens settled since the last chunk (none a stop string may still cut);
+        N > 0: scored by a teacher-forced pass over the answer so far, its stop token at its end."""
+        pairs = await _text_work(len(s.tokens), s.token_logprobs, True)
+        if body.logprobs:
+          answer = s.answer_tokens() if s.finish is not None else s.answer_tokens()[:len(pairs)]
+          if len(answer) <= sent[i]:
+            return None
+          scores = await self._scores([prompts[i // body.n] + answer])
+          full = await _text_work(len(answer), self._scored_logprobs, prompts[i // body.n], answer, scores[0],
+                                  body.logprobs, False)
+        else:
+          if len(pairs) <= sent[i]:
+            return None
+          full = await _text_work(len(pairs), self._completion_logprobs, s)
+        end = len(full["tokens"]) if s.finish is not None else (len(answer) if body.logprobs else len(pairs))
+        out = {k: None if v is None else v[sent[i]:end] for k, v in full.items()}
+        sent[i] = end
+        return out
+
       async def update(i, s: SampleText, done: bool):
         text = s.delta()
-        if s.reported or not (text or s.finish):
+        if s.reported:
+          return
+        logprobs = await logprobs_delta(i, s) if want_logprobs else None
+        if not (text or s.finish or logprobs):
           return
         s.reported = s.finish is not None
-        one = await _text_work(len(s.tokens) if want_logprobs and s.finish else 0, choice, i, s, text, s.finish)
-        await emit({**head, "choices": [one]})
+        await emit({**head, "choices": [{"index": i, "text": text, "finish_reason": s.finish, "logprobs": logprobs}]})
 
       samples = await self._gather(prompts, body, max_tokens, stops, update)
       if (body.stream_options or {}).get("include_usage"):
