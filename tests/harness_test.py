@@ -286,3 +286,26 @@ def test_each_episode_has_its_own_token_and_malformed_requests_are_a_400():
   finally:
     gw.close_episode(a)
     gw.close_episode(b)
+
+
+def test_an_episode_closed_while_its_harness_waits_answers_it_at_once():
+  """The run that only gives a group its prompt is closed with the harness's first request in hand: the
+  harness gets a 410 at once, not its client's timeout."""
+  seen = {}
+
+  def waiting_agent(base_url, api_key, example):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+    t0 = time.perf_counter()
+    try:
+      client.chat.completions.create(model="policy", messages=example["messages"])
+    except openai.APIStatusError as e:
+      seen["status"], seen["s"] = e.status_code, time.perf_counter() - t0
+    return 0.0
+
+  env = harness_lib.HarnessEnv(harness=waiting_agent, timeout_s=60)
+  assert env.reset(EXAMPLE)[-1]["content"] == EXAMPLE["messages"][-1]["content"]
+  env.close()
+  deadline = time.time() + 30
+  while "status" not in seen and time.time() < deadline:
+    time.sleep(0.05)
+  assert seen.get("status") == 410 and seen["s"] < 30, seen

@@ -33,7 +33,7 @@ import threading
 from dapo_jax.envs import base as env_lib
 from dapo_jax.envs import tool_formats
 from dapo_jax.serve import gateway as gateway_lib
-from dapo_jax.serve import openai_api
+from dapo_jax.serve import http, openai_api
 
 COMMAND_ENV = ("PATH", "HOME", "LANG")   # what a command gets of the trainer's environment, besides pass_env
 
@@ -77,6 +77,7 @@ class HarnessEnv(env_lib.Env):
     self.pass_env = (pass_env,) if isinstance(pass_env, str) else tuple(pass_env)
     self.timeout_s = timeout_s
     self.ep = None
+    self.reply = None  # The answer to the harness's request in hand (until the policy's turn is sent).
     self.proc = None
     self._group_gone = False
 
@@ -147,8 +148,9 @@ class HarnessEnv(env_lib.Env):
     if self.turn_truncated:  # The turn hit its token budget: OpenAI's "length", whatever it holds.
       finish = "length"
     n = len(self.tokenizer(assistant_text, add_special_tokens=False)["input_ids"]) if self.tokenizer else 0
-    self.reply(gateway_lib.chat_completion(message, finish, {"prompt_tokens": 0, "completion_tokens": n,
-                                                             "total_tokens": n}))
+    reply, self.reply = self.reply, None
+    reply(gateway_lib.chat_completion(message, finish, {"prompt_tokens": 0, "completion_tokens": n,
+                                                        "total_tokens": n}))
     self.messages.append(message)
     item = self._next()
     if item[0] == "end":
@@ -167,6 +169,12 @@ class HarnessEnv(env_lib.Env):
             for m in new], None, {}
 
   def close(self) -> None:
+    """Ends the episode: the request in hand, if any, and any later one are answered 410 at once (a
+    harness never waits out its client's timeout on an episode that has ended, as the run that only
+    gives a group its prompt does)."""
+    if self.reply is not None:
+      reply, self.reply = self.reply, None
+      reply(http.APIError(410, f"episode {self.ep.eid} has ended", code="episode_ended"))
     if self.ep is not None:
       gateway_lib.gateway().close_episode(self.ep)
     self._kill_group()
