@@ -244,3 +244,31 @@ def test_a_nan_reward_is_counted_and_the_run_goes_on(tmp_path):
     m, _ = run.step(0)
   assert m["reward/errors"] > 0 and "actor/pg_loss" not in m
   assert all(math.isfinite(v) for v in m.values() if isinstance(v, (int, float))), m
+
+
+def test_a_pools_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
+  """kill -9 of a run never shuts its reward pool down: its workers notice their parent is gone and
+  exit (within a few seconds) instead of waiting on their queue for ever."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = ("import os, sys, time\n"
+            "from dapo_jax import rewards\n"
+            "pool = rewards.RewardPool('dapo_jax.rewards:math_dapo', timeout_s=30, workers=2)\n"
+            "pool._executor()\n"
+            "print(' '.join(str(p) for p in pool._executor()._processes), flush=True)\n"
+            "time.sleep(600)\n")
+  run = subprocess.Popen([sys.executable, "-c", script], cwd=root, env=dict(os.environ, PYTHONPATH=root),
+                         stdout=subprocess.PIPE, text=True)
+  workers = [int(p) for p in run.stdout.readline().split()]
+  assert len(workers) == 2 and all(os.path.exists(f"/proc/{p}") for p in workers)
+  os.kill(run.pid, signal.SIGKILL)
+  run.wait(timeout=30)
+  deadline = time.time() + 20
+  alive = lambda p: os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+  while any(alive(p) for p in workers) and time.time() < deadline:
+    time.sleep(0.2)
+  assert not any(alive(p) for p in workers), [p for p in workers if alive(p)]

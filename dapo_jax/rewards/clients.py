@@ -13,7 +13,9 @@ import logging
 import math
 import multiprocessing as mp
 import numbers
+import os
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -90,6 +92,15 @@ def _init_worker(started_queue) -> None:
   global _started_queue
   _started_queue = started_queue
   sys.stdout, sys.stderr = _CappedStream(sys.stdout), _CappedStream(sys.stderr)
+  threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+
+
+def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+  """Ends this worker once the process that started it is gone (killed with SIGKILL, it never shuts its
+  pool down): an orphaned worker is re-parented, and would otherwise wait on its queue for ever."""
+  while os.getppid() == parent_pid:
+    time.sleep(poll_s)
+  os._exit(0)
 
 
 def _warm_up(path: str) -> None:
