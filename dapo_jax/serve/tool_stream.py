@@ -48,10 +48,13 @@ def _json_prefix(text: str) -> tuple[str, bool]:
 def _json_calls(text: str, fmt: str) -> tuple[int, list[tuple[str, str, bool]]]:
   """Where the first call starts in `text`, and each call so far as (name, arguments text, complete);
   a call whose name is not written whole yet is left out."""
-  if fmt == "llama3":
-    body_at = text.find("<|python_tag|>")
-    start = body_at + len("<|python_tag|>") if body_at >= 0 else (0 if text.lstrip().startswith("{") else -1)
-    bodies = [] if start < 0 else [text[start:]]
+  if fmt == "llama3":  # The whole message is the call, or what follows <|python_tag|>.
+    start = text.find("<|python_tag|>")
+    if start >= 0:
+      bodies = [text[start + len("<|python_tag|>"):]]
+    else:
+      start = 0 if text.lstrip().startswith("{") else -1
+      bodies = [text] if start == 0 else []
   else:
     start = text.find(_MARKERS[fmt])
     bodies = [b.split("</tool_call>")[0] for b in text.split(_MARKERS[fmt])[1:]] if start >= 0 else []
