@@ -54,7 +54,8 @@ def streamed(text: str, fmt: str, seed: int):
 def test_a_streamed_turn_joins_into_the_unstreamed_message(fmt):
   for text in TURNS[fmt]:
     message, finish = openai_api.assistant_message(text, TOOLS, fmt)
-    want_calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls", [])]
+    want_calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                  for c in message.get("tool_calls", [])]
     for seed in range(3):
       content, calls, got_finish = streamed(text, fmt, seed)
       assert got_finish == finish, (fmt, text)
