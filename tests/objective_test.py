@@ -49,6 +49,17 @@ def surrogate_np(logp, old, adv, eps_low=0.2, eps_high=0.28, c=10.0):
   return loss_, grad
 
 
+def clipped_objective_terms(params, b, P):
+  """By hand: the completion logits, their log-probs and the per-token decoupled-clip surrogate (eps
+  0.2 / 0.28, dual clip 10) of batch `b` whose prompts are P long."""
+  logits = model.logits(CFG, params, b.tokens_BT[:, :-1], b.mask_BT[:, :-1])[:, P - 1:]
+  logp = loss.token_logprobs(logits, b.tokens_BT[:, P:])
+  ratio = jnp.exp(logp - b.old_logp_BC)
+  a = b.adv_B[:, None]
+  pg_tok = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28))
+  return logits, logp, jnp.where(a < 0, jnp.minimum(pg_tok, -a * 10.0), pg_tok)
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
 def test_kl_penalty_loss_and_gradient_against_numpy(estimator):
   b = make_batch()
@@ -92,12 +103,7 @@ def test_train_step_with_kl_matches_the_reference_gradient():
   mask = jnp.asarray(b.loss_mask_BC, jnp.float32)
 
   def objective(p):
-    logits = model.logits(CFG, p, b.tokens_BT[:, :-1], b.mask_BT[:, :-1])[:, P - 1:]
-    logp = loss.token_logprobs(logits, b.tokens_BT[:, P:])
-    ratio = jnp.exp(logp - b.old_logp_BC)
-    a = b.adv_B[:, None]
-    pg_tok = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28))
-    pg_tok = jnp.where(a < 0, jnp.minimum(pg_tok, -a * 10.0), pg_tok)
+    _, logp, pg_tok = clipped_objective_terms(p, b, P)
     d = b.ref_logp_BC - logp
     kl_tok = jnp.exp(d) - d - 1
     kl = jnp.sum(kl_tok * mask) / mask.sum()
@@ -148,12 +154,7 @@ def test_train_step_with_an_entropy_bonus_matches_the_reference_gradient(agg):
   reduce = (lambda x: jnp.sum(x * mask) / mask.sum()) if agg == "token_mean" else (lambda x: per_row(x).mean())
 
   def objective(p):
-    logits = model.logits(CFG, p, b.tokens_BT[:, :-1], b.mask_BT[:, :-1])[:, P - 1:]
-    logp = loss.token_logprobs(logits, b.tokens_BT[:, P:])
-    ratio = jnp.exp(logp - b.old_logp_BC)
-    a = b.adv_B[:, None]
-    pg_tok = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 0.8, 1.28))
-    pg_tok = jnp.where(a < 0, jnp.minimum(pg_tok, -a * 10.0), pg_tok)
+    logits, logp, pg_tok = clipped_objective_terms(p, b, P)
     probs = jax.nn.softmax(logits, -1)
     entropy = -jnp.sum(probs * jax.nn.log_softmax(logits, -1), -1)
     return reduce(pg_tok) - 0.05 * reduce(entropy), reduce(entropy)

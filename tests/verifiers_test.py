@@ -1,4 +1,4 @@
-"""Environments of the `verifiers` library in training (`envs.verifiers_env`): a verifiers
+"""Environments of the `verifiers` library in training (`serve.verifiers_env`): a verifiers
 SingleTurnEnv drives each episode through the episode gateway with the official `openai` client; its
 rubric's reward is the episode's score (checked against the sampled text by hand), the trained row
 is what the engine sampled (log-probs teacher-forced), and a command-line run trains with it."""
@@ -20,7 +20,7 @@ from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import episodes, rollout, sampling
 
 vf = pytest.importorskip("verifiers")
-from dapo_jax.envs import verifiers_env  # noqa: E402 (after the skip)
+from dapo_jax.serve import verifiers_env  # noqa: E402 (after the skip)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QA = [("What is 12 + 5?", "17"), ("What is 40 + 2?", "42"), ("What is 3 + 4?", "7")]
@@ -47,7 +47,7 @@ def test_a_verifiers_environment_scores_what_the_engine_sampled(setup):
   eos = tokenizer_lib.eos_ids(tok)
   sc = sampling.SamplerConfig(max_new_tokens=24, temperature=TEMPERATURE, eos_ids=eos, pad_id=tok.pad_token_id)
   mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  env = functools.partial(verifiers_env.VerifiersEnv, environment="dapo_jax.envs.verifiers_env:arith_exact_match",
+  env = functools.partial(verifiers_env.VerifiersEnv, environment="dapo_jax.serve.verifiers_env:arith_exact_match",
                           timeout_s=60)
   r = rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=64, turn_tokens=24, slots=4,
                                                             filter_metric="score"),
@@ -85,7 +85,7 @@ def test_an_environment_that_is_not_one_is_refused_and_the_trainers_signal_handl
   with pytest.raises(TypeError, match="gave a dict, not a verifiers Environment"):
     verifiers_env.VerifiersEnv(environment="builtins:dict")
   before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-  env = verifiers_env.VerifiersEnv(environment="dapo_jax.envs.verifiers_env:arith_exact_match",
+  env = verifiers_env.VerifiersEnv(environment="dapo_jax.serve.verifiers_env:arith_exact_match",
                                    env_args={"system_prompt": "Be brief."})
   assert isinstance(env.environment, vf.SingleTurnEnv)
   assert {s: signal.getsignal(s) for s in before} == before
@@ -98,8 +98,8 @@ def test_a_command_line_run_trains_with_a_verifiers_environment(tmp_path):
   rubric's rewards in the metrics (`rollout/acc_all`)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS)
   out = subprocess.run([sys.executable, "-m", "launch.train", "--config=configs/default.py:runlocal",
-                        "--config.rollout.env=dapo_jax.envs.verifiers_env:VerifiersEnv",
-                        '--config.rollout.env_args={"environment": "dapo_jax.envs.verifiers_env:arith_exact_match"}',
+                        "--config.rollout.env=dapo_jax.serve.verifiers_env:VerifiersEnv",
+                        '--config.rollout.env_args={"environment": "dapo_jax.serve.verifiers_env:arith_exact_match"}',
                         "--config.train.num_steps=2", f"--workdir={tmp_path / 'run'}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Environments of the `verifiers` library (prime-rl's environments hub) as training environments.
 
-    rollout.env="dapo_jax.envs.verifiers_env:VerifiersEnv"
-    rollout.env_args='{"environment": "dapo_jax.envs.verifiers_env:arith_exact_match"}'   # module:function
+    rollout.env="dapo_jax.serve.verifiers_env:VerifiersEnv"
+    rollout.env_args='{"environment": "dapo_jax.serve.verifiers_env:arith_exact_match"}'   # module:function
     rollout.env_args='{"environment": "my-env", "env_args": {"difficulty": 2}}'   # vf.load_environment's id
 
 A verifiers environment drives an OpenAI client: its rollout logic (one turn, several, tools) talks to
