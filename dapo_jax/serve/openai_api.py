@@ -28,13 +28,12 @@ import uuid
 from typing import Any, Literal, Union
 
 import fastapi
-import numpy as np
 import pydantic
 from fastapi import responses
 
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import tool_formats
-from dapo_jax.serve import http, scoring, tool_stream
+from dapo_jax.serve import http, logprob_layouts, scoring, tool_stream
 from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve.http import APIError
 from dapo_jax.serve.sample_text import SampleText
@@ -308,38 +307,6 @@ class OpenAIPolicy:
       raise APIError(400, "prompt: no prompt given", param="prompt")
     return [self._prompt_ids(list(x), f"prompt[{i}]" if len(ids) > 1 else "prompt") for i, x in enumerate(ids)]
 
-  def _completion_logprobs(self, s: SampleText) -> dict:
-    """`logprobs=0` without echo: the sampled tokens' own log-probs, as the sampler drew them."""
-    pairs = s.token_logprobs()
-    offsets = np.cumsum([0] + [len(t) for t, _ in pairs])[:-1].tolist()
-    return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
-            "top_logprobs": None, "text_offset": offsets}
-
-  def _scored_logprobs(self, prompt: list[int], answer: list[int], scores: scoring.Scores, top: int,
-                       echo: bool) -> dict:
-    """vLLM's completion log-probs of the answer (and with `echo` the prompt before it, its first
-    token null) from a teacher-forced `scoring.Scores` of prompt + answer: each token's log-prob and
-    a dict of it and the `top` likeliest tokens at its position."""
-    start = 0 if echo else len(prompt)
-    ids = (prompt + answer)[start:]
-    piece = lambda t: self.tok.decode([int(t)], skip_special_tokens=False)
-    tokens = [piece(t) for t in ids]
-    value = lambda x: max(float(x), -9999.0)  # vLLM's floor (-inf is not JSON)
-    token_logprobs, tops = [], []
-    for j, t in enumerate(ids, start):
-      if j == 0:
-        token_logprobs.append(None)
-        tops.append(None)
-        continue
-      alternatives = {tokens[j - start]: value(scores.logp[j])}
-      for lp, alt in zip(scores.top_logp[j][:top], scores.top_ids[j][:top]):
-        key = piece(alt)
-        alternatives[key] = max(alternatives.get(key, -float("inf")), value(lp))
-      token_logprobs.append(value(scores.logp[j]))
-      tops.append(alternatives)
-    offsets = np.cumsum([0] + [len(t) for t in tokens])[:-1].tolist()
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
   async def _scores(self, rows: list[list[int]]) -> list[scoring.Scores]:
     try:
       future = self.scheduler.score(rows)
@@ -378,7 +345,7 @@ class OpenAIPolicy:
 
     def choice(i, s: SampleText, text: str, finish):
       return {"index": i, "text": text, "finish_reason": finish,
-              "logprobs": self._completion_logprobs(s) if want_logprobs and finish else None}
+              "logprobs": logprob_layouts.completion_sampled(s) if want_logprobs and finish else None}
 
     if not body.stream:
       n = body.n
@@ -398,8 +365,8 @@ class OpenAIPolicy:
         out = []
         for i, s in enumerate(samples):
           text = texts[i // n] + s.text if body.echo else s.text
-          lp = (self._scored_logprobs(prompts[i // n], answers[i], scores[i], body.logprobs, body.echo)
-                if want_logprobs else None)
+          lp = (logprob_layouts.completion_scored(self.tok, prompts[i // n], answers[i], scores[i],
+                                                  body.logprobs, body.echo) if want_logprobs else None)
           out.append({"index": i, "text": text, "finish_reason": s.finish, "logprobs": lp})
         return out
       choices = await _text_work(_tokens(samples) + sum(map(len, prompts)), scored_choices)
@@ -417,12 +384,12 @@ class OpenAIPolicy:
           if len(answer) <= sent[i]:
             return None
           scores = await self._scores([prompts[i // body.n] + answer])
-          full = await _text_work(len(answer), self._scored_logprobs, prompts[i // body.n], answer, scores[0],
-                                  body.logprobs, False)
+          full = await _text_work(len(answer), logprob_layouts.completion_scored, self.tok, prompts[i // body.n],
+                                  answer, scores[0], body.logprobs, False)
         else:
           if len(pairs) <= sent[i]:
             return None
-          full = await _text_work(len(pairs), self._completion_logprobs, s)
+          full = await _text_work(len(pairs), logprob_layouts.completion_sampled, s)
         end = len(full["tokens"]) if s.finish is not None else (len(answer) if body.logprobs else len(pairs))
         out = {k: None if v is None else v[sent[i]:end] for k, v in full.items()}
         sent[i] = end
@@ -495,32 +462,6 @@ class OpenAIPolicy:
     """The assistant message of a finished sample (after a forced call `opening`), and its finish reason."""
     return assistant_message(opening + s.text, tools, self.tool_format, s.finish)
 
-  @staticmethod
-  def _logprobs_content(pairs) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in pairs]}
-
-  def _chat_logprobs(self, s: SampleText) -> dict:
-    return self._logprobs_content(s.token_logprobs())
-
-  def _chat_scored_logprobs(self, s: SampleText, prompt_len: int, scores: scoring.Scores, top: int,
-                            start: int = 0, pairs=None) -> dict:
-    """`top_logprobs` > 0: each answer token's log-prob and its position's `top` likeliest, from a
-    teacher-forced pass (`scoring`: the model's own distribution, as completions' `logprobs=N`); from
-    the answer's token `start` on, of `pairs` (default: all its tokens)."""
-    value = lambda x: max(float(x), -9999.0)
-    entry = lambda t, lp: {"token": t, "logprob": value(lp), "bytes": list(t.encode())}
-    content = []
-    pairs = s.token_logprobs() if pairs is None else pairs
-    for k, (t, _) in enumerate(pairs):
-      if k < start:
-        continue
-      j = prompt_len + k
-      alternatives = [entry(self.tok.decode([int(i)], skip_special_tokens=False), lp)
-                      for lp, i in zip(scores.top_logp[j][:top], scores.top_ids[j][:top])]
-      content.append(dict(entry(t, scores.logp[j]), top_logprobs=alternatives))
-    return {"content": content}
-
   async def chat(self, body: ChatBody):
     max_tokens = self._check(body, body.max_completion_tokens or body.max_tokens)
     stops = _stops(body.stop)
@@ -531,9 +472,10 @@ class OpenAIPolicy:
     def choice(i, s: SampleText, scores=None) -> dict:
       message, finish = self._message(s, tools, opening)
       if scores is not None:
-        logprobs = self._chat_scored_logprobs(s, len(ids), scores[i], body.top_logprobs)
+        logprobs = logprob_layouts.chat_scored(self.tok, s.token_logprobs(), len(ids), scores[i],
+                                               body.top_logprobs)
       else:
-        logprobs = self._chat_logprobs(s) if body.logprobs else None
+        logprobs = logprob_layouts.chat_sampled(s.token_logprobs()) if body.logprobs else None
       return {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
     if not body.stream:
@@ -571,10 +513,10 @@ class OpenAIPolicy:
           if len(pairs) > logprobs_sent[i]:
             if body.top_logprobs:  # Their alternatives: a teacher-forced pass over what is settled.
               scores = await self._scores([ids + s.answer_tokens()[:len(pairs)]])
-              chunk["logprobs"] = self._chat_scored_logprobs(s, len(ids), scores[0], body.top_logprobs,
-                                                             start=logprobs_sent[i], pairs=pairs)
+              chunk["logprobs"] = logprob_layouts.chat_scored(self.tok, pairs, len(ids), scores[0],
+                                                              body.top_logprobs, start=logprobs_sent[i])
             else:
-              chunk["logprobs"] = self._logprobs_content(pairs[logprobs_sent[i]:])
+              chunk["logprobs"] = logprob_layouts.chat_sampled(pairs[logprobs_sent[i]:])
             logprobs_sent[i] = len(pairs)
         if done or (not tools and s.finish) or (tools and finish):
           s.reported = True
