@@ -38,65 +38,104 @@ def prompts(lengths=(21, 3, 9, 16, 17), prefix=0, seed=0):
   return tokens, np.arange(P)[None, :] >= P - np.array(lengths)[:, None]
 
 
+def dense_rows(pool_KNpH, table_BM, mask_BT):
+  """By hand: each row's dense view, marked position t holding its token number (marked positions before t)."""
+  B, T = mask_BT.shape
+  p = pool_KNpH.shape[2]
+  out = np.zeros((B, pool_KNpH.shape[0], T, pool_KNpH.shape[3]), pool_KNpH.dtype)
+  for b in range(B):
+    c = 0
+    for t in range(T):
+      if mask_BT[b, t]:
+        out[b, :, t] = pool_KNpH[:, table_BM[b, c // p], c % p]
+        c += 1
+  return out
+
+
 def test_paged_read_and_write_are_the_dense_caches():
   """Rows whose pages lie anywhere in the pool (shared, or the null page) read as the dense rows they
-  stand for, and the attention over them is the dense cache's; a write lands at its row's position,
-  and a row at index T writes nothing."""
+  stand for (a marked position holds the row's token of its number, whatever the padding before or
+  holes between), and the attention over them is the dense cache's; a write lands at its row's token
+  number, and a row not live writes nothing."""
   B, K, H, p, M, N = 3, 2, 4, 4, 5, 20
-  T = M * p - 2  # The last page is not whole.
+  T = M * p + 3  # Dense rows longer than their tokens: a left-padded prompt.
   rng = np.random.default_rng(0)
-  k_NKHp = rng.normal(size=(N, K, H, p)).astype(np.float32)
-  v_NKpH = rng.normal(size=(N, K, p, H)).astype(np.float32)
-  k_NKHp[paged.NULL_PAGE], v_NKpH[paged.NULL_PAGE] = 0, 0
+  k_KNpH, v_KNpH = rng.normal(size=(2, K, N, p, H)).astype(np.float32)
+  k_KNpH[:, paged.NULL_PAGE], v_KNpH[:, paged.NULL_PAGE] = 0, 0
   table_BM = np.stack([rng.permutation(np.arange(1, N))[:M] for _ in range(B)]).astype(np.int32)
-  table_BM[1, :2] = paged.NULL_PAGE  # A row that holds no token there.
   table_BM[2, 2] = table_BM[0, 2]    # A page two rows share.
-  dense_k = np.concatenate([k_NKHp[table_BM[:, j]] for j in range(M)], axis=3)[..., :T]
-  dense_v = np.concatenate([v_NKpH[table_BM[:, j]] for j in range(M)], axis=2)[:, :, :T]
-  k_BKHT, v_BKTH = paged.read(jnp.asarray(k_NKHp), jnp.asarray(v_NKpH), jnp.asarray(table_BM), T)
-  np.testing.assert_array_equal(k_BKHT, dense_k)
-  np.testing.assert_array_equal(v_BKTH, dense_v)
-  mask_B1T = jnp.asarray(rng.random((B, 1, T)) < 0.7).at[1, 0, :2 * p].set(False)
+  mask_BT = np.zeros((B, T), bool)
+  mask_BT[0, 3:] = True              # Left padding.
+  mask_BT[1, 7:12] = True            # A prompt's prefix, a hole, its suffix and completion.
+  mask_BT[1, 15:T - 2] = True
+  mask_BT[2, 1:T - 4] = True
+  k_BKHT, v_BKTH = paged.read(jnp.asarray(k_KNpH), jnp.asarray(v_KNpH), jnp.asarray(table_BM), jnp.asarray(mask_BT))
+  want_k, want_v = dense_rows(k_KNpH, table_BM, mask_BT), dense_rows(v_KNpH, table_BM, mask_BT)
+  np.testing.assert_array_equal(np.where(mask_BT[:, None, :, None], k_BKHT.swapaxes(2, 3), 0), want_k)
+  np.testing.assert_array_equal(np.where(mask_BT[:, None, :, None], v_BKTH, 0), want_v)
   q_BKR1H = jnp.asarray(rng.normal(size=(B, K, 2, 1, H)).astype(np.float32))
+  mask_B1T = jnp.asarray(mask_BT)[:, None]
   np.testing.assert_array_equal(layers.attention(q_BKR1H, k_BKHT, v_BKTH, mask_B1T, k_layout="BKHS"),
-                                layers.attention(q_BKR1H, dense_k, dense_v, mask_B1T, k_layout="BKHS"))
-  new_k, new_v = rng.normal(size=(2, B, K, 1, H)).astype(np.float32)
-  index_B = np.array([6, 13, T])
-  k2, v2 = paged.update(jnp.asarray(k_NKHp), jnp.asarray(v_NKpH), jnp.asarray(table_BM), new_k, new_v,
-                        jnp.asarray(index_B), T)
-  k_read, v_read = paged.read(k2, v2, jnp.asarray(table_BM), T)
+                                layers.attention(q_BKR1H, jnp.asarray(want_k).swapaxes(2, 3), jnp.asarray(want_v),
+                                                 mask_B1T, k_layout="BKHS"))
+  new_k, new_v = rng.normal(size=(2, B, K, H)).astype(np.float32)
+  token_B, live_B = np.array([6, 13, 2]), np.array([True, True, False])
+  k2, v2 = paged.update(jnp.asarray(k_KNpH), jnp.asarray(v_KNpH), jnp.asarray(table_BM), new_k, new_v,
+                        jnp.asarray(token_B), jnp.asarray(live_B))
   for b in range(2):
-    np.testing.assert_array_equal(k_read[b, :, :, index_B[b]], new_k[b, :, 0])
-    np.testing.assert_array_equal(v_read[b, :, index_B[b]], new_v[b, :, 0])
-  changed = (np.asarray(k2) != k_NKHp).any(axis=(1, 2, 3))
+    page, offset = table_BM[b, token_B[b] // p], token_B[b] % p
+    np.testing.assert_array_equal(np.asarray(k2)[:, page, offset], new_k[b])
+    np.testing.assert_array_equal(np.asarray(v2)[:, page, offset], new_v[b])
+  changed = (np.asarray(k2) != k_KNpH).any(axis=(0, 2, 3))
   assert sorted(np.flatnonzero(changed)) == sorted([table_BM[0, 6 // p], table_BM[1, 13 // p]])
 
 
 @pytest.mark.parametrize("G,chunk_pages,softcap", [(1, 1, 0.0), (1, 3, 5.0), (2, 2, 0.0), (2, 64, 5.0)])
 def test_the_ragged_read_attends_as_the_gathered_rows_do(G, chunk_pages, softcap):
-  """`paged.attend` (each row's pages that hold a marked position, a chunk of them at a time, an online
-  softmax) against `layers.attention` over `read`'s dense rows: rows of one page, of many, with holes
-  (a sliding window's mask), starting past a page's first position, across G shards of the pool; a row
-  not live reads nothing (zeros) whatever its table names."""
+  """`paged.attend` (each row's pages that hold a marked token, a chunk of them at a time, an online
+  softmax) against `layers.attention` over `read`'s dense rows: rows of one page, of many, a sliding
+  window's mask (its first token past a page's start), across G shards of the pool; a row not live reads nothing (zeros)
+  whatever its table names."""
   rng = np.random.default_rng(3)
   B, K, R, H, p, N, T = 6, 2, 3, 8, 4, 40, 37
   M = paged.pages_per_row(T, p)
-  k_NKHp = jnp.asarray(rng.normal(size=(N, K, H, p)).astype(np.float32))
-  v_NKpH = jnp.asarray(rng.normal(size=(N, K, p, H)).astype(np.float32))
+  k_KNpH, v_KNpH = jnp.asarray(rng.normal(size=(2, K, N, p, H)).astype(np.float32))
   table_BM = jnp.asarray(rng.integers(1, N // G, size=(B, M)).astype(np.int32))  # Ids within each shard's pool.
   mask_BT = np.zeros((B, T), bool)
   for b, (lo, hi) in enumerate([(3, 20), (10, 11), (0, 37), (5, 9), (13, 30), (2, 36)]):
     mask_BT[b, lo:hi] = True
-  mask_BT[5, 8:25] = False  # A window's hole.
+  last_B1 = np.max(np.where(mask_BT, np.arange(T), 0), axis=1, keepdims=True)
+  attend_BT = mask_BT & (np.arange(T)[None, :] > last_B1 - 7)  # A sliding window's: each row's last 7 positions.
   live_B = np.array([True, True, True, False, True, True])
   q_BKRH = jnp.asarray(rng.normal(size=(B, K, R, H)).astype(np.float32))
-  k_BKHT, v_BKTH = paged.read(k_NKHp, v_NKpH, table_BM, T, G)
-  want = layers.attention(q_BKRH[:, :, :, None], k_BKHT, v_BKTH, jnp.asarray(mask_BT)[:, None], k_layout="BKHS",
+  k_BKHT, v_BKTH = paged.read(k_KNpH, v_KNpH, table_BM, jnp.asarray(mask_BT), G)
+  want = layers.attention(q_BKRH[:, :, :, None], k_BKHT, v_BKTH, jnp.asarray(attend_BT)[:, None], k_layout="BKHS",
                           softcap=softcap)[:, :, :, 0]
-  got = paged.attend(q_BKRH, k_NKHp, v_NKpH, table_BM, jnp.asarray(mask_BT), jnp.asarray(live_B), chunk_pages, G,
+  tokens_BC = paged.token_mask(jnp.asarray(mask_BT), M, p, jnp.asarray(attend_BT))
+  got = paged.attend(q_BKRH, k_KNpH, v_KNpH, table_BM, tokens_BC, jnp.asarray(live_B), chunk_pages, G,
                      softcap=softcap)
   np.testing.assert_allclose(got[live_B], want[live_B], rtol=0, atol=1e-6)
   np.testing.assert_array_equal(got[~live_B], 0.0)
+
+
+@pytest.mark.parametrize("G,softcap", [(1, 0.0), (2, 5.0)])
+def test_the_pallas_kernel_attends_as_the_gathered_rows_do(G, softcap):
+  """JAX's Pallas paged-attention kernel (here the GPU one, interpreted on the CPU) on the pool as it
+  is: each row's tokens [0, length), pages anywhere in its shard's pool, against `layers.attention`
+  over `read`'s dense rows (left-padded, so the dense view and the pages number the tokens apart)."""
+  rng = np.random.default_rng(4)
+  B, K, R, H, p, N, T = 4, 2, 2, 8, 4, 24, 30
+  M = paged.pages_per_row(T, p)
+  k_KNpH, v_KNpH = jnp.asarray(rng.normal(size=(2, K, N, p, H)).astype(np.float32))
+  table_BM = jnp.asarray(rng.integers(1, N // G, size=(B, M)).astype(np.int32))
+  length_B = np.array([1, 7, 22, 16])
+  mask_BT = np.arange(T)[None, :] >= T - length_B[:, None]
+  q_BKRH = jnp.asarray(rng.normal(size=(B, K, R, H)).astype(np.float32))
+  k_BKHT, v_BKTH = paged.read(k_KNpH, v_KNpH, table_BM, jnp.asarray(mask_BT), G)
+  want = layers.attention(q_BKRH[:, :, :, None], k_BKHT, v_BKTH, jnp.asarray(mask_BT)[:, None], k_layout="BKHS",
+                          softcap=softcap)[:, :, :, 0]
+  got = paged.kernel_attend(q_BKRH, k_KNpH, v_KNpH, table_BM, jnp.asarray(length_B, jnp.int32), G, softcap=softcap)
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
 def generate(tokens, mask, G, stop_at_B, slots=4, C=40, key=0, **kw):
@@ -107,8 +146,9 @@ def generate(tokens, mask, G, stop_at_B, slots=4, C=40, key=0, **kw):
 
 @pytest.mark.parametrize("page_size,shared_prefix,compact,read", [
     (4, 0, 64, "gather"), (7, 0, 64, "gather"), (4, 8, 64, "gather"), (4, 0, 1, "gather"),
-    (4, 0, 64, "ragged"), (7, 8, 1, "ragged")],
-    ids=["partial_last_page", "whole_pages", "shared_prefix", "compacting", "ragged", "ragged_shared_compacting"])
+    (4, 0, 64, "ragged"), (7, 8, 1, "ragged"), (4, 8, 64, "kernel")],
+    ids=["partial_last_page", "whole_pages", "shared_prefix", "compacting", "ragged", "ragged_shared_compacting",
+         "kernel_shared_prefix"])
 def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size, shared_prefix, compact, read,
                                                                       monkeypatch):
   """Prompts of 3 to 21 tokens, 3 samples each through 4 slots (refilled as samples end), ending at
@@ -140,6 +180,25 @@ def test_the_paged_engine_draws_the_dense_engines_samples_bit_for_bit(page_size,
   assert stats["samples"] == dense_stats["samples"] == 15 and stats["kv_pages_used"] == 0
   assert stats["prompt_pages_shared"] > 0 and bool(shared_prefills) == bool(shared_prefix)
   assert stats["resizes"] == dense_stats["resizes"] and (stats["resizes"] > 0) == (compact == 1)
+
+
+def test_a_sliding_window_model_reads_its_pages_as_the_dense_engine_does():
+  """A Gemma 3-shaped model (a local layer of a 5-token window beside a global one, soft-capped logits)
+  with shared prompt prefixes: every read draws the dense engine's tokens (the kernel's windowed layer
+  reads ragged) and its log-probs to rounding (XLA:CPU sums this family's gathered rows in another
+  order than the dense rows: 1e-6 apart)."""
+  cfg = testing.tiny_model_config(vocab_size=64, arch="gemma3", qk_norm=True, qkv_bias=False, local_layers=(0,),
+                                  sliding_window=5, final_softcap=30.0)
+  params = testing.sharp_params(cfg, seed=5)
+  tokens, mask = prompts(prefix=8)
+  sc = sampling.SamplerConfig(max_new_tokens=24, temperature=1.0, eos_ids=(5, 9))
+  run = lambda **kw: engine.Engine(cfg, sc, slots=4, prompt_len=P, shared_prefix=8, **kw).generate(
+      params, tokens, mask, 2, jax.random.key(3))[0]
+  dense = run()
+  for read in engine.PAGED_READS:
+    out = run(kv_layout="paged", page_size=4, paged_attention=read)
+    np.testing.assert_array_equal(out.tokens_BC, dense.tokens_BC)
+    np.testing.assert_allclose(out.logp_BC, dense.logp_BC, rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("read", ["gather", "ragged"])
@@ -177,19 +236,20 @@ def test_the_paged_engine_splits_its_slots_and_pool_over_batch_shards(read):
 
 
 def test_a_group_holds_one_copy_of_its_prompts_pages():
-  """All 15 samples start at once: each prompt's whole pages (4-token pages below position 20) are
+  """All 15 samples start at once: each prompt's whole pages (its first n // 4 pages of 4 tokens) are
   written once and taken by its 2 other samples; each sample's own pages follow its length."""
   tokens, mask = prompts()
   G, C, p = 3, 40, 4
   stop_at_B = np.random.default_rng(1).integers(2, C + 2, size=len(tokens) * G)
   out, stats = generate(tokens, mask, G, stop_at_B, slots=16, kv_layout="paged", page_size=p)
-  first = P - mask.sum(1)  # Each prompt's first real position.
-  whole = [len(range(f // p, P // p)) for f in first]  # Its pages below the samples' first own page.
-  assert stats["prompt_pages"] == sum(whole) == 16
+  n_Q = mask.sum(1)  # (21, 3, 9, 16, 17) tokens
+  whole = n_Q // p   # Its pages below the samples' first own page.
+  assert stats["prompt_pages"] == sum(whole) == 5 + 0 + 2 + 4 + 4
   assert stats["prompt_pages_shared"] == (G - 1) * sum(whole)
   assert stats["kv_pages_used"] == 0
   # Each sample's own pages: at the start those of its first round, and at most those of its budget.
-  own_pages = lambda n_B: ((P + np.minimum(n_B, C) - 1) // p - P // p + 1).sum()
+  n_B = np.repeat(n_Q, G)
+  own_pages = lambda drawn_B: ((n_B + np.minimum(drawn_B, C) - 1) // p - n_B // p + 1).sum()
   first_round = np.minimum(stop_at_B, engine.ROUND_PAGES * p)
   assert sum(whole) + own_pages(first_round) <= stats["kv_pages_peak"] <= sum(whole) + own_pages(stop_at_B)
 
@@ -244,7 +304,8 @@ def test_settings_pass_the_layout_through_and_refuse_what_it_does_not_run():
       ("rollout.page_size", 0, "rollout.page_size=0: expected >= 1 (tokens per page)"),
       ("rollout.kv_pages", 3, "rollout.kv_pages=3: expected 0 (the dense layout's bytes) or >= 4"),
       ("rollout.kv_memory_mb", -1.0, "rollout.kv_memory_mb=-1.0: expected >= 0"),
-      ("rollout.paged_attention", "pallas", "rollout.paged_attention='pallas': expected 'gather' or 'ragged'"),
+      ("rollout.paged_attention", "pallas", "rollout.paged_attention='pallas': expected 'gather', "
+       "'ragged' or 'kernel'"),
       ("rollout.engine", "static", "rollout.kv_layout='paged': expected 'dense' with rollout.engine='static'"),
       ("rollout.env", "dapo_jax.envs.games:GuessNumber", "rollout.kv_layout='paged': expected 'dense' with "
        "rollout.env set")]:

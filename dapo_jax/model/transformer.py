@@ -541,7 +541,7 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
                 index: jax.Array) -> tuple[jax.Array, Cache]:
   """One token per row through the cache: writes slot `index` of every layer, returns (logits_BV fp32, cache).
   `index` is one slot for all rows, or one per row ([B]: a continuous batch; a paged cache's rows
-  at `cache.size` or beyond write nothing).
+  at `cache.size` or beyond write nothing). A paged cache stores the token by its position `pos_B`.
 
   `cache.mask_BS` must already mark slot `index` (see `kv_cache.write_mask`); a row attends to
   every marked slot, which are exactly its real tokens up to and including this one (local layers:
@@ -561,6 +561,8 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
   for l, (p, k_l, v_l) in enumerate(zip(dparams["layers"], cache.k, cache.v)):
     local = l in cfg.local_layers
     attend = functools.partial(attend_cache, cfg, k_l, v_l, cache, index, tables[local], masks[local])
+    if isinstance(cache, paged.PagedCache):
+      attend = functools.partial(attend, pos_B=pos_B, windowed=local)
     x_BD, (k_l, v_l), _ = layers_lib.layer(cfg, p, x_BD, attend)
     ks.append(k_l)
     vs.append(v_l)
@@ -580,20 +582,29 @@ def _attend_dense(cfg, k_BKHS, v_BKSH, cache, index, table, mask_B1S, q_BKRH, k_
   return _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S), (k_BKHS, v_BKSH)
 
 
-def _attend_paged(cfg, k_NKHp, v_NKpH, cache, index_B, table, mask_B1S, q_BKRH, k_BKH, v_BKH):
-  """`_attend_dense` through a paged cache: the new keys and values go to the rows' pages, which are then
-  read by gathering their dense view (`paged_cache.read`: the dense attention's very numbers) or, with
-  `cache.chunk_pages`, in place, only those holding tokens (`paged_cache.attend`). Returns (o_BNH, (k_NKHp, v_NKpH))."""
-  T = cache.size
-  k_NKHp, v_NKpH = paged.update(k_NKHp, v_NKpH, cache.table_BM, layers_lib.rope(k_BKH[:, :, None], table),
-                                v_BKH[:, :, None], index_B, T, cache.shards)
-  if cache.chunk_pages:
-    kw = layers_lib.attn_kw(cfg)
-    o_BKRH = paged.attend(layers_lib.rope(q_BKRH, table), k_NKHp, v_NKpH, cache.table_BM, mask_B1S[:, 0],
-                          index_B < T, cache.chunk_pages, cache.shards, kw["scale"], kw["softcap"])
-    return o_BKRH.reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1]), (k_NKHp, v_NKpH)
-  k_BKHS, v_BKSH = paged.read(k_NKHp, v_NKpH, cache.table_BM, T, cache.shards)
-  return _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S), (k_NKHp, v_NKpH)
+def _attend_paged(cfg, k_KNpH, v_KNpH, cache, index_B, table, mask_B1S, q_BKRH, k_BKH, v_BKH, *, pos_B,
+                  windowed):
+  """`_attend_dense` through a paged cache: the new keys and values go to the rows' pages as token
+  `pos_B`, which are then read by `cache.read` (`paged_cache`): gathered into the dense view (the dense
+  attention's very numbers), in place (ragged), or by the Pallas kernel (a layer whose mask marks all its
+  tokens; a sliding window's reads ragged). Returns (o_BNH, (k_KNpH, v_KNpH))."""
+  live_B = index_B < cache.size
+  k_KNpH, v_KNpH = paged.update(k_KNpH, v_KNpH, cache.table_BM, layers_lib.rope(k_BKH[:, :, None], table)[:, :, 0],
+                                v_BKH, pos_B, live_B, cache.shards)
+  if cache.read == "gather":
+    k_BKHS, v_BKSH = paged.read(k_KNpH, v_KNpH, cache.table_BM, cache.mask_BS, cache.shards)
+    return _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S), (k_KNpH, v_KNpH)
+  kw = layers_lib.attn_kw(cfg)
+  q_BKRH = layers_lib.rope(q_BKRH, table)
+  if cache.read == "kernel" and not windowed:  # The kernels attend to a row's tokens [0, pos_B].
+    o_BKRH = paged.kernel_attend(q_BKRH, k_KNpH, v_KNpH, cache.table_BM, pos_B + 1, cache.shards, kw["scale"],
+                                 kw["softcap"])
+  else:
+    M, p = cache.table_BM.shape[1], cache.page_size
+    tokens_BC = paged.token_mask(cache.mask_BS, M, p, mask_B1S[:, 0])
+    o_BKRH = paged.attend(q_BKRH, k_KNpH, v_KNpH, cache.table_BM, tokens_BC, live_B, cache.chunk_pages,
+                          cache.shards, kw["scale"], kw["softcap"])
+  return o_BKRH.reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1]), (k_KNpH, v_KNpH)
 
 
 def _attend_one(cfg, q_BKRH, table, k_BKHS, v_BKSH, mask_B1S) -> jax.Array:

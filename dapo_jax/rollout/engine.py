@@ -43,8 +43,8 @@ from dapo_jax.rollout import slots as slots_lib
 from dapo_jax.rollout.session import Finished, Session, stack  # noqa: F401 (public here too)
 
 KV_LAYOUTS = ("dense", "paged")
-PAGED_READS = ("gather", "ragged")  # How decoding reads a paged cache (`paged_cache.read`, `paged_cache.attend`).
-CHUNK_PAGES = 128  # "ragged": the pages each step of its loop reads (docs/paged_cache.md measures it).
+PAGED_READS = paged_cache.READS  # How decoding reads a paged cache: gathered, ragged in place, or a Pallas kernel.
+CHUNK_PAGES = 128  # "ragged" (and "kernel"'s windowed layers): pages per step of its loop (docs/paged_cache.md).
 ROUND_PAGES = 1  # A paged session's decode round draws at most this many pages' tokens (round_steps = 0).
 RESERVE_ROUNDS = 2  # Paged admission keeps free the pages its running samples need for this many rounds.
 
@@ -98,8 +98,9 @@ class Engine:
     allocated before it runs. Samples start while a shard's free pages hold their prompt and one round;
     where a shard's pool runs dry mid-decode its latest started samples are pre-empted and start over
     later (`slot_pages`). Decoding reads a slot's pages by `paged_attention`: "gather" (its dense view,
-    the dense engine's numbers bit for bit) or "ragged" (in place, only the pages holding tokens,
-    `CHUNK_PAGES` at a time: equal to rounding). Single-turn samples, fixed params."""
+    the dense engine's numbers), "ragged" (in place, only the pages holding tokens, `CHUNK_PAGES` at a
+    time: equal to rounding) or "kernel" (JAX's Pallas paged-attention kernel; one batch shard).
+    Single-turn samples."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -153,7 +154,10 @@ class Engine:
       self.reserve_rounds = RESERVE_ROUNDS
       if paged_attention not in PAGED_READS:
         raise ValueError(f"rollout.paged_attention={paged_attention!r}: expected one of {PAGED_READS}")
-      self.chunk_pages = CHUNK_PAGES if paged_attention == "ragged" else 0
+      if paged_attention == "kernel" and shards > 1:  # A kernel is opaque to XLA's partitioner.
+        raise ConfigError(f"rollout.paged_attention='kernel' reads one batch shard's pool; the rollout mesh has "
+                          f"{shards}: use 'ragged' (or a rollout mesh of one batch shard)")
+      self.paged_read = paged_attention
 
   @staticmethod
   def page_bytes(model_cfg: model_lib.ModelConfig, page_size: int, dtype) -> int:
@@ -168,8 +172,14 @@ class Engine:
   def empty_state(self) -> slots_lib.SlotState:
     """Every slot free: the pool's arrays, on the mesh (rows over the data shards)."""
     state = slots_lib.empty(self.model_cfg, self.sampler_cfg, self.S, self.P + self.C, self.kv_cache_dtype,
-                            *((self.page_size, self.kv_pages, self.shards, self.chunk_pages) if self.paged else ()))
-    return jax.device_put(state, self.row_sharding)
+                            *((self.page_size, self.kv_pages, self.shards, self.paged_read, CHUNK_PAGES)
+                              if self.paged else ()))
+    if not self.paged:
+      return jax.device_put(state, self.row_sharding)
+    pool = sharding.named(self.mesh, (None, "batch", None, None))  # [K, N, page, H]: split on pages, as rows are.
+    k, v = jax.device_put((state.cache.k, state.cache.v), pool)
+    state = jax.device_put(state.replace(cache=state.cache.replace(k=[], v=[])), self.row_sharding)
+    return state.replace(cache=state.cache.replace(k=k, v=v))
 
   # --- the host loop -------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class RolloutConfig:
   page_size: int = 16                  # paged: tokens per page
   kv_pages: int = 0                    # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
   kv_memory_mb: float = 0.0            # paged: each batch shard's pool in MiB, instead of kv_pages (0 = off)
-  paged_attention: str = "gather"      # paged: "gather" (the dense view, bit-exact) or "ragged" (in place)
+  paged_attention: str = "gather"      # paged: "gather" (the dense view), "ragged" (in place) or "kernel" (Pallas)
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0

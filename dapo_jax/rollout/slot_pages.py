@@ -48,18 +48,15 @@ class SlotPages:
 
   def prompt_pages_of(self, prefill, w) -> tuple[list[int], int]:
     """The logical pages of `w`'s prompt that it shares with the other samples of its prefill (a session's
-    `_Prefill`) on its shard (the whole pages holding prompt tokens: those below the completion's first
-    page), and its own first page."""
-    e, p = self.e, self.e.page_size
-    real_P = prefill.real_UP[prefill.row[w.prompt_id]]
-    start = e.P - len(real_P)  # Where the prefill's positions sit in a row (`slots.start_samples`).
-    first_own = e.P // p
-    return sorted({int(j) for j in (start + np.flatnonzero(real_P)) // p if j < first_own}), first_own
+    `_Prefill`) on its shard (the whole pages of its tokens: those below the completion's first page),
+    and its own first page."""
+    first_own = int(prefill.real_UP[prefill.row[w.prompt_id]].sum()) // self.e.page_size
+    return list(range(first_own)), first_own
 
   def last_page(self, w, drawn: int, steps: int) -> int:
-    """The logical page of the last position `w` may write within `steps` more tokens."""
+    """The logical page of the last token `w` may write within `steps` more tokens."""
     most = min(drawn + steps, w.max_tokens, w.stop_at, self.e.C)
-    return (self.e.P + max(most, 1) - 1) // self.e.page_size
+    return (int(w.mask_P.sum()) + max(most, 1) - 1) // self.e.page_size
 
   def _running(self, slot_work, g: int) -> list[int]:
     """Shard g's slots whose samples hold pages (a cancelled one holds none and grows no more)."""
@@ -128,7 +125,7 @@ class SlotPages:
       pool.retain(shared)
       last = self.last_page(w, 0, e.round_tokens)
       own = pool.allocate(last - first_own + 1)
-      if e.P % p:  # Its first page holds the prompt's last tokens: a copy of its own.
+      if int(w.mask_P.sum()) % p:  # Its first page holds the prompt's last tokens: a copy of its own.
         writes[g].append((u, first_own, own[0]))
       table_AM[a, shared_js] = shared
       table_AM[a, first_own:last + 1] = own

@@ -56,15 +56,16 @@ class SlotState:
 
 
 def empty(model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig, S: int, T: int, kv_dtype,
-          page_size: int = 0, num_pages: int = 0, shards: int = 1, chunk_pages: int = 0) -> SlotState:
+          page_size: int = 0, num_pages: int = 0, shards: int = 1, read: str = "gather",
+          chunk_pages: int = 128) -> SlotState:
   """S free slots of T = prompt + completion positions (on the default device; the engine places them);
   page_size > 0: their cache is a pool of `num_pages` pages of that many positions per batch shard
-  (`paged_cache`), read in place `chunk_pages` pages at a time (0: gathered whole)."""
+  (`paged_cache`), which decoding reads by `read` (ragged: `chunk_pages` pages at a time)."""
   cfg, C = model_cfg, sampler_cfg.max_new_tokens
   dt = kv_dtype  # Writes into the cache cast to it (`kv_cache.update`, `write_row`).
   if page_size:
     cache = paged.empty(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, page_size, S, T, dt, shards,
-                        chunk_pages)
+                        read, chunk_pages)
   else:
     cache = kvc.KVCache(k=[jnp.zeros((S, cfg.num_kv_heads, cfg.head_dim, T), dt) for _ in range(cfg.num_layers)],
                         v=[jnp.zeros((S, cfg.num_kv_heads, T, cfg.head_dim), dt) for _ in range(cfg.num_layers)],
@@ -142,7 +143,7 @@ def start_paged(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKP
   P, C = mask_UP.shape[1], state.tokens_SC.shape[1]
   start = state.cache.size - C - P
   mask_UT = jnp.pad(mask_UP, ((0, 0), (start, C)))
-  cache = paged.write_pages(state.cache, k_LUKPH, v_LUKPH, start, src_GW, page_GW, dst_GW, n_writes)
+  cache = paged.write_pages(state.cache, k_LUKPH, v_LUKPH, mask_UP, src_GW, page_GW, dst_GW, n_writes)
   cache = cache.replace(table_BM=cache.table_BM.at[slot_S].set(table_SM, mode="drop"),
                         mask_BS=cache.mask_BS.at[slot_S].set(mask_UT[src_S], mode="drop"))
   return _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, stop_at_S, turn_end_S,

@@ -43,7 +43,7 @@ class Rollout(Section):
   page_size: int = _ROLLOUT.page_size   # paged: tokens per page of the KV cache's pool
   kv_pages: int = _ROLLOUT.kv_pages     # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
   kv_memory_mb: float = _ROLLOUT.kv_memory_mb   # paged: each batch shard's pool in MiB, instead of kv_pages (0 = off)
-  paged_attention: str = _ROLLOUT.paged_attention   # paged: "gather" (bit-exact dense view) or "ragged" (in place)
+  paged_attention: str = _ROLLOUT.paged_attention   # paged: "gather" (dense view), "ragged" or "kernel" (Pallas)
   rows_per_call: int = _ROLLOUT.rows_per_call     # static: rows per sampler call (0 = the whole generation batch)
   max_staleness: int = _LOOP.max_staleness        # rollout versions a sample may lag its update (docs/async.md)
   use_decoupled_loss: bool = _LOOP.use_decoupled_loss   # stale rows' π_old = this step's policy (AReaL's)
@@ -79,7 +79,7 @@ class Rollout(Section):
       self.number("kv_memory_mb", 0, allowed=">= 0 (0 = rollout.kv_pages sets the pool)")
       check(not (self.kv_pages and self.kv_memory_mb), "rollout.kv_memory_mb", self.kv_memory_mb,
             "0 with rollout.kv_pages set (one of the two sizes the pool)")
-      self.choice("paged_attention", engine_lib.PAGED_READS, "'gather' or 'ragged'")
+      self.choice("paged_attention", engine_lib.PAGED_READS, "'gather', 'ragged' or 'kernel'")
       for ok, why in ((self.engine == "continuous", f"with rollout.engine={self.engine!r} (pages are the continuous "
                                                     "engine's)"),
                       (not self.env, "with rollout.env set (episodes decode from dense rows for now)")):
