@@ -111,7 +111,7 @@ def test_the_ragged_read_attends_as_the_gathered_rows_do(G, chunk_pages, softcap
   k_BKHT, v_BKTH = paged.read(k_KNpH, v_KNpH, table_BM, jnp.asarray(mask_BT), G)
   want = layers.attention(q_BKRH[:, :, :, None], k_BKHT, v_BKTH, jnp.asarray(attend_BT)[:, None], k_layout="BKHS",
                           softcap=softcap)[:, :, :, 0]
-  tokens_BC = paged.token_mask(jnp.asarray(mask_BT), M, p, jnp.asarray(attend_BT))
+  tokens_BC = paged.token_mask(jnp.asarray(mask_BT), M * p, jnp.asarray(attend_BT))
   got = paged.attend(q_BKRH, k_KNpH, v_KNpH, table_BM, tokens_BC, jnp.asarray(live_B), chunk_pages, G,
                      softcap=softcap)
   np.testing.assert_allclose(got[live_B], want[live_B], rtol=0, atol=1e-6)

@@ -101,16 +101,16 @@ def token_index(mask_BT: jax.Array) -> jax.Array:
   return jnp.cumsum(mask_BT, axis=1, dtype=jnp.int32) - mask_BT
 
 
-def token_mask(mask_BT: jax.Array, M: int, page_size: int, attend_BT: jax.Array | None = None) -> jax.Array:
-  """[B, M x page] bool: the positions `attend_BT` marks (default: all that `mask_BT` marks), by token
+def token_mask(mask_BT: jax.Array, C: int, attend_BT: jax.Array | None = None) -> jax.Array:
+  """[B, C] bool (C = M x page): the positions `attend_BT` marks (default: all that `mask_BT` marks), by token
   number (`token_index(mask_BT)`) instead of dense position. Those of a run of positions (a sliding
   window's) are a run of token numbers: from the first attended token's to the last's, by row (no
   scatter, so a row's mask stays on its own device)."""
   attend_BT = mask_BT if attend_BT is None else attend_BT & mask_BT
   index_BT = token_index(mask_BT)
-  first_B1 = jnp.min(jnp.where(attend_BT, index_BT, M * page_size), axis=1, keepdims=True)
+  first_B1 = jnp.min(jnp.where(attend_BT, index_BT, C), axis=1, keepdims=True)
   end_B1 = jnp.max(jnp.where(attend_BT, index_BT + 1, 0), axis=1, keepdims=True)
-  token_1C = jnp.arange(M * page_size)[None, :]
+  token_1C = jnp.arange(C)[None, :]
   return (token_1C >= first_B1) & (token_1C < end_B1)
 
 

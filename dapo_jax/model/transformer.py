@@ -600,8 +600,11 @@ def _attend_paged(cfg, k_KNpH, v_KNpH, cache, index_B, table, mask_B1S, q_BKRH, 
     o_BKRH = paged.kernel_attend(q_BKRH, k_KNpH, v_KNpH, cache.table_BM, pos_B + 1, cache.shards, kw["scale"],
                                  kw["softcap"])
   else:
-    M, p = cache.table_BM.shape[1], cache.page_size
-    tokens_BC = paged.token_mask(cache.mask_BS, M, p, mask_B1S[:, 0])
+    C = cache.table_BM.shape[1] * cache.page_size
+    if windowed:  # The window's run of tokens, as the dense mask has it.
+      tokens_BC = paged.token_mask(cache.mask_BS, C, mask_B1S[:, 0])
+    else:  # All the row's tokens so far.
+      tokens_BC = jnp.arange(C)[None, :] <= pos_B[:, None]
     o_BKRH = paged.attend(q_BKRH, k_KNpH, v_KNpH, cache.table_BM, tokens_BC, live_B, cache.chunk_pages,
                           cache.shards, kw["scale"], kw["softcap"])
   return o_BKRH.reshape(o_BKRH.shape[0], -1, o_BKRH.shape[-1]), (k_KNpH, v_KNpH)
