@@ -351,3 +351,42 @@ def test_train_resolves_a_paged_config_and_refuses_an_unsupported_one_in_one_lin
   refused = train("--config.rollout.engine=static")
   assert refused.returncode == 1 and refused.stderr == ("error: rollout.kv_layout='paged': expected 'dense' with "
                                                         "rollout.engine='static' (pages are the continuous engine's)\n")
+
+
+def test_a_prefix_cache_prefills_a_shared_prompt_start_once():
+  """Requests that begin with the same 12 tokens (3 pages of 4), added one after another to one session
+  as a server adds them: the first prefills its whole prompt and the cache keeps its whole pages; each
+  later one takes those 3 pages and prefills only its rest (counted); the answers are the dense engine's
+  (tokens, and log-probs to rounding: the rest attends to the cached keys and values)."""
+  rng = np.random.default_rng(7)
+  system = rng.integers(4, 64, size=12)
+  prompts_ = [np.concatenate([system, rng.integers(4, 64, size=n)]) for n in (5, 1, 9, 3, 6)]
+  sc = sampling.SamplerConfig(max_new_tokens=12, temperature=1.0, eos_ids=(5, 9))
+
+  def serve(**kw):
+    session = engine.Engine(CFG, sc, slots=4, prompt_len=P, **kw).session(PARAMS, jax.random.key(1))
+    out = {}
+    for q, tokens in enumerate(prompts_):
+      session.add([q], tokens[None], np.ones((1, len(tokens)), bool), 2)
+      while session.busy:
+        for f in session.step():
+          out[(f.prompt_id, f.sample)] = f
+    return out, session.stats()
+
+  dense, _ = serve()
+  cached, stats = serve(kv_layout="paged", page_size=4, prefix_cache=True)
+  for key, f in dense.items():
+    np.testing.assert_array_equal(cached[key].tokens_C[:f.length], f.tokens_C[:f.length])
+    np.testing.assert_allclose(cached[key].logp_C[:f.length], f.logp_C[:f.length], rtol=0, atol=1e-5)
+  lengths = [len(t) for t in prompts_]
+  assert stats["prefilled_tokens"] == lengths[0] + sum(n - 12 for n in lengths[1:])
+  assert stats["prefix_cache_hits"] == 3 * (len(prompts_) - 1)
+  assert stats["prompt_pages"] == sum(n // 4 for n in lengths) - 3 * (len(prompts_) - 1)
+  assert stats["kv_pages_used"] == 0  # What the cache alone holds is available.
+  # A pool of about one sample's pages: cached pages are let go (least recently used first) for room.
+  small, stats = serve(kv_layout="paged", page_size=4, prefix_cache=True, kv_pages=10)
+  assert stats["prefix_cache_evicted"] > 0 and stats["prefix_cache_hits"] > 0, stats
+  for key, f in dense.items():
+    np.testing.assert_array_equal(small[key].tokens_C[:f.length], f.tokens_C[:f.length])
+  with pytest.raises(builders.ConfigError, match=r"^rollout.prefix_cache=True needs rollout.kv_layout='paged'"):
+    engine.Engine(CFG, sc, slots=4, prompt_len=P, prefix_cache=True)

@@ -866,3 +866,29 @@ def test_a_paged_server_answers_as_the_dense_one(policy, client, read):
       [f.result() for f in noise]
     assert got == [c.message.content for c in ask(client, "Say hello.", **kw).choices]
     assert paged.engine.paged and paged.engine.kv_pages > 0
+
+
+def test_a_prefix_cache_prefills_a_shared_system_prompt_once(policy):
+  """32 completions requests that begin with the same 512-token system prompt, sent at once to a paged
+  server with a prefix cache (`rollout.prefix_cache`): the engine computes the system prompt's tokens
+  once (counted), each request its own rest, and the greedy answers are an argmax loop's over the whole
+  prompt (no cache)."""
+  cfg, params, tok, eos, _ = policy
+  rng = np.random.default_rng(11)
+  system = rng.integers(4, len(tok), size=512).tolist()
+  prompts = [system + rng.integers(4, len(tok), size=int(k)).tolist() for k in rng.integers(1, 20, size=32)]
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=eos, slots=8, max_prompt_len=544, max_new_tokens=8,
+                               engine_options=dict(kv_layout="paged", page_size=16, prefix_cache=True)) as s:
+    c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    complete = lambda p: c.completions.create(model="dapo-policy", prompt=p, max_tokens=8, temperature=0).choices[0]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+      answers = list(pool.map(complete, prompts))
+    stats = s.scheduler.session.stats()
+  assert stats["prefilled_tokens"] == 512 + sum(len(p) - 512 for p in prompts), stats
+  assert stats["prefix_cache_hits"] > 0
+  logits = jax.jit(lambda t: model_lib.logits(cfg, params, t, jnp.ones(t.shape, bool)))
+  for p, answer in list(zip(prompts, answers))[:3]:
+    out = []
+    while len(out) < 8 and not (out and out[-1] in eos):
+      out.append(int(np.argmax(np.asarray(logits(np.asarray([p + out], np.int32)))[0, -1])))
+    assert answer.text == tok.decode(out[:-1] if out[-1] in eos else out)

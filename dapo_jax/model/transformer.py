@@ -575,6 +575,43 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
   return logits_BV, cache.replace(k=ks, v=vs)
 
 
+def prefill_after_cache(cfg: ModelConfig, dparams: dict, k_LNKH: jax.Array, v_LNKH: jax.Array, suffix_UT: jax.Array,
+                        suffix_mask_UT: jax.Array):
+  """`prefill_after_prefix` whose prefix's keys and values are given ([L, N, K, H] each: a prefix cache's
+  pages): only the U left-padded suffixes run through the model (decode weights, `decode_params`),
+  attending to the prefix and causally to themselves, positions continuing from N. Returns the next-
+  token logits [U, V] (fp32) and the suffixes' keys and values ([L, U, K, T, H] each). No sliding window
+  (a window over a cached prefix is not kept)."""
+  U, T = suffix_UT.shape
+  L, N, K, H = k_LNKH.shape
+  R = cfg.num_heads // K
+  table = layers_lib.rope_table(N + positions(suffix_mask_UT), cfg)
+  mask_UTS = jnp.concatenate([jnp.ones((U, T, N), bool), causal_mask(suffix_mask_UT)], axis=2)
+  kw = layers_lib.attn_kw(cfg)
+
+  def attend(k_NKH, v_NKH, q_XKRH, k_XKH, v_XKH):
+    q_UTKRH = layers_lib.rope(q_XKRH.reshape(U, T, K * R, H), table).reshape(U, T, K, R, H)
+    k_UTKH = layers_lib.rope(k_XKH.reshape(U, T, K, H), table)
+    v_UTKH = v_XKH.reshape(U, T, K, H)
+    whole = lambda prefix_NKH, own_UTKH: jnp.concatenate(
+        [jnp.broadcast_to(prefix_NKH.astype(own_UTKH.dtype), (U, N, K, H)), own_UTKH], axis=1)
+    o_UTKRH = layers_lib.attend_rows(q_UTKRH, whole(k_NKH, k_UTKH), whole(v_NKH, v_UTKH), mask_UTS, **kw)
+    return o_UTKRH.reshape(U * T, K * R, H), (k_UTKH.transpose(0, 2, 1, 3), v_UTKH.transpose(0, 2, 1, 3))
+
+  x_XD = embed(cfg, dparams["embed_VD"], suffix_UT.reshape(-1))
+  ks, vs = [], []
+  for p, k_NKH, v_NKH in zip(dparams["layers"], k_LNKH, v_LNKH):
+    x_XD, (k_UKTH, v_UKTH), _ = layers_lib.layer(cfg, p, x_XD, functools.partial(attend, k_NKH, v_NKH))
+    ks.append(k_UKTH)
+    vs.append(v_UKTH)
+  x_UD = layers_lib.norm(cfg, x_XD.reshape(U, T, -1)[:, -1], dparams["final_scale_D"])
+  if "unembed_DV" in dparams:
+    logits_UV = layers_lib.matmul("BD,DV->BV", x_UD, dparams["unembed_DV"], cfg, jnp.float32)
+  else:
+    logits_UV = layers_lib.matmul("BD,VD->BV", x_UD, dparams["embed_VD"], cfg, jnp.float32)
+  return layers_lib.soft_cap(logits_UV, cfg.final_softcap), (jnp.stack(ks), jnp.stack(vs))
+
+
 def _attend_dense(cfg, k_BKHS, v_BKSH, cache, index, table, mask_B1S, q_BKRH, k_BKH, v_BKH):
   """A decode step's attention of one layer through a dense cache: writes the rows' new keys and values
   at `index`, then attends. Returns (o_BNH, (k_BKHS, v_BKSH))."""

@@ -69,7 +69,8 @@ class Engine:
                prompt_len: int, prompt_buckets=(), mesh=None, round_fraction: float = 0.0, widths=None,
                min_compact_steps: int = 64, prefill_tokens: int = 2048, turn_tokens: int = 0, round_steps: int = 0,
                kv_cache_dtype: str = "", shared_prefix: int = 0, kv_layout: str = "dense", page_size: int = 16,
-               kv_pages: int = 0, kv_memory_mb: float = 0.0, paged_attention: str = "gather"):
+               kv_pages: int = 0, kv_memory_mb: float = 0.0, paged_attention: str = "gather",
+               prefix_cache: bool = False):
     """`prompt_len` is the longest prompt (left-padded); prompts are prefilled at the smallest of
     `prompt_buckets` that holds them. While samples wait, a decode round returns to the host once
     `round_fraction` of the busy slots have ended (at least one: by default the first), so freed
@@ -100,7 +101,8 @@ class Engine:
     later (`slot_pages`). Decoding reads a slot's pages by `paged_attention`: "gather" (its dense view,
     the dense engine's numbers), "ragged" (in place, only the pages holding tokens, `CHUNK_PAGES` at a
     time: equal to rounding) or "kernel" (JAX's Pallas paged-attention kernel; one batch shard).
-    Single-turn samples."""
+    `prefix_cache` keeps a session's whole prompt pages by the hash of their tokens: a prompt that begins
+    with cached pages takes them, and its prefill computes only the rest (`pages`). Single-turn samples."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len
@@ -158,6 +160,10 @@ class Engine:
         raise ConfigError(f"rollout.paged_attention='kernel' reads one batch shard's pool; the rollout mesh has "
                           f"{shards}: use 'ragged' (or a rollout mesh of one batch shard)")
       self.paged_read = paged_attention
+    if prefix_cache and (not self.paged or model_cfg.local_layers or model_cfg.sliding_window):
+      raise ConfigError("rollout.prefix_cache=True needs rollout.kv_layout='paged' and a model without a sliding "
+                        "window (the cache is whole prompt pages)")
+    self.prefix_cache = prefix_cache
 
   @staticmethod
   def page_bytes(model_cfg: model_lib.ModelConfig, page_size: int, dtype) -> int:

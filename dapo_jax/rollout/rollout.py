@@ -48,6 +48,7 @@ class RolloutConfig:
   kv_pages: int = 0                    # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
   kv_memory_mb: float = 0.0            # paged: each batch shard's pool in MiB, instead of kv_pages (0 = off)
   paged_attention: str = "gather"      # paged: "gather" (the dense view), "ragged" (in place) or "kernel" (Pallas)
+  prefix_cache: bool = False           # paged: keep whole prompt pages by their tokens' hash; prefill after them
   rows_per_call: int = 0               # static: rows per sampler call (0 = all rows at once)
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
@@ -146,6 +147,7 @@ class Rollout:
                                           page_size=self.cfg.page_size, kv_pages=self.cfg.kv_pages,
                                           kv_memory_mb=self.cfg.kv_memory_mb,
                                           paged_attention=self.cfg.paged_attention,
+                                          prefix_cache=self.cfg.prefix_cache,
                                           **self.engine_options)
     return self.engines[k]
 

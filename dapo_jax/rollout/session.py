@@ -117,6 +117,7 @@ class Session:
     self.generated = 0
     self.samples = 0
     self.prefilled = 0     # Prompts run through the model (a prompt whose samples wait is run once).
+    self.prefilled_tokens = 0  # Their tokens that the model computed (a shared or cached prefix's once, or none).
     self.rounds = 0
     self.resizes = 0
     self.closed = False
@@ -179,6 +180,8 @@ class Session:
     for w in self.queue:
       w.switch_at = 0
     self._keep_prefills(set())  # The earlier params' prefills: waiting samples start from the new params'.
+    if self.pages:
+      self.pages.clear_prefix_cache()
     self.updated = True
 
   def cancel(self, prompt_id: int, sample: int | None = None) -> list[int]:
@@ -418,7 +421,8 @@ class Session:
     reals = [w.prompt_P[w.mask_P.astype(bool)] for w in uniq]  # each prompt's real tokens
     longest = max(len(r) for r in reals)
     P = tokenizer_lib.bucket(longest, e.prompt_buckets)
-    N = self._shared_prefix(reals)
+    cached = self._cached_prefix(uniq)
+    N = len(cached[1]) * e.page_size if cached else self._shared_prefix(reals)
     if N:  # Suffixes at the smallest power of two (>= 8) that holds them: all the prefill computes.
       P = min(P, N + max(8, 1 << (longest - N - 1).bit_length()))
     prompt_UP = np.zeros((U, P), np.int32)
@@ -430,12 +434,25 @@ class Session:
     real_UP = mask_UP if self.pages else None
     prompt_UP, mask_UP = sharding.put((prompt_UP, mask_UP), self.rep)
     self.prefilled += len(uniq)
-    if N:
+    self.prefilled_tokens += sum(len(r) for r in reals) - (len(uniq) - 1) * N - (N if cached else 0)
+    if cached:  # The prefix's keys and values are the cached pages' (of shard g's pool).
+      g, run = cached
+      pages = sharding.put(np.asarray(run, np.int32) + g * e.kv_pages, self.rep)
+      out = slots_lib.prefill_cached(e.model_cfg, self.dparams, self.state.cache.k, self.state.cache.v, pages,
+                                     prompt_UP[:, N:], mask_UP[:, N:])
+    elif N:
       out = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:], mask_UP[:, N:])
     else:
       out = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP)
-    return _Prefill(*out, mask_UP, {w.prompt_id: u for u, w in enumerate(uniq)},
-                    {w.prompt_id: w.prompt_P for w in uniq}, real_UP)
+    prefill = _Prefill(*out, mask_UP, {w.prompt_id: u for u, w in enumerate(uniq)},
+                       {w.prompt_id: w.prompt_P for w in uniq}, real_UP)
+    if self.pages and self.pages.prefix_cache:  # Its whole pages go to the cache now: later prompts start after them.
+      self.pages.prefix_hits += len(uniq) * (len(cached[1]) if cached else 0)
+      writes = self.pages.seed(prefill, uniq, cached[0] if cached else 0)
+      if writes is not None:
+        self.state = slots_lib.write_prompt_pages(self.state, prefill.k_LUKPH, prefill.v_LUKPH, prefill.mask_UP,
+                                                  *sharding.put(writes, self.rep))
+    return prefill
 
   def _start(self, prefill: "_Prefill", work: list[_Work], slots: list[int]) -> None:
     """Starts `work[a]` in slot `slots[a]` from its prompt's row of `prefill`."""
@@ -469,14 +486,28 @@ class Session:
       self.slot_work[s] = w
       self.drawn[s] = 0
 
+  def _cached_prefix(self, uniq: list[_Work]) -> tuple[int, list[int]] | None:
+    """The run of first pages that all of `uniq`'s prompts begin with and a shard's prefix cache holds:
+    (that shard, their pages), or None."""
+    if not (self.pages and self.pages.prefix_cache):
+      return None
+    g, run = self.pages.cached_run(uniq[0])
+    for w in uniq[1:]:
+      keys = self.pages.keys(w)[:(int(w.mask_P.sum()) - 1) // self.e.page_size]
+      run = run[:next((j for j, key in enumerate(keys[:len(run)]) if self.pages.pools[g].cached.get(key) != run[j]),
+                      min(len(run), len(keys)))]
+    return (g, run) if run else None
+
   def _shared_prefix(self, reals: list[np.ndarray]) -> int:
-    """The prefix all the prompts `reals` share, in multiples of `shared_prefix` (`model.shared_prefix_len`)."""
-    return model_lib.shared_prefix_len(reals, self.e.shared_prefix)
+    """The prefix all the prompts `reals` share, in multiples of `shared_prefix` (`model.shared_prefix_len`;
+    with a prefix cache, at least of whole pages)."""
+    cache = self.pages is not None and self.pages.prefix_cache
+    return model_lib.shared_prefix_len(reals, self.e.shared_prefix or (self.e.page_size if cache else 0))
 
   def stats(self) -> dict:
     out = {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes,
-           "prefilled_prompts": self.prefilled,
+           "prefilled_prompts": self.prefilled, "prefilled_tokens": self.prefilled_tokens,
            "slot_utilisation": self.generated / max(self.slot_steps, 1)}
     if self.pages:
       out.update(self.pages.stats())

@@ -35,6 +35,8 @@ class SlotPages:
     self.prompt_pages_shared = 0  # Prompt pages a sample took from another's copy instead of its own.
     self.preempted = 0            # Samples pre-empted (their pages freed, re-queued from their prompt).
     self.recomputed_tokens = 0    # Tokens the pre-empted samples had drawn, drawn again later.
+    self.prefix_cache = engine.prefix_cache
+    self.prefix_hits = 0          # Prompt pages a prefill found in a prefix cache (their tokens not computed).
 
   def shard(self, s: int) -> int:
     """The batch shard of slot `s` (at the current width)."""
@@ -52,6 +54,23 @@ class SlotPages:
     and its own first page."""
     first_own = int(prefill.real_UP[prefill.row[w.prompt_id]].sum()) // self.e.page_size
     return list(range(first_own)), first_own
+
+  def keys(self, w) -> list[bytes]:
+    """The prefix cache's keys of `w`'s prompt's whole pages."""
+    return pages_lib.prefix_keys(w.prompt_P[w.mask_P.astype(bool)], self.e.page_size)
+
+  def cached_run(self, w) -> tuple[int, list[int]]:
+    """The longest run of `w`'s prompt's first pages that a shard's prefix cache holds: (that shard,
+    their pages), leaving at least the prompt's last token to compute."""
+    n = int(w.mask_P.sum())
+    keys = self.keys(w)[:(n - 1) // self.e.page_size]
+    runs = [(len(run), -g, run) for g, pool in enumerate(self.pools) for run in [pool.lookup(keys)]]
+    _, g, run = max(runs)
+    return -g, run
+
+  def clear_prefix_cache(self) -> None:
+    for pool in self.pools:
+      pool.clear()
 
   def last_page(self, w, drawn: int, steps: int) -> int:
     """The logical page of the last token `w` may write within `steps` more tokens."""
@@ -117,10 +136,17 @@ class SlotPages:
       shared_js, first_own = self.prompt_pages_of(prefill, w)
       if (w.prompt_id, g) in prefill.pages:
         self.prompt_pages_shared += len(shared_js)
-      else:  # The prompt's first sample on this shard: its pages are written, and the prefill holds them.
-        prefill.pages[(w.prompt_id, g)] = pool.allocate(len(shared_js))
-        writes[g] += [(u, j, page) for j, page in zip(shared_js, prefill.pages[(w.prompt_id, g)])]
-        self.prompt_pages += len(shared_js)
+      else:  # The prompt's first sample on this shard: its pages are written (those the shard's prefix cache
+        # does not hold), and the prefill holds them.
+        keys = self.keys(w)[:len(shared_js)]
+        hit = pool.lookup(keys) if self.prefix_cache else []
+        pool.retain(hit)
+        new = pool.allocate(len(shared_js) - len(hit))
+        prefill.pages[(w.prompt_id, g)] = hit + new
+        writes[g] += [(u, j, page) for j, page in zip(shared_js[len(hit):], new)]
+        if self.prefix_cache:
+          pool.keep(keys[len(hit):], new)
+        self.prompt_pages += len(new)
       shared = prefill.pages[(w.prompt_id, g)]
       pool.retain(shared)
       last = self.last_page(w, 0, e.round_tokens)
@@ -133,12 +159,37 @@ class SlotPages:
       self.covered[s] = last + 1
       self.started_at[s] = self.starts
       self.starts += 1
+    return (table_AM, *self._write_arrays(writes, W))
+
+  def seed(self, prefill, work, g: int):
+    """Shard g's prefix cache keeps the whole pages of `work`'s prompts (a prefill's) that it does not
+    hold yet, written from the prefill now, so that the prompts prefilled after them (in this insert, or
+    later) start after them; no sample holds them yet (idle). Returns `start`'s page-write arrays, or
+    None (nothing to write, or no room)."""
+    pool, writes = self.pools[g], [[] for _ in range(self.G)]
+    for w in work:
+      keys = self.keys(w)
+      todo = keys[len(pool.lookup(keys)):]
+      if not todo or pool.available < len(todo):
+        continue
+      new = pool.allocate(len(todo))
+      pool.keep(todo, new)
+      pool.release(new)
+      writes[g] += [(prefill.row[w.prompt_id], len(keys) - len(todo) + i, page) for i, page in enumerate(new)]
+      self.prompt_pages += len(new)
+    if not writes[g]:
+      return None
+    return self._write_arrays(writes, 1 << (len(writes[g]) - 1).bit_length())
+
+  def _write_arrays(self, writes: list[list[tuple[int, int, int]]], W: int):
+    """Page writes per shard (prompt row, logical page, page of the shard's pool) as `[G, W]` arrays
+    (entries past a shard's writes out of its range: none) and the most writes of a shard."""
     src_GW, page_GW = np.zeros((2, self.G, W), np.int32)
-    dst_GW = np.full((self.G, W), e.kv_pages, np.int32)  # Out of the shard's range: no write.
+    dst_GW = np.full((self.G, W), self.e.kv_pages, np.int32)  # Out of the shard's range: no write.
     for g, ws in enumerate(writes):
       if ws:
         src_GW[g, :len(ws)], page_GW[g, :len(ws)], dst_GW[g, :len(ws)] = np.array(ws, np.int32).T
-    return table_AM, src_GW, page_GW, dst_GW, np.int32(max(len(ws) for ws in writes))
+    return src_GW, page_GW, dst_GW, np.int32(max(len(ws) for ws in writes))
 
   # --- growing, pre-empting, freeing --------------------------------------------------------------
 
@@ -214,7 +265,9 @@ class SlotPages:
     return dict(kv_pages=self.e.kv_pages, kv_shards=self.G, kv_pages_used=sum(p.used for p in self.pools),
                 kv_pages_peak=max(p.peak for p in self.pools), kv_pages_peak_shards=[p.peak for p in self.pools],
                 prompt_pages=self.prompt_pages, prompt_pages_shared=self.prompt_pages_shared,
-                preempted=self.preempted, recomputed_tokens=self.recomputed_tokens)
+                preempted=self.preempted, recomputed_tokens=self.recomputed_tokens,
+                **(dict(prefix_cache_hits=self.prefix_hits, prefix_cache_pages=sum(len(p.cached) for p in self.pools),
+                        prefix_cache_evicted=sum(p.evicted for p in self.pools)) if self.prefix_cache else {}))
 
   def dry(self, need: int, g: int, running: int) -> errors.ConfigError:
     """The pool cannot hold what it must: one sample alone on its shard (`Engine` refuses a pool smaller

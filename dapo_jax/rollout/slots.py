@@ -4,8 +4,10 @@ by every engine and session.
 
     prefill        a chunk of distinct prompts' keys, values and first-token logits
     prefill_shared the same for prompts sharing a prefix, which runs once
+    prefill_cached the same for prompts whose prefix is in a paged cache's pages: only the rest runs
     start_samples  their samples into free slots: cache rows written, keys and budgets set
     start_paged    the same into a paged cache: the slots' page tables set, the prompts' new pages written
+    write_prompt_pages  prefilled prompts' whole pages into the pool (a prefix cache's)
     assign_pages   pages added to slots' tables (a paged cache grows ahead of each round)
     decode_round   every busy slot one token per step, until enough have ended
     take_rows      ended slots' tokens and log-probs to the host
@@ -111,6 +113,24 @@ def prefill_shared(model_cfg: model_lib.ModelConfig, params, prefix_1N, suffix_U
   return logits_UV, whole(k_L1KNH, k_LUKTH), whole(v_L1KNH, v_LUKTH)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def prefill_cached(model_cfg: model_lib.ModelConfig, dparams, k_pools, v_pools, pages_n, suffix_UT, suffix_mask_UT):
+  """`prefill_shared` whose prefix is n whole pages of a paged cache's pool (a prefix cache's, ids
+  `pages_n` over the whole pool): their keys and values are read, and only the suffixes run through the
+  model (`model.prefill_after_cache`). The same logits [U, V], and keys and values [L, U, K, N + T, H]
+  laid out as the prompts [prefix | left-padded suffix]. One program per (n, U, T)."""
+  def prefix(pool_KNpH):  # [N, K, H]: the pages' tokens in order.
+    K, _, p, H = pool_KNpH.shape
+    return pool_KNpH[:, pages_n].transpose(1, 2, 0, 3).reshape(pages_n.shape[0] * p, K, H)
+  k_LNKH, v_LNKH = jnp.stack([prefix(k) for k in k_pools]), jnp.stack([prefix(v) for v in v_pools])
+  logits_UV, (k_LUKTH, v_LUKTH) = model_lib.prefill_after_cache(model_cfg, dparams, k_LNKH, v_LNKH, suffix_UT,
+                                                                suffix_mask_UT)
+  whole = lambda p_LNKH, s: jnp.concatenate(
+      [jnp.broadcast_to(p_LNKH.transpose(0, 2, 1, 3)[:, None].astype(s.dtype), (*s.shape[:3], p_LNKH.shape[1],
+                                                                                s.shape[4])), s], axis=3)
+  return logits_UV, whole(k_LNKH, k_LUKTH), whole(v_LNKH, v_LUKTH)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
 def start_samples(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKPH, mask_UP, src_S, slot_S,
                    stop_at_S, turn_end_S, temperature_S, top_p_S, n) -> SlotState:
@@ -148,6 +168,12 @@ def start_paged(pad_id: int, state: SlotState, key_S, logits_UV, k_LUKPH, v_LUKP
                         mask_BS=cache.mask_BS.at[slot_S].set(mask_UT[src_S], mode="drop"))
   return _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, stop_at_S, turn_end_S,
                   temperature_S, top_p_S)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def write_prompt_pages(state: SlotState, k_LUKPH, v_LUKPH, mask_UP, src_GW, page_GW, dst_GW, n) -> SlotState:
+  """`start_paged`'s page writes alone: prefilled prompts' pages into the pool (a prefix cache's)."""
+  return state.replace(cache=paged.write_pages(state.cache, k_LUKPH, v_LUKPH, mask_UP, src_GW, page_GW, dst_GW, n))
 
 
 def _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, stop_at_S, turn_end_S, temperature_S,

@@ -15,7 +15,7 @@ from dapo_jax.serve import scheduler as scheduler_lib
 TOKEN_ENV = "DAPO_SERVE_TOKEN"
 LOGPROBS_MODES = ("raw", "processed")  # The sampled tokens' log-probs: the model's, or the sampler's (vLLM's names).
 # The rollout settings of the KV cache that the server's engine takes from a run's config.
-CACHE_SETTINGS = ("kv_layout", "page_size", "kv_pages", "kv_memory_mb", "paged_attention")
+CACHE_SETTINGS = ("kv_layout", "page_size", "kv_pages", "kv_memory_mb", "paged_attention", "prefix_cache")
 
 
 def prompt_buckets(max_prompt_len: int, smallest: int = 32) -> tuple[int, ...]:
@@ -39,7 +39,7 @@ class PolicyServer:
   truncation, vLLM's default) or those of the distribution the sampler drew from ("processed": the
   temperature-scaled logits', what a trainer recomputes). `engine_options`: more of `engine.Engine`'s
   arguments (the KV cache's layout: `launch.serve` passes the run config's `rollout.kv_layout`,
-  `page_size`, `kv_pages`, `kv_memory_mb` and `paged_attention`). A context manager; `start()` serves
+  `page_size`, `kv_pages`, `kv_memory_mb`, `paged_attention` and `prefix_cache`). A context manager; `start()` serves
   in a thread, `serve_forever()` in front."""
 
   def __init__(self, model_cfg, params, tok, *, eos_ids, model_name: str = "dapo-policy", host: str = "127.0.0.1",

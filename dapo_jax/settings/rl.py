@@ -44,6 +44,7 @@ class Rollout(Section):
   kv_pages: int = _ROLLOUT.kv_pages     # paged: pages in each batch shard's pool (0 = its slots' dense bytes)
   kv_memory_mb: float = _ROLLOUT.kv_memory_mb   # paged: each batch shard's pool in MiB, instead of kv_pages (0 = off)
   paged_attention: str = _ROLLOUT.paged_attention   # paged: "gather" (dense view), "ragged" or "kernel" (Pallas)
+  prefix_cache: bool = _ROLLOUT.prefix_cache        # paged: whole prompt pages kept by hash; prefills start after
   rows_per_call: int = _ROLLOUT.rows_per_call     # static: rows per sampler call (0 = the whole generation batch)
   max_staleness: int = _LOOP.max_staleness        # rollout versions a sample may lag its update (docs/async.md)
   use_decoupled_loss: bool = _LOOP.use_decoupled_loss   # stale rows' π_old = this step's policy (AReaL's)
@@ -84,6 +85,9 @@ class Rollout(Section):
                                                     "engine's)"),
                       (not self.env, "with rollout.env set (episodes decode from dense rows for now)")):
         check(ok, "rollout.kv_layout", self.kv_layout, f"'dense' {why}")
+    else:
+      check(not self.prefix_cache, "rollout.prefix_cache", self.prefix_cache,
+            "False with rollout.kv_layout='dense' (the cache is whole pages)")
     if self.partial_rollouts and self.max_staleness != 1:
       raise ConfigError("rollout.partial_rollouts=True needs rollout.max_staleness=1 (a rollout in flight while "
                         "the policy updates)")

@@ -8,6 +8,7 @@ model-FLOPs utilisation against a matmul peak measured in the same run. Prints o
   python -m launch.bench engine --slots=16 --mean_length=32   # dense vs paged KV cache at one byte budget
   python -m launch.bench episodes --tool_ms=50    # 3-turn episodes, environment latency vs a turn-synchronous loop
   python -m launch.bench serve --batch=64 --new_tokens=64   # the OpenAI server at 1/8/32 clients vs offline
+  python -m launch.bench prefix --system_len=512 --clients=32   # the server's prefix cache: time to first token
   python -m launch.bench device   # what a GPU/TPU run reports: decode roofline, bf16 MFU, DAPO steps
   python -m launch.bench async --rollout_devices=4   # a split mesh's phases and the async step they predict
                                   # (on a CPU host, 8 forced host devices unless XLA_FLAGS sets a count)
@@ -28,14 +29,15 @@ from .. import common
 if "async" in sys.argv[1:] and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
 
-from . import device, e2e, engine, episodes, sampler, serve, shared, split_mesh, train, update  # noqa: E402
+from . import device, e2e, engine, episodes, prefix, sampler, serve, shared, split_mesh, train, update  # noqa: E402
 
 BENCHES = {"sampler": sampler.bench, "train": train.bench, "update": update.bench, "e2e": e2e.bench,
            "engine": engine.bench,
-           "episodes": episodes.bench, "serve": serve.bench, "device": device.bench, "async": split_mesh.bench}
+           "episodes": episodes.bench, "serve": serve.bench, "prefix": prefix.bench, "device": device.bench,
+           "async": split_mesh.bench}
 
 # --help lists every benchmark's flags, as this command's own.
-for module in (shared, e2e, engine, episodes, serve, device, split_mesh):
+for module in (shared, e2e, engine, episodes, serve, prefix, device, split_mesh):
   flags.adopt_module_key_flags(module)
 
 
