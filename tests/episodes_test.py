@@ -606,3 +606,24 @@ def test_a_command_line_run_scores_every_episode_against_its_own_example(tmp_pat
     timed_out += step_timeouts
   assert timed_out >= 4 and played >= 2 * timed_out, (played, timed_out)   # About a quarter time out.
   assert {k for k in logged[2] if k.startswith("val/env/")} >= {"val/env/timeouts", "val/env/masked"}
+
+
+@pytest.mark.parametrize("read,kv_pages", [("gather", 0), ("ragged", 40)])
+def test_episodes_on_a_paged_cache_are_the_dense_engines(tok, setup, read, kv_pages, monkeypatch):
+  """The same episodes on pages (`rollout.kv_layout="paged"`): observations and replies written into
+  each episode's own pages as it grows, the prompt's pages shared by its group. The dense engine's
+  tokens, turns and rewards, and its log-probs (to rounding through the ragged read). A pool of 40
+  pages (two episodes' budgets) starts an episode only where its whole budget fits: none is ever
+  pre-empted, and every page is free again at the end."""
+  dense, dense_stats, _, _ = run(tok, setup, Countdown)
+  original = engine.Engine.__init__
+  monkeypatch.setattr(engine.Engine, "__init__", lambda self, *a, **kw: original(
+      self, *a, **kw, kv_layout="paged", page_size=4, paged_attention=read, kv_pages=kv_pages))
+  paged, stats, _, _ = run(tok, setup, Countdown)
+  np.testing.assert_array_equal(paged.tokens_BC, dense.tokens_BC)
+  np.testing.assert_array_equal(paged.policy_BC, dense.policy_BC)
+  np.testing.assert_allclose(paged.logp_BC, dense.logp_BC, rtol=0, atol=2e-6)
+  assert stats["turns"] == dense_stats["turns"] and stats["episode_rewards"] == dense_stats["episode_rewards"]
+  assert stats["preempted"] == 0 and stats["kv_pages_used"] == 0 and stats["prompt_pages_shared"] > 0
+  if kv_pages:
+    assert stats["kv_pages_peak"] <= kv_pages - 1, stats

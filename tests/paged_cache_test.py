@@ -306,9 +306,7 @@ def test_settings_pass_the_layout_through_and_refuse_what_it_does_not_run():
       ("rollout.kv_memory_mb", -1.0, "rollout.kv_memory_mb=-1.0: expected >= 0"),
       ("rollout.paged_attention", "pallas", "rollout.paged_attention='pallas': expected 'gather', "
        "'ragged' or 'kernel'"),
-      ("rollout.engine", "static", "rollout.kv_layout='paged': expected 'dense' with rollout.engine='static'"),
-      ("rollout.env", "dapo_jax.envs.games:GuessNumber", "rollout.kv_layout='paged': expected 'dense' with "
-       "rollout.env set")]:
+      ("rollout.engine", "static", "rollout.kv_layout='paged': expected 'dense' with rollout.engine='static'")]:
     c = base()
     group, key = field.split(".")
     c[group][key] = value
@@ -320,9 +318,13 @@ def test_settings_pass_the_layout_through_and_refuse_what_it_does_not_run():
   with pytest.raises(builders.ConfigError, match=r"^rollout.kv_memory_mb=1.0: expected 0 with rollout.kv_pages set"):
     builders.validate(c, num_devices=1)
   builders.validate(base(), num_devices=8)  # The pool splits over the batch shards.
-  sc = sampling.SamplerConfig(max_new_tokens=8)
-  with pytest.raises(ValueError, match="episodes"):
-    engine.Engine(CFG, sc, slots=2, prompt_len=P, kv_layout="paged").session(PARAMS, jax.random.key(0), episodes=1)
+  c = base()
+  c.rollout.env, c.rollout.prefix_cache = "dapo_jax.envs.games:GuessNumber", True  # Episodes run on pages.
+  builders.validate(c, num_devices=1)
+  c.rollout.kv_layout = "dense"
+  with pytest.raises(builders.ConfigError, match=r"^rollout.prefix_cache=True: expected False with "
+                                                 r"rollout.kv_layout='dense'"):
+    builders.validate(c, num_devices=1)
 
 
 def test_a_memory_budget_sizes_the_pool():

@@ -102,7 +102,8 @@ class Engine:
     the dense engine's numbers), "ragged" (in place, only the pages holding tokens, `CHUNK_PAGES` at a
     time: equal to rounding) or "kernel" (JAX's Pallas paged-attention kernel; one batch shard).
     `prefix_cache` keeps a session's whole prompt pages by the hash of their tokens: a prompt that begins
-    with cached pages takes them, and its prefill computes only the rest (`pages`). Single-turn samples."""
+    with cached pages takes them, and its prefill computes only the rest (`pages`). An episode starts only
+    where its whole budget's pages are free: it is never pre-empted."""
     if slots < 1:
       raise ValueError(f"rollout.slots={slots}: expected a positive number of decode slots")
     self.model_cfg, self.sampler_cfg, self.S, self.P = model_cfg, sampler_cfg, slots, prompt_len

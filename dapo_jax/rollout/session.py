@@ -95,8 +95,6 @@ class Session:
     """`episodes` (an `episodes.EpisodeDriver`) makes every sample an episode: a slot whose turn ends
     keeps its row while the driver runs the environment, then continues with the observation's
     tokens or ends; `step` returns whole episodes."""
-    if engine.paged and episodes is not None:
-      raise ValueError("rollout.kv_layout='paged' samples single turns: episodes (rollout.env) need 'dense'")
     self.e = engine
     self.episodes = episodes
     self.turn_start: dict[tuple[int, int], int] = {}  # Episodes: where each one's current turn began.
@@ -122,7 +120,7 @@ class Session:
     self.resizes = 0
     self.closed = False
     # Paged: each shard's pool, and the pages each slot's sample holds.
-    self.pages = slot_pages.SlotPages(engine, engine.S) if engine.paged else None
+    self.pages = slot_pages.SlotPages(engine, engine.S, episodes is not None) if engine.paged else None
 
   @property
   def busy(self) -> bool:
@@ -329,6 +327,8 @@ class Session:
       self.samples += 1
       self.paused -= 1
       self.slot_work[s] = None
+      if self.pages:
+        self.pages.release(s)
       out.append(f)
     return out
 

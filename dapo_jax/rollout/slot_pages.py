@@ -23,8 +23,11 @@ class SlotPages:
   """Per shard a pool of `engine.kv_pages` pages; per slot of the current width the pages it holds,
   the logical pages [0, covered) its table names, and when its sample started."""
 
-  def __init__(self, engine, width: int):  # engine: the `engine.Engine` whose pool this is
-    self.e, self.G = engine, engine.shards
+  def __init__(self, engine, width: int, episodes: bool = False):  # engine: the `engine.Engine` whose pool this is
+    """`episodes`: every sample is an episode, which cannot start over from its prompt (its environment
+    has moved on): a sample starts only where its whole budget's pages are free beside the running
+    samples' (theirs to the end of their budgets too), so none is ever pre-empted."""
+    self.e, self.G, self.episodes = engine, engine.shards, episodes
     self.pools = [pages_lib.PagePool(engine.kv_pages, engine.page_size) for _ in range(self.G)]
     self.held: list[list[int]] = [[] for _ in range(width)]
     self.covered = np.zeros(width, np.int32)
@@ -74,7 +77,7 @@ class SlotPages:
 
   def last_page(self, w, drawn: int, steps: int) -> int:
     """The logical page of the last token `w` may write within `steps` more tokens."""
-    most = min(drawn + steps, w.max_tokens, w.stop_at, self.e.C)
+    most = min(drawn + steps, self.e.C if self.episodes else w.max_tokens, w.stop_at, self.e.C)
     return (int(w.mask_P.sum()) + max(most, 1) - 1) // self.e.page_size
 
   def _running(self, slot_work, g: int) -> list[int]:
@@ -98,7 +101,7 @@ class SlotPages:
     pages are there: its group gathers on a shard), then the one with the most free pages. Returns
     (the samples started, their slots)."""
     rt = self.e.round_tokens
-    reserve = self.e.reserve_rounds * rt
+    reserve = self.e.C if self.episodes else self.e.reserve_rounds * rt
     room = [pool.available - len(self._growth(slot_work, drawn, self._running(slot_work, g), reserve))
             for g, pool in enumerate(self.pools)]
     paused = [self.preempted_last[g] and bool(self._running(slot_work, g)) for g in range(self.G)]
@@ -108,7 +111,7 @@ class SlotPages:
     for w in work:
       prefill = prefills[w.prompt_id]
       shared, first_own = self.prompt_pages_of(prefill, w)
-      own = self.last_page(w, 0, rt) - first_own + 1
+      own = self.last_page(w, 0, self.e.C if self.episodes else rt) - first_own + 1
       costs = [(own + (0 if (w.prompt_id, g) in prefill.pages or (w.prompt_id, g) in written else len(shared)),
                 -room[g], g) for g in range(self.G) if free_of[g]]
       fits = [c for c in costs if c[0] <= room[c[2]]]
@@ -206,6 +209,9 @@ class SlotPages:
       running = self._running(slot_work, g)
       need = self._growth(slot_work, drawn, running, steps)
       while len(need) > pool.available:
+        if self.episodes:  # Admission left room for every episode's budget: this is a bug, not a load.
+          raise RuntimeError(f"batch shard {g}'s pool cannot hold its episodes' next pages ({len(need)} needed, "
+                             f"{pool.available} available)")
         if len(running) > 1:
           victim = max(running, key=lambda s: self.started_at[s])
           running.remove(victim)

@@ -81,10 +81,8 @@ class Rollout(Section):
       check(not (self.kv_pages and self.kv_memory_mb), "rollout.kv_memory_mb", self.kv_memory_mb,
             "0 with rollout.kv_pages set (one of the two sizes the pool)")
       self.choice("paged_attention", engine_lib.PAGED_READS, "'gather', 'ragged' or 'kernel'")
-      for ok, why in ((self.engine == "continuous", f"with rollout.engine={self.engine!r} (pages are the continuous "
-                                                    "engine's)"),
-                      (not self.env, "with rollout.env set (episodes decode from dense rows for now)")):
-        check(ok, "rollout.kv_layout", self.kv_layout, f"'dense' {why}")
+      check(self.engine == "continuous", "rollout.kv_layout", self.kv_layout,
+            f"'dense' with rollout.engine={self.engine!r} (pages are the continuous engine's)")
     else:
       check(not self.prefix_cache, "rollout.prefix_cache", self.prefix_cache,
             "False with rollout.kv_layout='dense' (the cache is whole pages)")
