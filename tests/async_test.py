@@ -298,6 +298,31 @@ def test_split_mesh_equals_the_shared_mesh_and_runs_one_step_off(tmp_path):
   assert untimed(off[1]) == untimed(runs["split"][0][1])
 
 
+@pytest.mark.slow  # two 2-step runlocal runs on 8 host devices
+def test_a_split_mesh_rollout_on_pages_equals_it_on_dense_rows(tmp_path):
+  """`mesh.rollout_devices=4` with `rollout.kv_layout=paged`: the rollout's 4 batch shards each keep
+  their own page pool (and a prefix cache) on their device. The run draws the dense rows' run's tokens:
+  every logged value equal to it, to rounding (the prompts after cached pages are prefilled by another
+  program, `model.prefill_after_cache`), and so are the params."""
+  from dapo_jax import builders
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  runs = {}
+  for name in ("dense", "paged"):
+    cfg = split_config(4, 1)
+    if name == "paged":
+      cfg.rollout.update(kv_layout="paged", page_size=8, prefix_cache=True)
+    with builders.dapo(cfg, str(tmp_path / name)) as run:
+      run.run()
+      runs[name] = logged(tmp_path / name), jax.device_get(run.state.params)
+  for step in (1, 2):
+    paged, dense = untimed(runs["paged"][0][step]), untimed(runs["dense"][0][step])
+    assert paged.keys() == dense.keys()
+    for k in dense:
+      assert paged[k] == pytest.approx(dense[k], rel=1e-5, abs=1e-7), (step, k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), runs["paged"][1], runs["dense"][1])
+
+
 @pytest.mark.parametrize("rollout_devices,mesh,match", [
     (8, {}, r"^mesh.rollout_devices=8: expected 0 \(rollout and training share the devices\) or 1..7 of the 8 devices"),
     (-1, {}, r"^mesh.rollout_devices=-1: expected 0"),

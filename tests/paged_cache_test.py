@@ -236,7 +236,7 @@ def test_the_paged_engine_splits_its_slots_and_pool_over_batch_shards(read):
 
 
 def test_a_group_holds_one_copy_of_its_prompts_pages():
-  """All 15 samples start at once: each prompt's whole pages (its first n // 4 pages of 4 tokens) are
+  """All 15 samples start at once (and a group of 16 after): each prompt's whole pages (its first n // 4 pages of 4 tokens) are
   written once and taken by its 2 other samples; each sample's own pages follow its length."""
   tokens, mask = prompts()
   G, C, p = 3, 40, 4
@@ -252,6 +252,9 @@ def test_a_group_holds_one_copy_of_its_prompts_pages():
   own_pages = lambda drawn_B: ((n_B + np.minimum(drawn_B, C) - 1) // p - n_B // p + 1).sum()
   first_round = np.minimum(stop_at_B, engine.ROUND_PAGES * p)
   assert sum(whole) + own_pages(first_round) <= stats["kv_pages_peak"] <= sum(whole) + own_pages(stop_at_B)
+  # A group of 16 (the recipe's G) of one 21-token prompt: its 5 whole pages written once, taken 15 more times.
+  _, stats = generate(tokens[:1], mask[:1], 16, None, slots=16, kv_layout="paged", page_size=p)
+  assert (stats["prompt_pages"], stats["prompt_pages_shared"]) == (5, 15 * 5), stats
 
 
 def test_admission_waits_for_free_pages():
