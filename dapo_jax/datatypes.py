@@ -189,3 +189,4 @@ class ValueBatch:
   loss_mask_BC: jax.Array   # bool: completion tokens in the loss
   old_values_BC: jax.Array  # fp32 values of the critic that rolled out (clipping centre)
   returns_BC: jax.Array     # fp32 GAE returns (advantages.gae)
+  packed: PackedRows | None = None  # A packed micro-batch, as `RLBatch.packed`

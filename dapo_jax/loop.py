@@ -183,6 +183,12 @@ class DAPO:
       info["env"] = episodes.metrics()
     return batch, stats, info
 
+  def pack_args(self, trainer=None) -> dict:
+    """`train_step.packed_rows`' budget for `trainer`'s passes (default: the policy's)."""
+    trainer = trainer or self.trainer
+    return dict(max_tokens=trainer.microbatch_tokens, shards=sharding.batch_shards(trainer.mesh.shape),
+                buckets=self.cfg.length_buckets)
+
   def split(self, batch):
     """The train batch's `minibatches` mini-batches (consecutive rows: whole groups)."""
     rows = batch.tokens_BT.shape[0] // self.cfg.minibatches
@@ -202,9 +208,7 @@ class DAPO:
                    for mb in self.split(batch)]
     C = batch.loss_mask_BC.shape[1]
     if c.packing:  # Each mini-batch's rows packed into sequences of the token budget, no padding.
-      pack = functools.partial(train_step.packed_microbatches, max_tokens=self.trainer.microbatch_tokens,
-                               shards=sharding.batch_shards(self.trainer.mesh.shape), buckets=c.length_buckets)
-      minibatches = [pack(mb) for mb in self.split(batch)]
+      minibatches = [train_step.packed_microbatches(mb, **self.pack_args()) for mb in self.split(batch)]
     elif c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
       # A set micro-batch count is kept; auto (0) packs each bucket's rows to the token budget.
       cut = functools.partial(train_step.bucketed_microbatches, num_microbatches=self.trainer.num_microbatches,
@@ -273,11 +277,17 @@ class DAPO:
         batch, value_batch, token_metrics = ppo.token_advantages(
             batch, groups, estimator=c.adv_estimator, logprobs=self.logprobs, trainer=self.trainer,
             params=self.state.params, ref_params=self.ref_params, critic=self.critic, kl_ctrl=self.kl_ctrl,
-            Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam, teacher=self.teacher)
+            Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam, teacher=self.teacher,
+            pack=functools.partial(train_step.packed_pass, put=self.trainer.put_batch, **self.pack_args())
+            if c.packing else None)
         adv = batch.adv_BC[batch.loss_mask_BC]
         if value_batch is not None:
           t1 = time.perf_counter()
-          vm = self.critic.update(self.split(value_batch), c.ppo_epochs)
+          value_minibatches = self.split(value_batch)
+          if c.packing:
+            value_minibatches = [train_step.packed_microbatches(mb, **self.pack_args(self.critic.trainer))
+                                 for mb in value_minibatches]
+          vm = self.critic.update(value_minibatches, c.ppo_epochs)
           token_metrics.update({f"critic/{k}": v for k, v in vm.items()
                                 if k in ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")})
           timing["update_critic_s"] = time.perf_counter() - t1

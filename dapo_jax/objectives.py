@@ -486,8 +486,15 @@ def dpo(model_cfg: model_lib.ModelConfig, cfg: DPOConfig) -> Objective:
 
 def completion_values(model_cfg: model_lib.ModelConfig, group_size: int = 0) -> Callable:
   """(params of a scalar-head model, batch) -> V(s_t) [B, C] fp32: the value at the position that
-  predicts completion token t (verl's critic reads values[:, P-1:T-1] the same way)."""
+  predicts completion token t (verl's critic reads values[:, P-1:T-1] the same way); a packed batch's
+  values are read at its rows' sources, as `completion_stats` reads log-probs."""
   def fn(params, mb) -> jax.Array:
+    if getattr(mb, "packed", None) is not None:
+      pk = mb.packed
+      values_MT = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT,
+                                    model_lib.packed_attention_mask(pk.segments_MT), head="scalar")
+      return jnp.take_along_axis(values_MT.reshape(pk.shards, -1), pk.source_BC.reshape(pk.shards, -1),
+                                 axis=1).reshape(mb.loss_mask_BC.shape)
     C = mb.loss_mask_BC.shape[1]
     P = mb.tokens_BT.shape[1] - C
     if group_size:

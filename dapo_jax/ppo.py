@@ -30,23 +30,31 @@ class Critic:
     """Values of a placed batch's completion tokens [B, C] (fp32, on the host)."""
     return sharding.fetch(self._values(self.state.params, placed_batch))
 
-  def update(self, minibatches: list[ValueBatch], epochs: int) -> dict:
-    """Epochs x mini-batches of value-model updates; the mean metrics."""
-    self.state, m = self.trainer.updates(self.state, [[mb] for mb in minibatches], epochs)
+  def update(self, minibatches: list, epochs: int) -> dict:
+    """Epochs x mini-batches of value-model updates (each a `ValueBatch`, or a list of micro-batches:
+    packed ones); the mean metrics."""
+    self.state, m = self.trainer.updates(self.state, [mb if isinstance(mb, list) else [mb] for mb in minibatches],
+                                         epochs)
     return metrics_lib.mean_updates(sharding.fetch(m))
 
 
 def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs: Callable, trainer, params,
                      ref_params, critic: Critic | None, kl_ctrl, Q: int, G: int, gamma: float,
-                     lam: float, teacher=None) -> tuple[RLBatch, ValueBatch | None, dict]:
+                     lam: float, teacher=None, pack: Callable | None = None) -> tuple[RLBatch, ValueBatch | None, dict]:
   """Log-probs of the sampling policy and the reference, the KL-shaped token rewards, values (GAE),
   per-token advantages and returns of `batch` (Q groups of G rows). Returns the batch with its
   log-probs and `adv_BC` set, the value model's batch (None without one) and the step's metrics;
-  updates the adaptive KL controller. "distill": `teacher` = (its log-prob function, its params)."""
-  placed = trainer.put_batch(batch.replace(behaviour_B=None))  # Forward passes read no flags.
-  logp_BC = sharding.fetch(logprobs(params, placed))
-  ref_BC = sharding.fetch(logprobs(ref_params, placed)) if ref_params is not None else logp_BC
-  values_BC = critic.values(placed) if critic is not None else None
+  updates the adaptive KL controller. "distill": `teacher` = (its log-prob function, its params).
+  `pack` (`train_step.packed_pass` with the run's budget): every pass runs on the rows packed."""
+  rows = batch.replace(behaviour_B=None)  # Forward passes read no flags.
+  if pack is None:
+    placed = trainer.put_batch(rows)
+    run = lambda fn: np.asarray(sharding.fetch(fn(placed)))
+  else:
+    run = lambda fn: pack(fn, rows)
+  logp_BC = run(lambda b: logprobs(params, b))
+  ref_BC = run(lambda b: logprobs(ref_params, b)) if ref_params is not None else logp_BC
+  values_BC = run(critic.values) if critic is not None else None
   mask_BC = batch.loss_mask_BC
   # As `to_train_batch` completes a short step: groups repeated cyclically (their loss mask is empty).
   score_B = np.resize(groups.score_QG, (Q, G)).reshape(-1)
@@ -56,7 +64,7 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
     if teacher is None:
       raise ValueError("dapo.adv_estimator='distill' needs a teacher (dapo.teacher_dir)")
     teacher_logprobs, teacher_params = teacher
-    teacher_BC = sharding.fetch(teacher_logprobs(teacher_params, placed))
+    teacher_BC = run(lambda b: teacher_logprobs(teacher_params, b))
   rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
       estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=gamma, lam=lam,
       teacher_logp_BC=teacher_BC))

@@ -7,6 +7,7 @@ in the same micro-batches.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -499,8 +500,25 @@ def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edg
 
 # --- packed micro-batches ---------------------------------------------------------------------
 
-def packed_microbatches(batch: RLBatch, *, max_tokens: int, shards: int = 1,
-                        buckets: Sequence[int] = ()) -> list[RLBatch]:
+def packed_microbatches(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = ()) -> list:
+  """`packed_rows`' micro-batches alone."""
+  return [part for part, _ in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets)]
+
+
+def packed_pass(fn: Callable, batch, put: Callable, *, max_tokens: int, shards: int = 1,
+                buckets: Sequence[int] = ()) -> np.ndarray:
+  """A forward pass `fn(placed micro-batch) -> [R, Cb]` over `batch`'s rows packed (`packed_rows`), its
+  values put back in the rows' places: [B, C] fp32 (0 where a row has no completion token)."""
+  B, C = batch.loss_mask_BC.shape
+  out = np.zeros((B, C), np.float32)
+  for part, rows in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets):
+    values = np.asarray(sharding.fetch(fn(put(part))))
+    real = rows >= 0
+    out[rows[real], :values.shape[1]] = values[real]
+  return out
+
+
+def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = ()) -> list[tuple]:
   """A mini-batch's rows packed without padding (host, pure): the micro-batches of a padding-free
   update (`datatypes.PackedRows`).
 
@@ -511,7 +529,8 @@ def packed_microbatches(batch: RLBatch, *, max_tokens: int, shards: int = 1,
   more than the padded rows' would; it holds `max_tokens` // that many sequences per data shard (one
   at least), filled first-fit, and the rows that do not fit wait for the next micro-batch. Row slots
   per shard (and the last micro-batch's sequences) are a power of two: a run compiles few shapes. The
-  rows' [B, C] arrays are cut to the micro-batch's completion bucket.
+  rows' [B, C] arrays are cut to the micro-batch's completion bucket. Returns (micro-batch, the batch's
+  row in each of its row slots, -1 for none) pairs. Any batch laid out as `RLBatch` (a `ValueBatch`).
   """
   B, C = batch.loss_mask_BC.shape
   T = batch.tokens_BT.shape[1]
@@ -543,8 +562,9 @@ def packed_microbatches(batch: RLBatch, *, max_tokens: int, shards: int = 1,
 
 
 def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb: int, length_B, prompt_B,
-          completion_B) -> RLBatch:
-  """One packed micro-batch: bin i is sequence i // shards of shard i % shards (S sequences of L each)."""
+          completion_B) -> tuple:
+  """One packed micro-batch, and its row slots' rows: bin i is sequence i // shards of shard i % shards
+  (S sequences of L each)."""
   tokens, mask = np.asarray(batch.tokens_BT), np.asarray(batch.mask_BT, bool)
   per_shard = [[rows for i, rows in enumerate(bins) if i % shards == d] for d in range(shards)]
   R = _pow2_at_least(max(sum(len(rows) for rows in seqs) for seqs in per_shard), len(length_B))
@@ -569,7 +589,7 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
   P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
   return _rows_of(batch, row_idx.reshape(-1), P, Cb).replace(packed=PackedRows(
       tokens_MT=seq(tokens_DL), next_MT=seq(next_DL), positions_MT=seq(positions_DL), segments_MT=seq(segments_DL),
-      source_BC=source_DRC.reshape(shards * R, Cb), row_B=row_idx.reshape(-1) >= 0, shards=shards))
+      source_BC=source_DRC.reshape(shards * R, Cb), row_B=row_idx.reshape(-1) >= 0, shards=shards)), row_idx.reshape(-1)
 
 
 def _pow2_at_least(n: int, cap: int) -> int:
@@ -577,14 +597,21 @@ def _pow2_at_least(n: int, cap: int) -> int:
   return min(1 << max(int(n) - 1, 0).bit_length(), max(cap, int(n)))
 
 
-def _rows_of(batch: RLBatch, idx: np.ndarray, P: int, Cb: int) -> RLBatch:
-  """The completion columns [:Cb] of rows `idx` of `batch` (-1: an empty row: no token, no loss)."""
+def _rows_of(batch, idx: np.ndarray, P: int, Cb: int):
+  """The completion columns [:Cb] of rows `idx` of `batch` (-1: an empty row: no token, no loss): its
+  tokens and mask cut to the completions, its [B, C] arrays to [:Cb], its [B] arrays taken."""
   real = idx >= 0
   take = lambda x: None if x is None else np.where(
       real.reshape((-1,) + (1,) * (np.ndim(x) - 1)), np.asarray(x)[np.maximum(idx, 0)], 0).astype(np.asarray(x).dtype)
-  cut = lambda x: None if x is None else take(np.asarray(x)[:, :Cb])
-  return RLBatch(tokens_BT=take(np.asarray(batch.tokens_BT)[:, P:P + Cb]),
-                 mask_BT=take(np.asarray(batch.mask_BT)[:, P:P + Cb]), loss_mask_BC=cut(batch.loss_mask_BC),
-                 old_logp_BC=cut(batch.old_logp_BC), adv_B=take(batch.adv_B), ref_logp_BC=cut(batch.ref_logp_BC),
-                 behaviour_B=take(batch.behaviour_B), adv_BC=cut(batch.adv_BC),
-                 rollout_logp_BC=cut(batch.rollout_logp_BC))
+  out = {}
+  for f in dataclasses.fields(batch):
+    x = getattr(batch, f.name)
+    if not f.metadata.get("pytree_node", True) or f.name == "packed":
+      continue
+    if x is None or f.name.endswith("_B"):
+      out[f.name] = take(x)
+    elif f.name in ("tokens_BT", "mask_BT"):
+      out[f.name] = take(np.asarray(x)[:, P:P + Cb])
+    else:  # [B, C]
+      out[f.name] = take(np.asarray(x)[:, :Cb])
+  return type(batch)(**out)

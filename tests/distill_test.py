@@ -98,3 +98,27 @@ def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_naming_both(set
   other_tok = testing.build_tokenizer(str(tmp_path / "tok"), vocab_size=260)
   with pytest.raises(builders.ConfigError, match="tokenizer is not the policy's"):
     builders.teacher(cfg, student_cfg, other_tok, mesh, objectives.PGConfig())
+
+
+def test_a_packed_run_with_a_teacher_is_the_padded_run(setup, tmp_path, tiny_tokenizer_dir):
+  """`train.packing=True`: the student's and the teacher's log-prob passes (the advantage) and the update
+  run on packed rows; every logged value of two steps, and the params, are the padded run's (1e-5)."""
+  *_, cfg = setup
+  runs = {}
+  for packing in (False, True):
+    c = cfg.copy_and_resolve_references()
+    c.tokenizer.path = tiny_tokenizer_dir
+    c.train.update(num_steps=2, packing=packing, num_microbatches=0, eval_every=0)
+    c.dapo.dynamic_sampling = False
+    with builders.dapo(c, str(tmp_path / str(packing))) as run:
+      run.run()
+      runs[packing] = [json.loads(line) for line in open(tmp_path / str(packing) / "metrics.jsonl")], \
+          jax.device_get(run.state.params)
+  untimed = lambda row: {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/", "time"))}
+  assert sum("distill/reverse_kl" in row for row in runs[False][0]) == 2
+  for padded, packed in zip(*(runs[p][0] for p in (False, True))):
+    padded, packed = untimed(padded), untimed(packed)
+    assert padded.keys() == packed.keys()
+    for k in padded:
+      assert packed[k] == pytest.approx(padded[k], rel=1e-5, abs=1e-6), k
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), runs[True][1], runs[False][1])

@@ -261,3 +261,23 @@ def test_a_checkpoint_without_a_value_model_is_named(tmp_path):
   step, _, _, critic = ckpt.restore_latest(abstract, jax.eval_shape(lambda: {"v": jnp.arange(2.0)}))
   assert step == 2 and np.asarray(critic["v"]).tolist() == [0.0, 1.0]
   ckpt.close()
+
+
+@pytest.mark.slow  # Two 2-step runs of the loop.
+def test_a_packed_ppo_run_is_the_padded_run(tmp_path):
+  """`train.packing=True`: the policy's, the reference's and the value model's passes before GAE, the
+  value model's update and the policy's run on packed rows; every logged value of two steps (critic/*
+  included), and both models' params, are the padded run's (1e-5)."""
+  runs = {}
+  for packing in (False, True):
+    with builders.dapo(ppo_cfg(num_steps=2, packing=packing, num_microbatches=0), str(tmp_path / str(packing))) as run:
+      run.run()
+      runs[packing] = metrics.read_jsonl(os.path.join(tmp_path, str(packing), "metrics.jsonl")), \
+          jax.device_get((run.state.params, run.critic.state.params))
+  for step in (1, 2):
+    padded, packed = runs[False][0][step], runs[True][0][step]
+    assert "critic/vf_loss" in padded
+    for k, v in padded.items():
+      if not k.startswith(("timing_s/", "perf/", "time")):
+        assert packed[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), runs[True][1], runs[False][1])
