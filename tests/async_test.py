@@ -303,7 +303,7 @@ def test_a_split_mesh_rollout_on_pages_equals_it_on_dense_rows(tmp_path):
   """`mesh.rollout_devices=4` with `rollout.kv_layout=paged`: the rollout's 4 batch shards each keep
   their own page pool (and a prefix cache) on their device. The run draws the dense rows' run's tokens:
   every logged value equal to it, to rounding (the prompts after cached pages are prefilled by another
-  program, `model.prefill_after_cache`), and so are the params."""
+  program, `decode.prefill_after_cache`), and so are the params."""
   from dapo_jax import builders
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 host devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")

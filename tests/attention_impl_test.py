@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dapo_jax import testing
-from dapo_jax.model import kv_cache, layers
+from dapo_jax.model import decode, kv_cache, layers
 from dapo_jax.model import transformer as model
 from dapo_jax.rollout import sampling
 
@@ -115,10 +115,10 @@ def test_cached_decode_with_xla_core_matches_einsum_forward(family):
   full = model.logits(cfg, params, tokens, mask)
   logits, cache = sampling.prefill(xla, params, tokens[:, :3], mask[:, :3], cache_size=8)
   np.testing.assert_allclose(logits, full[:, 2], atol=1e-5)
-  dparams = model.decode_params(xla, params)
+  dparams = decode.decode_params(xla, params)
   for t in range(3, 8):
     cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
-    logits, cache = model.decode_step(xla, dparams, tokens[:, t], model.positions(mask)[:, t], cache, t)
+    logits, cache = decode.decode_step(xla, dparams, tokens[:, t], model.positions(mask)[:, t], cache, t)
     np.testing.assert_allclose(logits, full[:, t], atol=1e-5)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dapo_jax.hf import convert as hf
-from dapo_jax.model import kv_cache, layers
+from dapo_jax.model import decode, kv_cache, layers
 from dapo_jax.model import transformer as model
 from dapo_jax.rollout import sampling
 
@@ -166,11 +166,11 @@ def assert_decode_and_shared_prompt_match_forward(cfg, params, tokens, mask, our
   T = tokens.shape[1]
   tokens, mask = jnp.asarray(tokens), jnp.asarray(mask, bool)
   logits, cache = sampling.prefill(cfg, params, tokens[:, :3], mask[:, :3], cache_size=T)
-  dparams = model.decode_params(cfg, params)
+  dparams = decode.decode_params(cfg, params)
   pos = model.positions(mask)
   for t in range(3, T):
     cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
-    logits, cache = model.decode_step(cfg, dparams, tokens[:, t], pos[:, t], cache, t)
+    logits, cache = decode.decode_step(cfg, dparams, tokens[:, t], pos[:, t], cache, t)
     rows = np.asarray(mask[:, t])
     np.testing.assert_allclose(np.asarray(logits)[rows], ours[:, t][rows], atol=1e-4)
   P = 8  # Every row's prompt holds a real token.

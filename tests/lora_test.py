@@ -12,7 +12,7 @@ from dapo_jax import objectives, optim, sharding, testing, train_step
 from dapo_jax.datatypes import LMBatch, PreferenceBatch, RLBatch
 from dapo_jax.hf import convert as hf
 from dapo_jax.hf import peft as peft_format
-from dapo_jax.model import layers, lora, quant
+from dapo_jax.model import decode, layers, lora, quant
 from dapo_jax.model import transformer as model
 from dapo_jax.rollout import sampling
 
@@ -379,7 +379,7 @@ def test_sampler_with_adapters_equals_the_full_forward(quant):
 def test_int8_base_decodes_from_int8_weights_with_unmerged_adapters():
   p = adapted(lcfg=lora.LoraConfig(rank=4, alpha=8.0, base_quant="int8"))
   float_sizes = []
-  for layer, l in zip(model.decode_params(CFG, p)["layers"], range(CFG.num_layers)):
+  for layer, l in zip(decode.decode_params(CFG, p)["layers"], range(CFG.num_layers)):
     for name in ("wqkv_DKJH", "wo_NHD", "w_gate_up_D2F", "w_down_FD"):
       assert layer[name]["int8"].dtype == jnp.int8, name
     np.testing.assert_array_equal(layer["lora"]["wq_DNH"]["a"], p["lora"]["layers"]["wq_DNH"]["a"][l])

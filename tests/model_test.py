@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dapo_jax import testing
-from dapo_jax.model import kv_cache, layers
+from dapo_jax.model import decode, kv_cache, layers
 from dapo_jax.model import transformer as model
 from dapo_jax.rollout import sampling
 
@@ -64,10 +64,10 @@ def test_cached_decode_matches_full_forward(overrides):
   atol = 2e-2 if cfg.matmul_dtype else 1e-5
   logits, cache = sampling.prefill(cfg, params, tokens[:, :3], mask[:, :3], cache_size=7)
   np.testing.assert_allclose(logits, full[:, 2], atol=atol)
-  dparams = model.decode_params(cfg, params)
+  dparams = decode.decode_params(cfg, params)
   for t in range(3, 7):
     cache = kv_cache.write_mask(cache, mask[:, t:t + 1], t)
-    logits, cache = model.decode_step(cfg, dparams, tokens[:, t], model.positions(mask)[:, t], cache, t)
+    logits, cache = decode.decode_step(cfg, dparams, tokens[:, t], model.positions(mask)[:, t], cache, t)
     np.testing.assert_allclose(logits, full[:, t], atol=atol)
 
 

@@ -4,13 +4,12 @@ One layer function serves teacher forcing, prefill and decode (`layers`); `trans
 under an LM or scalar head; `kv_cache`, `lora`, `quant` and `memory` are its parts and its plan.
 """
 from dapo_jax.model.config import ModelConfig
+from dapo_jax.model.decode import decode_params, decode_step
 from dapo_jax.model.transformer import (
                                         Transformer,
                                         causal_mask,
                                         completion_logits,
                                         completion_logits_after_prefix,
-                                        decode_params,
-                                        decode_step,
                                         embed,
                                         forward,
                                         init_boxed,

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dapo_jax.model import decode as decode_lib
 from dapo_jax.model import kv_cache as kvc
 from dapo_jax.model import transformer as model_lib
 
@@ -188,7 +189,7 @@ def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state:
 
     slot = P + s.step
     cache = kvc.write_mask(s.cache, jnp.ones_like(tok_B, bool)[:, None], slot)
-    logits_BV, cache = model_lib.decode_step(model_cfg, dparams, tok_B, prompt_len_B + s.step, cache, slot)
+    logits_BV, cache = decode_lib.decode_step(model_cfg, dparams, tok_B, prompt_len_B + s.step, cache, slot)
     return SamplingState(step=s.step + 1, tokens_BC=tokens_BC, logp_BC=logp_BC, done_B=done_B,
                          length_B=s.length_B + running_B.astype(jnp.int32), logits_BV=logits_BV,
                          cache=cache, rng=rng)
@@ -209,7 +210,7 @@ def generate_jit(model_cfg, cfg: SamplerConfig, params, prompt_QP, prompt_mask_Q
       logp_BC=jnp.zeros((B, C), jnp.float32), done_B=jnp.zeros((B,), bool),
       length_B=jnp.zeros((B,), jnp.int32), logits_BV=logits_BV, cache=cache, rng=rng)
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
-  dparams = model_lib.decode_params(model_cfg, params)
+  dparams = decode_lib.decode_params(model_cfg, params)
   state = decode(model_cfg, cfg, dparams, state, prompt_len_B, jnp.minimum(budget, C), stop_at_B)
   mask_BC = jnp.arange(C)[None, :] < state.length_B[:, None]
   return Samples(tokens_BC=state.tokens_BC, logp_BC=state.logp_BC, mask_BC=mask_BC,

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dapo_jax.model import decode
 from dapo_jax.model import kv_cache as kvc
 from dapo_jax.model import paged_cache as paged
 from dapo_jax.model import transformer as model_lib
@@ -117,13 +118,13 @@ def prefill_shared(model_cfg: model_lib.ModelConfig, params, prefix_1N, suffix_U
 def prefill_cached(model_cfg: model_lib.ModelConfig, dparams, k_pools, v_pools, pages_n, suffix_UT, suffix_mask_UT):
   """`prefill_shared` whose prefix is n whole pages of a paged cache's pool (a prefix cache's, ids
   `pages_n` over the whole pool): their keys and values are read, and only the suffixes run through the
-  model (`model.prefill_after_cache`). The same logits [U, V], and keys and values [L, U, K, N + T, H]
+  model (`decode.prefill_after_cache`). The same logits [U, V], and keys and values [L, U, K, N + T, H]
   laid out as the prompts [prefix | left-padded suffix]. One program per (n, U, T)."""
   def prefix(pool_KNpH):  # [N, K, H]: the pages' tokens in order.
     K, _, p, H = pool_KNpH.shape
     return pool_KNpH[:, pages_n].transpose(1, 2, 0, 3).reshape(pages_n.shape[0] * p, K, H)
   k_LNKH, v_LNKH = jnp.stack([prefix(k) for k in k_pools]), jnp.stack([prefix(v) for v in v_pools])
-  logits_UV, (k_LUKTH, v_LUKTH) = model_lib.prefill_after_cache(model_cfg, dparams, k_LNKH, v_LNKH, suffix_UT,
+  logits_UV, (k_LUKTH, v_LUKTH) = decode.prefill_after_cache(model_cfg, dparams, k_LNKH, v_LNKH, suffix_UT,
                                                                 suffix_mask_UT)
   whole = lambda p_LNKH, s: jnp.concatenate(
       [jnp.broadcast_to(p_LNKH.transpose(0, 2, 1, 3)[:, None].astype(s.dtype), (*s.shape[:3], p_LNKH.shape[1],
@@ -257,7 +258,7 @@ def decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, d
     cache = kvc.write_mask_rows(s.cache, running_S, index_S)
     if isinstance(cache, paged.PagedCache):  # An ended row writes nothing: its pages may be another's now.
       index_S = jnp.where(running_S, index_S, cache.size)
-    logits_SV, cache = model_lib.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
+    logits_SV, cache = decode.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
     return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, policy_SC=policy_SC, step_S=s.step_S + running_S,
                             done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)
 
@@ -265,13 +266,13 @@ def decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, d
   return state, steps
 
 
-_decode_layers = jax.jit(model_lib.decode_layers, static_argnums=(0,))
+_decode_layers = jax.jit(decode.decode_layers, static_argnums=(0,))
 
 
 def decode_params(model_cfg: model_lib.ModelConfig, params) -> dict:
-  """`model.decode_params`, with only the per-layer weights made by a program (its outputs are new
+  """`decode.decode_params`, with only the per-layer weights made by a program (its outputs are new
   arrays): the embedding and final norm are the params' own arrays where their dtype matches."""
-  return dict(layers=_decode_layers(model_cfg, params), **model_lib.decode_ends(model_cfg, params))
+  return dict(layers=_decode_layers(model_cfg, params), **decode.decode_ends(model_cfg, params))
 
 
 end_rows = jax.jit(lambda state, end_S: state.replace(done_S=state.done_S | end_S), donate_argnums=(0,))

@@ -55,14 +55,13 @@ def decode_roofline(mc, params, B: int, P: int, C: int, kv_dtype: str, runs: int
   import jax.numpy as jnp
   import numpy as np
 
-  from dapo_jax.model import kv_cache
-  from dapo_jax.model import transformer as model
+  from dapo_jax.model import decode, kv_cache
   from dapo_jax.rollout import sampling
   tokens_BP = jnp.asarray(np.random.default_rng(0).integers(0, mc.vocab_size, size=(B, P)).astype(np.int32))
   logits_BV, cache = sampling.prefill(mc, params, tokens_BP, jnp.ones((B, P), bool), cache_size=P + C)
   dt = jnp.dtype(kv_dtype or mc.dtype)
   cache = cache.replace(k=[x.astype(dt) for x in cache.k], v=[x.astype(dt) for x in cache.v])
-  dparams = model.decode_params(mc, params)
+  dparams = decode.decode_params(mc, params)
   forced = forced_CB is not None
   feed_CB = jnp.asarray(forced_CB) if forced else jnp.zeros((C, B), jnp.int32)
 
@@ -73,7 +72,7 @@ def decode_roofline(mc, params, B: int, P: int, C: int, kv_dtype: str, runs: int
       tok_B = feed_CB[i] if forced else jnp.argmax(logits_BV, -1).astype(jnp.int32)
       logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV), tok_B[:, None], 1)[:, 0]
       cache = kv_cache.write_mask(cache, jnp.ones((B, 1), bool), P + i)
-      logits_BV, cache = model.decode_step(mc, dparams, tok_B, jnp.full((B,), P + i), cache, P + i)
+      logits_BV, cache = decode.decode_step(mc, dparams, tok_B, jnp.full((B,), P + i), cache, P + i)
       return cache, logits_BV, tok_CB.at[i].set(tok_B), logp_CB.at[i].set(logp_B)
     init = (cache, logits_BV, jnp.zeros((C, B), jnp.int32), jnp.zeros((C, B), jnp.float32))
     _, _, tok_CB, logp_CB = jax.lax.fori_loop(0, C, body, init)
