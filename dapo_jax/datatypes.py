@@ -20,7 +20,7 @@ from flax import struct
 
 @struct.dataclass
 class PackedRows:
-  """The model's inputs of a packed micro-batch (`train_step.packed_microbatches`): rows' real tokens
+  """The model's inputs of a packed micro-batch (`packing.packed_microbatches`): rows' real tokens
   packed into M sequences of T positions, one segment per row; each data shard holds M / shards
   consecutive sequences and the rows packed in them. Attention stays inside a segment and positions
   restart at each one."""

@@ -36,7 +36,7 @@ import numpy as np
 
 from dapo_jax import advantages as adv_lib
 from dapo_jax import checkpoint as ckpt_lib
-from dapo_jax import dumps, errors, host_memory, pipelining, ppo, sharding, train_step
+from dapo_jax import dumps, errors, host_memory, packing, pipelining, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax.datatypes import Groups, RLBatch
 from dapo_jax.rollout import dynamic_sampling
@@ -84,7 +84,7 @@ class LoopConfig:
   max_staleness: int = 0        # 0: synchronous; S: the rollouts of the next S steps are sampled during this update
   use_decoupled_loss: bool = False  # stale rows' π_old: False = sampler log-probs; True = this step's policy
   partial_rollouts: bool = False  # the rollout in flight continues with each update's params as it ends
-  packing: bool = False         # micro-batches of rows packed without padding (`train_step.packed_microbatches`)
+  packing: bool = False         # micro-batches of rows packed without padding (`packing.packed_microbatches`)
 
   @property
   def updates_per_step(self) -> int:
@@ -184,7 +184,7 @@ class DAPO:
     return batch, stats, info
 
   def pack_args(self, trainer=None) -> dict:
-    """`train_step.packed_rows`' budget for `trainer`'s passes (default: the policy's)."""
+    """`packing.packed_rows`' budget for `trainer`'s passes (default: the policy's)."""
     trainer = trainer or self.trainer
     return dict(max_tokens=trainer.microbatch_tokens, shards=sharding.batch_shards(trainer.mesh.shape),
                 buckets=self.cfg.length_buckets)
@@ -208,7 +208,7 @@ class DAPO:
                    for mb in self.split(batch)]
     C = batch.loss_mask_BC.shape[1]
     if c.packing:  # Each mini-batch's rows packed into sequences of the token budget, no padding.
-      minibatches = [train_step.packed_microbatches(mb, **self.pack_args()) for mb in self.split(batch)]
+      minibatches = [packing.packed_microbatches(mb, **self.pack_args()) for mb in self.split(batch)]
     elif c.length_buckets:  # Each mini-batch as micro-batches cut to length buckets (when one is shorter).
       # A set micro-batch count is kept; auto (0) packs each bucket's rows to the token budget.
       cut = functools.partial(train_step.bucketed_microbatches, num_microbatches=self.trainer.num_microbatches,
@@ -278,14 +278,14 @@ class DAPO:
             batch, groups, estimator=c.adv_estimator, logprobs=self.logprobs, trainer=self.trainer,
             params=self.state.params, ref_params=self.ref_params, critic=self.critic, kl_ctrl=self.kl_ctrl,
             Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam, teacher=self.teacher,
-            pack=functools.partial(train_step.packed_pass, put=self.trainer.put_batch, **self.pack_args())
+            pack=functools.partial(packing.packed_pass, put=self.trainer.put_batch, **self.pack_args())
             if c.packing else None)
         adv = batch.adv_BC[batch.loss_mask_BC]
         if value_batch is not None:
           t1 = time.perf_counter()
           value_minibatches = self.split(value_batch)
           if c.packing:
-            value_minibatches = [train_step.packed_microbatches(mb, **self.pack_args(self.critic.trainer))
+            value_minibatches = [packing.packed_microbatches(mb, **self.pack_args(self.critic.trainer))
                                  for mb in value_minibatches]
           vm = self.critic.update(value_minibatches, c.ppo_epochs)
           token_metrics.update({f"critic/{k}": v for k, v in vm.items()

@@ -45,7 +45,7 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
   per-token advantages and returns of `batch` (Q groups of G rows). Returns the batch with its
   log-probs and `adv_BC` set, the value model's batch (None without one) and the step's metrics;
   updates the adaptive KL controller. "distill": `teacher` = (its log-prob function, its params).
-  `pack` (`train_step.packed_pass` with the run's budget): every pass runs on the rows packed."""
+  `pack` (`packing.packed_pass` with the run's budget): every pass runs on the rows packed."""
   rows = batch.replace(behaviour_B=None)  # Forward passes read no flags.
   if pack is None:
     placed = trainer.put_batch(rows)

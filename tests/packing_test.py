@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import objectives, optim, sharding, testing, train_step
+from dapo_jax import objectives, optim, packing, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.model import lora
 
@@ -46,7 +46,7 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   # The forward reads each row's real tokens among its first P + C - 1 = 28 columns: prompt (5, or 3
   # for rows 2 and 3) + completion, but for row 4 (24 tokens) its last one. Rows 4, 1, 5, 7, 0, 3, 6, 2
   # have 28, 25, 14, 10, 8, 7, 6, 5 tokens.
-  parts = train_step.packed_microbatches(batch, max_tokens=64)
+  parts = packing.packed_microbatches(batch, max_tokens=64)
   # Sequences of P + C = 29 positions, 64 // 29 = 2 per micro-batch, first fit: 28 | 25, then the
   # rest waits: 14 + 10 + 5 | 8 + 7 + 6.
   assert [rows_of(batch, p) for p in parts] == [[4, 1], [5, 7, 2, 0, 3, 6, -1, -1]]
@@ -62,15 +62,15 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   np.testing.assert_array_equal(p.packed.tokens_MT[0, 14:24], batch.tokens_BT[7][batch.mask_BT[7]])
   np.testing.assert_array_equal(p.packed.next_MT[0, 14:23], batch.tokens_BT[7][batch.mask_BT[7]][1:])
   # Length buckets: short rows go in sequences of P + 16 = 21 positions, 3 of them in 64 tokens.
-  bucketed = train_step.packed_microbatches(batch, max_tokens=64, buckets=(8, 16, 24))
+  bucketed = packing.packed_microbatches(batch, max_tokens=64, buckets=(8, 16, 24))
   assert [(q.packed.tokens_MT.shape, q.loss_mask_BC.shape[1]) for q in bucketed] == [((2, 29), 24), ((3, 21), 16)]
   assert rows_of(batch, bucketed[1]) == [5, 3, 7, 0, 6, 2, -1, -1]
   # Two data shards: sequence i goes to shard i % 2, and shard d's row slots are the d-th half.
-  two = train_step.packed_microbatches(batch, max_tokens=64, shards=2)
+  two = packing.packed_microbatches(batch, max_tokens=64, shards=2)
   assert [q.packed.tokens_MT.shape for q in two] == [(4, 29)]
   assert rows_of(batch, two[0]) == [4, 5, 7, 2, 1, 0, 3, 6]
   # A budget below a row's length: one sequence per micro-batch.
-  assert [rows_of(batch, q) for q in train_step.packed_microbatches(batch, max_tokens=8)] == [
+  assert [rows_of(batch, q) for q in packing.packed_microbatches(batch, max_tokens=8)] == [
       [4], [1], [5, 7, 2, -1], [0, 3, 6, -1]]
 
 
@@ -104,7 +104,7 @@ def test_packed_loss_metrics_and_gradients_equal_the_padded_ones(name):
   a 64-token budget, or one) against the padded batch: loss, every metric, the gradient."""
   batch = long_tail_batch(rollout_logp="rollout" in name)
   obj = objectives.policy_gradient(CFG, objectives.PGConfig(**CASES[name]))
-  parts = train_step.packed_microbatches(batch, max_tokens=256 if name.startswith("one/") else 64)
+  parts = packing.packed_microbatches(batch, max_tokens=256 if name.startswith("one/") else 64)
   assert len(parts) == (1 if name.startswith("one/") else 2)
   params = _params()
   step = jax.jit(jax.value_and_grad(obj.loss, has_aux=True))
@@ -176,7 +176,7 @@ def test_two_packed_updates_equal_two_padded_updates(case):
     batch = batch.replace(tokens_BT=tokens, mask_BT=mask)
   trainer = _trainer(cfg, objectives.PGConfig(kl_coef=0.1, group_size=G), mesh, adapters)
   params0 = jax.device_get(trainer.init(jax.random.key(0)).params)
-  parts = train_step.packed_microbatches(batch, max_tokens=budget, shards=sharding.batch_shards(mesh.shape))
+  parts = packing.packed_microbatches(batch, max_tokens=budget, shards=sharding.batch_shards(mesh.shape))
   _assert_same_update(_two_steps(trainer, params0, [batch]), _two_steps(trainer, params0, parts))
 
 
@@ -184,11 +184,11 @@ def test_a_run_with_packing_makes_the_padded_runs_update(tmp_path):
   """`train.packing=True` through the loop: the same rollouts, the same first update's metrics."""
   import dapo_jax
   metrics = {}
-  for packing in (False, True):
-    overrides = {"train.num_steps": 1, "train.packing": packing, "train.num_microbatches": 0, "train.eval_every": 0,
+  for packed in (False, True):
+    overrides = {"train.num_steps": 1, "train.packing": packed, "train.num_microbatches": 0, "train.eval_every": 0,
                  "reward.fn": "dapo_jax.testing:length_reward", "reward.workers": 1}
-    with dapo_jax.Run("configs/default.py:runlocal", workdir=str(tmp_path / str(packing)), **overrides) as run:
-      metrics[packing] = run.train()
+    with dapo_jax.Run("configs/default.py:runlocal", workdir=str(tmp_path / str(packed)), **overrides) as run:
+      metrics[packed] = run.train()
   padded, packed = metrics[False], metrics[True]
   actor = sorted(k for k in padded if k.startswith("actor/") and not k.endswith("_s"))
   assert {"actor/pg_loss", "actor/entropy", "actor/grad_norm"} <= set(actor), sorted(padded)
@@ -210,7 +210,7 @@ def test_a_sequence_parallel_update_equals_the_unsharded_one(packed):
   params0 = jax.device_get(_trainer(CFG, pg, one).init(jax.random.key(0)).params)
   runs = []
   for mesh in (one, split):
-    parts = (train_step.packed_microbatches(batch, max_tokens=64, shards=sharding.batch_shards(mesh.shape))
+    parts = (packing.packed_microbatches(batch, max_tokens=64, shards=sharding.batch_shards(mesh.shape))
              if packed else [batch])
     runs.append(_two_steps(_trainer(CFG, pg, mesh), params0, parts))
   _assert_same_update(*runs)

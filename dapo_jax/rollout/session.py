@@ -492,10 +492,10 @@ class Session:
     if not (self.pages and self.pages.prefix_cache):
       return None
     g, run = self.pages.cached_run(uniq[0])
-    for w in uniq[1:]:
-      keys = self.pages.keys(w)[:(int(w.mask_P.sum()) - 1) // self.e.page_size]
-      run = run[:next((j for j, key in enumerate(keys[:len(run)]) if self.pages.pools[g].cached.get(key) != run[j]),
-                      min(len(run), len(keys)))]
+    first = self.pages.skippable_keys(uniq[0])
+    for w in uniq[1:]:  # A key hashes every token before it: the prompts agree up to their first unequal key.
+      keys = self.pages.skippable_keys(w)
+      run = run[:next((j for j, (a, b) in enumerate(zip(keys, first)) if a != b), min(len(keys), len(first)))]
     return (g, run) if run else None
 
   def _shared_prefix(self, reals: list[np.ndarray]) -> int:

@@ -62,11 +62,15 @@ class SlotPages:
     """The prefix cache's keys of `w`'s prompt's whole pages."""
     return pages_lib.prefix_keys(w.prompt_P[w.mask_P.astype(bool)], self.e.page_size)
 
+  def skippable_keys(self, w) -> list[bytes]:
+    """The keys of the whole pages a prefill of `w`'s prompt may take from a cache: all but those of
+    its last token (whose logits the prefill must compute)."""
+    return self.keys(w)[:(int(w.mask_P.sum()) - 1) // self.e.page_size]
+
   def cached_run(self, w) -> tuple[int, list[int]]:
     """The longest run of `w`'s prompt's first pages that a shard's prefix cache holds: (that shard,
     their pages), leaving at least the prompt's last token to compute."""
-    n = int(w.mask_P.sum())
-    keys = self.keys(w)[:(n - 1) // self.e.page_size]
+    keys = self.skippable_keys(w)
     runs = [(len(run), -g, run) for g, pool in enumerate(self.pools) for run in [pool.lookup(keys)]]
     _, g, run = max(runs)
     return -g, run

@@ -1,9 +1,7 @@
 """`bench prefix`: the policy server on a paged KV cache with and without its prefix cache, under
 clients whose prompts begin with one long system prompt (`rollout.prefix_cache`)."""
-import dataclasses
 import json
 import statistics
-import tempfile
 import time
 
 from absl import flags
@@ -24,21 +22,11 @@ def bench(cfg, peak):
   import concurrent.futures as cf
 
   import httpx
-  import jax
   import numpy as np
 
-  from dapo_jax import builders, testing
-  from dapo_jax.data import tokenizer as tokenizer_lib
-  from dapo_jax.model import transformer as model_lib
   from dapo_jax.serve import server as server_lib
   del peak
-  if shared.MODEL_DIR.value:
-    mc, params = shared.load_model(cfg)
-    tok = tokenizer_lib.load(shared.MODEL_DIR.value)
-  else:
-    tok = testing.build_tokenizer(tempfile.mkdtemp(prefix="dapo_bench_"))
-    mc = dataclasses.replace(builders.model_config(cfg, len(tok)), **shared.numerics(cfg))
-    params = model_lib.init_params(mc, jax.random.key(0))
+  mc, params, tok = shared.load_policy(cfg)
   N, own, C, n = _SYSTEM_LEN.value, shared.PROMPT_LEN.value, shared.NEW_TOKENS.value, _CLIENTS.value
   S = shared.SLOTS.value or 16
   rng = np.random.default_rng(0)

@@ -1,9 +1,7 @@
 """`bench serve`: the OpenAI-compatible policy server under concurrent clients against the engine's
 offline throughput on the same model, samples and slots."""
-import dataclasses
 import json
 import statistics
-import tempfile
 import time
 
 from absl import flags
@@ -26,19 +24,10 @@ def bench(cfg, peak):
   import jax
   import numpy as np
 
-  from dapo_jax import builders, testing
-  from dapo_jax.data import tokenizer as tokenizer_lib
-  from dapo_jax.model import transformer as model_lib
   from dapo_jax.rollout import engine, sampling
   from dapo_jax.serve import server as server_lib
   del peak
-  if shared.MODEL_DIR.value:
-    mc, params = shared.load_model(cfg)
-    tok = tokenizer_lib.load(shared.MODEL_DIR.value)
-  else:
-    tok = testing.build_tokenizer(tempfile.mkdtemp(prefix="dapo_bench_"))
-    mc = dataclasses.replace(builders.model_config(cfg, len(tok)), **shared.numerics(cfg))
-    params = model_lib.init_params(mc, jax.random.key(0))
+  mc, params, tok = shared.load_policy(cfg)
   P, C, S = shared.PROMPT_LEN.value, shared.NEW_TOKENS.value, shared.SLOTS.value or 32
   clients, per_client = (1, 8, 32), max(shared.BATCH.value // 32, 1)
   rng = np.random.default_rng(0)

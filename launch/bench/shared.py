@@ -64,6 +64,23 @@ def load_model(cfg):
   return mc, params
 
 
+def load_policy(cfg):
+  """(model config, params, tokenizer) for a served model: `--model_dir`'s, or the config's model with
+  random weights beside a tokenizer trained on the spot."""
+  import tempfile
+
+  import jax
+
+  from dapo_jax import builders, testing
+  from dapo_jax.data import tokenizer as tokenizer_lib
+  from dapo_jax.model import transformer as model
+  if MODEL_DIR.value:
+    return (*load_model(cfg), tokenizer_lib.load(MODEL_DIR.value))
+  tok = testing.build_tokenizer(tempfile.mkdtemp(prefix="dapo_bench_"))
+  mc = dataclasses.replace(builders.model_config(cfg, len(tok)), **numerics(cfg))
+  return mc, model.init_params(mc, jax.random.key(0)), tok
+
+
 def adapted(cfg, mc, params):
   """`params` as a run with `model.lora` holds them: the (int8) base and fresh adapters."""
   import jax

@@ -15,7 +15,7 @@ def bench(cfg, peak):
   import jax
   import numpy as np
 
-  from dapo_jax import objectives, optim, sharding, train_step
+  from dapo_jax import objectives, optim, packing, sharding, train_step
   from dapo_jax.model import transformer as model_lib
   mc, params = shared.load_model(cfg)
   Q, G, P, C = shared.NUM_PROMPTS.value, shared.GROUP.value, shared.PROMPT_LEN.value, shared.NEW_TOKENS.value
@@ -30,7 +30,7 @@ def bench(cfg, peak):
   layouts = {
       "padded": train_step.bucketed_microbatches(batch, 0, max(share, 1), buckets or (C,),
                                                  max_tokens=cfg.train.microbatch_tokens, shards=shards),
-      "packed": train_step.packed_microbatches(batch, max_tokens=cfg.train.microbatch_tokens, shards=shards,
+      "packed": packing.packed_microbatches(batch, max_tokens=cfg.train.microbatch_tokens, shards=shards,
                                                buckets=buckets)}
   state = {"s": trainer.init(params=params)}
 
