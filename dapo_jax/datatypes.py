@@ -21,13 +21,15 @@ from flax import struct
 @struct.dataclass
 class PackedRows:
   """The model's inputs of a packed micro-batch (`packing.packed_microbatches`): rows' real tokens
-  packed into M sequences of T positions, one segment per row; each data shard holds M / shards
-  consecutive sequences and the rows packed in them. Attention stays inside a segment and positions
-  restart at each one."""
+  packed into M sequences of T positions, one segment per row, or per prompt where rows share one;
+  each data shard holds M / shards consecutive sequences and the rows packed in them. Attention stays
+  inside a segment, and inside a branch but for the segment's trunk; positions restart at each segment."""
   tokens_MT: jax.Array      # int32 [M, T]
-  next_MT: jax.Array        # int32: the row's token after each position (0 past the row's last)
   positions_MT: jax.Array   # int32: position within the segment (the row's position ids)
   segments_MT: jax.Array    # int32: 1.. = the segment's number in its sequence; 0 = padding
+  # int32: 0 = the segment's trunk (a shared prompt but its last token, or a whole row), k = its k-th
+  # row's branch, which sees the trunk and itself.
+  branches_MT: jax.Array
   # int32 [B, C]: for completion token c of row b (shard d's rows are the d-th B / shards), the index,
   # in its shard's sequences laid end to end, of the position whose logits predict it (0: padding).
   source_BC: jax.Array

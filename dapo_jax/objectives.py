@@ -213,22 +213,24 @@ def _logprobs_and_entropy(z_BCV, targets_BC, entropy_grad: bool = False):
 def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, temperature: float, with_router: bool,
                   entropy_grad: bool = False):
   """`completion_stats` of a packed micro-batch (`datatypes.PackedRows`): the model runs on the packed
-  sequences, each position's log-prob of the next token is taken there, and completion token (b, c)
-  reads the position that predicts it; the [B, C] results are the padded layout's."""
+  sequences, completion token (b, c) takes the final hidden state of the position that predicts it,
+  and the lm head runs on those alone (a shared prompt's positions make no logits), as in the padded
+  layout; the [B, C] results are the padded layout's."""
   pk = mb.packed
   B, C = mb.loss_mask_BC.shape
-  head = "hidden" if model_cfg.logits_chunk else "lm"
-  out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT,
-                          model_lib.packed_attention_mask(pk.segments_MT), head=head, with_router=with_router)
-  y_MT, routing = out if with_router else (out, None)
-  if model_cfg.logits_chunk:
-    logp_MT, entropy_MT = _chunked_stats(model_cfg, params, y_MT, pk.next_MT, temperature, entropy_grad)
-  else:
-    logp_MT, entropy_MT = _logprobs_and_entropy(y_MT / temperature, pk.next_MT, entropy_grad)
+  mask_MTT = model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT)
+  out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, mask_MTT, head="hidden",
+                          with_router=with_router)
+  h_MTD, routing = out if with_router else (out, None)
+  D = h_MTD.shape[-1]
   # Each shard's sequences end to end, read at its rows' sources.
-  read = lambda y_MT: jnp.take_along_axis(y_MT.reshape(pk.shards, -1), pk.source_BC.reshape(pk.shards, -1),
-                                          axis=1).reshape(B, C)
-  return read(logp_MT), read(entropy_MT), routing
+  x_BCD = jnp.take_along_axis(h_MTD.reshape(pk.shards, -1, D), pk.source_BC.reshape(pk.shards, -1)[..., None],
+                              axis=1).reshape(B, C, D)
+  targets_BC = mb.tokens_BT[:, mb.tokens_BT.shape[1] - C:]
+  if model_cfg.logits_chunk:
+    return (*_chunked_stats(model_cfg, params, x_BCD, targets_BC, temperature, entropy_grad), routing)
+  z_BCV = model_lib.unembed(model_cfg, params, x_BCD)
+  return (*_logprobs_and_entropy(z_BCV / temperature, targets_BC, entropy_grad), routing)
 
 
 def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, temperature: float,
@@ -492,7 +494,7 @@ def completion_values(model_cfg: model_lib.ModelConfig, group_size: int = 0) -> 
     if getattr(mb, "packed", None) is not None:
       pk = mb.packed
       values_MT = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT,
-                                    model_lib.packed_attention_mask(pk.segments_MT), head="scalar")
+                                    model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT), head="scalar")
       return jnp.take_along_axis(values_MT.reshape(pk.shards, -1), pk.source_BC.reshape(pk.shards, -1),
                                  axis=1).reshape(mb.loss_mask_BC.shape)
     C = mb.loss_mask_BC.shape[1]

@@ -36,14 +36,17 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   update (`datatypes.PackedRows`).
 
   A row's segment is what the padded forward reads of it, its real tokens among the first P + C - 1
-  columns, so every log-prob, entropy and routing statistic is the padded update's. Rows go longest
-  first. A micro-batch's sequences are as long as its longest row's length bucket, P + the smallest of
-  `buckets` (or C) that holds its completion, so attention, quadratic in a sequence's length, costs no
-  more than the padded rows' would; it holds `max_tokens` // that many sequences per data shard (one
-  at least), filled first-fit, and the rows that do not fit wait for the next micro-batch. Row slots
-  per shard (and the last micro-batch's sequences) are a power of two: a run compiles few shapes. The
-  rows' [B, C] arrays are cut to the micro-batch's completion bucket. Returns (micro-batch, the batch's
-  row in each of its row slots, -1 for none) pairs. Any batch laid out as `RLBatch` (a `ValueBatch`).
+  columns, so every log-prob and entropy is the padded update's. Rows with the same prompt (a group's
+  samples) share it: a sequence holding several of them holds their prompt once, all but its last
+  token, as a segment's trunk that each row's branch (the prompt's last token, then the completion)
+  attends to. Rows go longest first. A micro-batch's sequences are as long as its longest row's length
+  bucket, P + the smallest of `buckets` (or C) that holds its completion, so attention, quadratic in a
+  sequence's length, costs no more than the padded rows' would; it holds `max_tokens` // that many
+  sequences per data shard (one at least), filled first-fit, and the rows that do not fit wait for the
+  next micro-batch. Row slots per shard (and the last micro-batch's sequences) are a power of two: a
+  run compiles few shapes. The rows' [B, C] arrays are cut to the micro-batch's completion bucket.
+  Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
+  out as `RLBatch` (a `ValueBatch`).
   """
   B, C = batch.loss_mask_BC.shape
   T = batch.tokens_BT.shape[1]
@@ -51,6 +54,8 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   mask = np.asarray(batch.mask_BT, bool)
   length_B = mask[:, :T - 1].sum(1)  # The forward's real tokens per row.
   prompt_B, completion_B = mask[:, :P].sum(1), mask[:, P:].sum(1)
+  prompt_id_B = _prompt_ids(np.asarray(batch.tokens_BT)[:, :P], mask[:, :P])
+  trunk_B = np.maximum(prompt_B - 1, 0)  # What a row shares with its prompt's other rows.
   edges = sorted({c for c in buckets if c < C} | {C})
   bucket = lambda n: next(c for c in edges if c >= n)
   pending = sorted(np.flatnonzero(length_B), key=lambda b: -length_B[b])
@@ -59,50 +64,73 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
     Cb = bucket(completion_B[pending[0]])
     L = P + Cb  # Holds any row whose completion fits Cb (a row feeds at most P + Cb - 1 tokens then).
     n = shards * max(1, max_tokens // L)
-    bins, fill, rest = [[] for _ in range(n)], [0] * n, []
-    for b in pending:  # First fit, longest first; what fits nowhere waits.
-      k = next((i for i, f in enumerate(fill) if f + length_B[b] <= L and completion_B[b] <= Cb), None)
+    bins, fill, prompts, rest = [[] for _ in range(n)], [0] * n, [set() for _ in range(n)], []
+    for b in pending:  # First fit, longest first; a prompt already in a sequence costs nothing more there.
+      cost = lambda i: length_B[b] - (trunk_B[b] if prompt_id_B[b] in prompts[i] else 0)
+      k = next((i for i in range(n) if fill[i] + cost(i) <= L and completion_B[b] <= Cb), None)
       if k is None:
         rest.append(b)
       else:
+        fill[k] += int(cost(k))
         bins[k].append(int(b))
-        fill[k] += int(length_B[b])
+        prompts[k].add(prompt_id_B[b])
     pending = rest
     used = [rows for rows in bins if rows]
     S = _pow2_at_least(-(-len(used) // shards), len(bins) // shards)
-    out.append(_pack(batch, used, shards, S, L, Cb, length_B, prompt_B, completion_B))
+    out.append(_pack(batch, used, shards, S, L, Cb, length_B, prompt_B, completion_B, prompt_id_B))
   return out
 
 
+def _prompt_ids(tokens_BP: np.ndarray, mask_BP: np.ndarray) -> np.ndarray:
+  """[B] int: rows with the same real prompt tokens get the same number."""
+  seen = {}
+  return np.array([seen.setdefault(t[m].tobytes(), len(seen)) for t, m in zip(tokens_BP, mask_BP)], np.int64)
+
+
 def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb: int, length_B, prompt_B,
-          completion_B) -> tuple:
+          completion_B, prompt_id_B) -> tuple:
   """One packed micro-batch, and its row slots' rows: bin i is sequence i // shards of shard i % shards
-  (S sequences of L each)."""
+  (S sequences of L each). In a sequence, rows of one prompt make one segment: the prompt but its last
+  token once (branch 0), then each row's branch (1, 2, ...); a row alone is a segment of branch 0."""
   tokens, mask = np.asarray(batch.tokens_BT), np.asarray(batch.mask_BT, bool)
   per_shard = [[rows for i, rows in enumerate(bins) if i % shards == d] for d in range(shards)]
   R = _pow2_at_least(max(sum(len(rows) for rows in seqs) for seqs in per_shard), len(length_B))
   row_idx = np.full((shards, R), -1)
-  tokens_DL, next_DL, positions_DL, segments_DL = (np.zeros((shards, S * L), np.int32) for _ in range(4))
+  tokens_DL, positions_DL, segments_DL, branches_DL = (np.zeros((shards, S * L), np.int32) for _ in range(4))
   source_DRC = np.zeros((shards, R, Cb), np.int32)
+
+  def put(d, start, real, lo, hi, segment, branch):  # The row's real tokens [lo, hi) at `start`.
+    tokens_DL[d, start:start + hi - lo] = real[lo:hi]
+    positions_DL[d, start:start + hi - lo] = np.arange(lo, hi)
+    segments_DL[d, start:start + hi - lo] = segment
+    branches_DL[d, start:start + hi - lo] = branch
+    return start + hi - lo
+
   for d, seqs in enumerate(per_shard):
     r = 0
     for s, rows in enumerate(seqs):
       start = s * L
-      for k, b in enumerate(rows):
-        n, real = int(length_B[b]), tokens[b][mask[b]]
-        tokens_DL[d, start:start + n] = real[:n]
-        next_DL[d, start:start + len(real) - 1] = real[1:]  # (real is the n tokens, or one more)
-        positions_DL[d, start:start + n] = np.arange(n)
-        segments_DL[d, start:start + n] = k + 1
-        # Completion token c is predicted at the segment's position prompt_len - 1 + c.
-        source_DRC[d, r, :completion_B[b]] = start + prompt_B[b] - 1 + np.arange(completion_B[b])
-        row_idx[d, r] = b
-        start, r = start + n, r + 1
+      by_prompt = {}  # The sequence's rows by prompt, in order of first appearance.
+      for b in rows:
+        by_prompt.setdefault(prompt_id_B[b], []).append(b)
+      for segment, group in enumerate(by_prompt.values(), 1):
+        shared = len(group) > 1
+        if shared:  # The trunk: the prompt but its last token.
+          b = group[0]
+          start = put(d, start, tokens[b][mask[b]], 0, int(prompt_B[b]) - 1, segment, 0)
+        for branch, b in enumerate(group, 1):
+          real, p, c = tokens[b][mask[b]], int(prompt_B[b]), int(completion_B[b])
+          lo = p - 1 if shared else 0
+          # Completion token c is predicted at the row's position p - 1 + c.
+          source_DRC[d, r, :c] = start + (p - 1 - lo) + np.arange(c)
+          start = put(d, start, real, lo, int(length_B[b]), segment, branch if shared else 0)
+          row_idx[d, r], r = b, r + 1
   seq = lambda x: x.reshape(shards * S, L)  # [D, S x L] -> [D x S, L]: shard d's are sequences d*S .. d*S + S - 1.
   P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
   return _rows_of(batch, row_idx.reshape(-1), P, Cb).replace(packed=PackedRows(
-      tokens_MT=seq(tokens_DL), next_MT=seq(next_DL), positions_MT=seq(positions_DL), segments_MT=seq(segments_DL),
-      source_BC=source_DRC.reshape(shards * R, Cb), row_B=row_idx.reshape(-1) >= 0, shards=shards)), row_idx.reshape(-1)
+      tokens_MT=seq(tokens_DL), positions_MT=seq(positions_DL), segments_MT=seq(segments_DL),
+      branches_MT=seq(branches_DL), source_BC=source_DRC.reshape(shards * R, Cb), row_B=row_idx.reshape(-1) >= 0,
+      shards=shards)), row_idx.reshape(-1)
 
 
 def _pow2_at_least(n: int, cap: int) -> int:

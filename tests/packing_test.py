@@ -10,6 +10,7 @@ import pytest
 from dapo_jax import objectives, optim, packing, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.model import lora
+from dapo_jax.model import transformer as model_lib
 
 CFG = testing.tiny_model_config(vocab_size=64)
 OPT = optim.OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0, eps=1e-3)
@@ -18,13 +19,15 @@ MOE = dataclasses.replace(CFG, arch="qwen3_moe", qk_norm=True, qkv_bias=False, n
 LENGTHS = [3, 20, 2, 4, 24, 9, 1, 5]  # Completion lengths (C = 24); prompts of 5 tokens, rows 2 and 3 of 3.
 
 
-def long_tail_batch(C=24, P=5, seed=0, rollout_logp=False) -> RLBatch:
+def long_tail_batch(C=24, P=5, seed=0, rollout_logp=False, shared=1) -> RLBatch:
+  """Rows of LENGTHS' completions; with `shared` = G, each G consecutive rows have one prompt."""
   rng = np.random.default_rng(seed)
   B = len(LENGTHS)
   pmask = np.ones((B, P), bool)
   pmask[2:4, :2] = False  # Left padding.
   cmask = np.arange(C)[None] < np.array(LENGTHS)[:, None]
-  tokens = np.concatenate([np.where(pmask, rng.integers(4, 64, size=(B, P)), 0),
+  prompts = np.repeat(rng.integers(4, 64, size=(B, P))[::shared], shared, axis=0)
+  tokens = np.concatenate([np.where(pmask, prompts, 0),
                            np.where(cmask, rng.integers(4, 64, size=(B, C)), 0)], 1).astype(np.int32)
   loss_mask = cmask.copy()
   loss_mask[5] = False  # An overlong-filtered row.
@@ -60,7 +63,6 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   np.testing.assert_array_equal(p.packed.source_BC[1, :LENGTHS[7]], 14 + 4 + np.arange(5))  # row 7 after row 5
   np.testing.assert_array_equal(p.packed.source_BC[3, :LENGTHS[0]], 29 + 4 + np.arange(3))  # row 0: sequence 1
   np.testing.assert_array_equal(p.packed.tokens_MT[0, 14:24], batch.tokens_BT[7][batch.mask_BT[7]])
-  np.testing.assert_array_equal(p.packed.next_MT[0, 14:23], batch.tokens_BT[7][batch.mask_BT[7]][1:])
   # Length buckets: short rows go in sequences of P + 16 = 21 positions, 3 of them in 64 tokens.
   bucketed = packing.packed_microbatches(batch, max_tokens=64, buckets=(8, 16, 24))
   assert [(q.packed.tokens_MT.shape, q.loss_mask_BC.shape[1]) for q in bucketed] == [((2, 29), 24), ((3, 21), 16)]
@@ -72,6 +74,43 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   # A budget below a row's length: one sequence per micro-batch.
   assert [rows_of(batch, q) for q in packing.packed_microbatches(batch, max_tokens=8)] == [
       [4], [1], [5, 7, 2, -1], [0, 3, 6, -1]]
+
+
+def test_rows_of_one_prompt_share_it_in_a_sequence_by_hand():
+  batch = long_tail_batch(shared=2)  # Rows (0, 1), (2, 3), (4, 5), (6, 7) share a prompt (of 3 tokens for 2, 3).
+  # Rows 4, 1, 5, 7, 0, 3, 6, 2 read 28, 25, 14, 10, 8, 7, 6, 5 tokens; a row whose prompt is already
+  # in a sequence costs its tokens past the prompt's first P - 1 there: row 0 joins row 1 (25 + 4).
+  parts = packing.packed_microbatches(batch, max_tokens=64)
+  assert [rows_of(batch, p) for p in parts] == [[4, 1, 0, -1], [5, 7, 6, 3, 2, -1, -1, -1]]
+  pk = parts[1].packed
+  # Sequence 0: row 5 alone (14), then rows 7 and 6: their prompt but its last token (4), then each
+  # one's branch from that token on (6, 2). Sequence 1: rows 3 and 2, prompt 3 tokens: 2, then 5, 3.
+  np.testing.assert_array_equal(pk.segments_MT[0], [1] * 14 + [2] * 12 + [0] * 3)
+  np.testing.assert_array_equal(pk.branches_MT[0], [0] * 14 + [0] * 4 + [1] * 6 + [2] * 2 + [0] * 3)
+  np.testing.assert_array_equal(pk.positions_MT[0, :26], list(range(14)) + list(range(10)) + [4, 5])
+  np.testing.assert_array_equal(pk.branches_MT[1], [0] * 2 + [1] * 5 + [2] * 3 + [0] * 19)
+  row6, row7 = (batch.tokens_BT[b][batch.mask_BT[b]] for b in (6, 7))
+  np.testing.assert_array_equal(pk.tokens_MT[0, 14:26], np.concatenate([row7[:10], row6[4:6]]))
+  np.testing.assert_array_equal(pk.source_BC[1, :LENGTHS[7]], 18 + np.arange(5))  # Row 7 from its branch's start.
+  np.testing.assert_array_equal(pk.source_BC[2, :LENGTHS[6]], [24])
+  np.testing.assert_array_equal(pk.source_BC[4, :LENGTHS[2]], 29 + 7 + np.arange(2))  # Row 2: sequence 1.
+  # A branch sees its trunk and itself: row 6's token sees the trunk, not row 7's branch.
+  mask = np.asarray(model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT))[0]
+  np.testing.assert_array_equal(np.flatnonzero(mask[25]), list(range(14, 18)) + [24, 25])
+  np.testing.assert_array_equal(np.flatnonzero(mask[20]), list(range(14, 21)))
+  np.testing.assert_array_equal(np.flatnonzero(mask[16]), list(range(14, 17)))
+
+
+@pytest.mark.parametrize("name", ["token_mean", "seq_mean_token_sum", "kl_k3", "gspo", "one/clip_cov"])
+def test_rows_sharing_prompts_give_the_padded_loss_metrics_and_gradients(name):
+  """Groups of 2 and of 4 rows with one prompt, packed (each sequence computes a prompt once) against
+  the padded rows."""
+  for G in (2, 4):
+    batch = long_tail_batch(shared=G)
+    obj = objectives.policy_gradient(CFG, objectives.PGConfig(**CASES[name]))
+    parts = packing.packed_microbatches(batch, max_tokens=256 if name.startswith("one/") else 64)
+    assert any(int(p.packed.branches_MT.max()) > 1 for p in parts)  # Some prompt is shared.
+    _assert_parts_make_the_batch(obj, batch, parts)
 
 
 CASES = {  # name: PGConfig fields; "one/": the mode (or its metrics) reads a micro-batch's own tokens: one is compared
@@ -106,6 +145,11 @@ def test_packed_loss_metrics_and_gradients_equal_the_padded_ones(name):
   obj = objectives.policy_gradient(CFG, objectives.PGConfig(**CASES[name]))
   parts = packing.packed_microbatches(batch, max_tokens=256 if name.startswith("one/") else 64)
   assert len(parts) == (1 if name.startswith("one/") else 2)
+  _assert_parts_make_the_batch(obj, batch, parts)
+
+
+def _assert_parts_make_the_batch(obj, batch, parts):
+  """The objective summed over packed micro-batches is the padded batch's: loss, metrics, gradient."""
   params = _params()
   step = jax.jit(jax.value_and_grad(obj.loss, has_aux=True))
   (loss, metrics), grads = step(params, batch, obj.counts(batch))

@@ -450,9 +450,13 @@ def last_token_scores(model_cfg: ModelConfig, params: Params, tokens_BT, mask_BT
   return jnp.take_along_axis(values_BT, last_B[:, None], axis=1)[:, 0]
 
 
-def packed_attention_mask(segment_ids_BT):
-  """[B, T, T] mask: query t sees key s iff s <= t and both are in the same (non-padding) document."""
+def packed_attention_mask(segment_ids_BT, branch_ids_BT=None):
+  """[B, T, T] mask: query t sees key s iff s <= t and both are in the same (non-padding) document,
+  and, with `branch_ids_BT`, the key is in the document's trunk (branch 0) or in the query's branch."""
   seg_BT = jnp.asarray(segment_ids_BT)
   T = seg_BT.shape[1]
   same_BTS = (seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, None, :] > 0)
+  if branch_ids_BT is not None:
+    br_BT = jnp.asarray(branch_ids_BT)
+    same_BTS &= (br_BT[:, None, :] == 0) | (br_BT[:, :, None] == br_BT[:, None, :])
   return same_BTS & jnp.tril(jnp.ones((T, T), bool))[None]

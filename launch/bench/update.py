@@ -46,13 +46,11 @@ def bench(cfg, peak):
       t0 = time.perf_counter()
       jax.block_until_ready(update(parts))
       times[name].append(time.perf_counter() - t0)
-  real = real_tokens(batch)
-  per_row = np.asarray(batch.mask_BT[:, :-1]).sum(1).astype(np.float64)
+  real = real_tokens(batch, G)
   one = dataclasses.replace(mc, num_layers=1, local_layers=(), logits_chunk=0)  # No loop for the count to miss.
   one_params = jax.eval_shape(lambda: model_lib.init_params(one, jax.random.key(0)))
   one_objective = objectives.policy_gradient(one, pg)
-  # Matmuls, and attention's QK^T and AV over each row's causal pairs, forward and backward.
-  real_flops = 3 * (2 * shared.matmul_params(one) * real + shared.attention_flops(one, 1, 1) * (per_row ** 2).sum() / 2)
+  real_flops = real_update_flops(one, batch, G)
   out = {"bench": "update", "rows": Q * G, "prompt_len": P, "new_tokens": C,
          "microbatch_tokens": trainer.microbatch_tokens,
          "mean_length": float(np.asarray(batch.mask_BT[:, P:]).sum(1).mean()), "real_tokens": real,
@@ -60,7 +58,7 @@ def bench(cfg, peak):
   for name, parts in layouts.items():
     flops = sum(update_flops(one_objective, one_params, parts, p) for p in parts)
     out[name] = {"update_s": float(np.median(times[name])), "runs_s": times[name], "microbatches": len(parts),
-                 "shapes": sorted({shape(p) for p in parts}), "positions": sum(positions(p) for p in parts),
+                 "shapes": sorted({shape(p) for p in parts}), "positions": sum(positions(p, share) for p in parts),
                  "xla_update_flops": flops, "xla_flops_over_real": flops / real_flops}
   out["packed_speedup"] = out["padded"]["update_s"] / out["packed"]["update_s"]
   return out
@@ -83,18 +81,41 @@ def long_tail_batch(V: int, Q: int, G: int, P: int, C: int, mean: int, seed: int
                  ref_logp_BC=np.zeros((B, C), np.float32))
 
 
-def real_tokens(batch) -> int:
-  """The tokens a row-by-row forward reads: each row's real tokens but its last column."""
+def real_tokens(batch, G: int) -> int:
+  """The tokens a forward must read: each group's prompt but its last token once, then each row's own
+  tokens from there, but its last column."""
   import numpy as np
-  return int(np.asarray(batch.mask_BT[:, :-1]).sum())
+  mask = np.asarray(batch.mask_BT[:, :-1])
+  P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
+  trunk_B = np.maximum(mask[:, :P].sum(1) - 1, 0)
+  return int(mask.sum() - trunk_B.sum() + trunk_B[::G].sum())
 
 
-def positions(mb) -> int:
-  """Positions the model computes for a micro-batch (padding included; a shared prompt once per group)."""
+def real_update_flops(mc, batch, G: int) -> float:
+  """The forward and backward FLOPs of that work: the layers' matmuls on `real_tokens`, the lm head on
+  the completion tokens, attention's QK^T and AV over each row's causal pairs (a shared prompt's own
+  pairs once)."""
+  import numpy as np
+  mask = np.asarray(batch.mask_BT[:, :-1])
+  P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
+  trunk_B = np.maximum(mask[:, :P].sum(1) - 1, 0).astype(np.float64)
+  branch_B = mask.sum(1) - trunk_B
+  scored = float(np.asarray(batch.mask_BT[:, P:]).sum())
+  head = mc.vocab_size * mc.embed_dim
+  pairs = (trunk_B[::G] ** 2).sum() / 2 + (branch_B * trunk_B + branch_B ** 2 / 2).sum()
+  forward = 2 * (shared.matmul_params(mc) - head) * real_tokens(batch, G) + 2 * head * scored
+  return 3 * (forward + shared.attention_flops(mc, 1, 1) * pairs)
+
+
+def positions(mb, share: int) -> int:
+  """Positions the model computes for a micro-batch (padding included; a shared prompt once per group
+  of `share` rows, 0: none)."""
   import numpy as np
   if mb.packed is not None:
     return int(np.prod(mb.packed.tokens_MT.shape))
-  return int(np.prod(mb.tokens_BT.shape))
+  B, C = mb.loss_mask_BC.shape
+  P = mb.tokens_BT.shape[1] - C
+  return B // share * P + B * C if share else B * (P + C)
 
 
 def shape(mb) -> tuple:
