@@ -187,7 +187,7 @@ class DAPO:
     """`packing.packed_rows`' budget for `trainer`'s passes (default: the policy's)."""
     trainer = trainer or self.trainer
     return dict(max_tokens=trainer.microbatch_tokens, shards=sharding.batch_shards(trainer.mesh.shape),
-                buckets=self.cfg.length_buckets)
+                buckets=self.cfg.length_buckets, scored=trainer.scored_cost)
 
   def split(self, batch):
     """The train batch's `minibatches` mini-batches (consecutive rows: whole groups)."""
@@ -213,7 +213,7 @@ class DAPO:
       # A set micro-batch count is kept; auto (0) packs each bucket's rows to the token budget.
       cut = functools.partial(train_step.bucketed_microbatches, num_microbatches=self.trainer.num_microbatches,
                               group_size=self.trainer.group_size, buckets=c.length_buckets,
-                              max_tokens=self.trainer.microbatch_tokens,
+                              max_tokens=self.trainer.microbatch_tokens, scored=self.trainer.scored_cost,
                               shards=sharding.batch_shards(self.trainer.mesh.shape))
       minibatches = [parts if min(p.loss_mask_BC.shape[1] for p in parts) < C else [mb]
                      for mb, parts in ((mb, cut(mb)) for mb in minibatches)]

@@ -13,25 +13,28 @@ from dapo_jax import sharding
 from dapo_jax.datatypes import PackedRows, RLBatch
 
 
-def packed_microbatches(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = ()) -> list:
+def packed_microbatches(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
+                        scored: float = 0.0) -> list:
   """`packed_rows`' micro-batches alone."""
-  return [part for part, _ in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets)]
+  return [part for part, _ in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets,
+                                          scored=scored)]
 
 
 def packed_pass(fn: Callable, batch, put: Callable, *, max_tokens: int, shards: int = 1,
-                buckets: Sequence[int] = ()) -> np.ndarray:
+                buckets: Sequence[int] = (), scored: float = 0.0) -> np.ndarray:
   """A forward pass `fn(placed micro-batch) -> [R, Cb]` over `batch`'s rows packed (`packed_rows`), its
   values put back in the rows' places: [B, C] fp32 (0 where a row has no completion token)."""
   B, C = batch.loss_mask_BC.shape
   out = np.zeros((B, C), np.float32)
-  for part, rows in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets):
+  for part, rows in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets, scored=scored):
     values = np.asarray(sharding.fetch(fn(put(part))))
     real = rows >= 0
     out[rows[real], :values.shape[1]] = values[real]
   return out
 
 
-def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = ()) -> list[tuple]:
+def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
+                scored: float = 0.0) -> list[tuple]:
   """A mini-batch's rows packed without padding (host, pure): the micro-batches of a padding-free
   update (`datatypes.PackedRows`).
 
@@ -43,8 +46,11 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   bucket, P + the smallest of `buckets` (or C) that holds its completion, so attention, quadratic in a
   sequence's length, costs no more than the padded rows' would; it holds `max_tokens` // that many
   sequences per data shard (one at least), filled first-fit, and the rows that do not fit wait for the
-  next micro-batch. Row slots per shard (and the last micro-batch's sequences) are a power of two: a
-  run compiles few shapes. The rows' [B, C] arrays are cut to the micro-batch's completion bucket.
+  next micro-batch. With `scored` > 0 the budget also counts what the rows' logits hold, `scored`
+  positions for each of a row's Cb completion positions (`train_step.scored_token_positions`): a
+  shard takes no row past `max_tokens` of its sequences' positions and that (its first row always).
+  Row slots per shard (and the last micro-batch's sequences) are a power of two: a run compiles few
+  shapes. The rows' [B, C] arrays are cut to the micro-batch's completion bucket.
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
   out as `RLBatch` (a `ValueBatch`).
   """
@@ -65,9 +71,17 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
     L = P + Cb  # Holds any row whose completion fits Cb (a row feeds at most P + Cb - 1 tokens then).
     n = shards * max(1, max_tokens // L)
     bins, fill, prompts, rest = [[] for _ in range(n)], [0] * n, [set() for _ in range(n)], []
+
+    def holds(i):  # Bin i's shard within its budget with one more row there (or its first).
+      mine = range(i % shards, n, shards)
+      rows = sum(len(bins[j]) for j in mine)
+      used = sum(1 for j in mine if bins[j] or j == i)
+      return rows == 0 or used * L + (rows + 1) * Cb * scored <= max_tokens
+
     for b in pending:  # First fit, longest first; a prompt already in a sequence costs nothing more there.
       cost = lambda i: length_B[b] - (trunk_B[b] if prompt_id_B[b] in prompts[i] else 0)
-      k = next((i for i in range(n) if fill[i] + cost(i) <= L and completion_B[b] <= Cb), None)
+      k = next((i for i in range(n) if fill[i] + cost(i) <= L and completion_B[b] <= Cb
+                and (not scored or holds(i))), None)
       if k is None:
         rest.append(b)
       else:

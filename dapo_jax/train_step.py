@@ -70,7 +70,8 @@ def split_microbatches(batch, num_microbatches: int, group_size: int = 1):
 
 
 def auto_microbatches(rows: int, seq_len: int, *, group_size: int = 1, shards: int = 1,
-                      max_tokens: int = MICROBATCH_TOKENS, prefix: tuple[int, int] = (0, 0), prompt_len: int = 0) -> int:
+                      max_tokens: int = MICROBATCH_TOKENS, prefix: tuple[int, int] = (0, 0), prompt_len: int = 0,
+                      scored: float = 0.0) -> int:
   """The fewest micro-batches that keep each one's tokens per data shard at or below `max_tokens`.
 
   A count is valid when every shard's rows split into it in whole groups (`split_microbatches`),
@@ -79,23 +80,39 @@ def auto_microbatches(rows: int, seq_len: int, *, group_size: int = 1, shards: i
   faster at ~2K tokens than at 6K, and SmolLM2-135M's 1.4x (its 49K-entry logits alone are 1.4 GB
   at 7K tokens); a compute-bound 30M model with a small vocabulary is indifferent. Tokens count as
   `group_tokens` says (rows whole, or what the shared-prefix layout `prefix` computes; `prompt_len`:
-  the prompt's columns of a row).
+  the prompt's columns of a row; `scored`: what a completion position's logits hold, in positions).
   """
   G = max(group_size, 1)
   if rows % (G * shards):
     return 1  # Uneven shards: `split_microbatches` needs whole groups per shard.
   groups = rows // (G * shards)
   counts = [m for m in range(1, groups + 1) if groups % m == 0]
-  per_group = group_tokens(G, prompt_len, seq_len - prompt_len, prefix)
+  per_group = group_tokens(G, prompt_len, seq_len - prompt_len, prefix, scored)
   return next((m for m in counts if groups // m * per_group + prefix[0] <= max_tokens), counts[-1])
 
 
-def group_tokens(G: int, P: int, C: int, prefix: tuple[int, int] = (0, 0)) -> int:
+def group_tokens(G: int, P: int, C: int, prefix: tuple[int, int] = (0, 0), scored: float = 0.0) -> float:
   """The tokens a group of G rows [P prompt | C completion columns] costs a micro-batch's budget:
   its rows whole, G x (P + C); in the shared-prefix layout (`prefix` = (N, W), `RLBatch.prefix_len`,
-  `suffix_len`) what the model computes, W + G x C (and N once per micro-batch)."""
+  `suffix_len`) what the model computes, W + G x C (and N once per micro-batch); and its G x C
+  completion positions' logits, `scored` positions each (`scored_token_positions`)."""
   N, W = prefix
-  return W + G * C if N else G * (P + C)
+  return (W + G * C if N else G * (P + C)) + G * C * scored
+
+
+def scored_token_positions(cfg: model_lib.ModelConfig) -> float:
+  """What a scored token's logits hold through the backward, in positions' saved activations: the
+  micro-batch budget (`microbatch_tokens`) counts each scored completion position as 1 + this. Its
+  logits, their softmax and their gradient are 3 V floats (none kept past a chunk with
+  `logits_chunk`); a position keeps, per layer, its input with remat "full", also every projection's
+  output with "dots", and about twice that with "none" (norms, activations, attention's rows)."""
+  if cfg.logits_chunk:
+    return 0.0
+  D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  F = cfg.expert_mlp_dim * cfg.experts_per_token if cfg.moe else cfg.mlp_dim
+  dots = N * H + 2 * K * H + 2 * D + 2 * F  # q, k, v, attention out, o, gate, up, down
+  per_layer = {"full": D, "dots": D + dots, "none": 2 * (D + dots)}[cfg.remat]
+  return 3 * cfg.vocab_size / (cfg.num_layers * per_layer)
 
 
 def merge_microbatches(x_M, group_size: int = 1):
@@ -219,6 +236,8 @@ class Trainer:
     self.model_cfg, self.optim_cfg, self.mesh, self.objective = model_cfg, optim_cfg, mesh, objective
     self.tx = optim.make(optim_cfg)
     self.num_microbatches, self.microbatch_tokens = num_microbatches, microbatch_tokens
+    # A scored token's logits, in positions of the budget (a scalar head makes none).
+    self.scored_cost = scored_token_positions(model_cfg) if head == "lm" else 0.0
     self.group_size = max(objective.group_size, 1)
     self.lora = lora
     dropout = lora.dropout if lora is not None else 0.0
@@ -372,9 +391,11 @@ class Trainer:
     rows, seq_len = batch.tokens_BT.shape
     shards = sharding.batch_shards(self.mesh.shape)
     prefix = (getattr(batch, "prefix_len", 0), getattr(batch, "suffix_len", 0))
-    prompt_len = seq_len - batch.loss_mask_BC.shape[1] if prefix[0] else 0
+    # Rows without a completion axis (SFT's, DPO's) score every position.
+    prompt_len = seq_len - batch.loss_mask_BC.shape[1] if hasattr(batch, "loss_mask_BC") else 0
     return auto_microbatches(rows, seq_len, group_size=self.group_size, shards=shards,
-                             max_tokens=self.microbatch_tokens, prefix=prefix, prompt_len=prompt_len)
+                             max_tokens=self.microbatch_tokens, prefix=prefix, prompt_len=prompt_len,
+                             scored=self.scored_cost)
 
   def init(self, rng: jax.Array | None = None, params=None) -> TrainState:
     """A fresh state from given params (e.g. `hf.load`) or from random ones. With LoRA, plain params
@@ -431,7 +452,7 @@ def shared_prefix_layout(batch: RLBatch, group_size: int, multiple: int) -> RLBa
 
 
 def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int, buckets: Sequence[int], *,
-                          max_tokens: int = 0, shards: int = 1) -> list[RLBatch]:
+                          max_tokens: int = 0, shards: int = 1, scored: float = 0.0) -> list[RLBatch]:
   """A mini-batch's micro-batches with their completion axis cut to a length bucket (host, pure).
 
   Groups (`group_size` consecutive rows, never split) are sorted by their longest response. With
@@ -442,7 +463,7 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
   of power-of-two sizes: a few compiled shapes. Otherwise each micro-batch is cut to the smallest
   bucket that holds its longest row. Rows keep all their tokens. A batch in the shared-prefix layout
   (`shared_prefix_layout`) keeps it in every micro-batch, and its groups cost what that layout
-  computes (`group_tokens`).
+  computes (`group_tokens`); `scored` counts the completion positions' logits (`group_tokens`).
   """
   B, C = batch.loss_mask_BC.shape
   P = batch.tokens_BT.shape[1] - C
@@ -460,7 +481,7 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
     chunks = [(groups, bucket(int(longest_n[groups].max()))) for groups in chunks]
   else:
     chunks = _token_budget_chunks(order_n, longest_n[order_n], edges, P, G, max_tokens, shards,
-                                  (batch.prefix_len, batch.suffix_len))
+                                  (batch.prefix_len, batch.suffix_len), scored)
   out = []
   for groups, Cb in chunks:
     idx = (groups[:, None] * G + np.arange(G)[None]).reshape(-1)
@@ -476,7 +497,7 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
 
 def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edges: Sequence[int],
                          P: int, G: int, max_tokens: int, shards: int,
-                         prefix: tuple[int, int] = (0, 0)) -> list[tuple[np.ndarray, int]]:
+                         prefix: tuple[int, int] = (0, 0), scored: float = 0.0) -> list[tuple[np.ndarray, int]]:
   """(group indices, completion length) of micro-batches of whole groups per shard that fit
   `max_tokens` per shard at their bucket's length; see `bucketed_microbatches`."""
   chunks, pending, lo = [], sorted_n[:0], 0
@@ -484,7 +505,7 @@ def _token_budget_chunks(sorted_n: np.ndarray, longest_sorted_n: np.ndarray, edg
     hi = int(np.searchsorted(longest_sorted_n, Cb, side="right"))
     pending = np.concatenate([pending, sorted_n[lo:hi]])
     lo = hi
-    per_mb = max(1, (max_tokens - prefix[0]) // group_tokens(G, P, Cb, prefix)) * shards
+    per_mb = max(1, int((max_tokens - prefix[0]) // group_tokens(G, P, Cb, prefix, scored))) * shards
     full = len(pending) // per_mb * per_mb
     chunks += [(pending[i:i + per_mb], Cb) for i in range(0, full, per_mb)]
     pending = pending[full:]

@@ -43,7 +43,8 @@ def report(cfg, devices: int | None = None, name: str = "") -> str:
   seq_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
   num_microbatches = cfg.train.num_microbatches or train_step.auto_microbatches(
       rows_per_update, seq_len, group_size=cfg.rollout.group_size if cfg.train.share_prompt else 1,
-      shards=sharding.batch_shards(shape), max_tokens=cfg.train.microbatch_tokens)
+      shards=sharding.batch_shards(shape), max_tokens=cfg.train.microbatch_tokens,
+      prompt_len=cfg.data.max_prompt_len, scored=train_step.scored_token_positions(mc))
   p = memory.plan(mc, shape, rows_per_update=rows_per_update, num_microbatches=num_microbatches,
                   prompt_len=cfg.data.max_prompt_len, completion_len=cfg.rollout.max_new_tokens,
                   gen_rows=cfg.rollout.rows_per_call or cfg.dapo.gen_prompts * cfg.rollout.group_size,

@@ -71,6 +71,10 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   two = packing.packed_microbatches(batch, max_tokens=64, shards=2)
   assert [q.packed.tokens_MT.shape for q in two] == [(4, 29)]
   assert rows_of(batch, two[0]) == [4, 5, 7, 2, 1, 0, 3, 6]
+  # Logits that hold a quarter position each (6 for a row's 24 completion slots): a second sequence
+  # beside row 4 or row 1 would hold 2 x 29 + 2 x 6 > 64; rows 5, 7, 2 fill one (29 + 3 x 6).
+  assert [rows_of(batch, q) for q in packing.packed_microbatches(batch, max_tokens=64, scored=0.25)] == [
+      [4], [1], [5, 7, 2, -1], [0, 3, 6, -1]]
   # A budget below a row's length: one sequence per micro-batch.
   assert [rows_of(batch, q) for q in packing.packed_microbatches(batch, max_tokens=8)] == [
       [4], [1], [5, 7, 2, -1], [0, 3, 6, -1]]

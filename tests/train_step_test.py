@@ -1,4 +1,6 @@
 """Train step: micro-batch accumulation, non-finite skip, LR schedule, and 8-device sharding."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,9 +100,28 @@ def test_auto_microbatches(rows, seq_len, group, shards, budget, expected):
                                       max_tokens=budget) == expected
 
 
+def test_the_budget_counts_what_a_scored_tokens_logits_hold():
+  """3 V fp32 floats per scored token against a position's saved activations, by hand: SmolLM2-135M
+  (D 576, 30 layers, 9 heads and 3 of 64, MLP 1536, V 49152); none with chunked logits."""
+  smol = testing.tiny_model_config(vocab_size=49152, embed_dim=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                                   head_dim=64, mlp_dim=1536, remat="dots")
+  per_layer = 576 + (576 + 2 * 192 + 2 * 576 + 2 * 1536)  # input; q, k, v, attention out, o, gate, up, down
+  np.testing.assert_allclose(train_step.scored_token_positions(smol), 3 * 49152 / (30 * per_layer))
+  full = dataclasses.replace(smol, remat="full")
+  np.testing.assert_allclose(train_step.scored_token_positions(full), 3 * 49152 / (30 * 576))
+  assert train_step.scored_token_positions(dataclasses.replace(smol, logits_chunk=8)) == 0.0
+  # 8 groups of 8 rows [32 | 32]: 512 positions and 256 scored each; 2048 holds 4 groups, or 2 with
+  # logits as large as SmolLM2's (0.85 positions each: 730 per group).
+  assert train_step.auto_microbatches(64, 64, group_size=8, max_tokens=2048, prompt_len=32) == 2
+  scored = train_step.scored_token_positions(smol)
+  assert train_step.auto_microbatches(64, 64, group_size=8, max_tokens=2048, prompt_len=32, scored=scored) == 4
+
+
 def test_auto_microbatches_runs_the_step_in_that_many():
-  batch = make_batch(B=8, Pl=6, C=10)  # 8 rows x 16 tokens; a budget of 64 makes 2 micro-batches of 4 rows.
-  auto, s_auto, m_auto = run(one_device_mesh(), 0, batch, microbatch_tokens=64)
+  # 8 rows x 16 tokens, 10 of them scored; a budget of 4 rows makes 2 micro-batches of 4 rows.
+  batch = make_batch(B=8, Pl=6, C=10)
+  row = 16 + 10 * train_step.scored_token_positions(CFG)
+  auto, s_auto, m_auto = run(one_device_mesh(), 0, batch, microbatch_tokens=int(np.ceil(4 * row)))
   assert auto.microbatches_for(batch) == 2
   _, s2, m2 = run(one_device_mesh(), 2, batch)
   _, s1, _ = run(one_device_mesh(), 1, batch)

@@ -29,9 +29,10 @@ def bench(cfg, peak):
   buckets = train_step.length_buckets(C, cfg.train.length_buckets) if cfg.train.length_buckets else ()
   layouts = {
       "padded": train_step.bucketed_microbatches(batch, 0, max(share, 1), buckets or (C,),
-                                                 max_tokens=cfg.train.microbatch_tokens, shards=shards),
+                                                 max_tokens=cfg.train.microbatch_tokens, shards=shards,
+                                                 scored=trainer.scored_cost),
       "packed": packing.packed_microbatches(batch, max_tokens=cfg.train.microbatch_tokens, shards=shards,
-                                               buckets=buckets)}
+                                            buckets=buckets, scored=trainer.scored_cost)}
   state = {"s": trainer.init(params=params)}
 
   def update(parts):
