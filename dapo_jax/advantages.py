@@ -56,10 +56,10 @@ def _per_group(fn, rewards_QG, valid_QG, lengths_QG=None) -> np.ndarray:
   return out
 
 
-# `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO and GPG
-# give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
+# `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO, GPG and
+# pass@k's give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
 # the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "reinforce_pp", "gae", "distill")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "reinforce_pp", "gae", "distill")
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")
 KL_SHAPED_ESTIMATORS = ("reinforce_pp", "gae")  # Token rewards -β·KL to a reference; not distill's.
 
@@ -117,6 +117,23 @@ def gpg_advantages(rewards_QG, valid_QG=None) -> np.ndarray:
   return (alpha * (r - _group_mean(r))).astype(np.float32)
 
 
+def passk_advantages(rewards_QG, norm_by_std: bool = True) -> np.ndarray:
+  """verl's grpo_passk (Chen et al. 2025, arXiv 2503.19595, pass@k training): only each group's best
+  response gets an advantage, r_max - r_second_max, divided by the group's std (unbiased) + 1e-6 with
+  `norm_by_std`; the others get 0. A tie for the best gives 0."""
+  r = np.asarray(rewards_QG, np.float64)
+  Q, G = r.shape
+  if G < 2:
+    raise ValueError(f"dapo.adv_estimator='grpo_passk' needs 2 responses per group or more; got {G}")
+  top_Q2 = np.sort(r, axis=1)[:, -2:]
+  adv_Q = top_Q2[:, 1] - top_Q2[:, 0]
+  if norm_by_std:
+    adv_Q = adv_Q / (r.std(axis=1, ddof=1) + EPS)
+  out = np.zeros_like(r)
+  out[np.arange(Q), r.argmax(axis=1)] = adv_Q
+  return out.astype(np.float32)
+
+
 def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: bool = True, *,
                         lengths_QG: np.ndarray | None = None, valid_QG: np.ndarray | None = None) -> np.ndarray:
   """One advantage per response [Q, G]; zeros for the token-level estimators (the loop computes
@@ -129,6 +146,11 @@ def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: boo
     return _per_group(rloo, rewards_QG, valid_QG) if _masked(valid_QG) else rloo(rewards_QG)
   if estimator == "gpg":
     return gpg_advantages(rewards_QG, valid_QG)
+  if estimator == "grpo_passk":  # A group left with one valid row has no second best: 0.
+    if _masked(valid_QG):
+      return _per_group(lambda r: passk_advantages(r, norm_by_std) if r.shape[1] > 1 else np.zeros_like(r, np.float32),
+                        rewards_QG, valid_QG)
+    return passk_advantages(rewards_QG, norm_by_std)
   if estimator in ("reinforce_pp_baseline", "opo"):
     if lengths_QG is None:
       raise ValueError(f"dapo.adv_estimator={estimator!r} weighs responses by their length: pass lengths_QG")

@@ -80,7 +80,8 @@ LOSS_FNS = {m: f"compute_policy_loss_{m}" for m in ("vanilla", "gspo", "sapo", "
                                                       "geo_mean", "dro", "cispo", "dppo_tv", "dppo_kl", "reinforce")}
 ADV_FNS = ("compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-           "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage", "compute_gae_advantage_return")
+           "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage", "compute_gae_advantage_return",
+           "compute_grpo_passk_outcome_advantage")
 verl = extract("core_algos.py.txt", (*LOSS_FNS.values(), "agg_loss", *ADV_FNS, "kl_penalty_forward"), dict(BASE))
 verl_rc = extract("rollout_corr_helper.py.txt", (
     "SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "_parse_rollout_is_threshold",
@@ -353,6 +354,26 @@ def test_sequence_estimators_match_verl(estimator, fn, G):
   got_QG = advantages.sequence_advantages(estimator, score_QG, lengths_QG=lengths_QG)
   np.testing.assert_allclose(np.broadcast_to(got_QG.reshape(-1, 1), mask_BC.shape) * mask_BC, want_BC.numpy(),
                              rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_passk_matches_verl(norm_by_std):
+  """Only each group's best response moves (r_max - r_second_max); ties and an all-equal group give 0."""
+  score_QG, lengths_QG, mask_BC, token_rewards_BC = outcome_case(6)
+  Q, G = score_QG.shape
+  want_BC, _ = verl["compute_grpo_passk_outcome_advantage"](
+      token_level_rewards=torch.tensor(token_rewards_BC), response_mask=torch.tensor(mask_BC.astype(float)),
+      index=np.repeat(np.arange(Q), G), config=AlgoConfig(norm_adv_by_std_in_grpo=norm_by_std))
+  got_QG = advantages.sequence_advantages("grpo_passk", score_QG, norm_by_std)
+  np.testing.assert_allclose(np.broadcast_to(got_QG.reshape(-1, 1), mask_BC.shape) * mask_BC, want_BC.numpy(),
+                             rtol=1e-5, atol=1e-6)
+  assert np.count_nonzero(got_QG) == sum(np.sort(r)[-1] != np.sort(r)[-2] for r in score_QG) > 0
+  with pytest.raises(ValueError, match="at least 2 samples"):
+    verl["compute_grpo_passk_outcome_advantage"](
+        token_level_rewards=torch.tensor(token_rewards_BC[:1]), response_mask=torch.tensor(mask_BC[:1] * 1.0),
+        index=np.arange(1), config=AlgoConfig(norm_adv_by_std_in_grpo=True))
+  with pytest.raises(ValueError, match="grpo_passk"):
+    advantages.sequence_advantages("grpo_passk", score_QG[:, :1])
 
 
 def test_reinforce_pp_carries_returns_across_masked_spans_as_verl():

@@ -251,7 +251,7 @@ class Train(Section):
   minibatches: int = 16            # optimizer updates per rollout step and epoch
   ppo_epochs: int = 1              # passes over a rollout step's batch
   num_microbatches: int = 0        # gradient accumulation inside one update; 0 = auto (microbatch_tokens)
-  microbatch_tokens: int = train_step.MICROBATCH_TOKENS   # auto: micro-batches of at most this many tokens
+  microbatch_tokens: int = train_step.MICROBATCH_TOKENS   # auto: micro-batches of at most this many tokens (and logits)
   share_prompt: bool = True        # a group's prompt runs through the model once (exact)
   shared_prefix: int = 32          # and a mini-batch's common first tokens, in multiples of this many (0 = off)
   length_buckets: int = 8          # micro-batches cut to one of this many lengths (0 = pad to max_new_tokens)
