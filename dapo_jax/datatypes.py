@@ -30,9 +30,13 @@ class PackedRows:
   # int32: 0 = the segment's trunk (a shared prompt but its last token, or a whole row), k = its k-th
   # row's branch, which sees the trunk and itself.
   branches_MT: jax.Array
-  # int32 [B, C]: for completion token c of row b (shard d's rows are the d-th B / shards), the index,
-  # in its shard's sequences laid end to end, of the position whose logits predict it (0: padding).
-  source_BC: jax.Array
+  # The scored tokens, K per shard (shard d's are the d-th K; the row slots of shard d are the d-th
+  # B / shards). int32 [shards x K]: the index, in its shard's sequences laid end to end, of the
+  # position that predicts the token; the token; its place b x C + c in the micro-batch's [B, C]
+  # arrays (B x C: padding, dropped).
+  source_K: jax.Array
+  target_K: jax.Array
+  place_K: jax.Array
   row_B: jax.Array          # bool [B]: a row of the mini-batch (False: an unused row slot)
   shards: int = struct.field(pytree_node=False, default=1)
 

@@ -213,24 +213,36 @@ def _logprobs_and_entropy(z_BCV, targets_BC, entropy_grad: bool = False):
 def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, temperature: float, with_router: bool,
                   entropy_grad: bool = False):
   """`completion_stats` of a packed micro-batch (`datatypes.PackedRows`): the model runs on the packed
-  sequences, completion token (b, c) takes the final hidden state of the position that predicts it,
-  and the lm head runs on those alone (a shared prompt's positions make no logits), as in the padded
-  layout; the [B, C] results are the padded layout's."""
+  sequences, each scored token takes the final hidden state of the position that predicts it, and the
+  lm head runs on those alone (a prompt's positions and a row's padding make no logits); the results
+  go to their [B, C] places, the padded layout's."""
   pk = mb.packed
-  B, C = mb.loss_mask_BC.shape
   mask_MTT = model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT)
   out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, mask_MTT, head="hidden",
                           with_router=with_router)
   h_MTD, routing = out if with_router else (out, None)
-  D = h_MTD.shape[-1]
-  # Each shard's sequences end to end, read at its rows' sources.
-  x_BCD = jnp.take_along_axis(h_MTD.reshape(pk.shards, -1, D), pk.source_BC.reshape(pk.shards, -1)[..., None],
-                              axis=1).reshape(B, C, D)
-  targets_BC = mb.tokens_BT[:, mb.tokens_BT.shape[1] - C:]
+  x_SKD = _at_scored(pk, h_MTD)
+  targets_SK = pk.target_K.reshape(pk.shards, -1)
   if model_cfg.logits_chunk:
-    return (*_chunked_stats(model_cfg, params, x_BCD, targets_BC, temperature, entropy_grad), routing)
-  z_BCV = model_lib.unembed(model_cfg, params, x_BCD)
-  return (*_logprobs_and_entropy(z_BCV / temperature, targets_BC, entropy_grad), routing)
+    logp_SK, entropy_SK = _chunked_stats(model_cfg, params, x_SKD, targets_SK, temperature, entropy_grad)
+  else:
+    z_SKV = model_lib.unembed(model_cfg, params, x_SKD)
+    logp_SK, entropy_SK = _logprobs_and_entropy(z_SKV / temperature, targets_SK, entropy_grad)
+  shape = mb.loss_mask_BC.shape
+  return _to_rows(pk, logp_SK, shape), _to_rows(pk, entropy_SK, shape), routing
+
+
+def _at_scored(pk, y_MT):
+  """[shards, K, ...]: `y_MT` [M, T, ...] at each scored token's source, each shard's sequences end to end."""
+  y = y_MT.reshape(pk.shards, -1, *y_MT.shape[2:])
+  idx = pk.source_K.reshape(pk.shards, -1)
+  return jnp.take_along_axis(y, idx.reshape(idx.shape + (1,) * (y.ndim - 2)), axis=1)
+
+
+def _to_rows(pk, y_SK, shape_BC):
+  """Scored tokens' values [shards, K] in their [B, C] places (0 elsewhere)."""
+  B, C = shape_BC
+  return jnp.zeros((B * C,), y_SK.dtype).at[pk.place_K].set(y_SK.reshape(-1), mode="drop").reshape(B, C)
 
 
 def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, temperature: float,
@@ -489,14 +501,13 @@ def dpo(model_cfg: model_lib.ModelConfig, cfg: DPOConfig) -> Objective:
 def completion_values(model_cfg: model_lib.ModelConfig, group_size: int = 0) -> Callable:
   """(params of a scalar-head model, batch) -> V(s_t) [B, C] fp32: the value at the position that
   predicts completion token t (verl's critic reads values[:, P-1:T-1] the same way); a packed batch's
-  values are read at its rows' sources, as `completion_stats` reads log-probs."""
+  values are read at its scored tokens' sources, as `completion_stats` reads log-probs."""
   def fn(params, mb) -> jax.Array:
     if getattr(mb, "packed", None) is not None:
       pk = mb.packed
       values_MT = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT,
                                     model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT), head="scalar")
-      return jnp.take_along_axis(values_MT.reshape(pk.shards, -1), pk.source_BC.reshape(pk.shards, -1),
-                                 axis=1).reshape(mb.loss_mask_BC.shape)
+      return _to_rows(pk, _at_scored(pk, values_MT), mb.loss_mask_BC.shape)
     C = mb.loss_mask_BC.shape[1]
     P = mb.tokens_BT.shape[1] - C
     if group_size:

@@ -47,8 +47,9 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   sequence's length, costs no more than the padded rows' would; it holds `max_tokens` // that many
   sequences per data shard (one at least), filled first-fit, and the rows that do not fit wait for the
   next micro-batch. With `scored` > 0 the budget also counts what the rows' logits hold, `scored`
-  positions for each of a row's Cb completion positions (`train_step.scored_token_positions`): a
-  shard takes no row past `max_tokens` of its sequences' positions and that (its first row always).
+  positions for each completion token (`train_step.scored_token_positions`): a shard takes no row
+  past `max_tokens` of its sequences' positions and that (its first row always). The lm head runs on
+  the completion tokens alone (`PackedRows.source_K`), K per shard, a power of two.
   Row slots per shard (and the last micro-batch's sequences) are a power of two: a run compiles few
   shapes. The rows' [B, C] arrays are cut to the micro-batch's completion bucket.
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
@@ -72,16 +73,16 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
     n = shards * max(1, max_tokens // L)
     bins, fill, prompts, rest = [[] for _ in range(n)], [0] * n, [set() for _ in range(n)], []
 
-    def holds(i):  # Bin i's shard within its budget with one more row there (or its first).
+    def holds(i, b):  # Bin i's shard within its budget with row b there too (or b its first).
       mine = range(i % shards, n, shards)
-      rows = sum(len(bins[j]) for j in mine)
+      rows = [r for j in mine for r in bins[j]]
       used = sum(1 for j in mine if bins[j] or j == i)
-      return rows == 0 or used * L + (rows + 1) * Cb * scored <= max_tokens
+      return not rows or used * L + (completion_B[rows].sum() + completion_B[b]) * scored <= max_tokens
 
     for b in pending:  # First fit, longest first; a prompt already in a sequence costs nothing more there.
       cost = lambda i: length_B[b] - (trunk_B[b] if prompt_id_B[b] in prompts[i] else 0)
       k = next((i for i in range(n) if fill[i] + cost(i) <= L and completion_B[b] <= Cb
-                and (not scored or holds(i))), None)
+                and (not scored or holds(i, b))), None)
       if k is None:
         rest.append(b)
       else:
@@ -111,7 +112,7 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
   R = _pow2_at_least(max(sum(len(rows) for rows in seqs) for seqs in per_shard), len(length_B))
   row_idx = np.full((shards, R), -1)
   tokens_DL, positions_DL, segments_DL, branches_DL = (np.zeros((shards, S * L), np.int32) for _ in range(4))
-  source_DRC = np.zeros((shards, R, Cb), np.int32)
+  picks = [[] for _ in range(shards)]  # (source, target, place) of each shard's scored tokens
 
   def put(d, start, real, lo, hi, segment, branch):  # The row's real tokens [lo, hi) at `start`.
     tokens_DL[d, start:start + hi - lo] = real[lo:hi]
@@ -136,15 +137,22 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
           real, p, c = tokens[b][mask[b]], int(prompt_B[b]), int(completion_B[b])
           lo = p - 1 if shared else 0
           # Completion token c is predicted at the row's position p - 1 + c.
-          source_DRC[d, r, :c] = start + (p - 1 - lo) + np.arange(c)
+          picks[d] += zip(start + (p - 1 - lo) + np.arange(c), real[p:p + c], (d * R + r) * Cb + np.arange(c))
           start = put(d, start, real, lo, int(length_B[b]), segment, branch if shared else 0)
           row_idx[d, r], r = b, r + 1
   seq = lambda x: x.reshape(shards * S, L)  # [D, S x L] -> [D x S, L]: shard d's are sequences d*S .. d*S + S - 1.
+  K = _pow2_at_least(max(len(p) for p in picks), R * Cb)
+  scored_DK3 = np.zeros((shards, K, 3), np.int32)
+  scored_DK3[..., 2] = shards * R * Cb  # Padding: dropped.
+  for d, p in enumerate(picks):
+    if p:
+      scored_DK3[d, :len(p)] = p
   P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
+  source_K, target_K, place_K = (scored_DK3[..., i].reshape(-1) for i in range(3))
   return _rows_of(batch, row_idx.reshape(-1), P, Cb).replace(packed=PackedRows(
       tokens_MT=seq(tokens_DL), positions_MT=seq(positions_DL), segments_MT=seq(segments_DL),
-      branches_MT=seq(branches_DL), source_BC=source_DRC.reshape(shards * R, Cb), row_B=row_idx.reshape(-1) >= 0,
-      shards=shards)), row_idx.reshape(-1)
+      branches_MT=seq(branches_DL), source_K=source_K, target_K=target_K, place_K=place_K,
+      row_B=row_idx.reshape(-1) >= 0, shards=shards)), row_idx.reshape(-1)
 
 
 def _pow2_at_least(n: int, cap: int) -> int:

@@ -44,6 +44,14 @@ def rows_of(batch, part) -> list[int]:
           for a, ok in zip(part.adv_B, part.packed.row_B)]
 
 
+def scored_sources(part) -> np.ndarray:
+  """[B, C]: the packed position predicting each completion token (its shard's sequences end to end)."""
+  pk, (B, C) = part.packed, part.loss_mask_BC.shape
+  out = np.full(B * C + 1, -1)
+  out[np.minimum(pk.place_K, B * C)] = pk.source_K
+  return out[:-1].reshape(B, C)
+
+
 def test_rows_pack_first_fit_longest_first_by_hand():
   batch = long_tail_batch()
   # The forward reads each row's real tokens among its first P + C - 1 = 28 columns: prompt (5, or 3
@@ -60,8 +68,13 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   assert segments == [[14, 10, 5], [8, 7, 6]]
   # Positions restart in each segment; completion token c of a row is read where the one before it sits.
   np.testing.assert_array_equal(p.packed.positions_MT[0], list(range(14)) + list(range(10)) + list(range(5)))
-  np.testing.assert_array_equal(p.packed.source_BC[1, :LENGTHS[7]], 14 + 4 + np.arange(5))  # row 7 after row 5
-  np.testing.assert_array_equal(p.packed.source_BC[3, :LENGTHS[0]], 29 + 4 + np.arange(3))  # row 0: sequence 1
+  sources = scored_sources(p)
+  np.testing.assert_array_equal(sources[1, :LENGTHS[7]], 14 + 4 + np.arange(5))  # row 7 after row 5
+  np.testing.assert_array_equal(sources[3, :LENGTHS[0]], 29 + 4 + np.arange(3))  # row 0: sequence 1
+  # The lm head's tokens: the completions' own, 24 of them, K = 32 (a power of two).
+  pk = p.packed
+  assert pk.source_K.shape == (32,) and int((pk.place_K < 8 * 24).sum()) == 24 == sum(LENGTHS[b] for b in [5, 7, 2, 0, 3, 6])
+  np.testing.assert_array_equal(pk.target_K[:24], np.asarray(p.tokens_BT).reshape(-1)[pk.place_K[:24]])
   np.testing.assert_array_equal(p.packed.tokens_MT[0, 14:24], batch.tokens_BT[7][batch.mask_BT[7]])
   # Length buckets: short rows go in sequences of P + 16 = 21 positions, 3 of them in 64 tokens.
   bucketed = packing.packed_microbatches(batch, max_tokens=64, buckets=(8, 16, 24))
@@ -71,10 +84,11 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   two = packing.packed_microbatches(batch, max_tokens=64, shards=2)
   assert [q.packed.tokens_MT.shape for q in two] == [(4, 29)]
   assert rows_of(batch, two[0]) == [4, 5, 7, 2, 1, 0, 3, 6]
-  # Logits that hold a quarter position each (6 for a row's 24 completion slots): a second sequence
-  # beside row 4 or row 1 would hold 2 x 29 + 2 x 6 > 64; rows 5, 7, 2 fill one (29 + 3 x 6).
+  # Logits that hold a quarter position per completion token: beside row 4 (24 tokens) a second
+  # sequence holds 2 x 29 positions and at least 25 tokens (64.25 > 64); beside row 1 (20), rows 0
+  # and 6 (3 + 1 tokens: 58 + 6 = 64), not row 3 or 2; then rows 5, 7, 2 | 3 (58 + 20 / 4).
   assert [rows_of(batch, q) for q in packing.packed_microbatches(batch, max_tokens=64, scored=0.25)] == [
-      [4], [1], [5, 7, 2, -1], [0, 3, 6, -1]]
+      [4], [1, 0, 6, -1], [5, 7, 2, 3]]
   # A budget below a row's length: one sequence per micro-batch.
   assert [rows_of(batch, q) for q in packing.packed_microbatches(batch, max_tokens=8)] == [
       [4], [1], [5, 7, 2, -1], [0, 3, 6, -1]]
@@ -95,9 +109,10 @@ def test_rows_of_one_prompt_share_it_in_a_sequence_by_hand():
   np.testing.assert_array_equal(pk.branches_MT[1], [0] * 2 + [1] * 5 + [2] * 3 + [0] * 19)
   row6, row7 = (batch.tokens_BT[b][batch.mask_BT[b]] for b in (6, 7))
   np.testing.assert_array_equal(pk.tokens_MT[0, 14:26], np.concatenate([row7[:10], row6[4:6]]))
-  np.testing.assert_array_equal(pk.source_BC[1, :LENGTHS[7]], 18 + np.arange(5))  # Row 7 from its branch's start.
-  np.testing.assert_array_equal(pk.source_BC[2, :LENGTHS[6]], [24])
-  np.testing.assert_array_equal(pk.source_BC[4, :LENGTHS[2]], 29 + 7 + np.arange(2))  # Row 2: sequence 1.
+  sources = scored_sources(parts[1])
+  np.testing.assert_array_equal(sources[1, :LENGTHS[7]], 18 + np.arange(5))  # Row 7 from its branch's start.
+  np.testing.assert_array_equal(sources[2, :LENGTHS[6]], [24])
+  np.testing.assert_array_equal(sources[4, :LENGTHS[2]], 29 + 7 + np.arange(2))  # Row 2: sequence 1.
   # A branch sees its trunk and itself: row 6's token sees the trunk, not row 7's branch.
   mask = np.asarray(model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT))[0]
   np.testing.assert_array_equal(np.flatnonzero(mask[25]), list(range(14, 18)) + [24, 25])
