@@ -2,6 +2,7 @@
 estimators' rewards and returns against a naive loop, the start-up checks of the `ppo` / `critic`
 sections, and the loop with a value model: it learns, and its checkpoint resumes the same run."""
 import os
+import re
 import shutil
 
 import jax
@@ -183,8 +184,7 @@ def ppo_cfg(**train):
 
 @pytest.mark.parametrize("field,value,message", [
     ("dapo.adv_estimator", "ppo",
-     r"dapo.adv_estimator='ppo': expected one of \('grpo', 'rloo', 'reinforce_pp_baseline', 'opo', 'gpg', "
-     r"'reinforce_pp', 'gae', 'distill'\)"),
+     r"dapo.adv_estimator='ppo': expected one of " + re.escape(str(advantages.ESTIMATORS))),
     ("critic.init", "value", r"critic.init='value': expected 'policy'"),
     ("critic.lr", 0.0, r"critic.lr=0.0: expected > 0"),
     ("critic.clip_range", -1.0, r"critic.clip_range=-1.0"),
@@ -280,4 +280,6 @@ def test_a_packed_ppo_run_is_the_padded_run(tmp_path):
     for k, v in padded.items():
       if not k.startswith(("timing_s/", "perf/", "time")):
         assert packed[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), runs[True][1], runs[False][1])
+  # Packed rows share their group's prompt and sum in another order: AdamW's normalised steps carry
+  # that rounding into a few params, by up to ~1e-5 after two updates of both models.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=3e-5), runs[True][1], runs[False][1])
