@@ -88,11 +88,13 @@ class _CappedStream(io.TextIOBase):
 _started_queue = None
 
 
-def _init_worker(started_queue) -> None:
+def _init_worker(started_queue, parent_pid: int) -> None:
   global _started_queue
   _started_queue = started_queue
   sys.stdout, sys.stderr = _CappedStream(sys.stdout), _CappedStream(sys.stderr)
-  threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+  # The parent's pid as the parent saw it: a worker that starts after its parent was killed has
+  # already been re-parented, and its own getppid() would name the new parent.
+  threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
 
 
 def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
@@ -173,7 +175,7 @@ class RewardPool:
       ctx = mp.get_context("spawn")
       self._started = ctx.SimpleQueue()
       self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
-                                          initargs=(self._started,))
+                                          initargs=(self._started, os.getpid()))
       # Start every worker and import the reward module before any call is timed: a slow
       # start-up on a loaded machine must not count against the per-call timeout.
       warm = [self._pool.submit(_warm_up, self.fn_path) for _ in range(self.workers)]
