@@ -72,12 +72,12 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
     L = P + Cb  # Holds any row whose completion fits Cb (a row feeds at most P + Cb - 1 tokens then).
     n = shards * max(1, max_tokens // L)
     bins, fill, prompts, rest = [[] for _ in range(n)], [0] * n, [set() for _ in range(n)], []
+    opened, tokens = [0] * shards, [0] * shards  # Per shard: sequences in use, scored tokens.
 
     def holds(i, b):  # Bin i's shard within its budget with row b there too (or b its first).
-      mine = range(i % shards, n, shards)
-      rows = [r for j in mine for r in bins[j]]
-      used = sum(1 for j in mine if bins[j] or j == i)
-      return not rows or used * L + (completion_B[rows].sum() + completion_B[b]) * scored <= max_tokens
+      d = i % shards
+      used = opened[d] + (not bins[i])
+      return not opened[d] or used * L + (tokens[d] + completion_B[b]) * scored <= max_tokens
 
     for b in pending:  # First fit, longest first; a prompt already in a sequence costs nothing more there.
       cost = lambda i: length_B[b] - (trunk_B[b] if prompt_id_B[b] in prompts[i] else 0)
@@ -87,6 +87,8 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
         rest.append(b)
       else:
         fill[k] += int(cost(k))
+        opened[k % shards] += not bins[k]
+        tokens[k % shards] += int(completion_B[b])
         bins[k].append(int(b))
         prompts[k].add(prompt_id_B[b])
     pending = rest
