@@ -2,10 +2,10 @@
 
 Reads config.json plus `model.safetensors` (or sharded `*.safetensors` with
 `model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM` (Llama 3.x rope
-scaling included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM`, and writes the
-same layout back so that `transformers.AutoModelForCausalLM.from_pretrained` loads it.
-The mapping from HF tensor names to our parameter names lives only in this file (LoRA adapters in
-PEFT's format: `peft_format`); `save` of an adapted tree writes the merged model.
+scaling included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM` (and, through `multimodal`,
+`Gemma3ForConditionalGeneration`), and writes the same layout back so that transformers'
+`from_pretrained` loads it. The mapping from HF tensor names to our parameter names lives only in this
+file, `multimodal` (the vision tower) and `peft` (LoRA adapters in PEFT's format); `save` of an adapted tree writes the merged model.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from dapo_jax.hf import multimodal  # noqa: I001 (it reads this module's mapping at call time)
 from dapo_jax.hf.safetensors import CheckpointError, read_dir_tensors, read_safetensors, write_safetensors  # noqa: F401 (public)
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
@@ -414,6 +415,8 @@ def load_config(path: str, **overrides) -> model_lib.ModelConfig:
   if not isinstance(hf_cfg, dict):
     raise CheckpointError(f"{cfg_path}: a JSON {type(hf_cfg).__name__}, expected an object")
   try:
+    if multimodal.is_multimodal(hf_cfg):
+      return multimodal.config_from_hf(hf_cfg, cfg_path, **overrides)
     return config_from_hf(hf_cfg, cfg_path, **overrides)
   except CheckpointError:
     raise
@@ -422,12 +425,15 @@ def load_config(path: str, **overrides) -> model_lib.ModelConfig:
 
 
 def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
-  """Reads a local HF model directory into (ModelConfig, params); `overrides` set e.g. dtype."""
+  """Reads a local HF model directory into (ModelConfig, params); `overrides` set e.g. dtype. A
+  vision-language model (`multimodal`) has its tower and projector in params["vision"]."""
   cfg = load_config(path, **overrides)
   tensors, origin = read_dir_tensors(path)
   if "score.weight" in tensors:
     raise CheckpointError(f"{path}: a scalar-head model (tensor 'score.weight'), not a language model; "
                           "read it with hf.load_scalar")
+  if cfg.vision is not None:
+    return cfg, multimodal.params_from_tensors(cfg, tensors, origin, dtype=np.dtype(cfg.param_dtype))
   return cfg, params_from_tensors(cfg, tensors, origin, dtype=np.dtype(cfg.param_dtype))
 
 
@@ -441,14 +447,16 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
     eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
     tokenizer.save_pretrained(path)
-  hf_cfg = config_to_hf(model_cfg, eos_token_id, bos_token_id, pad_token_id)
+  to_hf = multimodal.config_to_hf if model_cfg.vision is not None else config_to_hf
+  hf_cfg = to_hf(model_cfg, eos_token_id=eos_token_id, bos_token_id=bos_token_id, pad_token_id=pad_token_id)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf_cfg, f, indent=2)
   if eos_token_id is not None:
     gen = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id}
     with open(os.path.join(path, "generation_config.json"), "w") as f:
       json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
-  write_safetensors(os.path.join(path, "model.safetensors"), params_to_tensors(model_cfg, params, dtype))
+  tensors = (multimodal.params_to_tensors if model_cfg.vision is not None else params_to_tensors)(model_cfg, params, dtype)
+  write_safetensors(os.path.join(path, "model.safetensors"), tensors)
 
 
 # --- scalar-head models: ...ForSequenceClassification -----------------------------------------

@@ -18,6 +18,38 @@ REMAT_POLICIES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """A SigLIP vision tower and Gemma 3's projector (HF `vision_config` and the top-level fields)."""
+  image_size: int = 896         # S: pixels a side (the image processor resizes every image to it)
+  patch_size: int = 14          # p: P = (S/p)^2 patches
+  embed_dim: int = 1152         # Dv
+  mlp_dim: int = 4304
+  num_layers: int = 27
+  num_heads: int = 16
+  num_channels: int = 3
+  norm_eps: float = 1e-6
+  tokens_per_image: int = 256   # M: soft tokens an image becomes (the patches average-pooled)
+  image_token_id: int = 262_144  # the placeholder a prompt holds M of per image
+  boi_token_id: int = 255_999   # begin / end of image, around the placeholders (the chat template's)
+  eoi_token_id: int = 256_000
+
+  def __post_init__(self):
+    side = self.image_size // self.patch_size
+    pooled = round(self.tokens_per_image ** 0.5)
+    if self.image_size % self.patch_size:
+      raise ValueError(f"model.vision.image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
+    if pooled * pooled != self.tokens_per_image or side % pooled:
+      raise ValueError(f"model.vision.tokens_per_image={self.tokens_per_image} must be a square whose side divides "
+                       f"the {side} patches a side")
+    if self.embed_dim % self.num_heads:
+      raise ValueError(f"model.vision.embed_dim={self.embed_dim} must be a multiple of num_heads={self.num_heads}")
+
+  @property
+  def num_patches(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture and numerics of one model. Frozen, so it can be a static jit argument."""
   vocab_size: int          # V
@@ -76,6 +108,8 @@ class ModelConfig:
   router_aux_coef: float = 0.0         # weight of the load-balancing loss in training (0 = off, as verl)
   expert_chunk: int = 0                # tokens per device per expert-dispatch block (0 = all at once);
                                        # bounds the dispatch buffers of long rows, as attn_chunk the scores
+  # A vision-language model (Gemma 3 with images): its vision tower and projector; None = text only.
+  vision: VisionConfig | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "local_layers", tuple(int(l) for l in self.local_layers))
@@ -106,6 +140,8 @@ class ModelConfig:
     if self.local_layers and self.sliding_window <= 0:
       raise ValueError(f"model.local_layers={self.local_layers} needs model.sliding_window > 0")
     self._check_experts()
+    if self.vision is not None and not self.gemma:
+      raise ValueError(f"model.vision is set with model.arch={self.arch!r}: images go with arch 'gemma3'")
     for f in ("param_dtype", "dtype", "matmul_dtype"):
       name = getattr(self, f)
       if f == "matmul_dtype" and not name:

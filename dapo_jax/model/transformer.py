@@ -27,6 +27,7 @@ from dapo_jax import sharding
 from dapo_jax.model import layers as layers_lib
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import quant
+from dapo_jax.model import vision
 from dapo_jax.model.config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
 
 Params = Any
@@ -241,10 +242,14 @@ class Transformer(nn.Module):
   emit_kv: bool = False  # also return every layer's keys/values: ([L, B, K, T, H], [L, B, K, T, H]), per segment
 
   @nn.compact
-  def __call__(self, tokens: tuple, pos: tuple, masks: tuple, logits_from: int = 0):
+  def __call__(self, tokens: tuple, pos: tuple, masks: tuple, logits_from: int = 0, images: tuple = ()):
     cfg = self.cfg
     embed_VD = _param(self, "embed_VD", (cfg.vocab_size, cfg.embed_dim), _normal, cfg)
-    x = tuple(sharding.constrain(embed(cfg, embed_VD, t), "BTD") for t in tokens)
+    x = tuple(embed(cfg, embed_VD, t) for t in tokens)
+    if images:  # One [B, M, D] array of image vectors (or None) per segment: placed at its placeholders.
+      x = tuple(x_ if f is None else vision.place(x_, t, f, cfg.vision.image_token_id)
+                for x_, t, f in zip(x, tokens, images))
+    x = tuple(sharding.constrain(x_, "BTD") for x_ in x)
 
     block = Block
     if cfg.remat != "none":
@@ -307,7 +312,10 @@ def unembed(cfg: ModelConfig, params: Params, x_BTD: jax.Array) -> jax.Array:
 
 
 def embed(cfg: ModelConfig, embed_VD: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Token embeddings; Gemma scales them by sqrt(D), the factor rounded to the compute dtype as HF does."""
+  """Token embeddings; Gemma scales them by sqrt(D), the factor rounded to the compute dtype as HF does.
+  An image placeholder outside the vocabulary embeds as token 0 (`vision.place` replaces it)."""
+  if cfg.vision is not None and cfg.vision.image_token_id >= cfg.vocab_size:
+    tokens = jnp.where(tokens == cfg.vision.image_token_id, 0, tokens)
   x = jnp.take(embed_VD, tokens, axis=0)
   return x * jnp.asarray(cfg.embed_dim ** 0.5, x.dtype) if cfg.gemma else x
 
@@ -321,7 +329,10 @@ def init_boxed(cfg: ModelConfig, rng: jax.Array, head: str = "lm") -> Params:
   """Random parameters boxed with their logical axes (`nn.get_partition_spec` reads them): the one
   source of parameter shardings (under `jax.eval_shape`, nothing is computed)."""
   tokens = jnp.zeros((1, 1), jnp.int32)
-  return Transformer(cfg, head).init(rng, (tokens,), (tokens,), (jnp.ones((1, 1, 1), bool),))["params"]
+  params = Transformer(cfg, head).init(rng, (tokens,), (tokens,), (jnp.ones((1, 1, 1), bool),))["params"]
+  if cfg.vision is not None:  # The tower and projector: plain arrays, replicated (a small share of a VLM).
+    params = {**params, "vision": vision.init_params(cfg.vision, cfg.embed_dim, jax.random.fold_in(rng, 1))}
+  return params
 
 
 def positions(mask_BT: jax.Array) -> jax.Array:
@@ -331,6 +342,8 @@ def positions(mask_BT: jax.Array) -> jax.Array:
 
 def _apply(module: Transformer, params: Params, *args, with_router: bool = False):
   """`module.apply`; with `with_router`, (out, routing statistics of the expert layers, see `routing`)."""
+  if "vision" in params:  # The tower runs outside the module (`vision.image_features`).
+    params = {k: v for k, v in params.items() if k != "vision"}
   if not with_router:
     return module.apply(lora_lib.flax_variables(params), *args)
   out, state = module.apply(lora_lib.flax_variables(params), *args, mutable=["router"])
@@ -346,15 +359,18 @@ def routing(cfg: ModelConfig, collection: dict) -> dict:
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logits_from: int = 0,
-            emit_kv: bool = False, head: str = "lm", with_router: bool = False):
+            emit_kv: bool = False, head: str = "lm", with_router: bool = False, images_BMD=None):
   """Teacher-forced outputs of the head (fp32 logits [B, T', V], or values [B, T']) for positions
   >= logits_from (static).
 
   With `emit_kv`, returns (out, (k_LBKTH, v_LBKTH)): every layer's keys and values, to fill a cache.
   With `with_router` (an MoE model), returns (that, routing statistics): see `routing`.
+  `images_BMD`: each row's image vectors (`vision.image_features`), placed at its image placeholders
+  (`mask_BTS` then opens each image's attention both ways: `attention_mask`).
   """
+  images = () if images_BMD is None else (images_BMD,)
   return _apply(Transformer(cfg, head, "rows", emit_kv), params, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from,
-                with_router=with_router)
+                images, with_router=with_router)
 
 
 def prefill_after_prefix(cfg: ModelConfig, params: Params, prefix_1N: jax.Array, suffix_UT: jax.Array,
@@ -381,15 +397,25 @@ def causal_mask(mask_BT: jax.Array) -> jax.Array:
   return jnp.tril(jnp.ones((T, T), bool))[None] & mask_BT.astype(bool)[:, None, :]
 
 
+def attention_mask(cfg: ModelConfig, tokens_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  """[B, T, T] mask of left-padded rows: causal over real keys, and, for a vision-language model,
+  both ways among each image's placeholders (`vision.image_attention`)."""
+  mask_BTS = causal_mask(mask_BT)
+  if cfg.vision is None:
+    return mask_BTS
+  return vision.image_attention(mask_BTS, tokens_BT, cfg.vision.image_token_id) & mask_BT.astype(bool)[:, None, :]
+
+
 def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array,
-           logits_from: int = 0, with_router: bool = False) -> jax.Array:
+           logits_from: int = 0, with_router: bool = False, images_BMD=None) -> jax.Array:
   """Teacher-forced logits [B, T, V] (fp32) of left-padded rows; mask 1 = real token.
 
   With `logits_from`, only positions logits_from..T-1 are unembedded ([B, T - logits_from, V]).
   With `with_router` (an MoE model), returns (logits, routing statistics): see `routing`.
+  `images_BMD`: the rows' image vectors, as `forward`'s.
   """
-  return forward(model_cfg, params, tokens_BT, positions(mask_BT), causal_mask(mask_BT), logits_from=logits_from,
-                 with_router=with_router)
+  return forward(model_cfg, params, tokens_BT, positions(mask_BT), attention_mask(model_cfg, tokens_BT, mask_BT),
+                 logits_from=logits_from, with_router=with_router, images_BMD=images_BMD)
 
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,

@@ -1,0 +1,131 @@
+"""Gemma 3 with images against transformers' `Gemma3ForConditionalGeneration` (fp32, torch): the SigLIP
+tower, the projector, image vectors at their placeholders and bidirectional attention inside an image;
+HF import and an export that transformers loads; the sampler's prefill with images."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from dapo_jax.hf import convert as hf
+from dapo_jax.model import transformer as model
+from dapo_jax.model import vision
+from dapo_jax.model.config import ModelConfig, VisionConfig
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+V, BOI, EOI, IMG = 300, 297, 298, 299
+M = 4  # soft tokens per image
+
+
+def make_hf_model(path, seed=0):
+  torch.manual_seed(seed)
+  text = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=128,
+              layer_types=["sliding_attention", "full_attention"])
+  vis = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+             patch_size=4, vision_use_head=False)
+  cfg = transformers.Gemma3Config(text_config=text, vision_config=vis, mm_tokens_per_image=M, image_token_index=IMG,
+                                  boi_token_index=BOI, eoi_token_index=EOI)
+  cfg._attn_implementation = "eager"
+  m = transformers.Gemma3ForConditionalGeneration(cfg)
+  with torch.no_grad():  # No parameter a no-op: random norms (Gemma's are offsets from 1) and biases.
+    for name, p in m.named_parameters():
+      if "norm" in name or "bias" in name:
+        p.copy_((1.0 if "vision_tower" in name and "weight" in name else 0.0) + 0.2 * torch.randn_like(p))
+  m = m.float().eval()
+  m.save_pretrained(path)
+  return m
+
+
+def images_of_different_sizes(seed=0):
+  """Three drawn images of three sizes, through Gemma 3's own image processor (PIL, no torch)."""
+  rng = np.random.default_rng(seed)
+  imgs = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((40, 70), (20, 20), (64, 32))]
+  processor = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+  return processor(images=imgs, return_tensors="np")["pixel_values"]
+
+
+def image(n=1):
+  return ([BOI] + [IMG] * M + [EOI]) * n
+
+
+def batch():
+  """Row 0: two images between text; row 1: left-padded, one image. The window (8) is shorter than the rows."""
+  rows = [[5, 6] + image() + [7, 8] + image() + [9, 10, 11], [12] + image() + [13, 14, 15]]
+  T = max(map(len, rows))
+  tokens = np.array([[0] * (T - len(r)) + r for r in rows])
+  mask = np.array([[0] * (T - len(r)) + [1] * len(r) for r in rows])
+  return tokens, mask
+
+
+def torch_logits(m, tokens, mask, pixels):
+  pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
+  with torch.no_grad():
+    return m(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos),
+             pixel_values=torch.tensor(pixels), token_type_ids=torch.tensor((tokens == IMG).astype(np.int64))
+             ).logits.numpy()
+
+
+def assert_close_on_real(a, b, mask, rel=1e-4):
+  real = mask.astype(bool)
+  assert np.abs(a[real] - b[real]).max() <= rel * np.abs(b[real]).max()
+
+
+def our_logits(cfg, params, tokens, mask, pixels_BICSS):
+  feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(pixels_BICSS))
+  return np.asarray(model.logits(cfg, params, jnp.asarray(tokens), jnp.asarray(mask), images_BMD=feats))
+
+
+def test_images_in_prompts_match_transformers(tmp_path):
+  m = make_hf_model(str(tmp_path / "hf"))
+  cfg, params = hf.load(str(tmp_path / "hf"))
+  assert cfg.vision == VisionConfig(image_size=32, patch_size=4, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4,
+                                    tokens_per_image=M, image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI)
+  tokens, mask = batch()
+  pixels = images_of_different_sizes()  # [3, C, S, S]: row 0's two images, then row 1's one.
+  ref = torch_logits(m, tokens, mask, pixels)
+  per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])  # [B, I=2, C, S, S]
+  ours = our_logits(cfg, params, tokens, mask, per_row)
+  assert_close_on_real(ours, ref, mask)
+  # Each part matters: without the images, or with causal attention inside them, the logits differ.
+  no_images = np.asarray(model.logits(cfg, params, jnp.asarray(tokens), jnp.asarray(mask)))
+  assert np.abs(no_images - ref)[mask.astype(bool)].max() > 0.1 * np.abs(ref).max()
+  feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row))
+  causal = np.asarray(model.forward(cfg, params, jnp.asarray(tokens), model.positions(jnp.asarray(mask)),
+                                    model.causal_mask(jnp.asarray(mask)), images_BMD=feats))
+  assert np.abs(causal - ref)[mask.astype(bool)].max() > 1e-3 * np.abs(ref).max()
+
+  # Our export: re-imported it is the same model; transformers loads it and agrees.
+  hf.save(str(tmp_path / "out"), cfg, params)
+  cfg2, params2 = hf.load(str(tmp_path / "out"))
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+  m2 = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32,
+                                                                   attn_implementation="eager").eval()
+  assert_close_on_real(torch_logits(m2, tokens, mask, pixels), ref, mask)
+
+
+def test_a_random_vision_language_model_exports_to_transformers(tmp_path):
+  text = ModelConfig(vocab_size=V, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                     arch="gemma3", qk_norm=True, rope_theta=1e6, local_layers=(0,), sliding_window=6,
+                     query_scale=16.0, vision=VisionConfig(image_size=16, patch_size=4, embed_dim=16, mlp_dim=24,
+                                                           num_layers=1, num_heads=2, tokens_per_image=M,
+                                                           image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI))
+  params = model.init_params(text, jax.random.key(0))
+  params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), params)
+  hf.save(str(tmp_path / "out"), text, params)
+  m = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+  tokens = np.array([[3, 4] + image() + [5]])
+  mask = np.ones_like(tokens)
+  pixels = np.random.default_rng(0).normal(size=(1, 1, 3, 16, 16)).astype(np.float32)
+  assert_close_on_real(our_logits(text, params, tokens, mask, pixels), torch_logits(m, tokens, mask, pixels[0]), mask)
+
+
+def test_vision_config_checks_its_shapes():
+  with pytest.raises(ValueError, match="tokens_per_image=5"):
+    VisionConfig(image_size=32, patch_size=4, tokens_per_image=5)
+  with pytest.raises(ValueError, match="image_size=30"):
+    VisionConfig(image_size=30, patch_size=4, tokens_per_image=4)
