@@ -2,10 +2,11 @@
 
 Reads config.json plus `model.safetensors` (or sharded `*.safetensors` with
 `model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM` (Llama 3.x rope
-scaling included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM` (and, through `multimodal`,
-`Gemma3ForConditionalGeneration`), and writes the same layout back so that transformers'
+scaling included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM` (and, through
+`multimodal`, `Gemma3ForConditionalGeneration`), and writes the same layout back so that transformers'
 `from_pretrained` loads it. The mapping from HF tensor names to our parameter names lives only in this
-file, `multimodal` (the vision tower) and `peft` (LoRA adapters in PEFT's format); `save` of an adapted tree writes the merged model.
+file, `multimodal` (the vision tower) and `peft` (LoRA adapters in PEFT's format); `save` of an
+adapted tree writes the merged model.
 """
 from __future__ import annotations
 
