@@ -456,7 +456,8 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
     gen = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id}
     with open(os.path.join(path, "generation_config.json"), "w") as f:
       json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
-  tensors = (multimodal.params_to_tensors if model_cfg.vision is not None else params_to_tensors)(model_cfg, params, dtype)
+  to_tensors = multimodal.params_to_tensors if model_cfg.vision is not None else params_to_tensors
+  tensors = to_tensors(model_cfg, params, dtype)
   write_safetensors(os.path.join(path, "model.safetensors"), tensors)
 
 

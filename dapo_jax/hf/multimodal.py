@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+import jax
 import numpy as np
 
 from dapo_jax.hf import convert
@@ -135,17 +136,16 @@ def params_from_tensors(cfg: ModelConfig, tensors: dict, origin: dict, dtype=np.
   left = sorted(tower) + sorted(projector)
   if left:
     raise CheckpointError(f"unexpected vision tensors {left[:5]}; vision_config does not match the weights")
-  params["vision"] = {k: (v_.astype(dtype) if isinstance(v_, np.ndarray) else {n: a.astype(dtype) for n, a in v_.items()})
-                      for k, v_ in vparams.items()}
+  params["vision"] = jax.tree.map(lambda a: a.astype(dtype), vparams)
   return params
 
 
 def params_to_tensors(cfg: ModelConfig, params: dict, dtype=np.float32) -> dict[str, np.ndarray]:
   v = cfg.vision
   text_params = {k: val for k, val in params.items() if k != "vision"}
-  out = {"language_model." + k: arr for k, arr in convert.params_to_tensors(dataclasses.replace(cfg, vision=None), text_params, dtype).items()}
-  vp = {k: (np.asarray(a, np.float32) if not isinstance(a, dict) else {n: np.asarray(x, np.float32) for n, x in a.items()})
-        for k, a in params["vision"].items()}
+  text = convert.params_to_tensors(dataclasses.replace(cfg, vision=None), text_params, dtype)
+  out = {"language_model." + k: arr for k, arr in text.items()}
+  vp = jax.tree.map(lambda a: np.asarray(a, np.float32), params["vision"])
   for name, ours, how in _vision_names(v):
     arr = vp[ours]
     if how == "conv":
