@@ -8,9 +8,11 @@ import pytest
 from PIL import Image
 
 from dapo_jax.hf import convert as hf
+from dapo_jax.model import layers
 from dapo_jax.model import transformer as model
 from dapo_jax.model import vision
 from dapo_jax.model.config import ModelConfig, VisionConfig
+from dapo_jax.rollout import sampling
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -69,7 +71,10 @@ def torch_logits(m, tokens, mask, pixels):
 
 
 def assert_close_on_real(a, b, mask, rel=1e-4):
+  """Logits equal on real positions, but for the image placeholder: ours never emits it."""
   real = mask.astype(bool)
+  assert (a[..., IMG] == layers.NEVER).all()
+  a, b = np.delete(a, IMG, axis=-1), np.delete(b, IMG, axis=-1)
   assert np.abs(a[real] - b[real]).max() <= rel * np.abs(b[real]).max()
 
 
@@ -91,11 +96,11 @@ def test_images_in_prompts_match_transformers(tmp_path):
   assert_close_on_real(ours, ref, mask)
   # Each part matters: without the images, or with causal attention inside them, the logits differ.
   no_images = np.asarray(model.logits(cfg, params, jnp.asarray(tokens), jnp.asarray(mask)))
-  assert np.abs(no_images - ref)[mask.astype(bool)].max() > 0.1 * np.abs(ref).max()
+  assert np.abs(no_images - ref)[..., :IMG][mask.astype(bool)].max() > 0.1 * np.abs(ref).max()
   feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row))
   causal = np.asarray(model.forward(cfg, params, jnp.asarray(tokens), model.positions(jnp.asarray(mask)),
                                     model.causal_mask(jnp.asarray(mask)), images_BMD=feats))
-  assert np.abs(causal - ref)[mask.astype(bool)].max() > 1e-3 * np.abs(ref).max()
+  assert np.abs(causal - ref)[..., :IMG][mask.astype(bool)].max() > 1e-3 * np.abs(ref).max()
 
   # Our export: re-imported it is the same model; transformers loads it and agrees.
   hf.save(str(tmp_path / "out"), cfg, params)
@@ -104,7 +109,8 @@ def test_images_in_prompts_match_transformers(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, params2, params)
   m2 = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32,
                                                                    attn_implementation="eager").eval()
-  assert_close_on_real(torch_logits(m2, tokens, mask, pixels), ref, mask)
+  real = mask.astype(bool)
+  np.testing.assert_allclose(torch_logits(m2, tokens, mask, pixels)[real], ref[real], atol=1e-5)
 
 
 def test_a_random_vision_language_model_exports_to_transformers(tmp_path):
@@ -129,3 +135,35 @@ def test_vision_config_checks_its_shapes():
     VisionConfig(image_size=32, patch_size=4, tokens_per_image=5)
   with pytest.raises(ValueError, match="image_size=30"):
     VisionConfig(image_size=30, patch_size=4, tokens_per_image=4)
+
+
+def test_the_sampler_sees_the_images_and_records_teacher_forced_log_probs(tmp_path):
+  m = make_hf_model(str(tmp_path / "hf"))
+  cfg, params = hf.load(str(tmp_path / "hf"))
+  tokens, mask = batch()
+  pixels = images_of_different_sizes()
+  per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])
+  C = 6
+  # Greedy: transformers' own generate on the same images picks the same tokens.
+  greedy = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=0.0), params, tokens, mask,
+                             jax.random.key(0), pixels_QICSS=per_row)
+  for b, (row, n) in enumerate(((0, 2), (1, 1))):
+    real = mask[row].astype(bool)
+    with torch.no_grad():
+      out = m.generate(input_ids=torch.tensor(tokens[row][real][None]), pixel_values=torch.tensor(per_row[row, :n]),
+                       token_type_ids=torch.tensor((tokens[row][real][None] == IMG).astype(np.int64)),
+                       max_new_tokens=C, do_sample=False, min_new_tokens=C)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens_BC[b]), out[0, real.sum():].numpy())
+
+  # Sampled (G = 3 per prompt): each recorded log-prob is the teacher-forced one of prompt + images + completion.
+  G = 3
+  s = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0), params, tokens, mask,
+                        jax.random.key(1), num_samples=G, pixels_QICSS=per_row)
+  rows = np.concatenate([np.repeat(tokens, G, 0), np.asarray(s.tokens_BC)], 1)
+  rows_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(s.mask_BC)], 1)
+  feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(np.repeat(per_row, G, 0)))
+  logits = model.logits(cfg, params, jnp.asarray(rows), jnp.asarray(rows_mask), images_BMD=feats)
+  P = tokens.shape[1]
+  logp = jax.nn.log_softmax(logits[:, P - 1:-1], -1)
+  teacher = np.take_along_axis(np.asarray(logp), np.asarray(s.tokens_BC)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.where(s.mask_BC, s.logp_BC, 0), np.where(s.mask_BC, teacher, 0), atol=1e-5)

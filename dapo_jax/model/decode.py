@@ -142,7 +142,7 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     logits_BV = layers_lib.matmul("BD,DV->BV", x_BD, dparams["unembed_DV"], cfg, jnp.float32)
   else:  # Tied: as fast as a stored transpose on CPU, without its copy of the embedding.
     logits_BV = layers_lib.matmul("BD,VD->BV", x_BD, dparams["embed_VD"], cfg, jnp.float32)
-  logits_BV = layers_lib.soft_cap(logits_BV, cfg.final_softcap)
+  logits_BV = layers_lib.output_logits(cfg, logits_BV)
   return logits_BV, cache.replace(k=ks, v=vs)
 
 
@@ -180,7 +180,7 @@ def prefill_after_cache(cfg: ModelConfig, dparams: dict, k_LNKH: jax.Array, v_LN
     logits_UV = layers_lib.matmul("BD,DV->BV", x_UD, dparams["unembed_DV"], cfg, jnp.float32)
   else:
     logits_UV = layers_lib.matmul("BD,VD->BV", x_UD, dparams["embed_VD"], cfg, jnp.float32)
-  return layers_lib.soft_cap(logits_UV, cfg.final_softcap), (jnp.stack(ks), jnp.stack(vs))
+  return layers_lib.output_logits(cfg, logits_UV), (jnp.stack(ks), jnp.stack(vs))
 
 
 def _attend_dense(cfg, k_BKHS, v_BKSH, cache, index, table, mask_B1S, q_BKRH, k_BKH, v_BKH):

@@ -236,6 +236,21 @@ def soft_cap(x: jax.Array, c: float) -> jax.Array:
   return c * jnp.tanh(x / c) if c else x
 
 
+# The logit of a token the model never emits: finite, so that p * log p stays 0 in an entropy.
+NEVER = -1e30
+
+
+def output_logits(cfg: ModelConfig, logits_XV: jax.Array) -> jax.Array:
+  """The lm head's logits as the model's distribution: soft-capped (Gemma), and, in a vision-language
+  model, the image placeholder never emitted (it stands for an image's vectors, which only a prompt
+  has: a sampled one would be a text token to the sampler but an image slot to a teacher-forced pass)."""
+  logits_XV = soft_cap(logits_XV, cfg.final_softcap)
+  if cfg.vision is None or cfg.vision.image_token_id >= logits_XV.shape[-1]:
+    return logits_XV
+  placeholder_V = jnp.arange(logits_XV.shape[-1]) == cfg.vision.image_token_id
+  return jnp.where(placeholder_V, jnp.asarray(NEVER, logits_XV.dtype), logits_XV)
+
+
 def attn_kw(cfg: ModelConfig) -> dict:
   """The score scale and soft-cap of the family and the core's implementation, for `attention`."""
   return dict(scale=cfg.query_scale ** -0.5 if cfg.query_scale else None, softcap=cfg.attn_softcap,

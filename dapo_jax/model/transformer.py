@@ -296,7 +296,7 @@ class Transformer(nn.Module):
       else:
         unembed_DV = _param(self, "unembed_DV", (cfg.embed_dim, cfg.vocab_size), _normal, cfg)
         logits_BTV = layers_lib.matmul("BTD,DV->BTV", x_BTD, unembed_DV, cfg, jnp.float32)
-      out = sharding.constrain(layers_lib.soft_cap(logits_BTV, cfg.final_softcap), "BTV")
+      out = sharding.constrain(layers_lib.output_logits(cfg, logits_BTV), "BTV")
     return (out, kv) if self.emit_kv else out
 
 
@@ -308,7 +308,7 @@ def unembed(cfg: ModelConfig, params: Params, x_BTD: jax.Array) -> jax.Array:
     logits_BTV = layers_lib.matmul("BTD,VD->BTV", x_BTD, params["embed_VD"].astype(cfg.dtype), cfg, jnp.float32)
   else:
     logits_BTV = layers_lib.matmul("BTD,DV->BTV", x_BTD, params["unembed_DV"].astype(cfg.dtype), cfg, jnp.float32)
-  return sharding.constrain(layers_lib.soft_cap(logits_BTV, cfg.final_softcap), "BTV")
+  return sharding.constrain(layers_lib.output_logits(cfg, logits_BTV), "BTV")
 
 
 def embed(cfg: ModelConfig, embed_VD: jax.Array, tokens: jax.Array) -> jax.Array:
