@@ -12,7 +12,7 @@ from dapo_jax.model import layers
 from dapo_jax.model import transformer as model
 from dapo_jax.model import vision
 from dapo_jax.model.config import ModelConfig, VisionConfig
-from dapo_jax.rollout import sampling
+from dapo_jax.rollout import engine, sampling
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -166,4 +166,26 @@ def test_the_sampler_sees_the_images_and_records_teacher_forced_log_probs(tmp_pa
   P = tokens.shape[1]
   logp = jax.nn.log_softmax(logits[:, P - 1:-1], -1)
   teacher = np.take_along_axis(np.asarray(logp), np.asarray(s.tokens_BC)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.where(s.mask_BC, s.logp_BC, 0), np.where(s.mask_BC, teacher, 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_layout", ["dense", "paged"])
+def test_the_engine_runs_the_tower_once_per_group_and_records_teacher_forced_log_probs(tmp_path, kv_layout):
+  make_hf_model(str(tmp_path / "hf"))
+  cfg, params = hf.load(str(tmp_path / "hf"))
+  tokens, mask = batch()
+  pixels = images_of_different_sizes()
+  per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])
+  G, C, P = 4, 6, tokens.shape[1]
+  # Fewer slots than samples: a group's samples start over several rounds, from one prefill.
+  eng = engine.Engine(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(1,)), slots=3,
+                      prompt_len=P, kv_layout=kv_layout, page_size=4)
+  s, stats = eng.generate(params, tokens, mask, G, jax.random.key(2), pixels_QICSS=per_row)
+  assert stats["vision_prompts"] == 2 and stats["samples"] == 2 * G
+  rows = np.concatenate([np.repeat(tokens, G, 0), s.tokens_BC], 1)
+  rows_mask = np.concatenate([np.repeat(mask, G, 0), s.mask_BC], 1)
+  feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(np.repeat(per_row, G, 0)))
+  logits = model.logits(cfg, params, jnp.asarray(rows), jnp.asarray(rows_mask), images_BMD=feats)
+  logp = np.asarray(jax.nn.log_softmax(logits[:, P - 1:-1], -1))
+  teacher = np.take_along_axis(logp, s.tokens_BC[..., None], -1)[..., 0]
   np.testing.assert_allclose(np.where(s.mask_BC, s.logp_BC, 0), np.where(s.mask_BC, teacher, 0), atol=1e-5)
