@@ -145,8 +145,9 @@ def test_the_sampler_sees_the_images_and_records_teacher_forced_log_probs(tmp_pa
   per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])
   C = 6
   # Greedy: transformers' own generate on the same images picks the same tokens.
+  images = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row))
   greedy = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=0.0), params, tokens, mask,
-                             jax.random.key(0), pixels_QICSS=per_row)
+                             jax.random.key(0), images_QMD=images)
   for b, (row, n) in enumerate(((0, 2), (1, 1))):
     real = mask[row].astype(bool)
     with torch.no_grad():
@@ -158,7 +159,7 @@ def test_the_sampler_sees_the_images_and_records_teacher_forced_log_probs(tmp_pa
   # Sampled (G = 3 per prompt): each recorded log-prob is the teacher-forced one of prompt + images + completion.
   G = 3
   s = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0), params, tokens, mask,
-                        jax.random.key(1), num_samples=G, pixels_QICSS=per_row)
+                        jax.random.key(1), num_samples=G, images_QMD=images)
   rows = np.concatenate([np.repeat(tokens, G, 0), np.asarray(s.tokens_BC)], 1)
   rows_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(s.mask_BC)], 1)
   feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(np.repeat(per_row, G, 0)))
@@ -170,7 +171,7 @@ def test_the_sampler_sees_the_images_and_records_teacher_forced_log_probs(tmp_pa
 
 
 @pytest.mark.parametrize("kv_layout", ["dense", "paged"])
-def test_the_engine_runs_the_tower_once_per_group_and_records_teacher_forced_log_probs(tmp_path, kv_layout):
+def test_the_engine_prefills_a_group_once_with_its_images_and_records_teacher_forced_log_probs(tmp_path, kv_layout):
   make_hf_model(str(tmp_path / "hf"))
   cfg, params = hf.load(str(tmp_path / "hf"))
   tokens, mask = batch()
@@ -180,8 +181,9 @@ def test_the_engine_runs_the_tower_once_per_group_and_records_teacher_forced_log
   # Fewer slots than samples: a group's samples start over several rounds, from one prefill.
   eng = engine.Engine(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(1,)), slots=3,
                       prompt_len=P, kv_layout=kv_layout, page_size=4)
-  s, stats = eng.generate(params, tokens, mask, G, jax.random.key(2), pixels_QICSS=per_row)
-  assert stats["vision_prompts"] == 2 and stats["samples"] == 2 * G
+  images = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row))
+  s, stats = eng.generate(params, tokens, mask, G, jax.random.key(2), images_QMD=images)
+  assert stats["prefilled_prompts"] == 2 and stats["samples"] == 2 * G  # One prefill per group.
   rows = np.concatenate([np.repeat(tokens, G, 0), s.tokens_BC], 1)
   rows_mask = np.concatenate([np.repeat(mask, G, 0), s.mask_BC], 1)
   feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(np.repeat(per_row, G, 0)))

@@ -195,21 +195,21 @@ class Engine:
 
   def generate(self, params, prompt_QP: np.ndarray, prompt_mask_QP: np.ndarray, G, key,
                stop_at_B: np.ndarray | None = None, on_samples=None, first_prompt_id: int = 0, episodes=None,
-               pixels_QICSS: np.ndarray | None = None) -> tuple[sampling.Samples, dict]:
+               images_QMD=None) -> tuple[sampling.Samples, dict]:
     """G samples of each prompt as host arrays, prompt-major (rows qG..qG+G-1 for prompt q: the
     layout of `sampling.generate`), and the session's statistics. G may differ per prompt (a list);
     `on_samples(n)` hears of every n samples that end (progress). Prompt q is prompt number
     first_prompt_id + q of `key`'s samples (`slots_lib.sample_key_data`). With `episodes` (a driver whose
     examples are registered under those prompt numbers) every sample is an episode; the stats then
-    hold each row's reward (`episode_rewards`). `pixels_QICSS`: each prompt's images (a vision-language
-    model; `Session.add`)."""
+    hold each row's reward (`episode_rewards`). `images_QMD`: each prompt's image vectors (a
+    vision-language model; `Session.add`)."""
     counts = [G] * len(prompt_QP) if np.isscalar(G) else list(G)
     s = self.session(params, key, episodes)
     first = np.cumsum([0] + counts)
     for q, n in enumerate(counts):
       s.add([first_prompt_id + q], prompt_QP[q:q + 1], prompt_mask_QP[q:q + 1], n,
             None if stop_at_B is None else stop_at_B[first[q]:first[q + 1]],
-            pixels_QICSS=None if pixels_QICSS is None else pixels_QICSS[q:q + 1])
+            images_QMD=None if images_QMD is None else images_QMD[q:q + 1])
     s.close()
     out = {}
     while s.busy:

@@ -15,7 +15,6 @@ from flax import struct
 from dapo_jax.model import decode as decode_lib
 from dapo_jax.model import kv_cache as kvc
 from dapo_jax.model import transformer as model_lib
-from dapo_jax.model import vision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +201,9 @@ def decode(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, dparams, state:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 7))
 def generate_jit(model_cfg, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP, rng, budget, G: int,
-              stop_at_B, pixels_QICSS=None) -> Samples:
+              stop_at_B, images_QMD=None) -> Samples:
   Q, P = prompt_QP.shape
   B, C = Q * G, cfg.max_new_tokens
-  images_QMD = None
-  if pixels_QICSS is not None:  # Each prompt's images pass the vision tower once.
-    images_QMD = vision.image_features(model_cfg.vision, params["vision"], pixels_QICSS)
   # Each prompt is prefilled once; its G samples share the result (rows qG..qG+G-1).
   logits_QV, cache = prefill(model_cfg, params, prompt_QP, prompt_mask_QP, P + C, images_QMD)
   logits_BV, cache = jax.tree.map(lambda x_Q: jnp.repeat(x_Q, G, axis=0), (logits_QV, cache))
@@ -225,16 +221,16 @@ def generate_jit(model_cfg, cfg: SamplerConfig, params, prompt_QP, prompt_mask_Q
 
 def generate(model_cfg: model_lib.ModelConfig, cfg: SamplerConfig, params, prompt_QP, prompt_mask_QP,
              rng: jax.Array, max_new_tokens: int | None = None, num_samples: int = 1, stop_at_B=None,
-             pixels_QICSS=None) -> Samples:
+             images_QMD=None) -> Samples:
   """Samples `num_samples` (G) completions per left-padded prompt row: Q prompts -> B = Q*G rows,
   prompt q's samples at rows qG..qG+G-1; the whole batch decodes until its longest row ends.
   `max_new_tokens` <= C needs no recompile. `stop_at_B` forces row b's token number stop_at_B[b]
-  to be its first EOS (benchmarks' response-length hook). `pixels_QICSS`: each prompt's I images (a
-  vision-language model; fewer images pad with zeros), in the order of its image placeholders."""
+  to be its first EOS (benchmarks' response-length hook). `images_QMD`: each prompt's image vectors (a
+  vision-language model: `vision.image_features`), in the order of its image placeholders."""
   budget = jnp.asarray(cfg.max_new_tokens if max_new_tokens is None else max_new_tokens, jnp.int32)
   B = len(prompt_QP) * num_samples
   if stop_at_B is None:
     stop_at_B = jnp.full((B,), cfg.max_new_tokens + 1, jnp.int32)
   return generate_jit(model_cfg, cfg, params, jnp.asarray(prompt_QP, jnp.int32),
                    jnp.asarray(prompt_mask_QP, bool), rng, budget, num_samples, jnp.asarray(stop_at_B, jnp.int32),
-                   None if pixels_QICSS is None else jnp.asarray(pixels_QICSS, jnp.float32))
+                   images_QMD)

@@ -52,7 +52,7 @@ class _Work:
   paused: bool = False             # episodes: waiting for its environment
   last: Finished | None = None     # episodes: the episode so far, at its last turn's end
   switch_at: int = -1              # partial rollouts: its first token drawn by updated params (`Finished`)
-  pixels_ICSS: np.ndarray | None = None  # a vision-language model's prompt: its images, in placeholder order
+  images_MD: jax.Array | None = None  # a vision-language model's prompt: its image vectors, in placeholder order
 
 
 @dataclasses.dataclass
@@ -117,7 +117,6 @@ class Session:
     self.samples = 0
     self.prefilled = 0     # Prompts run through the model (a prompt whose samples wait is run once).
     self.prefilled_tokens = 0  # Their tokens that the model computed (a shared or cached prefix's once, or none).
-    self.vision_prompts = 0  # Prompts whose images passed the vision tower (once per prefill, as the tokens).
     self.rounds = 0
     self.resizes = 0
     self.closed = False
@@ -138,13 +137,12 @@ class Session:
 
   def add(self, prompt_ids, prompt_QP, prompt_mask_QP, G: int, stop_at_B=None, *, key_ids=None,
           max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
-          pixels_QICSS=None) -> None:
+          images_QMD=None) -> None:
     """Queues G samples of each prompt (prompt_QP left-padded to the engine's prompt length).
     Sample g of prompt q draws from key (session key, key_ids[q], g) (default: its prompt id) and at
     most `max_tokens` tokens (default: the turn budget); `temperature` and `top_p` apply to an
-    engine whose sampler is `per_request` (default: the sampler's). `pixels_QICSS`: each prompt's I
-    images (a vision-language model), which its prefill passes through the vision tower once for
-    the G samples."""
+    engine whose sampler is `per_request` (default: the sampler's). `images_QMD`: each prompt's image
+    vectors (a vision-language model: `vision.image_features`), which its prefill places."""
     if self.closed:
       raise RuntimeError("samples added to a closed engine session")
     P = self.e.P
@@ -165,7 +163,7 @@ class Session:
         stop = self.e.C + 1 if stop_at_B is None else int(stop_at_B[q * G + g])
         self.queue.append(_Work(int(pid), g, prompt_QP[q], prompt_mask_QP[q], stop, key_id, budget, temperature,
                                 top_p, switch_at=0 if self.updated else -1,
-                                pixels_ICSS=None if pixels_QICSS is None else pixels_QICSS[q]))
+                                images_MD=None if images_QMD is None else images_QMD[q]))
 
   def update_params(self, params) -> None:
     """Partial rollouts: the samples in flight continue with `params` from the token after next on
@@ -427,13 +425,12 @@ class Session:
     reals = [w.prompt_P[w.mask_P.astype(bool)] for w in uniq]  # each prompt's real tokens
     longest = max(len(r) for r in reals)
     P = tokenizer_lib.bucket(longest, e.prompt_buckets)
-    pixels_UICSS = None
-    if uniq[0].pixels_ICSS is not None:  # Images: the whole prompts run (their keys depend on the pixels).
-      pixels_UICSS = np.zeros((U,) + uniq[0].pixels_ICSS.shape, np.float32)
-      pixels_UICSS[:len(uniq)] = [w.pixels_ICSS for w in uniq]
-      self.vision_prompts += len(uniq)
-    cached = self._cached_prefix(uniq) if pixels_UICSS is None else None
-    N = len(cached[1]) * e.page_size if cached else self._shared_prefix(reals) if pixels_UICSS is None else 0
+    images_UMD = None
+    if uniq[0].images_MD is not None:  # Images: whole prompts run (their keys depend on the images too).
+      pad = jnp.zeros_like(uniq[0].images_MD)
+      images_UMD = jnp.stack([w.images_MD for w in uniq] + [pad] * (U - len(uniq)))
+    cached = self._cached_prefix(uniq) if images_UMD is None else None
+    N = len(cached[1]) * e.page_size if cached else self._shared_prefix(reals) if images_UMD is None else 0
     if N:  # Suffixes at the smallest power of two (>= 8) that holds them: all the prefill computes.
       P = min(P, N + max(8, 1 << (longest - N - 1).bit_length()))
     prompt_UP = np.zeros((U, P), np.int32)
@@ -455,7 +452,7 @@ class Session:
       out = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:], mask_UP[:, N:])
     else:
       out = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP,
-                              None if pixels_UICSS is None else sharding.put(pixels_UICSS, self.rep))
+                              None if images_UMD is None else sharding.put(images_UMD, self.rep))
     prefill = _Prefill(*out, mask_UP, {w.prompt_id: u for u, w in enumerate(uniq)},
                        {w.prompt_id: w.prompt_P for w in uniq}, real_UP)
     if self.pages and self.pages.prefix_cache:  # Its whole pages go to the cache now: later prompts start after them.
@@ -520,7 +517,6 @@ class Session:
     out = {"samples": self.samples, "generated_tokens": self.generated, "decode_steps": self.decode_steps,
            "slot_steps": self.slot_steps, "rounds": self.rounds, "resizes": self.resizes,
            "prefilled_prompts": self.prefilled, "prefilled_tokens": self.prefilled_tokens,
-           "vision_prompts": self.vision_prompts,
            "slot_utilisation": self.generated / max(self.slot_steps, 1)}
     if self.pages:
       out.update(self.pages.stats())

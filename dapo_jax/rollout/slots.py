@@ -29,7 +29,6 @@ from dapo_jax.model import decode
 from dapo_jax.model import kv_cache as kvc
 from dapo_jax.model import paged_cache as paged
 from dapo_jax.model import transformer as model_lib
-from dapo_jax.model import vision
 from dapo_jax.rollout import sampling
 
 
@@ -95,13 +94,10 @@ def sample_key_data(key_data: jax.Array, prompt_id: jax.Array, sample: jax.Array
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP, pixels_UICSS=None):
+def prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP, images_UMD=None):
   """The next-token logits [U, V] of U distinct prompts and their keys and values [L, U, K, P, H]: the
   model's part of an insert, one program per (U, P) bucket, shared by every sampler of the model. A
-  vision-language model's prompts bring their images (`pixels_UICSS`), which pass the tower here."""
-  images_UMD = None
-  if pixels_UICSS is not None:
-    images_UMD = vision.image_features(model_cfg.vision, params["vision"], pixels_UICSS)
+  vision-language model's prompts bring their image vectors (`vision.image_features`)."""
   logits_U1V, (k_LUKPH, v_LUKPH) = model_lib.forward(
       model_cfg, params, prompt_UP, model_lib.positions(mask_UP),
       model_lib.attention_mask(model_cfg, prompt_UP, mask_UP), logits_from=prompt_UP.shape[1] - 1, emit_kv=True, images_BMD=images_UMD)
