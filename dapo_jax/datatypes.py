@@ -60,6 +60,9 @@ class RLBatch:
   # batch, and the rest of each prompt fits in its last `suffix_len` columns. 0: each group's prompt whole.
   prefix_len: int = struct.field(pytree_node=False, default=0)
   suffix_len: int = struct.field(pytree_node=False, default=0)
+  # A vision-language model's rows: each row's image vectors (`vision.image_features`, a group's rows
+  # alike), placed at its prompt's image placeholders by every pass that scores a token; None: no images.
+  images_BMD: jax.Array | None = None
   # A packed micro-batch: the model reads `packed`; tokens_BT / mask_BT then hold the completions
   # alone ([B, C], no prompt columns) and every [B, ...] array has B = D x R row slots.
   packed: PackedRows | None = None

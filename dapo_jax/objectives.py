@@ -146,7 +146,13 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
     return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "lm", with_router)
   # Logits at position P-1+t predict completion token t.
   return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1,
-                          with_router=with_router)
+                          with_router=with_router, images_BMD=_images(mb))
+
+
+def _images(mb, group_size: int = 1):
+  """A batch's image vectors (RLBatch.images_BMD), one row per group with `group_size`; None: no images."""
+  images = getattr(mb, "images_BMD", None)
+  return None if images is None else images[::group_size]
 
 
 def _shared_prompt_outputs(model_cfg: model_lib.ModelConfig, group_size: int, params, mb, P: int, head: str,
@@ -159,7 +165,8 @@ def _shared_prompt_outputs(model_cfg: model_lib.ModelConfig, group_size: int, pa
     return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
                                                     *completion, head=head, with_router=with_router)
   return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P], mb.mask_BT[::group_size, :P],
-                                     *completion, head=head, with_router=with_router)
+                                     *completion, head=head, with_router=with_router,
+                                     images_QMD=_images(mb, group_size))
 
 
 def _prefix_and_rest(mb: RLBatch, group_size: int, P: int):
@@ -182,7 +189,8 @@ def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params
     return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "hidden", with_router)
   tokens_BT, mask_BT = mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1]
   return model_lib.forward(model_cfg, params, tokens_BT, model_lib.positions(mask_BT),
-                           model_lib.causal_mask(mask_BT), logits_from=P - 1, head="hidden", with_router=with_router)
+                           model_lib.attention_mask(model_cfg, tokens_BT, mask_BT), logits_from=P - 1, head="hidden",
+                           with_router=with_router, images_BMD=_images(mb))
 
 
 def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch, temperature: float,

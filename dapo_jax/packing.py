@@ -11,6 +11,7 @@ import numpy as np
 
 from dapo_jax import sharding
 from dapo_jax.datatypes import PackedRows, RLBatch
+from dapo_jax.errors import ConfigError
 
 
 def packed_microbatches(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
@@ -55,6 +56,9 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
   out as `RLBatch` (a `ValueBatch`).
   """
+  if getattr(batch, "images_BMD", None) is not None:
+    raise ConfigError("train.packing=True: rows with images are not packed yet; set train.packing=False "
+                      "(the padded update places each prompt's images)")
   B, C = batch.loss_mask_BC.shape
   T = batch.tokens_BT.shape[1]
   P = T - C

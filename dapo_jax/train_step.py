@@ -438,7 +438,7 @@ def shared_prefix_layout(batch: RLBatch, group_size: int, multiple: int) -> RLBa
   `multiple` real tokens or more (a system prompt, few-shot examples): the model then runs that
   prefix once per batch rather than once per group (`RLBatch.prefix_len`). Prefix and rest are
   multiples of `multiple`, so a run compiles few shapes. `multiple` 0: unchanged."""
-  if not (multiple and group_size):
+  if not (multiple and group_size) or batch.images_BMD is not None:  # Images: each prompt runs whole.
     return batch
   C = batch.loss_mask_BC.shape[1]
   P = batch.tokens_BT.shape[1] - C
@@ -491,6 +491,7 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
                        behaviour_B=None if batch.behaviour_B is None else batch.behaviour_B[idx],
                        adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb],
                        rollout_logp_BC=None if batch.rollout_logp_BC is None else batch.rollout_logp_BC[idx, :Cb],
+                       images_BMD=None if batch.images_BMD is None else batch.images_BMD[idx],
                        prefix_len=batch.prefix_len, suffix_len=batch.suffix_len))
   return out
 

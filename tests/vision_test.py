@@ -1,12 +1,16 @@
 """Gemma 3 with images against transformers' `Gemma3ForConditionalGeneration` (fp32, torch): the SigLIP
 tower, the projector, image vectors at their placeholders and bidirectional attention inside an image;
 HF import and an export that transformers loads; the sampler's prefill with images."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image
 
+from dapo_jax import objectives, packing, train_step
+from dapo_jax.datatypes import RLBatch
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import layers
 from dapo_jax.model import transformer as model
@@ -191,3 +195,45 @@ def test_the_engine_prefills_a_group_once_with_its_images_and_records_teacher_fo
   logp = np.asarray(jax.nn.log_softmax(logits[:, P - 1:-1], -1))
   teacher = np.take_along_axis(logp, s.tokens_BC[..., None], -1)[..., 0]
   np.testing.assert_allclose(np.where(s.mask_BC, s.logp_BC, 0), np.where(s.mask_BC, teacher, 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size,logits_chunk", [(0, 0), (3, 0), (3, 4)])
+def test_the_update_scores_completions_with_the_prompts_images(tmp_path, group_size, logits_chunk):
+  """Every pass that scores a token (π_old, current, reference: `objectives.completion_stats`) places the
+  rows' image vectors: its log-probs equal a teacher-forced forward of prompt + images + completion, in
+  the rows layout, the shared-prompt layout and with chunked logits, through length-bucketed micro-batches."""
+  make_hf_model(str(tmp_path / "hf"))
+  cfg, params = hf.load(str(tmp_path / "hf"))
+  cfg = dataclasses.replace(cfg, logits_chunk=logits_chunk)
+  tokens, mask = batch()
+  pixels = images_of_different_sizes()
+  per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])
+  images = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row))
+  G, C, P = 3, 7, tokens.shape[1]
+  s = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(1, 2, 3)), params,
+                        tokens, mask, jax.random.key(3), num_samples=G, images_QMD=images)
+  rows = np.concatenate([np.repeat(tokens, G, 0), np.asarray(s.tokens_BC)], 1).astype(np.int32)
+  rows_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(s.mask_BC)], 1)
+  images_BMD = np.repeat(np.asarray(images), G, 0)
+  zeros = np.zeros((2 * G, C), np.float32)
+  rl = RLBatch(tokens_BT=rows, mask_BT=rows_mask, loss_mask_BC=np.asarray(s.mask_BC), old_logp_BC=zeros,
+               adv_B=np.zeros(2 * G, np.float32), ref_logp_BC=zeros, images_BMD=images_BMD)
+  logits = model.logits(cfg, params, jnp.asarray(rows), jnp.asarray(rows_mask), images_BMD=jnp.asarray(images_BMD))
+  logp = np.asarray(jax.nn.log_softmax(logits[:, P - 1:-1], -1))
+  teacher = np.take_along_axis(logp, rows[:, P:, None], -1)[..., 0]
+  for mb in train_step.bucketed_microbatches(rl, 2, G, (4,)):
+    ours, _, _ = objectives.completion_stats(cfg, group_size, params, mb, 1.0)
+    Cb = mb.loss_mask_BC.shape[1]
+    idx = [int(np.flatnonzero((rows[:, :P + Cb] == r).all(1) & (rows_mask[:, :P + Cb] == m).all(1))[0])
+           for r, m in zip(np.asarray(mb.tokens_BT), np.asarray(mb.mask_BT))]
+    real = np.asarray(mb.loss_mask_BC)
+    np.testing.assert_allclose(np.where(real, ours, 0), np.where(real, teacher[idx, :Cb], 0), atol=1e-5)
+
+
+def test_packing_rows_with_images_fails_naming_the_field():
+  rows = np.ones((2, 4), np.int32)
+  zeros = np.zeros((2, 2), np.float32)
+  rl = RLBatch(tokens_BT=rows, mask_BT=rows.astype(bool), loss_mask_BC=zeros.astype(bool), old_logp_BC=zeros,
+               adv_B=np.zeros(2, np.float32), ref_logp_BC=zeros, images_BMD=np.zeros((2, M, 8), np.float32))
+  with pytest.raises(ValueError, match="train.packing"):
+    packing.packed_rows(rl, max_tokens=64)

@@ -420,18 +420,21 @@ def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
                       completion_BC: jax.Array, completion_mask_BC: jax.Array, head: str = "lm",
-                      with_router: bool = False) -> jax.Array:
+                      with_router: bool = False, images_QMD=None) -> jax.Array:
   """Logits [B, C, V] (fp32) predicting each completion token, for G = B/Q completions per prompt.
 
   Equals `logits` on the rows [prompt q | completion qG+g] (positions P-1 .. P+C-2), but each
   prompt's tokens pass through the model once rather than G times. `with_router`: as `logits`.
+  `images_QMD`: each prompt's image vectors (a vision-language model).
   """
   G = completion_BC.shape[0] // prompt_QP.shape[0]
   C = completion_BC.shape[1]
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
+  images = () if images_QMD is None else (images_QMD, None)
   return _apply(Transformer(model_cfg, head, "shared_prompt"), params, (prompt_QP, completion_BC),
-                (positions(prompt_mask_QP), pos_BC), (causal_mask(prompt_mask_QP), causal_mask(completion_mask_BC)),
+                (positions(prompt_mask_QP), pos_BC),
+                (attention_mask(model_cfg, prompt_QP, prompt_mask_QP), causal_mask(completion_mask_BC)), 0, images,
                 with_router=with_router)
 
 
