@@ -204,7 +204,8 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
                   adv_B=adv_QG.reshape(-1).astype(np.float32),
                   ref_logp_BC=np.zeros(cmask_BC.shape, np.float32),
                   behaviour_B=behaviour_B,
-                  rollout_logp_BC=groups.logp_QGC.reshape(-1, C).astype(np.float32))
+                  rollout_logp_BC=groups.logp_QGC.reshape(-1, C).astype(np.float32),
+                  images_BMD=np.repeat(groups.images_QMD, G, axis=0) if groups.images_QMD.shape[1] else None)
   return batch, adv_QG[real_Q]
 
 

@@ -100,6 +100,9 @@ class Groups:
   # bool: rows in the loss and in their group's statistics; False: an episode whose environment failed
   # (`rollout.env_error="mask"`): no loss token, and its group's advantages are those without it.
   valid_QG: np.ndarray | None = None
+  # fp32 [Q, I*M, D]: a vision-language model's prompts' image vectors (`vision.image_features`); M*I = 0
+  # for a text model.
+  images_QMD: np.ndarray | None = None
 
   def __post_init__(self):
     if self.policy_QGC is None:
@@ -110,12 +113,15 @@ class Groups:
       self.switch_QG = np.full(np.shape(self.length_QG), -1, np.int32)
     if self.valid_QG is None:
       self.valid_QG = np.ones(np.shape(self.length_QG), bool)
+    if self.images_QMD is None:
+      self.images_QMD = np.zeros((len(self.prompt_QP), 0, 0), np.float32)
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
 
   @classmethod
-  def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG, valid_QG=None) -> "Groups":
+  def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG, valid_QG=None,
+                   images_QMD=None) -> "Groups":
     """Q prompts' groups from their Q*G sampled rows (`sampling.Samples`, group-major) and scores."""
     Q, (B, C) = len(prompt_QP), samples.tokens_BC.shape
     G = B // Q
@@ -125,7 +131,8 @@ class Groups:
                logp_QGC=samples.logp_BC.reshape(Q, G, C), carried_Q=np.zeros(Q, bool),
                policy_QGC=None if samples.policy_BC is None else samples.policy_BC.reshape(Q, G, C),
                switch_QG=None if samples.switch_B is None else np.asarray(samples.switch_B, np.int32).reshape(Q, G),
-               valid_QG=None if valid_QG is None else np.asarray(valid_QG, bool).reshape(Q, G))
+               valid_QG=None if valid_QG is None else np.asarray(valid_QG, bool).reshape(Q, G),
+               images_QMD=None if images_QMD is None else np.asarray(images_QMD, np.float32))
 
   def take(self, idx) -> "Groups":
     return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
@@ -154,9 +161,15 @@ class Groups:
     if "switch_QG" not in d:  # Saved before partial rollouts: every row had one sampler.
       d = dict(d, switch_QG=np.full(np.shape(d["length_QG"]), -1, np.int32),
                dtypes=dict(d["dtypes"], switch_QG="int32"))
+    if "images_QMD" not in d:  # Saved before images: none.
+      d = dict(d, images_QMD=np.zeros((len(d["prompt_QP"]), 0, 0), np.float32),
+               dtypes=dict(d["dtypes"], images_QMD="float32"))
     if "valid_QG" not in d:  # Saved before masked rows: every row counts.
       d = dict(d, valid_QG=np.ones(np.shape(d["length_QG"]), bool), dtypes=dict(d["dtypes"], valid_QG="bool"))
-    return Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
+    groups = Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
+    if groups.images_QMD.ndim != 3:  # No images: JSON lists lose the empty axes.
+      groups.images_QMD = groups.images_QMD.reshape(len(groups.prompt_QP), 0, 0)
+    return groups
 
 
 @struct.dataclass

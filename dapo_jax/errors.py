@@ -11,3 +11,7 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
   """A config value that cannot work; the message names the field and the allowed values."""
+
+
+class DataError(UserError, ValueError):
+  """A dataset problem; the message names the file and row."""

@@ -17,16 +17,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dapo_jax import errors
+from dapo_jax.data import images as images_lib
+from dapo_jax.errors import DataError  # noqa: F401 (data.prompts.DataError, as callers name it)
 
 DAPO_INSTRUCTION = (
     "Solve the following math problem step by step. The last line of your response should be of the "
     "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".')
-
-
-class DataError(errors.UserError, ValueError):
-  """A dataset problem; the message names the file and row."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +32,7 @@ class Example:
   ground_truth: str
   data_source: str = "math_dapo"
   index: int = 0               # row number in its file (or generator index)
+  images: tuple[bytes, ...] = ()  # encoded images, one per `images.IMAGE_MARK` in the messages, in order
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -87,8 +85,22 @@ def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Exa
   if prompt_template:
     last = messages[-1]
     messages = messages[:-1] + ({"role": last["role"], "content": prompt_template.format(problem=last["content"])},)
+  images = _row_images(row, path, i)
+  if images or images_lib.count_marks(messages):
+    images_lib.check_marks(messages, len(images), f"{path}: row {i}")
   return Example(messages=messages, ground_truth=str(gt), data_source=str(row.get("data_source") or "math_dapo"),
-                 index=i)
+                 index=i, images=images)
+
+
+def _row_images(row: dict, path: str, i: int) -> tuple[bytes, ...]:
+  """A row's `images` column (verl's convention: bytes, paths or {"bytes" | "path": ...}), each read and checked."""
+  entries = row.get("images")
+  if entries is None:
+    return ()
+  if not isinstance(entries, (list, tuple)):
+    raise DataError(f"{path}: row {i}: field 'images' must be a list, got {type(entries).__name__}")
+  base = os.path.dirname(os.path.abspath(path))
+  return tuple(images_lib.read_entry(e, base, f"{path}: row {i}: images[{j}]") for j, e in enumerate(entries))
 
 
 def load_file(path: str, missing_answer: str = "error", prompt_template: str | None = None,

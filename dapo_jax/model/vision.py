@@ -21,6 +21,11 @@ from dapo_jax.model import layers as layers_lib
 from dapo_jax.model.config import VisionConfig
 
 
+def tower_params(params: dict) -> dict:
+  """params["vision"] of a model's params, or of an adapted tree's frozen base (`lora`)."""
+  return params["base"]["vision"] if "base" in params and "lora" in params else params["vision"]
+
+
 def init_params(vcfg: VisionConfig, embed_dim: int, rng: jax.Array) -> dict:
   """Random tower and projector weights (fp32): layer weights stacked on a leading L axis."""
   Dv, F, L, p, C = vcfg.embed_dim, vcfg.mlp_dim, vcfg.num_layers, vcfg.patch_size, vcfg.num_channels

@@ -21,14 +21,20 @@ from flax import linen as nn
 
 from dapo_jax import rewards as rewards_lib
 from dapo_jax import sharding
+from dapo_jax.data import images as images_lib
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import Groups
+from dapo_jax.errors import DataError
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.model import vision
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import sampling
+
+
+_image_features = jax.jit(vision.image_features, static_argnums=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +43,7 @@ class RolloutConfig:
   max_prompt_len: int                  # tokens; longer prompts keep their end
   prompt_buckets: tuple[int, ...] = ()  # prompt lengths compiled for; () = just max_prompt_len
   chat_template: bool = True           # render prompts with the tokenizer's chat template
+  max_images: int = 1                  # a vision-language model's prompts: image slots per prompt (fewer pad)
   engine: str = "continuous"           # "continuous" (engine.Engine: slots refilled as samples end) or
                                        # "static" (one batch decodes until its longest row ends)
   slots: int = 0                       # continuous: decode slots (0 = the rows of one generation batch)
@@ -78,6 +85,7 @@ class Rollout:
     self.last_stats: dict = {}  # the last generate's engine statistics (slot utilisation, ...)
     self.length_hook = None     # benchmarks only: rows -> the token number each row is forced to end at
     self.engine_options: dict = {}  # benchmarks only: more `engine.Engine` arguments (round_fraction, widths)
+    self.vision_prompts = 0     # prompts whose images passed the vision tower (once per prompt and sampling)
     self.batch_sharding = sharding.named(mesh, "B")
     self.replicated = sharding.replicated(mesh)
     logical = nn.get_partition_spec(jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0))))
@@ -95,6 +103,8 @@ class Rollout:
     texts = [self.render(p) for p in prompts]
     P = self.cfg.max_prompt_len
     tokens, mask = tokenizer_lib.encode_left_padded(self.tok, texts, P)
+    if self.model_cfg.vision is not None:
+      self._check_placeholders(prompts, tokens)
     n = 0
     if mask[:, 0].any():  # A full row may have been cut: check the real lengths once.
       n = sum(len(ids) > P for ids in tokenizer_lib.encode_prompts(self.tok, texts))
@@ -102,12 +112,39 @@ class Rollout:
         logging.warning("%d prompts longer than data.max_prompt_len=%d lost their beginning", n, P)
     return tokens, mask, n
 
+  def _check_placeholders(self, prompts, tokens_QP: np.ndarray) -> None:
+    """Each prompt holds M image placeholders per image: none lost to max_prompt_len or to the text."""
+    v = self.model_cfg.vision
+    for q, p in enumerate(prompts):
+      want = (0 if isinstance(p, str) else len(p.images)) * v.tokens_per_image
+      got = int((tokens_QP[q] == v.image_token_id).sum())
+      if got != want:
+        where = f"example {getattr(p, 'index', q)}" + (f" ({p.data_source})" if not isinstance(p, str) else "")
+        raise DataError(f"{where}: its encoded prompt holds {got} image placeholders, expected {want} "
+                        f"({want // v.tokens_per_image} images x {v.tokens_per_image}): data.max_prompt_len="
+                        f"{self.cfg.max_prompt_len} cut an image, or the text holds the placeholder token itself")
+
   def render(self, prompt: data_lib.Example | str) -> str:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt.messages
     tools = None
     if self.episodes is not None and not isinstance(prompt, str):  # The environment sets the scene.
       messages, tools = self.episodes.prompt(prompt)
-    return tokenizer_lib.render(self.tok, messages, self.cfg.chat_template, tools=tools)
+    text = tokenizer_lib.render(self.tok, messages, self.cfg.chat_template, tools=tools)
+    return text if self.model_cfg.vision is None else images_lib.expand_marks(text, self.tok, self.model_cfg.vision)
+
+  def image_vectors(self, params, prompts) -> jax.Array | None:
+    """[Q, I*M, D] the vectors of each prompt's images (I = `max_images` slots, fewer pad), through the vision
+    tower once per prompt (a group's G samples and every pass of the update share them); None: a text model."""
+    v = self.model_cfg.vision
+    if v is None:
+      return None
+    images = [() if isinstance(p, str) else p.images for p in prompts]
+    if max(map(len, images)) > self.cfg.max_images:
+      raise DataError(f"a prompt has {max(map(len, images))} images; data.max_images={self.cfg.max_images} "
+                      "image slots per prompt")
+    pixels_QICSS = np.stack([images_lib.pixels(v, ims, self.cfg.max_images) for ims in images])
+    self.vision_prompts += len(prompts)
+    return _image_features(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated))
 
   def prompt_len(self, prompt_mask_QP: np.ndarray) -> int:
     """The smallest compiled prompt length (bucket) that holds every prompt of the batch."""
@@ -152,18 +189,21 @@ class Rollout:
     return self.engines[k]
 
   def generate(self, params, prompts, G: int, key, sampler_cfg: sampling.SamplerConfig | None = None,
-               first_prompt_id: int = 0, examples=None):
+               first_prompt_id: int = 0, examples=None, images_QMD=None):
     """G samples per prompt as host arrays (`sampling.Samples`); prompt q's samples are rows
     qG..qG+G-1. `prompts` are examples or strings, or an encoded (prompt_QP, prompt_mask_QP) pair
-    (episodes: of `examples`). Continuous engine: prompt q's samples come from (key,
-    first_prompt_id + q, sample index). Episodes: `last_stats["episode_rewards"]` has their rewards."""
+    (episodes, images: of `examples`). Continuous engine: prompt q's samples come from (key,
+    first_prompt_id + q, sample index). Episodes: `last_stats["episode_rewards"]` has their rewards.
+    A vision-language model places each prompt's image vectors (`images_QMD`, default `image_vectors`)."""
     # A mixture of experts runs its experts on the mesh, which its layers read from the context.
     with jax.set_mesh(self.mesh) if self.model_cfg.moe else contextlib.nullcontext():
-      return self._generate(params, prompts, G, key, sampler_cfg, first_prompt_id, examples)
+      return self._generate(params, prompts, G, key, sampler_cfg, first_prompt_id, examples, images_QMD)
 
-  def _generate(self, params, prompts, G, key, sampler_cfg, first_prompt_id, examples=None):
+  def _generate(self, params, prompts, G, key, sampler_cfg, first_prompt_id, examples=None, images_QMD=None):
     sampler_cfg = sampler_cfg or self.sampler_cfg
     prompt_QP, prompt_mask_QP = prompts if isinstance(prompts, tuple) else self.encode(prompts)
+    if images_QMD is None and self.model_cfg.vision is not None:
+      images_QMD = self.image_vectors(params, examples if isinstance(prompts, tuple) else prompts)
     stop_at_B = self.length_hook(len(prompt_QP) * G) if self.length_hook else None
     if self.cfg.engine == "continuous":
       driver = None
@@ -172,7 +212,8 @@ class Rollout:
         for q, ex in enumerate(examples if isinstance(prompts, tuple) else prompts):
           driver.register(first_prompt_id + q, ex)
       samples, self.last_stats = self.engine(sampler_cfg, len(prompt_QP) * G).generate(
-          params, prompt_QP, prompt_mask_QP, G, key, stop_at_B, first_prompt_id=first_prompt_id, episodes=driver)
+          params, prompt_QP, prompt_mask_QP, G, key, stop_at_B, first_prompt_id=first_prompt_id, episodes=driver,
+          images_QMD=images_QMD)
       return samples
     P = self.prompt_len(prompt_mask_QP)
     prompt_QP, prompt_mask_QP = prompt_QP[:, -P:], prompt_mask_QP[:, -P:]
@@ -190,8 +231,9 @@ class Rollout:
       part = sharding.put((prompt_QP[i:i + per_call], prompt_mask_QP[i:i + per_call]), placement)
       k = key if per_call == Q else jax.random.fold_in(key, i)
       stop = None if stop_at_B is None else stop_at_B[i * G:(i + per_call) * G]
+      images = None if images_QMD is None else images_QMD[i:i + per_call]
       outs.append(sharding.fetch(sampling.generate(self.model_cfg, sampler_cfg, params, *part, k, num_samples=G,
-                                                   stop_at_B=stop)))
+                                                   stop_at_B=stop, images_QMD=images)))
     samples = outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
     # Every row of a call runs until the call's longest row ends.
     steps = sum(int(o.length_B.max()) * len(o.length_B) for o in outs)
@@ -242,14 +284,17 @@ class Rollout:
     self.truncated_prompts += truncated
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
-    samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id, examples=examples)
+    images_QMD = self.image_vectors(params, examples)  # (one process: multi-host images are not gathered yet)
+    samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id, examples=examples,
+                            images_QMD=images_QMD)
     t1 = time.perf_counter()
     rows = slice(jax.process_index() * len(examples) * G, (jax.process_index() + 1) * len(examples) * G)
     local = self.score(examples, jax.tree.map(lambda x: x[rows], samples), G, self.last_stats.get("episode_rewards"))
     t2 = time.perf_counter()
     groups = Groups.from_samples(prompt_QP, pmask_QP, samples, sharding.gather_hosts(local["score"]),
                                  sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]),
-                                 valid_QG=sharding.gather_hosts(local["valid"]))
+                                 valid_QG=sharding.gather_hosts(local["valid"]),
+                                 images_QMD=None if images_QMD is None else sharding.fetch(images_QMD))
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info

@@ -25,6 +25,7 @@ class Data(Section):
   eval_files: tuple[str, ...] = ("",)    # task="file": held-out rows (e.g. AIME 2024)
   chat_template: bool = _ROLLOUT.chat_template   # render prompts with the tokenizer's chat template
   prompt_template: str = ""        # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
+  max_images: int = _ROLLOUT.max_images   # a vision-language model: image slots per prompt (rows' images <= it)
   max_prompt_len: int = 2048       # tokens; longer prompts keep their end (truncation left)
   prompt_buckets: tuple[int, ...] = _ROLLOUT.prompt_buckets   # prompt lengths compiled for; () = just max_prompt_len
   missing_answer: str = "error"    # error | skip rows without a (usable) ground truth
@@ -53,6 +54,7 @@ class Data(Section):
     self.choice("missing_answer", ("error", "skip"), "'error' or 'skip'")
     self.choice("solution_style", SOLUTION_STYLES, "'steps', 'column', 'mixed', 'direct' or 'tool' (calculator "
                 "episodes: rollout.env='dapo_jax.envs.tasks:CalculatorArith')")
+    self.number("max_images", 1, integer=True)
     P = self.number("max_prompt_len", 1, integer=True)
     for b in self.prompt_buckets:
       check(isinstance(b, int) and 1 <= b <= P, "data.prompt_buckets", self.prompt_buckets,

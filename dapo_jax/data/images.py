@@ -1,0 +1,96 @@
+"""Images in prompts: read from dataset rows, checked, turned into the vision tower's pixels, and
+their places in a prompt's text.
+
+A row names its images in an `images` column (verl's convention): a list whose entries are the image
+file's bytes, a path (relative to the dataset file), or {"bytes": ...} / {"path": ...}. Its prompt
+marks where each goes with `IMAGE_MARK`, in order. An `Example` holds the encoded images (PNG, JPEG:
+the file's own bytes); `pixels` decodes and preprocesses them with the model's image processor from
+transformers (`Gemma3ImageProcessorPil`: PIL and NumPy, no torch), and `expand_marks` writes each
+mark as the model's begin-of-image token, `tokens_per_image` placeholders and end-of-image token.
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Sequence
+
+import numpy as np
+
+from dapo_jax.errors import DataError
+
+IMAGE_MARK = "<image>"  # Where an image goes in a message's text.
+
+
+def read_entry(entry, base_dir: str, where: str) -> bytes:
+  """One `images` entry's encoded bytes, checked to decode; a DataError naming `where` otherwise."""
+  if isinstance(entry, dict):
+    entry = entry.get("bytes") or entry.get("path")
+  if isinstance(entry, str):
+    path = entry if os.path.isabs(entry) else os.path.join(base_dir, entry)
+    try:
+      with open(path, "rb") as f:
+        entry = f.read()
+    except OSError as e:
+      raise DataError(f"{where}: cannot read {path!r} ({e.strerror or e})") from None
+  if not isinstance(entry, (bytes, bytearray)) or not entry:
+    raise DataError(f"{where}: expected image bytes, a path, or {{'bytes' | 'path': ...}}, got {type(entry).__name__}")
+  decode(bytes(entry), where)
+  return bytes(entry)
+
+
+def decode(data: bytes, where: str = "image"):
+  """The RGB PIL image of encoded bytes; a DataError naming `where` for a broken file."""
+  from PIL import Image, UnidentifiedImageError
+  try:
+    with Image.open(io.BytesIO(data)) as img:
+      img.load()
+      return img.convert("RGB")
+  except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    raise DataError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
+
+
+def count_marks(messages: Sequence[dict]) -> int:
+  return sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages)
+
+
+def check_marks(messages: Sequence[dict], num_images: int, where: str) -> None:
+  marks = count_marks(messages)
+  if marks != num_images:
+    raise DataError(f"{where}: the prompt has {marks} {IMAGE_MARK} placeholder(s) but the row has {num_images} "
+                    "image(s) (field 'images')")
+
+
+def encode_png(img) -> bytes:
+  """A PIL image as PNG bytes (what a drawn example holds)."""
+  out = io.BytesIO()
+  img.save(out, format="PNG")
+  return out.getvalue()
+
+
+_PROCESSORS: dict[int, object] = {}
+
+
+def pixels(vcfg, images: Sequence[bytes], num_images: int) -> np.ndarray:
+  """[num_images, C, S, S] fp32: `images` through Gemma 3's image processor (resized to S =
+  `vcfg.image_size`, rescaled, normalised), then zeros up to `num_images` (a prompt with fewer images;
+  their vectors are never placed)."""
+  if len(images) > num_images:
+    raise DataError(f"a prompt has {len(images)} images, more than the {num_images} this batch holds")
+  out = np.zeros((num_images, vcfg.num_channels, vcfg.image_size, vcfg.image_size), np.float32)
+  if images:
+    processor = _PROCESSORS.get(vcfg.image_size)
+    if processor is None:
+      from transformers import Gemma3ImageProcessorPil
+      processor = _PROCESSORS[vcfg.image_size] = Gemma3ImageProcessorPil(
+          size={"height": vcfg.image_size, "width": vcfg.image_size})
+    out[:len(images)] = processor(images=[decode(b) for b in images], return_tensors="np")["pixel_values"]
+  return out
+
+
+def expand_marks(text: str, tok, vcfg) -> str:
+  """`text` with each `IMAGE_MARK` written as the tokens the model reads for one image: begin, M
+  placeholders, end (the tokenizer's own strings for `vcfg`'s token ids, which it keeps whole)."""
+  if IMAGE_MARK not in text:
+    return text
+  boi, img, eoi = tok.convert_ids_to_tokens([vcfg.boi_token_id, vcfg.image_token_id, vcfg.eoi_token_id])
+  return text.replace(IMAGE_MARK, boi + img * vcfg.tokens_per_image + eoi)
