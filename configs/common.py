@@ -43,7 +43,9 @@ def preset(name: str) -> dict:
   import dataclasses
 
   from dapo_jax.model import transformer as model
-  return dataclasses.asdict(getattr(model.ModelConfig, name)())
+  fields = dataclasses.asdict(getattr(model.ModelConfig, name)())
+  fields.pop("vision")  # The presets are text models (`model.vision` stays the section's default).
+  return fields
 
 
 _RUNLOCAL_RESET = ("init", "hf_dir", "gguf", "vocab_size", "num_heads", "num_kv_heads", "rope_theta", "qkv_bias",

@@ -74,6 +74,7 @@ class LMBatch:
   tokens_BT: jax.Array      # int32 [B, T]
   mask_BT: jax.Array        # bool attention mask
   loss_mask_BT: jax.Array   # bool: positions whose token is a target
+  images_BMD: jax.Array | None = None  # a vision-language model's rows: their image vectors (as RLBatch's)
 
 
 @dataclasses.dataclass

@@ -363,7 +363,7 @@ def language_model(model_cfg: model_lib.ModelConfig) -> Objective:
     return {"num_tokens": jnp.sum(batch.loss_mask_BT[:, 1:].astype(jnp.float32))}
 
   def loss(params, mb: LMBatch, counts: dict):
-    logits_BTV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1])
+    logits_BTV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], images_BMD=_images(mb))
     logp_BT = loss_lib.token_logprobs(logits_BTV, mb.tokens_BT[:, 1:])
     mask = mb.loss_mask_BT[:, 1:]
     nll = -loss_lib.masked_mean(logp_BT, mask, counts["num_tokens"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -23,12 +24,17 @@ def lr_at(cfg: OptimConfig, rollout_step):
   return cfg.lr * jnp.minimum(1.0, jnp.asarray(rollout_step, jnp.float32) / max(1, cfg.warmup_steps))
 
 
-def make(cfg: OptimConfig) -> optax.GradientTransformation:
-  """The optimizer; its learning rate is a hyper-parameter that the train step sets per rollout step."""
+def make(cfg: OptimConfig, frozen: tuple[str, ...] = ()) -> optax.GradientTransformation:
+  """The optimizer; its learning rate is a hyper-parameter that the train step sets per rollout step.
+  The `frozen` subtrees of the params (a vision tower) never change and hold no optimizer state."""
   def chain(learning_rate):
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     parts.append(optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
-    return optax.chain(*parts)
+    if not frozen:
+      return optax.chain(*parts)
+    label = lambda params: {k: jax.tree.map(lambda _: "frozen" if k in frozen else "train", v)
+                            for k, v in params.items()}
+    return optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()}, label)
   return optax.inject_hyperparams(chain)(learning_rate=cfg.lr)
 
 

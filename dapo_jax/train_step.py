@@ -234,7 +234,8 @@ class Trainer:
       raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
                        "count >= 1, or 0 (auto) with a positive token budget")
     self.model_cfg, self.optim_cfg, self.mesh, self.objective = model_cfg, optim_cfg, mesh, objective
-    self.tx = optim.make(optim_cfg)
+    # A vision tower stays as loaded: the image vectors every pass places are computed once, outside the loss.
+    self.tx = optim.make(optim_cfg, frozen=("vision",) if model_cfg.vision is not None else ())
     self.num_microbatches, self.microbatch_tokens = num_microbatches, microbatch_tokens
     # A scored token's logits, in positions of the budget (a scalar head makes none).
     self.scored_cost = scored_token_positions(model_cfg) if head == "lm" else 0.0

@@ -17,7 +17,7 @@ from dapo_jax import sharding
 from dapo_jax.errors import ConfigError
 from dapo_jax.model import paged_cache
 from dapo_jax.rollout import episodes as episodes_lib
-from dapo_jax.settings import Config, check, number
+from dapo_jax.settings import SFT_TASKS, Config, check, number
 
 __all__ = ["ConfigError", "as_config", "check", "number", "typed", "validate", "validate_pairs", "dataset_files"]
 
@@ -49,8 +49,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   check(data.solution_style != "tool" or r.env, "data.solution_style", data.solution_style,
         "'steps' or 'direct' without rollout.env ('tool' writes calculator episodes)")
   if m.init == "sft":
-    check(data.task == "arith", "model.init", m.init, "'random', 'hf' or 'gguf' when data.task='file' (the SFT "
-          "warm start needs the arith task's reference solutions)")
+    check(data.task in SFT_TASKS, "model.init", m.init, f"'random', 'hf' or 'gguf' when data.task="
+          f"{data.task!r} (the SFT warm start needs reference solutions: data.task in {SFT_TASKS})")
 
   token_level = d.adv_estimator in adv_lib.TOKEN_ESTIMATORS
   G = r.number("group_size", 1 if token_level else 2, integer=True,

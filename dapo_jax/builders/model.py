@@ -15,12 +15,13 @@ from dapo_jax import checkpoint, objectives, sharding, train_step
 from dapo_jax.builders import record
 from dapo_jax.builders.checks import ConfigError, typed
 from dapo_jax.builders.task import episodes
+from dapo_jax.data import images as images_lib
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.pipelines import sft
-from dapo_jax.settings import pick
+from dapo_jax.settings import SFT_TASKS, pick
 
 
 @typed
@@ -72,7 +73,9 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
     # it whole (each trains the same tokenizer; the first rename wins).
     os.makedirs(workdir, exist_ok=True)
     aside = tempfile.mkdtemp(prefix=".tokenizer-", dir=workdir)
-    tokenizer_lib.train_bpe(aside, texts, vocab_size=cfg.tokenizer.vocab_size, chat_template=template)
+    images = images_lib.IMAGE_TOKENS if cfg.model.vision.image_size else ()
+    tokenizer_lib.train_bpe(aside, texts, vocab_size=cfg.tokenizer.vocab_size, chat_template=template,
+                            extra_special=images)
     try:
       os.rename(aside, path)
     except OSError:
@@ -144,7 +147,7 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
     tokenizer_lib.check_vocab(tok, model_cfg.vocab_size, f"{path}/config.json")
     return model_cfg, params
   vocab = padded_vocab(tok)
-  model_cfg = cfg.model.architecture(vocab)
+  model_cfg = cfg.model.architecture(vocab, tok)
   tokenizer_lib.check_vocab(tok, model_cfg.vocab_size, f"model.vocab_size={cfg.model.vocab_size}")
   if init == "random":
     return model_cfg, model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
@@ -182,7 +185,7 @@ def trained_model(cfg, workdir: str):
   tok = tokenizer_lib.load(tok_dir)
   if cfg.model.init == "sft":
     return tok, hf.load_config(os.path.join(workdir, "sft_model"), **cfg.model.runtime_overrides())
-  return tok, cfg.model.architecture(padded_vocab(tok))
+  return tok, cfg.model.architecture(padded_vocab(tok), tok)
 
 
 @typed
@@ -202,9 +205,9 @@ def chat_tokenizer(cfg, workdir: str, convs):
 @typed
 def sft_config(cfg):
   """The SFT warm start's `sft.SFTConfig`."""
-  if cfg.data.task != "arith":
-    raise ConfigError("the SFT warm start needs reference solutions, which only data.task='arith' has; "
-                      "use model.init='hf' for other tasks")
+  if cfg.data.task not in SFT_TASKS:
+    raise ConfigError(f"the SFT warm start needs reference solutions, which only data.task in {SFT_TASKS} "
+                      "have; use model.init='hf' for other tasks")
   return pick(sft.SFTConfig, cfg.sft, seed=cfg.seed, chat_template=cfg.data.chat_template,
               solution_style=cfg.data.solution_style, microbatch_tokens=cfg.train.microbatch_tokens)
 

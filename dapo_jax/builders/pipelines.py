@@ -55,7 +55,7 @@ def run_sft(cfg, workdir: str, mesh=None):
   if cfg.data.task != "file":
     train, _ = datasets(cfg)
     tok = tokenizer(cfg, workdir, train)
-    model_cfg = cfg.model.architecture(padded_vocab(tok))
+    model_cfg = cfg.model.architecture(padded_vocab(tok), tok)
     params = sft_lib.run(sft_config(cfg), model_cfg, tok, train, mesh, run_dir, lora=cfg.model.lora_config())
     return model_cfg, params, tok
   train, held = conversation_data(cfg)
@@ -63,7 +63,7 @@ def run_sft(cfg, workdir: str, mesh=None):
   if cfg.model.init == "hf":
     model_cfg, params = hf.load(cfg.model.hf_dir, **cfg.model.runtime_overrides())
   else:
-    model_cfg = cfg.model.architecture(padded_vocab(tok))
+    model_cfg = cfg.model.architecture(padded_vocab(tok), tok)
     params = model_lib.init_params(model_cfg, jax.random.key(cfg.seed))
   params, _ = sft_chat.train(chat_sft_config(cfg), model_cfg, params, tok, train, held, mesh, run_dir,
                              source=",".join(f for f in cfg.data.train_files if f), lora=cfg.model.lora_config())

@@ -34,8 +34,13 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
     kw = dict(template=d.prompt_template) if d.prompt_template else {}
     return reasoning_gym.examples(tuple(d.rg_tasks), d.rg_num_train, d.num_eval, seed=cfg.seed, settings=settings,
                                   fewshot=d.fewshot, **kw)
+  if d.task == "count_shapes":
+    from dapo_jax.data import count_shapes
+    kw = dict(seed=cfg.seed, max_count=d.max_count, blank=d.blank_images)
+    return (count_shapes.examples(max(cfg.sft.num_examples, 4096), "train", **kw),
+            count_shapes.examples(d.num_eval, "heldout", **kw))
   if d.task != "file":
-    raise ValueError(f"data.task={d.task!r}; expected 'file', 'arith' or 'reasoning_gym'")
+    raise ValueError(f"data.task={d.task!r}; expected 'file', 'arith', 'reasoning_gym' or 'count_shapes'")
   files = [f for f in d.train_files if f]
   if not files:
     raise ValueError("data.train_files is empty; set --config.data.train_files=/path/to/train.parquet")

@@ -16,9 +16,20 @@ from typing import Sequence
 
 import numpy as np
 
-from dapo_jax.errors import DataError
+from dapo_jax.errors import ConfigError, DataError
 
 IMAGE_MARK = "<image>"  # Where an image goes in a message's text.
+# Begin of image, the placeholder, end of image: Gemma 3's names, which a tokenizer trained here holds too.
+IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+
+
+def image_token_ids(tok, field: str) -> tuple[int, int, int]:
+  """The tokenizer's ids of `IMAGE_TOKENS`; a ConfigError naming `field` if it lacks one."""
+  ids = [tok.convert_tokens_to_ids(t) for t in IMAGE_TOKENS]
+  missing = [t for t, i in zip(IMAGE_TOKENS, ids) if i is None or i == tok.unk_token_id]
+  if missing:
+    raise ConfigError(f"{field}: the tokenizer has no {missing} token(s) for images")
+  return tuple(ids)
 
 
 def read_entry(entry, base_dir: str, where: str) -> bytes:

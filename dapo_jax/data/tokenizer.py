@@ -249,8 +249,10 @@ _QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|
                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def train_bpe(path: str, texts: Sequence[str], vocab_size: int = 512, chat_template: bool | str = True):
-  """Trains a byte-level BPE tokenizer on `texts` (offline) and saves it as a HF tokenizer dir."""
+def train_bpe(path: str, texts: Sequence[str], vocab_size: int = 512, chat_template: bool | str = True,
+              extra_special: Sequence[str] = ()):
+  """Trains a byte-level BPE tokenizer on `texts` (offline) and saves it as a HF tokenizer dir;
+  `extra_special`: more tokens it keeps whole (a vision model's image tokens)."""
   from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
   from transformers import PreTrainedTokenizerFast
 
@@ -260,12 +262,13 @@ def train_bpe(path: str, texts: Sequence[str], vocab_size: int = 512, chat_templ
       pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
+                                special_tokens=list(SPECIAL_TOKENS) + list(extra_special),
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
   tok.train_from_iterator(list(texts), trainer=trainer, length=len(texts))
   hf_tok = PreTrainedTokenizerFast(
       tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
-      additional_special_tokens=["<|im_start|>", "<|endoftext|>"], padding_side="left",
+      additional_special_tokens=["<|im_start|>", "<|endoftext|>", *extra_special], padding_side="left",
       clean_up_tokenization_spaces=False)
   if chat_template:  # True: CHATML_TEMPLATE; a string: that template.
     hf_tok.chat_template = chat_template if isinstance(chat_template, str) else CHATML_TEMPLATE

@@ -140,7 +140,7 @@ class ModelConfig:
     if self.local_layers and self.sliding_window <= 0:
       raise ValueError(f"model.local_layers={self.local_layers} needs model.sliding_window > 0")
     self._check_experts()
-    if self.vision is not None and not self.gemma:
+    if isinstance(self.vision, VisionConfig) and not self.gemma:
       raise ValueError(f"model.vision is set with model.arch={self.arch!r}: images go with arch 'gemma3'")
     for f in ("param_dtype", "dtype", "matmul_dtype"):
       name = getattr(self, f)

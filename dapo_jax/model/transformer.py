@@ -26,8 +26,7 @@ from flax import linen as nn
 from dapo_jax import sharding
 from dapo_jax.model import layers as layers_lib
 from dapo_jax.model import lora as lora_lib
-from dapo_jax.model import quant
-from dapo_jax.model import vision
+from dapo_jax.model import quant, vision
 from dapo_jax.model.config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
 
 Params = Any

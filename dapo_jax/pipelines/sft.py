@@ -10,11 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dapo_jax import objectives, optim, train_step
+from dapo_jax.data import images as images_lib
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import LMBatch
+from dapo_jax.errors import ConfigError
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.model import vision as vision_lib
 from dapo_jax.pipelines import fit
 
 
@@ -65,18 +68,21 @@ def sft_rows(tok, examples, chat_template: bool, style: str = "steps") -> list[t
   return rows
 
 
-def _prompt_text(tok, ex, chat_template: bool, style: str) -> str:
+def _prompt_text(tok, ex, chat_template: bool, style: str, vision=None) -> str:
   if style == "tool":
     from dapo_jax.envs import tasks  # noqa: PLC0415
     return tokenizer_lib.render(tok, ex.messages, chat_template, tools=tasks.calculator_schemas())
-  return tokenizer_lib.render(tok, ex.messages, chat_template)
+  text = tokenizer_lib.render(tok, ex.messages, chat_template)
+  return text if vision is None else images_lib.expand_marks(text, tok, vision)
 
 
-def probe_batch(tok, examples, chat_template: bool, style: str = "steps") -> tuple[np.ndarray, ...]:
+def probe_batch(tok, examples, chat_template: bool, style: str = "steps", vision=None) -> tuple[np.ndarray, ...]:
   """Rows of prompt + reference solution + EOS, tokenized as generation sees them (prompt and
   completion apart), left-padded: (tokens [B, T], mask [B, T], completion mask [B, T]). For a
-  calculator episode ("tool"), the solution is its first turn: the call."""
-  prompts = tokenizer_lib.encode_prompts(tok, [_prompt_text(tok, ex, chat_template, style) for ex in examples])
+  calculator episode ("tool"), the solution is its first turn: the call. `vision`: a vision-language
+  model's tower (`model.vision`), whose image marks the prompts hold expanded."""
+  prompts = tokenizer_lib.encode_prompts(tok, [_prompt_text(tok, ex, chat_template, style, vision)
+                                               for ex in examples])
   completions = tok([data_lib.arith_solution(ex, style) for ex in examples], add_special_tokens=False)["input_ids"]
   rows = [(p, c + [tok.eos_token_id]) for p, c in zip(prompts, completions)]
   T = max(len(p) + len(c) for p, c in rows)
@@ -89,10 +95,11 @@ def probe_batch(tok, examples, chat_template: bool, style: str = "steps") -> tup
   return tokens, mask, completion
 
 
-def exact_match(model_cfg: model_lib.ModelConfig, params, tokens_BT, mask_BT, completion_BT) -> jax.Array:
+def exact_match(model_cfg: model_lib.ModelConfig, params, tokens_BT, mask_BT, completion_BT,
+                images_BMD=None) -> jax.Array:
   """Fraction of rows whose every completion token is the argmax given the tokens before it:
   exactly the rows that greedy decoding from the prompt would reproduce."""
-  logits_BTV = model_lib.logits(model_cfg, params, tokens_BT[:, :-1], mask_BT[:, :-1])
+  logits_BTV = model_lib.logits(model_cfg, params, tokens_BT[:, :-1], mask_BT[:, :-1], images_BMD=images_BMD)
   hit_BT = (jnp.argmax(logits_BTV, -1) == tokens_BT[:, 1:]) | ~completion_BT[:, 1:]
   return jnp.mean(jnp.all(hit_BT, axis=1))
 
@@ -123,7 +130,10 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
   """Returns SFT-trained params (random init unless `params` is given), resuming from
   WORKDIR/checkpoints; with `lora`, adapters trained on the frozen params (an adapted tree, see `lora`)."""
   # Each example ends with the chat's end-of-turn token, which is what stops generation.
-  if s.completion_only:
+  vision, mask_rows, images = model_cfg.vision, None, None
+  if vision is not None:  # One example a row (its images' vectors go with it), not packed.
+    chunks, mask_rows, loss_masks = image_rows(tok, examples[: s.num_examples], s, vision)
+  elif s.completion_only:
     chunks, loss_masks = pack_masked(sft_rows(tok, examples[: s.num_examples], s.chat_template, s.solution_style),
                                      s.seq_len, tok.eos_token_id)
   else:
@@ -134,17 +144,23 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.language_model(model_cfg), num_microbatches=0,
                                microbatch_tokens=s.microbatch_tokens, lora=lora, seed=s.seed)
   state = trainer.init(jax.random.key(s.seed), params=params)
+  if vision is not None:  # The tower is frozen: each example's image vectors, computed once.
+    images = image_vectors(model_cfg, state.params, examples[: s.num_examples])
   rows = sequential_draws(s.seed, len(chunks), s.batch_size)
   ones = np.ones((s.batch_size, s.seq_len), bool)
 
   def batch_at(step: int) -> LMBatch:
-    return LMBatch(tokens_BT=chunks[rows(step)], mask_BT=ones, loss_mask_BT=loss_masks[rows(step)])
+    r = rows(step)
+    return LMBatch(tokens_BT=chunks[r], mask_BT=ones if mask_rows is None else mask_rows[r],
+                   loss_mask_BT=loss_masks[r], images_BMD=None if images is None else images[r])
 
   done = None
   if s.target_acc:
     # Stop once greedy decoding reproduces target_acc of a probe of training problems: a warm start
     # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
-    probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style)
+    probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style, vision)
+    if vision is not None:
+      probe += (image_vectors(model_cfg, state.params, examples[-s.probe_size:]),)
     probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
 
     def done(n: int, params) -> str | None:
@@ -161,6 +177,40 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
   params, _ = fit.fit(fit_cfg, trainer, state, batch_at, workdir, label="SFT", prefix="sft",
                       console_keys={"lm_loss": "loss", "token_acc": "token acc"}, done=done)
   return params
+
+
+def image_rows(tok, examples, s: SFTConfig, vision) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(tokens, mask, loss mask) [N, seq_len] of a vision-language model's SFT: one example a row, left-padded
+  (prompt with its image marks expanded, solution, EOS). An image placeholder is never a target."""
+  prompts = tokenizer_lib.encode_prompts(tok, [_prompt_text(tok, ex, s.chat_template, s.solution_style, vision)
+                                               for ex in examples])
+  solutions = tok([data_lib.arith_solution(ex, s.solution_style) for ex in examples], add_special_tokens=False)
+  T = s.seq_len
+  tokens = np.full((len(examples), T), tok.pad_token_id, np.int32)
+  mask, loss_mask = np.zeros((2, len(examples), T), bool)
+  for b, (ex, p, c) in enumerate(zip(examples, prompts, solutions["input_ids"])):
+    row = p + c + [tok.eos_token_id]
+    if len(row) > T:
+      raise ConfigError(f"sft.seq_len={T}: example {ex.index}'s prompt, images and solution take {len(row)} tokens")
+    tokens[b, T - len(row):] = row
+    mask[b, T - len(row):] = True
+    loss_mask[b, T - (len(c) + 1 if s.completion_only else len(row)):] = True
+  return tokens, mask, loss_mask & (tokens != vision.image_token_id)
+
+
+def image_vectors(model_cfg: model_lib.ModelConfig, params, examples, chunk: int = 256) -> np.ndarray:
+  """[N, I*M, D] each example's image vectors (I: the most images an example has), `chunk` examples a pass."""
+  v = model_cfg.vision
+  I = max(1, max(len(ex.images) for ex in examples))
+  tower = vision_lib.tower_params(params)
+  out = []
+  for i in range(0, len(examples), chunk):
+    pixels = np.stack([images_lib.pixels(v, ex.images, I) for ex in examples[i:i + chunk]])
+    out.append(np.asarray(_image_features(v, tower, pixels)))
+  return np.concatenate(out)
+
+
+_image_features = jax.jit(vision_lib.image_features, static_argnums=0)
 
 
 def sequential_draws(seed: int, n: int, k: int):

@@ -33,7 +33,6 @@ from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import sampling
 
-
 _image_features = jax.jit(vision.image_features, static_argnums=0)
 
 

@@ -10,4 +10,4 @@ from dapo_jax.settings.rl import PPO, Critic, Dapo, Eval, Rollout, RolloutCorrec
 from dapo_jax.settings.run import Config, Mesh, Metrics, Optim  # noqa: F401
 from dapo_jax.settings.section import Section, check, number, pick  # noqa: F401
 from dapo_jax.settings.supervised import DPO, RM, SFT, ChatSFT, Pairs  # noqa: F401
-from dapo_jax.settings.task import Data, Reward  # noqa: F401
+from dapo_jax.settings.task import SFT_TASKS, Data, Reward  # noqa: F401

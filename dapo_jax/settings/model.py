@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from dapo_jax.model import lora as lora_lib
-from dapo_jax.model.config import REMAT_POLICIES, ModelConfig
+from dapo_jax.model.config import REMAT_POLICIES, ModelConfig, VisionConfig
 from dapo_jax.settings.section import Section, check
 
 INITS = ("random", "hf", "gguf", "sft")
@@ -28,6 +28,41 @@ class Lora(Section):
     self.number("rank", 0, integer=True, allowed=">= 0 (0 = full fine-tuning)")
 
 
+_VISION = VisionConfig  # Its defaults are Gemma 3's tower.
+
+
+@dataclasses.dataclass(frozen=True)
+class Vision(Section):
+  """`model.vision`: the vision tower and projector of a Gemma 3 model built here (`model.vision`; a
+  loaded model's come from its config.json). Its image tokens are the tokenizer's (`data.images`)."""
+  NAME = "model.vision"
+  image_size: int = 0              # S, pixels a side; 0 = a text model (no tower)
+  patch_size: int = _VISION.patch_size
+  embed_dim: int = _VISION.embed_dim
+  mlp_dim: int = _VISION.mlp_dim
+  num_layers: int = _VISION.num_layers
+  num_heads: int = _VISION.num_heads
+  tokens_per_image: int = _VISION.tokens_per_image   # M, soft tokens per image (a square)
+
+  def check(self) -> None:
+    self.number("image_size", 0, integer=True)
+    if self.image_size:
+      for f in ("patch_size", "embed_dim", "mlp_dim", "num_layers", "num_heads", "tokens_per_image"):
+        self.number(f, 1, integer=True)
+
+  def config(self, tok) -> VisionConfig | None:
+    """The tower these fields describe, its token ids the tokenizer's `images.IMAGE_TOKENS` (no `tok`: the
+    defaults); None: no tower."""
+    if not self.image_size:
+      return None
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if tok is None:  # Shapes alone (launch.plan): the token ids do not matter.
+      return VisionConfig(**fields)
+    from dapo_jax.data import images as images_lib
+    boi, img, eoi = images_lib.image_token_ids(tok, "model.vision")
+    return VisionConfig(**fields, image_token_id=img, boi_token_id=boi, eoi_token_id=eoi)
+
+
 @dataclasses.dataclass(frozen=True)
 class Model(Section, ModelConfig):
   """`model`: the architecture fields of `ModelConfig` (documented there; a loaded model takes them from
@@ -48,6 +83,7 @@ class Model(Section, ModelConfig):
   qkv_bias: bool = True            # the default family, qwen2, has q/k/v biases
   remat: str = "dots"              # on XLA:CPU "dots" is also the fastest for training
   lora: Lora = Lora()              # LoRA adapters (the `Lora` section)
+  vision: Vision = Vision()        # a vision tower for images in prompts (the `Vision` section; arch gemma3)
   base_quant: str = lora_lib.LoraConfig.base_quant   # "int8": the frozen base's layer matrices (needs lora.rank)
 
   def __post_init__(self):
@@ -75,10 +111,12 @@ class Model(Section, ModelConfig):
           "'' without LoRA (only a frozen base is quantized: set model.lora.rank)")
     self.lora_config()  # LoRA's own checks (targets, alpha, dropout, base_quant).
 
-  def architecture(self, vocab_size: int) -> ModelConfig:
-    """The `ModelConfig` these fields describe, with `vocab_size` unless the section sets one."""
+  def architecture(self, vocab_size: int, tok=None) -> ModelConfig:
+    """The `ModelConfig` these fields describe, with `vocab_size` unless the section sets one (and the
+    vision tower's image tokens `tok`'s)."""
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{**fields, "vocab_size": self.vocab_size or vocab_size})
+    vision = self.vision.config(tok) if self.vision.image_size else None
+    return ModelConfig(**{**fields, "vocab_size": self.vocab_size or vocab_size, "vision": vision})
 
   def runtime_overrides(self) -> dict:
     """The fields that apply to a model loaded from disk (not in its config.json)."""

@@ -10,7 +10,8 @@ from dapo_jax.pipelines import sft as sft_lib
 from dapo_jax.rollout import rollout as rollout_lib
 from dapo_jax.settings.section import Section, check
 
-TASKS = ("file", "arith", "reasoning_gym")
+TASKS = ("file", "arith", "reasoning_gym", "count_shapes")
+SFT_TASKS = ("arith", "count_shapes")  # The tasks with reference solutions (`data.arith_solution`): an SFT warm start.
 SOLUTION_STYLES = ("steps", "column", "mixed", "direct", "tool")
 _ROLLOUT, _SFT = rollout_lib.RolloutConfig, sft_lib.SFTConfig
 _ARITH = inspect.signature(data_lib.arith_examples).parameters  # The arithmetic task's own defaults.
@@ -20,7 +21,8 @@ _ARITH = inspect.signature(data_lib.arith_examples).parameters  # The arithmetic
 class Data(Section):
   """`data`: the task, its files or generator, and how prompts are rendered and cut."""
   NAME = "data"
-  task: str = "file"               # "file" (DAPO-Math schema), "arith" (built in) or "reasoning_gym"
+  task: str = "file"               # "file" (DAPO-Math schema), "arith" (built in), "reasoning_gym" or
+                                   # "count_shapes" (drawn pictures: a vision-language model's task)
   train_files: tuple[str, ...] = ("",)   # task="file": parquet / jsonl files of training rows
   eval_files: tuple[str, ...] = ("",)    # task="file": held-out rows (e.g. AIME 2024)
   chat_template: bool = _ROLLOUT.chat_template   # render prompts with the tokenizer's chat template
@@ -39,9 +41,15 @@ class Data(Section):
   rg_tasks: tuple[str, ...] = ()   # task="reasoning_gym": its generators, e.g. ("chain_sum",)
   rg_settings: str = ""            # JSON {task: generator kwargs}, e.g. '{"chain_sum": {"max_terms": 3}}'
   rg_num_train: int = 2000         # training items per reasoning-gym task (held-out: num_eval)
+  max_count: int = 4               # count_shapes: red shapes per picture, 1..max_count (chance: 1/max_count)
+  blank_images: bool = False       # count_shapes: every picture blank (the control: the text alone)
 
   def check(self) -> None:
-    self.choice("task", TASKS, "'arith', 'file' or 'reasoning_gym'")
+    self.choice("task", TASKS, "'arith', 'file', 'reasoning_gym' or 'count_shapes'")
+    if self.task == "count_shapes":
+      self.number("max_count", 1, 12, integer=True)
+      check(self.solution_style == "direct", "data.solution_style", self.solution_style,
+            "'direct' when data.task='count_shapes' (its answers have no steps)")
     if self.task == "reasoning_gym":
       check(len(self.rg_tasks) > 0, "data.rg_tasks", self.rg_tasks,
             "at least one reasoning-gym task when data.task='reasoning_gym', e.g. ('chain_sum',)")
