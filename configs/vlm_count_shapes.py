@@ -20,7 +20,7 @@ def get_config(arg=None):
                  num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32)
   c.model.vision.update(image_size=32, patch_size=4, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=4,
                         tokens_per_image=16)
-  c.tokenizer.vocab_size = 256
+  c.tokenizer.vocab_size = 384
   c.data.update(task="count_shapes", max_count=4, blank_images=arg.blank, max_prompt_len=128, num_eval=200,
                 solution_style="direct")
   c.rollout.update(group_size=8, max_new_tokens=8)
@@ -30,6 +30,9 @@ def get_config(arg=None):
   c.eval.update(k=4, temperature=1.0, top_p=0.7, greedy=True)
   c.sft.update(steps=400, batch_size=32, seq_len=128, lr=2e-3, warmup_steps=20, num_examples=4096,
                target_acc=0.4, probe_every=10, completion_only=True)
-  if arg.runlocal:
+  if arg.runlocal:  # The shrink, kept a vision-language model on its task.
     common.runlocal(c)
+    c.model.update(arch="gemma3", qk_norm=True, qkv_bias=False)
+    c.model.vision.update(embed_dim=16, mlp_dim=32, num_layers=1, num_heads=2)
+    c.data.update(task="count_shapes", max_prompt_len=128, solution_style="direct")
   return c

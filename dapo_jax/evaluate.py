@@ -45,7 +45,7 @@ class Evaluator:
     self.sampler_cfg, self.greedy, self.seed, self.rows = sampler_cfg, greedy, seed, max(rows, 1)
     problems: dict = {}
     for ex in self.examples:
-      problems.setdefault((repr(ex.messages), ex.ground_truth), []).append(ex)
+      problems.setdefault((repr(ex.messages), ex.ground_truth, getattr(ex, "images", ())), []).append(ex)
     self.problems = [exs[0] for exs in problems.values()]
     self.copies = [len(exs) for exs in problems.values()]
     self.sampled_rows = 0  # rows the sampler decoded (the last run)
@@ -101,7 +101,8 @@ class Evaluator:
     if episodes is not None:
       for q, ex in enumerate(self.problems):
         episodes.register(q, ex)
-    samples, stats = eng.generate(params, prompt_QP, mask_QP, counts, key, on_samples=bar.update, episodes=episodes)
+    samples, stats = eng.generate(params, prompt_QP, mask_QP, counts, key, on_samples=bar.update, episodes=episodes,
+                                  images_QMD=r.image_vectors(params, self.problems))
     self.episode_rewards = stats.get("episode_rewards")
     bar.close()
     self.sampled_rows += stats["samples"]

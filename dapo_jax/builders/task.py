@@ -36,7 +36,7 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
                                   fewshot=d.fewshot, **kw)
   if d.task == "count_shapes":
     from dapo_jax.data import count_shapes
-    kw = dict(seed=cfg.seed, max_count=d.max_count, blank=d.blank_images)
+    kw = dict(seed=cfg.seed, max_count=d.max_count, blank=d.blank_images, heldout_fraction=d.heldout_fraction)
     return (count_shapes.examples(max(cfg.sft.num_examples, 4096), "train", **kw),
             count_shapes.examples(d.num_eval, "heldout", **kw))
   if d.task != "file":

@@ -7,10 +7,12 @@ of a grid. The question is the same for every picture, so the text alone tells n
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from dapo_jax.data import images as images_lib
-from dapo_jax.data.prompts import Example
+from dapo_jax.data.prompts import Example, in_heldout
 
 QUESTION = f"{images_lib.IMAGE_MARK}\nHow many red shapes are in the image? End with: Answer: <number>"
 RED = (220, 30, 30)
@@ -35,20 +37,25 @@ def draw(rng: np.random.Generator, count: int, distractors: int, size: int = 64)
 
 
 def examples(n: int, split: str = "train", *, seed: int = 0, max_count: int = 4, distractors: int = 2,
-             size: int = 64, blank: bool = False) -> list[Example]:
-  """`n` pictures and questions of one split (train and held-out from separate streams of `seed`)."""
+             size: int = 64, blank: bool = False, heldout_fraction: float = 0.1) -> list[Example]:
+  """`n` pictures and questions of one split: a picture is held out by a hash of its pixels
+  (`prompts.in_heldout`), so the splits never share one; held-out pictures are distinct."""
   if split not in ("train", "heldout"):
     raise ValueError(f"split={split!r}; expected 'train' or 'heldout'")
   if not 1 <= max_count or max_count + distractors > GRID * GRID:
     raise ValueError(f"max_count={max_count} + distractors={distractors} must be in 1..{GRID * GRID}")
   from PIL import Image
   rng = np.random.default_rng([seed, 0 if split == "train" else 1, 7])
-  out = []
-  for i in range(n):
+  out, seen = [], set()
+  while len(out) < n:
     count = int(rng.integers(1, max_count + 1))
     img = draw(rng, count, int(rng.integers(0, distractors + 1)), size)
+    key = hashlib.sha256(img.tobytes()).hexdigest()
+    if in_heldout(key, heldout_fraction) != (split == "heldout") or (split == "heldout" and key in seen):
+      continue
+    seen.add(key)
     if blank:
       img = Image.new("RGB", (size, size), (255, 255, 255))
     out.append(Example(messages=({"role": "user", "content": QUESTION},), ground_truth=str(count),
-                       data_source="count_shapes", index=i, images=(images_lib.encode_png(img),)))
+                       data_source="count_shapes", index=len(out), images=(images_lib.encode_png(img),)))
   return out

@@ -2,7 +2,7 @@
 their places in a prompt's text.
 
 A row names its images in an `images` column (verl's convention): a list whose entries are the image
-file's bytes, a path (relative to the dataset file), or {"bytes": ...} / {"path": ...}. Its prompt
+file's bytes, a path (relative to the dataset file), or {"bytes": ...} (base64 in JSON) / {"path": ...}. Its prompt
 marks where each goes with `IMAGE_MARK`, in order. An `Example` holds the encoded images (PNG, JPEG:
 the file's own bytes); `pixels` decodes and preprocesses them with the model's image processor from
 transformers (`Gemma3ImageProcessorPil`: PIL and NumPy, no torch), and `expand_marks` writes each
@@ -10,6 +10,8 @@ mark as the model's begin-of-image token, `tokens_per_image` placeholders and en
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import os
 from typing import Sequence
@@ -34,6 +36,11 @@ def image_token_ids(tok, field: str) -> tuple[int, int, int]:
 
 def read_entry(entry, base_dir: str, where: str) -> bytes:
   """One `images` entry's encoded bytes, checked to decode; a DataError naming `where` otherwise."""
+  if isinstance(entry, dict) and isinstance(entry.get("bytes"), str):  # JSON has no bytes: base64.
+    try:
+      entry = base64.b64decode(entry["bytes"], validate=True)
+    except binascii.Error as e:
+      raise DataError(f"{where}: field 'bytes' is a string but not base64 ({e})") from None
   if isinstance(entry, dict):
     entry = entry.get("bytes") or entry.get("path")
   if isinstance(entry, str):

@@ -1,0 +1,112 @@
+"""Images in dataset rows (verl's `images` column), their checks, their places in a prompt, and the drawn
+counting task, against hand-made files and a naive count of the drawn pixels."""
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dapo_jax.data import count_shapes, images
+from dapo_jax.data import prompts as data_lib
+from dapo_jax.data import tokenizer as tokenizer_lib
+from dapo_jax.model.config import VisionConfig
+
+
+def png(colour=(255, 0, 0), size=(10, 6)) -> bytes:
+  out = io.BytesIO()
+  Image.new("RGB", size, colour).save(out, format="PNG")
+  return out.getvalue()
+
+
+def write_rows(path, rows):
+  with open(path, "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+
+
+def row(content, imgs, gt="3"):
+  return {"prompt": [{"role": "user", "content": content}], "reward_model": {"ground_truth": gt}, "images": imgs}
+
+
+def test_rows_name_their_images_by_path_or_object(tmp_path):
+  (tmp_path / "a.png").write_bytes(png((255, 0, 0)))
+  (tmp_path / "b.png").write_bytes(png((0, 0, 255)))
+  write_rows(tmp_path / "d.jsonl", [row("<image> then <image>: how many?", ["a.png", {"path": str(tmp_path / "b.png")}]),
+                                    row("no picture", [])])
+  exs = data_lib.load_file(str(tmp_path / "d.jsonl"))
+  assert exs[0].images == (png((255, 0, 0)), png((0, 0, 255))) and exs[1].images == ()
+  assert np.asarray(images.decode(exs[0].images[1]))[0, 0].tolist() == [0, 0, 255]
+
+
+@pytest.mark.parametrize("content,imgs,message", [
+    ("<image> what?", ["missing.png"], r"d.jsonl: row 0: images\[0\]: cannot read"),
+    ("<image> what?", [{"bytes": "bm90IGFuIGltYWdl"}], r"row 0: images\[0\]: not a readable image"),
+    ("<image> what?", ["broken.png"], r"row 0: images\[0\]: not a readable image"),
+    ("<image> and <image>?", ["ok.png"], r"row 0: the prompt has 2 <image> placeholder\(s\) but the row has 1 image"),
+    ("what?", ["ok.png"], r"row 0: the prompt has 0 <image> placeholder\(s\) but the row has 1 image"),
+    ("<image>", "ok.png", r"row 0: field 'images' must be a list"),
+])
+def test_a_bad_image_or_placeholder_count_fails_naming_the_row(tmp_path, content, imgs, message):
+  (tmp_path / "ok.png").write_bytes(png())
+  (tmp_path / "broken.png").write_bytes(png()[:20])  # A cut file.
+  write_rows(tmp_path / "d.jsonl", [row(content, imgs)])
+  with pytest.raises(data_lib.DataError, match=message):
+    data_lib.load_file(str(tmp_path / "d.jsonl"))
+
+
+def test_marks_expand_to_the_tokenizers_image_tokens(tmp_path):
+  tok = tokenizer_lib.train_bpe(str(tmp_path / "tok"), ["how many red shapes"] * 20, vocab_size=300,
+                                extra_special=images.IMAGE_TOKENS)
+  boi, img, eoi = images.image_token_ids(tok, "model.vision")
+  v = VisionConfig(image_size=8, patch_size=2, tokens_per_image=4, image_token_id=img, boi_token_id=boi,
+                   eoi_token_id=eoi)
+  text = images.expand_marks("a <image> b <image>", tok, v)
+  ids = tok(text, add_special_tokens=False)["input_ids"]
+  assert ids.count(img) == 8 and ids.count(boi) == 2 and ids.count(eoi) == 2
+  first = ids.index(boi)
+  assert ids[first:first + 6] == [boi, img, img, img, img, eoi]
+  plain = tokenizer_lib.train_bpe(str(tmp_path / "plain"), ["how many"] * 20, vocab_size=300)
+  with pytest.raises(ValueError, match="model.vision: the tokenizer has no"):
+    images.image_token_ids(plain, "model.vision")
+
+
+def test_pixels_are_the_processors_and_pad_with_zeros():
+  v = VisionConfig(image_size=8, patch_size=2, tokens_per_image=4)
+  out = images.pixels(v, [png((255, 0, 0), (20, 10))], num_images=2)
+  assert out.shape == (2, 3, 8, 8)
+  # Resized to 8 x 8, rescaled to [0, 1] and normalised by mean 0.5, std 0.5: red is (1, -1, -1).
+  np.testing.assert_allclose(out[0, :, 3, 3], [1.0, -1.0, -1.0], atol=1e-6)
+  assert not out[1].any()
+
+
+def red_blobs(img) -> int:
+  """Connected groups of red pixels (4-neighbour flood fill): a naive count of the red shapes."""
+  a = np.asarray(img).astype(int)
+  red = (a[..., 0] > 150) & (a[..., 1] < 100) & (a[..., 2] < 100)
+  seen, n = np.zeros_like(red), 0
+  for y, x in zip(*np.nonzero(red)):
+    if seen[y, x]:
+      continue
+    n += 1
+    stack = [(y, x)]
+    while stack:
+      i, j = stack.pop()
+      if 0 <= i < red.shape[0] and 0 <= j < red.shape[1] and red[i, j] and not seen[i, j]:
+        seen[i, j] = True
+        stack += [(i + 1, j), (i - 1, j), (i, j + 1), (i, j - 1)]
+  return n
+
+
+def test_drawn_pictures_hold_as_many_red_shapes_as_their_answer():
+  exs = count_shapes.examples(40, "train", seed=3, max_count=4)
+  answers = [int(ex.ground_truth) for ex in exs]
+  assert set(answers) == {1, 2, 3, 4}
+  for ex in exs:
+    assert images.count_marks(ex.messages) == len(ex.images) == 1
+    assert red_blobs(images.decode(ex.images[0])) == int(ex.ground_truth)
+  held = count_shapes.examples(40, "heldout", seed=3, max_count=4)
+  assert not {ex.images[0] for ex in held} & {ex.images[0] for ex in exs}
+  blank = count_shapes.examples(5, "train", seed=3, blank=True)
+  assert [ex.ground_truth for ex in blank] == [ex.ground_truth for ex in exs[:5]]
+  assert all(red_blobs(images.decode(ex.images[0])) == 0 for ex in blank)
