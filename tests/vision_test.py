@@ -12,9 +12,8 @@ from PIL import Image
 from dapo_jax import objectives, packing, train_step
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.hf import convert as hf
-from dapo_jax.model import layers
+from dapo_jax.model import layers, vision
 from dapo_jax.model import transformer as model
-from dapo_jax.model import vision
 from dapo_jax.model.config import ModelConfig, VisionConfig
 from dapo_jax.rollout import engine, sampling
 
