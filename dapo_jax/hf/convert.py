@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dapo_jax.hf import multimodal  # noqa: I001 (it reads this module's mapping at call time)
+from dapo_jax.hf import multimodal
 from dapo_jax.hf.safetensors import CheckpointError, read_dir_tensors, read_safetensors, write_safetensors  # noqa: F401 (public)
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
@@ -417,7 +417,8 @@ def load_config(path: str, **overrides) -> model_lib.ModelConfig:
     raise CheckpointError(f"{cfg_path}: a JSON {type(hf_cfg).__name__}, expected an object")
   try:
     if multimodal.is_multimodal(hf_cfg):
-      return multimodal.config_from_hf(hf_cfg, cfg_path, **overrides)
+      vision = multimodal.vision_config(hf_cfg, cfg_path)
+      return config_from_hf(multimodal.text_config(hf_cfg), f"{cfg_path} (text_config)", vision=vision, **overrides)
     return config_from_hf(hf_cfg, cfg_path, **overrides)
   except CheckpointError:
     raise
@@ -433,9 +434,12 @@ def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
   if "score.weight" in tensors:
     raise CheckpointError(f"{path}: a scalar-head model (tensor 'score.weight'), not a language model; "
                           "read it with hf.load_scalar")
-  if cfg.vision is not None:
-    return cfg, multimodal.params_from_tensors(cfg, tensors, origin, dtype=np.dtype(cfg.param_dtype))
-  return cfg, params_from_tensors(cfg, tensors, origin, dtype=np.dtype(cfg.param_dtype))
+  dtype = np.dtype(cfg.param_dtype)
+  if cfg.vision is None:
+    return cfg, params_from_tensors(cfg, tensors, origin, dtype=dtype)
+  text, tower, projector = multimodal.split(tensors, origin)
+  params = params_from_tensors(dataclasses.replace(cfg, vision=None), text, origin, dtype=dtype)
+  return cfg, dict(params, vision=multimodal.vision_params(cfg, tower, projector, origin, dtype))
 
 
 def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer=None,
@@ -448,16 +452,19 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
     eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
     tokenizer.save_pretrained(path)
-  to_hf = multimodal.config_to_hf if model_cfg.vision is not None else config_to_hf
-  hf_cfg = to_hf(model_cfg, eos_token_id=eos_token_id, bos_token_id=bos_token_id, pad_token_id=pad_token_id)
+  text_cfg = dataclasses.replace(model_cfg, vision=None)
+  hf_cfg = config_to_hf(text_cfg, eos_token_id, bos_token_id, pad_token_id)
+  if model_cfg.vision is not None:
+    hf_cfg = multimodal.to_hf(hf_cfg, model_cfg)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf_cfg, f, indent=2)
   if eos_token_id is not None:
     gen = {"eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": bos_token_id}
     with open(os.path.join(path, "generation_config.json"), "w") as f:
       json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
-  to_tensors = multimodal.params_to_tensors if model_cfg.vision is not None else params_to_tensors
-  tensors = to_tensors(model_cfg, params, dtype)
+  tensors = params_to_tensors(text_cfg, {k: v for k, v in params.items() if k != "vision"}, dtype)
+  if model_cfg.vision is not None:
+    tensors = multimodal.text_tensors(tensors) | multimodal.vision_tensors(model_cfg, params["vision"], dtype)
   write_safetensors(os.path.join(path, "model.safetensors"), tensors)
 
 

@@ -1,19 +1,17 @@
 """`Gemma3ForConditionalGeneration` directories <-> our vision-language params, without torch.
 
-The language model is a Gemma 3 text model (`convert` maps it); the vision tower (SigLIP) and the
-projector map here to params["vision"] (`model.vision`). Reads the tensor names transformers writes
+The language model is a Gemma 3 text model, which `convert` maps (and composes with this file's
+parts); the vision tower (SigLIP) and the projector map here to params["vision"] (`model.vision`). Reads the tensor names transformers writes
 (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`) and those of other releases
 (`model.language_model.*`, `vision_tower.vision_model.*`, ...); writes the first.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator
 
 import jax
 import numpy as np
 
-from dapo_jax.hf import convert
 from dapo_jax.hf.safetensors import CheckpointError
 from dapo_jax.model.config import ModelConfig, VisionConfig
 
@@ -31,8 +29,9 @@ def is_multimodal(hf: dict) -> bool:
   return ARCHITECTURE in (hf.get("architectures") or [])
 
 
-def config_from_hf(hf: dict, source: str, **overrides) -> ModelConfig:
-  """The ModelConfig (with `vision`) of a Gemma3ForConditionalGeneration config.json."""
+def vision_config(hf: dict, source: str) -> VisionConfig:
+  """The tower and projector of a Gemma3ForConditionalGeneration config.json (its `vision_config` and the
+  top-level image fields)."""
   for key in ("text_config", "vision_config"):
     if not isinstance(hf.get(key), dict):
       raise CheckpointError(f"{source}: missing field {key!r} (an object)")
@@ -42,7 +41,7 @@ def config_from_hf(hf: dict, source: str, **overrides) -> ModelConfig:
   if v.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
     raise CheckpointError(f"{source}: field 'vision_config.hidden_act'={v['hidden_act']!r}; only 'gelu_pytorch_tanh'")
   try:
-    vision = VisionConfig(
+    return VisionConfig(
         image_size=int(v.get("image_size", 224)), patch_size=int(v.get("patch_size", 16)),
         embed_dim=int(v.get("hidden_size", 768)), mlp_dim=int(v.get("intermediate_size", 3072)),
         num_layers=int(v.get("num_hidden_layers", 12)), num_heads=int(v.get("num_attention_heads", 12)),
@@ -52,16 +51,19 @@ def config_from_hf(hf: dict, source: str, **overrides) -> ModelConfig:
         boi_token_id=int(hf.get("boi_token_index", 255_999)), eoi_token_id=int(hf.get("eoi_token_index", 256_000)))
   except ValueError as e:
     raise CheckpointError(f"{source}: {e}") from None
+
+
+def text_config(hf: dict) -> dict:
+  """The language model's config.json fields, as a `Gemma3ForCausalLM`'s."""
   text = dict(hf["text_config"], architectures=["Gemma3ForCausalLM"])
   text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
-  return convert.config_from_hf(text, f"{source} (text_config)", vision=vision, **overrides)
+  return text
 
 
-def config_to_hf(cfg: ModelConfig, **token_ids) -> dict:
+def to_hf(text: dict, cfg: ModelConfig) -> dict:
+  """config.json of a Gemma3ForConditionalGeneration: `text` (the language model's fields) and the tower's."""
   v = cfg.vision
-  text = convert.config_to_hf(dataclasses.replace(cfg, vision=None), **token_ids)
-  for key in ("architectures", "torch_dtype", "dtype"):
-    text.pop(key, None)
+  text = {k: val for k, val in text.items() if k not in ("architectures", "torch_dtype", "dtype")}
   return {"architectures": [ARCHITECTURE], "model_type": "gemma3", "text_config": text,
           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": v.embed_dim,
                             "intermediate_size": v.mlp_dim, "num_hidden_layers": v.num_layers,
@@ -93,8 +95,8 @@ _LAYER_NAMES = (("layer_norm1.weight", "ln1_scale_D", ""), ("layer_norm1.bias", 
 _PROJECTOR_NAMES = (("mm_input_projection_weight", "proj_DE"), ("mm_soft_emb_norm.weight", "soft_norm_D"))
 
 
-def _split(tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
-  """(text tensors under `convert`'s names, tower tensors, projector tensors), by prefix."""
+def split(tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
+  """(the language model's tensors under `convert`'s names, the tower's, the projector's), by prefix."""
   text, tower, projector = {}, {}, {}
   for name, arr in tensors.items():
     if name.startswith(_PROJECTOR_PREFIXES):
@@ -111,10 +113,10 @@ def _split(tensors: dict, origin: dict) -> tuple[dict, dict, dict]:
   return text, tower, projector
 
 
-def params_from_tensors(cfg: ModelConfig, tensors: dict, origin: dict, dtype=np.float32) -> dict:
-  text, tower, projector = _split(tensors, origin)
-  params = convert.params_from_tensors(dataclasses.replace(cfg, vision=None), text, origin, dtype=dtype)
+def vision_params(cfg: ModelConfig, tower: dict, projector: dict, origin: dict, dtype=np.float32) -> dict:
+  """params["vision"] from the tower's and the projector's tensors (`split`)."""
   v = cfg.vision
+  tower, projector = dict(tower), dict(projector)
 
   def take(source: dict, name: str, how: str):
     if name not in source:
@@ -136,16 +138,19 @@ def params_from_tensors(cfg: ModelConfig, tensors: dict, origin: dict, dtype=np.
   left = sorted(tower) + sorted(projector)
   if left:
     raise CheckpointError(f"unexpected vision tensors {left[:5]}; vision_config does not match the weights")
-  params["vision"] = jax.tree.map(lambda a: a.astype(dtype), vparams)
-  return params
+  return jax.tree.map(lambda a: a.astype(dtype), vparams)
 
 
-def params_to_tensors(cfg: ModelConfig, params: dict, dtype=np.float32) -> dict[str, np.ndarray]:
+def text_tensors(tensors: dict) -> dict:
+  """The language model's tensors (`convert`'s names) under the names transformers writes."""
+  return {"language_model." + k: arr for k, arr in tensors.items()}
+
+
+def vision_tensors(cfg: ModelConfig, vparams: dict, dtype=np.float32) -> dict[str, np.ndarray]:
+  """The tower's and the projector's tensors of params["vision"], as transformers writes them."""
   v = cfg.vision
-  text_params = {k: val for k, val in params.items() if k != "vision"}
-  text = convert.params_to_tensors(dataclasses.replace(cfg, vision=None), text_params, dtype)
-  out = {"language_model." + k: arr for k, arr in text.items()}
-  vp = jax.tree.map(lambda a: np.asarray(a, np.float32), params["vision"])
+  vp = jax.tree.map(lambda a: np.asarray(a, np.float32), vparams)
+  out = {}
   for name, ours, how in _vision_names(v):
     arr = vp[ours]
     if how == "conv":
