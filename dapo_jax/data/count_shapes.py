@@ -22,8 +22,8 @@ GRID = 4  # cells a side: at most GRID^2 shapes
 
 def draw(rng: np.random.Generator, count: int, distractors: int, size: int = 64):
   """A `size` x `size` RGB picture of `count` red shapes and `distractors` shapes of other colours."""
-  from PIL import Image, ImageDraw
-  img = Image.new("RGB", (size, size), (255, 255, 255))
+  from PIL import ImageDraw
+  img = images_lib.pil().new("RGB", (size, size), (255, 255, 255))
   pen = ImageDraw.Draw(img)
   cell = size // GRID
   cells = rng.choice(GRID * GRID, size=count + distractors, replace=False)
@@ -44,7 +44,7 @@ def examples(n: int, split: str = "train", *, seed: int = 0, max_count: int = 4,
     raise ValueError(f"split={split!r}; expected 'train' or 'heldout'")
   if not 1 <= max_count or max_count + distractors > GRID * GRID:
     raise ValueError(f"max_count={max_count} + distractors={distractors} must be in 1..{GRID * GRID}")
-  from PIL import Image
+  Image = images_lib.pil()
   rng = np.random.default_rng([seed, 0 if split == "train" else 1, 7])
   out, seen = [], set()
   while len(out) < n:

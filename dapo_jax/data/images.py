@@ -56,9 +56,19 @@ def read_entry(entry, base_dir: str, where: str) -> bytes:
   return bytes(entry)
 
 
+def pil():
+  """The Pillow module, or a one-line error saying how to get it."""
+  try:
+    import PIL.Image
+  except ImportError:
+    raise ConfigError("images need Pillow: pip install 'dapo_jax[vision]' (or pillow)") from None
+  return PIL.Image
+
+
 def decode(data: bytes, where: str = "image"):
   """The RGB PIL image of encoded bytes; a DataError naming `where` for a broken file."""
-  from PIL import Image, UnidentifiedImageError
+  Image = pil()
+  from PIL import UnidentifiedImageError
   try:
     with Image.open(io.BytesIO(data)) as img:
       img.load()
