@@ -93,7 +93,7 @@ BAD = [
     ("model.num_kv_heads", 3, "model.num_heads=4: expected a multiple of model.num_kv_heads=3"),
     ("model.head_dim", 7, "model.head_dim=7: expected an even number"),
     ("model.embed_dim", 0, "model.embed_dim=0: expected >= 1"),
-    ("data.task", "gsm8k", "data.task='gsm8k': expected 'arith', 'file' or 'reasoning_gym'"),
+    ("data.task", "gsm8k", "data.task='gsm8k': expected 'arith', 'file', 'reasoning_gym' or 'count_shapes'"),
     ("data.max_prompt_len", 0, "data.max_prompt_len=0: expected >= 1"),
     ("data.prompt_buckets", (16, 64), "data.prompt_buckets=(16, 64): expected prompt lengths from 1 to "
                                       "data.max_prompt_len=32"),

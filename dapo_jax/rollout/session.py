@@ -451,8 +451,8 @@ class Session:
     elif N:
       out = slots_lib.prefill_shared(e.model_cfg, self.params, prompt_UP[:1, :N], prompt_UP[:, N:], mask_UP[:, N:])
     else:
-      out = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP,
-                              None if images_UMD is None else sharding.put(images_UMD, self.rep))
+      images = () if images_UMD is None else (sharding.put(images_UMD, self.rep),)
+      out = slots_lib.prefill(e.model_cfg, self.params, prompt_UP, mask_UP, *images)
     prefill = _Prefill(*out, mask_UP, {w.prompt_id: u for u, w in enumerate(uniq)},
                        {w.prompt_id: w.prompt_P for w in uniq}, real_UP)
     if self.pages and self.pages.prefix_cache:  # Its whole pages go to the cache now: later prompts start after them.
