@@ -236,3 +236,51 @@ def test_packing_rows_with_images_fails_naming_the_field():
                adv_B=np.zeros(2, np.float32), ref_logp_BC=zeros, images_BMD=np.zeros((2, M, 8), np.float32))
   with pytest.raises(ValueError, match="train.packing"):
     packing.packed_rows(rl, max_tokens=64)
+
+
+def _vlm(vocab=64):
+  return ModelConfig(vocab_size=vocab, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     arch="gemma3", qk_norm=True, local_layers=(0,), sliding_window=6, query_scale=8.0,
+                     vision=VisionConfig(image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=1,
+                                         num_heads=2, tokens_per_image=4, image_token_id=63, boi_token_id=61,
+                                         eoi_token_id=62))
+
+
+@pytest.mark.parametrize("lora", [None, "int8"])
+def test_two_updates_with_images_on_the_mesh_equal_one_device_and_leave_the_tower(lora):
+  """Policy-gradient updates of a vision-language model on the (data, fsdp, tensor) = (2, 2, 2) mesh equal
+  one device's; the tower and projector never change, and the optimizer holds no state for them."""
+  from dapo_jax import optim, sharding
+  from dapo_jax.model import lora as lora_lib
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  cfg = _vlm()
+  params = jax.device_get(model.init_params(cfg, jax.random.key(0)))  # Host arrays: a step donates its state.
+  rng = np.random.default_rng(0)
+  B, C = 8, 5
+  prompt = np.array([3, 61, 63, 63, 63, 63, 62, 7], np.int32)
+  tokens = np.concatenate([np.tile(prompt, (B, 1)), rng.integers(1, 60, (B, C))], 1).astype(np.int32)
+  mask = np.ones(tokens.shape, bool)
+  images = np.asarray(vision.image_features(cfg.vision, params["vision"],
+                                            jnp.asarray(rng.normal(size=(B, 1, 3, 8, 8)), jnp.float32)))
+  zeros = np.zeros((B, C), np.float32)
+  batch = RLBatch(tokens_BT=tokens, mask_BT=mask, loss_mask_BC=np.ones((B, C), bool), old_logp_BC=zeros,
+                  adv_B=rng.normal(size=B).astype(np.float32), ref_logp_BC=zeros, images_BMD=images)
+  lcfg = None if lora is None else lora_lib.LoraConfig(rank=4, base_quant=lora)
+  out = []
+  for shape in ({"data": 1, "fsdp": 1, "tensor": 1}, {"data": 2, "fsdp": 2, "tensor": 2}):
+    mesh = sharding.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
+    trainer = train_step.Trainer(cfg, optim.OptimConfig(lr=1e-2, warmup_steps=0), mesh,
+                                 objectives.policy_gradient(cfg, objectives.PGConfig()), lora=lcfg)
+    state = trainer.init(jax.random.key(1), params=jax.tree.map(np.copy, params))
+    for step in range(2):
+      state, metrics = trainer.step(state.replace(rollout_step=step), trainer.put_batch(batch))
+    out.append((jax.device_get(state.params), float(metrics["pg_loss"])))
+  (one, loss_one), (mesh8, loss_mesh) = out
+  assert loss_one == pytest.approx(loss_mesh, abs=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), one, mesh8)
+  tower = one["base"]["vision"] if lora else one["vision"]
+  jax.tree.map(np.testing.assert_array_equal, tower, params["vision"])
+  trained = one["lora"] if lora else one["layers"]
+  assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(
+      jax.device_get(lora_lib.adapt(cfg, lcfg, params, jax.random.key(1))["lora"]) if lora else params["layers"])))
