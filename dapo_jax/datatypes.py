@@ -75,6 +75,7 @@ class LMBatch:
   mask_BT: jax.Array        # bool attention mask
   loss_mask_BT: jax.Array   # bool: positions whose token is a target
   images_BMD: jax.Array | None = None  # a vision-language model's rows: their image vectors (as RLBatch's)
+  pixels_BICSS: jax.Array | None = None  # or their images' pixels, which the loss runs the tower on (it trains)
 
 
 @dataclasses.dataclass

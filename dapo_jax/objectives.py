@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from dapo_jax import loss as loss_lib
 from dapo_jax.datatypes import LMBatch, PackedLMBatch, PreferenceBatch, RLBatch, ValueBatch
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.model import vision as vision_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +364,10 @@ def language_model(model_cfg: model_lib.ModelConfig) -> Objective:
     return {"num_tokens": jnp.sum(batch.loss_mask_BT[:, 1:].astype(jnp.float32))}
 
   def loss(params, mb: LMBatch, counts: dict):
-    logits_BTV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], images_BMD=_images(mb))
+    images = _images(mb)
+    if getattr(mb, "pixels_BICSS", None) is not None:  # The tower trains: its vectors, in the loss.
+      images = vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), mb.pixels_BICSS)
+    logits_BTV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], images_BMD=images)
     logp_BT = loss_lib.token_logprobs(logits_BTV, mb.tokens_BT[:, 1:])
     mask = mb.loss_mask_BT[:, 1:]
     nll = -loss_lib.masked_mean(logp_BT, mask, counts["num_tokens"])

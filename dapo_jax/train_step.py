@@ -221,11 +221,12 @@ class Trainer:
   def __init__(self, model_cfg: model_lib.ModelConfig, optim_cfg: optim.OptimConfig, mesh: Mesh,
                objective: Objective, *, num_microbatches: int = 1, microbatch_tokens: int = MICROBATCH_TOKENS,
                param_rules=sharding.PARAM_RULES, lora: lora_lib.LoraConfig | None = None, head: str = "lm",
-               seed: int = 0):
+               seed: int = 0, train_vision: bool = False):
     """`num_microbatches` splits each update's mini-batch for gradient accumulation; 0 picks, for
     each batch shape, the fewest micro-batches of at most `microbatch_tokens` tokens per data shard
     (`auto_microbatches`). `head` is the model's head ("scalar": a reward or value model). `seed`
-    seeds the LoRA dropout masks."""
+    seeds the LoRA dropout masks. A vision-language model's tower and projector stay as they are unless
+    `train_vision` (its objective then runs the tower on the batch's pixels)."""
     sharding.check_divisible(model_cfg, mesh)
     if lora is not None and model_cfg.moe:
       raise ValueError(f"model.lora.rank={lora.rank}: LoRA adapters on a mixture of experts (model.num_experts="
@@ -234,8 +235,9 @@ class Trainer:
       raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
                        "count >= 1, or 0 (auto) with a positive token budget")
     self.model_cfg, self.optim_cfg, self.mesh, self.objective = model_cfg, optim_cfg, mesh, objective
-    # A vision tower stays as loaded: the image vectors every pass places are computed once, outside the loss.
-    self.tx = optim.make(optim_cfg, frozen=("vision",) if model_cfg.vision is not None else ())
+    # A frozen vision tower: the image vectors every pass places are computed once, outside the loss.
+    frozen = ("vision",) if model_cfg.vision is not None and not train_vision else ()
+    self.tx = optim.make(optim_cfg, frozen=frozen)
     self.num_microbatches, self.microbatch_tokens = num_microbatches, microbatch_tokens
     # A scored token's logits, in positions of the budget (a scalar head makes none).
     self.scored_cost = scored_token_positions(model_cfg) if head == "lm" else 0.0

@@ -136,3 +136,32 @@ def test_a_vision_language_run_places_its_images_in_rollout_update_and_evaluatio
     out = run.export(str(tmp_path / "exported"))
   m = transformers.AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
   assert type(m).__name__ == "Gemma3ForConditionalGeneration"
+
+
+def test_the_warm_start_trains_the_tower_only_when_asked(tmp_path):
+  """`sft.train_vision`: the tower runs on each batch's pixels inside the loss, and its weights move;
+  without it they stay as initialised and the loss reads vectors computed once."""
+  import jax
+  from dapo_jax import sharding
+  from dapo_jax.model import transformer as model_lib
+  from dapo_jax.model.config import ModelConfig
+  from dapo_jax.pipelines import sft
+  tok = tokenizer_lib.train_bpe(str(tmp_path / "tok"), [ex.messages[0]["content"] + " Answer: 3" for ex in
+                                                          count_shapes.examples(50, "train")], vocab_size=300,
+                                extra_special=images.IMAGE_TOKENS)
+  boi, img, eoi = images.image_token_ids(tok, "model.vision")
+  cfg = ModelConfig(vocab_size=320, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                    arch="gemma3", qk_norm=True, vision=VisionConfig(
+                        image_size=16, patch_size=4, embed_dim=16, mlp_dim=16, num_layers=1, num_heads=2,
+                        tokens_per_image=4, image_token_id=img, boi_token_id=boi, eoi_token_id=eoi))
+  init = jax.device_get(model_lib.init_params(cfg, jax.random.key(0)))
+  exs = count_shapes.examples(64, "train")
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  for train_vision in (False, True):
+    s = sft.SFTConfig(steps=3, batch_size=8, seq_len=64, lr=1e-2, warmup_steps=0, num_examples=64,
+                      solution_style="direct", completion_only=True, train_vision=train_vision, ckpt_every=0)
+    out = jax.device_get(sft.run(s, cfg, tok, exs, mesh, str(tmp_path / f"sft{train_vision}"),
+                                 params=jax.tree.map(np.copy, init)))
+    moved = [np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(out["vision"]), jax.tree.leaves(init["vision"]))]
+    assert all(moved) if train_vision else not any(moved)
+    assert np.abs(out["layers"]["wq_DNH"] - init["layers"]["wq_DNH"]).max() > 0

@@ -96,9 +96,12 @@ def probe_batch(tok, examples, chat_template: bool, style: str = "steps", vision
 
 
 def exact_match(model_cfg: model_lib.ModelConfig, params, tokens_BT, mask_BT, completion_BT,
-                images_BMD=None) -> jax.Array:
+                pixels_BICSS=None) -> jax.Array:
   """Fraction of rows whose every completion token is the argmax given the tokens before it:
-  exactly the rows that greedy decoding from the prompt would reproduce."""
+  exactly the rows that greedy decoding from the prompt would reproduce (`pixels_BICSS`: their images)."""
+  images_BMD = None
+  if pixels_BICSS is not None:
+    images_BMD = vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), pixels_BICSS)
   logits_BTV = model_lib.logits(model_cfg, params, tokens_BT[:, :-1], mask_BT[:, :-1], images_BMD=images_BMD)
   hit_BT = (jnp.argmax(logits_BTV, -1) == tokens_BT[:, 1:]) | ~completion_BT[:, 1:]
   return jnp.mean(jnp.all(hit_BT, axis=1))
@@ -120,6 +123,8 @@ class SFTConfig:
   chat_template: bool = True
   solution_style: str = "steps"    # data.arith_solution's style
   completion_only: bool = False    # loss on the solution's tokens only (the prompt and a tool's result masked)
+  train_vision: bool = False       # a vision-language model: train the tower and projector too (through the
+                                   # pixels of each batch; RL then keeps them as the warm start left them)
   microbatch_tokens: int = train_step.MICROBATCH_TOKENS  # automatic micro-batches of at most this many tokens
   ckpt_every: int = 100            # updates between checkpoints (0 = at the end only)
   keep_ckpts: int = 2
@@ -142,9 +147,14 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
     loss_masks = np.ones_like(chunks, bool)
   opt = optim.OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, weight_decay=0.0, grad_clip=1.0)
   trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.language_model(model_cfg), num_microbatches=0,
-                               microbatch_tokens=s.microbatch_tokens, lora=lora, seed=s.seed)
+                               microbatch_tokens=s.microbatch_tokens, lora=lora, seed=s.seed,
+                               train_vision=s.train_vision)
   state = trainer.init(jax.random.key(s.seed), params=params)
-  if vision is not None:  # The tower is frozen: each example's image vectors, computed once.
+  pixels = None
+  if vision is not None and s.train_vision:  # The tower trains: it runs on each batch's pixels, in the loss.
+    I = max(1, max(len(ex.images) for ex in examples[: s.num_examples]))
+    pixels = np.stack([images_lib.pixels(vision, ex.images, I) for ex in examples[: s.num_examples]])
+  elif vision is not None:  # The tower is frozen: each example's image vectors, computed once.
     images = image_vectors(model_cfg, state.params, examples[: s.num_examples])
   rows = sequential_draws(s.seed, len(chunks), s.batch_size)
   ones = np.ones((s.batch_size, s.seq_len), bool)
@@ -152,15 +162,17 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
   def batch_at(step: int) -> LMBatch:
     r = rows(step)
     return LMBatch(tokens_BT=chunks[r], mask_BT=ones if mask_rows is None else mask_rows[r],
-                   loss_mask_BT=loss_masks[r], images_BMD=None if images is None else images[r])
+                   loss_mask_BT=loss_masks[r], images_BMD=None if images is None else images[r],
+                   pixels_BICSS=None if pixels is None else pixels[r])
 
   done = None
   if s.target_acc:
     # Stop once greedy decoding reproduces target_acc of a probe of training problems: a warm start
     # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
     probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style, vision)
-    if vision is not None:
-      probe += (image_vectors(model_cfg, state.params, examples[-s.probe_size:]),)
+    if vision is not None:  # The tower of each probe's params.
+      I = max(1, max(len(ex.images) for ex in examples[-s.probe_size:]))
+      probe += (np.stack([images_lib.pixels(vision, ex.images, I) for ex in examples[-s.probe_size:]]),)
     probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
 
     def done(n: int, params) -> str | None:

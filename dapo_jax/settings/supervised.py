@@ -27,6 +27,7 @@ class SFT(Section):
   probe_size: int = _SFT.probe_size        # training problems in that probe
   probe_every: int = _SFT.probe_every      # steps between probes
   completion_only: bool = _SFT.completion_only   # loss on the solution's tokens only
+  train_vision: bool = _SFT.train_vision   # a vision-language model: the warm start trains its tower too
   ckpt_every: int = _SFT.ckpt_every        # updates between checkpoints in WORKDIR/sft (a rerun resumes)
   keep_ckpts: int = _SFT.keep_ckpts
 
