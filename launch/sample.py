@@ -3,6 +3,7 @@
   python -m launch.sample --workdir=runs/default --prompt="What is 38+46?" --temperature=0
   python -m launch.sample --workdir=runs/default --prompt="What is 38+46?" --ground_truth=84 --k=4
   python -m launch.sample --model_dir=/ckpt/model --prompts=aime-2024.parquet --k=4 --temperature=0.7
+  python -m launch.sample --workdir=runs/vlm --prompt="How many red shapes are in the image?" --image=pic.png
 
 A run is read with the config it recorded (WORKDIR/config.json) unless `--config` is given;
 `--config.x=y` overrides apply on top. A `--prompts` file is a .jsonl or .parquet dataset in the
@@ -11,10 +12,13 @@ DAPO-Math row schema, or rows with a "prompt" string; rows with a ground truth
 With `rollout.env` (a run trained on episodes, or `--config.rollout.env=...`) each completion is an
 episode: the environment sets the scene, answers between the policy's turns and scores it (the
 printed text is the whole episode after the prompt: the policy's turns and the observations).
-`--json` prints one JSON object per completion.
+`--json` prints one JSON object per completion. A vision-language model reads `--image` files with
+`--prompt` (one per `<image>` mark in it; without marks they go before the text), or a file's
+`images` column (docs/models.md).
 """
 import dataclasses
 import json
+import os
 
 from absl import flags
 
@@ -29,6 +33,8 @@ _RAW = flags.DEFINE_bool("raw", False, "Send --prompt as typed: one user turn, n
                         "with --model_dir, whose task is not known).")
 _GROUND_TRUTH = flags.DEFINE_string("ground_truth", None, "The answer to --prompt, to score the completions.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "A .jsonl/.parquet file of prompts (a batch).")
+_IMAGES = flags.DEFINE_multi_string("image", [], "An image file for --prompt (a vision-language model); repeat it "
+                                    "for several, one per <image> mark of --prompt.")
 _K = flags.DEFINE_integer("k", 1, "Completions per prompt.")
 _TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature; 0 = greedy (default: config).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Completion tokens at most (default: config).")
@@ -67,6 +73,21 @@ def as_example(prompt, ground_truth):
   return prompt if ground_truth is None else dataclasses.replace(prompt, ground_truth=ground_truth)
 
 
+def with_images(prompt, paths):
+  """`prompt` (a string or an example) as an example holding the image files `paths`: its last turn gets
+  one `<image>` mark per image before its text, unless it has the marks already."""
+  from dapo_jax.data import images
+  from dapo_jax.data import prompts as data
+  imgs = tuple(images.read_entry(p, os.getcwd(), f"--image={p}") for p in paths)
+  ex = as_example(prompt, None)
+  last = dict(ex.messages[-1])
+  if images.IMAGE_MARK not in last["content"]:
+    last["content"] = images.IMAGE_MARK * len(imgs) + "\n" + last["content"]
+  messages = ex.messages[:-1] + (last,)
+  images.check_marks(messages, len(imgs), "--prompt")
+  return data.Example(messages=messages, ground_truth=ex.ground_truth, data_source=ex.data_source, images=imgs)
+
+
 def main(argv):
   del argv
   common.init_distributed()
@@ -88,6 +109,8 @@ def main(argv):
     wrap = not (_RAW.value or _MODEL_DIR.value)  # Only a run's own task is known.
     prompts = [builders.user_prompt(cfg, _PROMPT.value) if wrap else _PROMPT.value]
     truths = [_GROUND_TRUTH.value]
+    if _IMAGES.value:
+      prompts = [with_images(prompts[0], _IMAGES.value)]
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
     model_cfg, params = hf.load(_MODEL_DIR.value, **builders.runtime_overrides(cfg))

@@ -3,6 +3,8 @@ counting task, against hand-made files and a naive count of the drawn pixels."""
 import io
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -136,12 +138,24 @@ def test_a_vision_language_run_places_its_images_in_rollout_update_and_evaluatio
     out = run.export(str(tmp_path / "exported"))
   m = transformers.AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
   assert type(m).__name__ == "Gemma3ForConditionalGeneration"
+  # launch.sample reads a picture for a typed question, and a missing picture is one line.
+  pic = tmp_path / "pic.png"
+  pic.write_bytes(count_shapes.examples(1, "heldout")[0].images[0])
+  root = os.path.join(os.path.dirname(__file__), "..")
+  cmd = [sys.executable, "-m", "launch.sample", f"--workdir={workdir}", "--prompt=How many red shapes are in the image?",
+         f"--image={pic}", "--temperature=0", "--ground_truth=3"]
+  done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "prompt 1/1: '<image>\\nHow many red shapes" in done.stdout and "accuracy" in done.stdout
+  done = subprocess.run(cmd[:-3] + ["--image=nope.png"], cwd=root, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1 and "--image=nope.png: cannot read" in done.stderr.strip().splitlines()[-1]
 
 
 def test_the_warm_start_trains_the_tower_only_when_asked(tmp_path):
   """`sft.train_vision`: the tower runs on each batch's pixels inside the loss, and its weights move;
   without it they stay as initialised and the loss reads vectors computed once."""
   import jax
+
   from dapo_jax import sharding
   from dapo_jax.model import transformer as model_lib
   from dapo_jax.model.config import ModelConfig

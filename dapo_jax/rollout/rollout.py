@@ -25,7 +25,7 @@ from dapo_jax.data import images as images_lib
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.datatypes import Groups
-from dapo_jax.errors import DataError
+from dapo_jax.errors import ConfigError, DataError
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.model import vision
@@ -75,6 +75,9 @@ class Rollout:
     self.sampler_cfg, self.reward = sampler_cfg, reward
     self.episodes = None if env is None else episodes_lib.EpisodeDriver(
         tok, env, episode_cfg or episodes_lib.EpisodeConfig(), eos_ids=sampler_cfg.eos_ids)
+    if model_cfg.vision is not None and jax.process_count() > 1:  # Each host's image vectors are not gathered.
+      raise ConfigError("a vision-language model (model.vision) samples in one process for now; "
+                        f"this run has {jax.process_count()}")
     if self.episodes is not None and (cfg.engine != "continuous" or jax.process_count() > 1):
       raise ValueError("rollout.env: episodes run on the continuous engine (rollout.engine='continuous') "
                        "in one process")
