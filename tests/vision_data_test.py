@@ -35,8 +35,8 @@ def row(content, imgs, gt="3"):
 def test_rows_name_their_images_by_path_or_object(tmp_path):
   (tmp_path / "a.png").write_bytes(png((255, 0, 0)))
   (tmp_path / "b.png").write_bytes(png((0, 0, 255)))
-  write_rows(tmp_path / "d.jsonl", [row("<image> then <image>: how many?", ["a.png", {"path": str(tmp_path / "b.png")}]),
-                                    row("no picture", [])])
+  both = ["a.png", {"path": str(tmp_path / "b.png")}]
+  write_rows(tmp_path / "d.jsonl", [row("<image> then <image>: how many?", both), row("no picture", [])])
   exs = data_lib.load_file(str(tmp_path / "d.jsonl"))
   assert exs[0].images == (png((255, 0, 0)), png((0, 0, 255))) and exs[1].images == ()
   assert np.asarray(images.decode(exs[0].images[1]))[0, 0].tolist() == [0, 0, 255]
@@ -122,8 +122,8 @@ def test_a_vision_language_run_places_its_images_in_rollout_update_and_evaluatio
   transformers = pytest.importorskip("transformers")
   import dapo_jax
   workdir = str(tmp_path / "run")
-  overrides = {"train.num_steps": 2, "sft.steps": 20, "model.init": "sft", "reward.fn": "dapo_jax.testing:length_reward",
-               "reward.workers": 1}
+  overrides = {"train.num_steps": 2, "sft.steps": 20, "model.init": "sft",
+               "reward.fn": "dapo_jax.testing:length_reward", "reward.workers": 1}
   with dapo_jax.Run("configs/vlm_count_shapes.py:runlocal", workdir=workdir, **overrides) as run:
     run.train()
     rollout = run._loop.rollout
@@ -142,8 +142,8 @@ def test_a_vision_language_run_places_its_images_in_rollout_update_and_evaluatio
   pic = tmp_path / "pic.png"
   pic.write_bytes(count_shapes.examples(1, "heldout")[0].images[0])
   root = os.path.join(os.path.dirname(__file__), "..")
-  cmd = [sys.executable, "-m", "launch.sample", f"--workdir={workdir}", "--prompt=How many red shapes are in the image?",
-         f"--image={pic}", "--temperature=0", "--ground_truth=3"]
+  cmd = [sys.executable, "-m", "launch.sample", f"--workdir={workdir}",
+         "--prompt=How many red shapes are in the image?", f"--image={pic}", "--temperature=0", "--ground_truth=3"]
   done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   assert "prompt 1/1: '<image>\\nHow many red shapes" in done.stdout and "accuracy" in done.stdout
