@@ -179,3 +179,27 @@ def test_the_warm_start_trains_the_tower_only_when_asked(tmp_path):
     moved = [np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(out["vision"]), jax.tree.leaves(init["vision"]))]
     assert all(moved) if train_vision else not any(moved)
     assert np.abs(out["layers"]["wq_DNH"] - init["layers"]["wq_DNH"]).max() > 0
+
+
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_the_tower_runs_once_per_prompt_for_its_group_of_samples(tmp_path, engine):
+  """`Rollout.generate` of Q pictures x G samples runs the vision tower on Q prompts (counted), not Q x G."""
+  import jax
+  from dapo_jax import sharding
+  from dapo_jax.model import transformer as model_lib
+  from dapo_jax.model.config import ModelConfig
+  from dapo_jax.rollout import rollout as rollout_lib
+  from dapo_jax.rollout import sampling
+  exs = count_shapes.examples(3, "train")
+  tok = tokenizer_lib.train_bpe(str(tmp_path / "tok"), [ex.messages[0]["content"] + " Answer: 3" for ex in exs] * 10,
+                                vocab_size=300, extra_special=images.IMAGE_TOKENS)
+  boi, img, eoi = images.image_token_ids(tok, "model.vision")
+  cfg = ModelConfig(vocab_size=320, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                    arch="gemma3", qk_norm=True, vision=VisionConfig(
+                        image_size=16, patch_size=4, embed_dim=16, mlp_dim=16, num_layers=1, num_heads=2,
+                        tokens_per_image=4, image_token_id=img, boi_token_id=boi, eoi_token_id=eoi))
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  r = rollout_lib.Rollout(tok, cfg, mesh, rollout_lib.RolloutConfig(max_prompt_len=96, engine=engine),
+                          sampling.SamplerConfig(max_new_tokens=4, eos_ids=(tok.eos_token_id,)))
+  samples = r.generate(model_lib.init_params(cfg, jax.random.key(0)), exs, 4, jax.random.key(1))
+  assert samples.tokens_BC.shape[0] == 12 and r.vision_prompts == 3
