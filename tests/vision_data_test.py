@@ -185,6 +185,7 @@ def test_the_warm_start_trains_the_tower_only_when_asked(tmp_path):
 def test_the_tower_runs_once_per_prompt_for_its_group_of_samples(tmp_path, engine):
   """`Rollout.generate` of Q pictures x G samples runs the vision tower on Q prompts (counted), not Q x G."""
   import jax
+
   from dapo_jax import sharding
   from dapo_jax.model import transformer as model_lib
   from dapo_jax.model.config import ModelConfig
