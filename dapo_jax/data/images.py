@@ -115,6 +115,12 @@ def pixels(vcfg, images: Sequence[bytes], num_images: int) -> np.ndarray:
   return out
 
 
+def batch_pixels(vcfg, image_lists: Sequence[Sequence[bytes]], num_images: int = 0) -> np.ndarray:
+  """[Q, I, C, S, S] fp32: `pixels` of each prompt's images, I = `num_images` (0: the most a prompt has, >= 1)."""
+  I = num_images or max(1, max(map(len, image_lists)))
+  return np.stack([pixels(vcfg, ims, I) for ims in image_lists])
+
+
 def expand_marks(text: str, tok, vcfg) -> str:
   """`text` with each `IMAGE_MARK` written as the tokens the model reads for one image: begin, M
   placeholders, end (the tokenizer's own strings for `vcfg`'s token ids, which it keeps whole)."""

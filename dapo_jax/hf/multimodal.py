@@ -1,9 +1,10 @@
 """`Gemma3ForConditionalGeneration` directories <-> our vision-language params, without torch.
 
 The language model is a Gemma 3 text model, which `convert` maps (and composes with this file's
-parts); the vision tower (SigLIP) and the projector map here to params["vision"] (`model.vision`). Reads the tensor names transformers writes
-(`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`) and those of other releases
-(`model.language_model.*`, `vision_tower.vision_model.*`, ...); writes the first.
+parts); the vision tower (SigLIP) and the projector map here to params["vision"] (`model.vision`).
+Reads the tensor names transformers writes (`language_model.model.*`, `vision_tower.*`,
+`multi_modal_projector.*`) and those of other releases (`model.language_model.*`,
+`vision_tower.vision_model.*`, ...); writes the first.
 """
 from __future__ import annotations
 

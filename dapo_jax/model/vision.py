@@ -105,6 +105,10 @@ def image_features(vcfg: VisionConfig, vparams: dict, pixels_BICSS: jax.Array) -
   return feats_XMD.reshape(B, I * vcfg.tokens_per_image, -1)
 
 
+# `image_features`, compiled once per tower config and pixel shape (the rollout's and the warm start's).
+encode_images = jax.jit(image_features, static_argnums=0)
+
+
 def place(x_BTD: jax.Array, tokens_BT: jax.Array, features_BMD: jax.Array, image_token_id: int) -> jax.Array:
   """Token embeddings with the image placeholders replaced by the row's image vectors, the j-th
   placeholder of a row by vector j."""

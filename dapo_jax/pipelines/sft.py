@@ -152,8 +152,7 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
   state = trainer.init(jax.random.key(s.seed), params=params)
   pixels = None
   if vision is not None and s.train_vision:  # The tower trains: it runs on each batch's pixels, in the loss.
-    I = max(1, max(len(ex.images) for ex in examples[: s.num_examples]))
-    pixels = np.stack([images_lib.pixels(vision, ex.images, I) for ex in examples[: s.num_examples]])
+    pixels = images_lib.batch_pixels(vision, [ex.images for ex in examples[: s.num_examples]])
   elif vision is not None:  # The tower is frozen: each example's image vectors, computed once.
     images = image_vectors(model_cfg, state.params, examples[: s.num_examples])
   rows = sequential_draws(s.seed, len(chunks), s.batch_size)
@@ -171,8 +170,7 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
     # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
     probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style, vision)
     if vision is not None:  # The tower of each probe's params.
-      I = max(1, max(len(ex.images) for ex in examples[-s.probe_size:]))
-      probe += (np.stack([images_lib.pixels(vision, ex.images, I) for ex in examples[-s.probe_size:]]),)
+      probe += (images_lib.batch_pixels(vision, [ex.images for ex in examples[-s.probe_size:]]),)
     probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
 
     def done(n: int, params) -> str | None:
@@ -217,12 +215,9 @@ def image_vectors(model_cfg: model_lib.ModelConfig, params, examples, chunk: int
   tower = vision_lib.tower_params(params)
   out = []
   for i in range(0, len(examples), chunk):
-    pixels = np.stack([images_lib.pixels(v, ex.images, I) for ex in examples[i:i + chunk]])
-    out.append(np.asarray(_image_features(v, tower, pixels)))
+    pixels = images_lib.batch_pixels(v, [ex.images for ex in examples[i:i + chunk]], I)
+    out.append(np.asarray(vision_lib.encode_images(v, tower, pixels)))
   return np.concatenate(out)
-
-
-_image_features = jax.jit(vision_lib.image_features, static_argnums=0)
 
 
 def sequential_draws(seed: int, n: int, k: int):

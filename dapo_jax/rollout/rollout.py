@@ -33,8 +33,6 @@ from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout import episodes as episodes_lib
 from dapo_jax.rollout import sampling
 
-_image_features = jax.jit(vision.image_features, static_argnums=0)
-
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
@@ -144,9 +142,9 @@ class Rollout:
     if max(map(len, images)) > self.cfg.max_images:
       raise DataError(f"a prompt has {max(map(len, images))} images; data.max_images={self.cfg.max_images} "
                       "image slots per prompt")
-    pixels_QICSS = np.stack([images_lib.pixels(v, ims, self.cfg.max_images) for ims in images])
+    pixels_QICSS = images_lib.batch_pixels(v, images, self.cfg.max_images)
     self.vision_prompts += len(prompts)
-    return _image_features(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated))
+    return vision.encode_images(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated))
 
   def prompt_len(self, prompt_mask_QP: np.ndarray) -> int:
     """The smallest compiled prompt length (bucket) that holds every prompt of the batch."""

@@ -100,7 +100,8 @@ def prefill(model_cfg: model_lib.ModelConfig, params, prompt_UP, mask_UP, images
   vision-language model's prompts bring their image vectors (`vision.image_features`)."""
   logits_U1V, (k_LUKPH, v_LUKPH) = model_lib.forward(
       model_cfg, params, prompt_UP, model_lib.positions(mask_UP),
-      model_lib.attention_mask(model_cfg, prompt_UP, mask_UP), logits_from=prompt_UP.shape[1] - 1, emit_kv=True, images_BMD=images_UMD)
+      model_lib.attention_mask(model_cfg, prompt_UP, mask_UP), logits_from=prompt_UP.shape[1] - 1, emit_kv=True,
+      images_BMD=images_UMD)
   return logits_U1V[:, -1], k_LUKPH, v_LUKPH
 
 
