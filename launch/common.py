@@ -252,6 +252,37 @@ def _parse_flags(argv):
   sys.exit(1)
 
 
+def watcher_process() -> dict:
+  """For a launcher that starts runs as processes (launch.sweep, launch.ablate), at import: returns the
+  environment as it was, for the runs (their accelerators too), and keeps this process on the CPU, where
+  it only plans and watches them."""
+  env = dict(os.environ)
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def run_sweep(path: str, space, workdir: str, cfg, definition: dict, env: dict, launcher: str = "",
+              name: str = "setting", row=None) -> dict:
+  """Runs (or resumes) the sweep of the config `path` with the command line's `--config.x=y` fixed; prints
+  its table and where the report is."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  from dapo_jax.builders import sweep as sweep_builder
+  from dapo_jax.sweep import study
+  fixed = dict(config_flags.get_override_values(flags.FLAGS["config"]))
+  try:
+    t = sweep_builder.run(path, fixed, space, cfg, workdir, f"{__package__}.train", definition, launcher=launcher,
+                          env=env, name=name, row=row)
+  except study.Interrupted as e:
+    print(e, file=sys.stderr)
+    sys.exit(1)
+  print(t["markdown"])
+  print(f"wrote {workdir}/table.md, table.json" + (", curves.png" if t["plotted"] else
+                                                   " (curves.png needs matplotlib: pip install -e '.[plot]')"))
+  return t
+
+
 def serve_until_interrupted(server) -> None:
   """Serves in the foreground until Ctrl-C, then closes the server (its threads and sockets)."""
   try:

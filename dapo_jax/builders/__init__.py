@@ -34,6 +34,7 @@ from dapo_jax.builders.model import (  # noqa: F401
   tokenizer,
   trained_model,
   trainer,
+  warm_start,
 )
 from dapo_jax.builders.pipelines import chat_sft_config, dpo_config, dpo_evaluator, rm_config, run_sft  # noqa: F401
 from dapo_jax.builders.record import (  # noqa: F401

@@ -14,7 +14,7 @@ import jax
 from dapo_jax import checkpoint, objectives, sharding, train_step
 from dapo_jax.builders import record
 from dapo_jax.builders.checks import ConfigError, typed
-from dapo_jax.builders.task import episodes
+from dapo_jax.builders.task import datasets, episodes
 from dapo_jax.data import images as images_lib
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
@@ -163,6 +163,20 @@ def initial_model(cfg, workdir: str, tok, mesh, train_examples):
     loaded_cfg, params = hf.load(sft_dir, **cfg.model.runtime_overrides())
     return loaded_cfg, params
   raise ValueError(f"model.init={init!r}; expected 'random', 'hf' or 'sft'")
+
+
+@typed
+def warm_start(cfg, workdir: str, mesh) -> str:
+  """Trains the SFT warm start of `cfg` (`model.init="sft"`) into WORKDIR/sft_model (its tokenizer into
+  WORKDIR/tokenizer) unless it is there, as a run would, and returns that HF directory: what
+  `launch.train --warm_start_only` writes for runs that share one start (sweeps, ablations)."""
+  if cfg.model.init != "sft":
+    raise ConfigError(f"model.init={cfg.model.init!r}: only the SFT warm start (model.init='sft') is trained "
+                      "ahead of a run")
+  train, _ = datasets(cfg)
+  tok = tokenizer(cfg, workdir, train)
+  initial_model(cfg, workdir, tok, mesh, train)
+  return os.path.join(workdir, "sft_model")
 
 
 @typed

@@ -1,93 +1,26 @@
-"""An ablation study, as the paper's Table 1: every stage x seed trained from one shared warm
-start, then a table at equal generated samples and at equal rollout steps, and curves.
+"""A sweep's report: per setting, the held-out metric at equal generated samples and at equal rollout
+steps (mean and spread over its seeds), what the runs spent, and the trials stopped early; as
+WORKDIR/table.md (printed at the end), table.json and curves.png.
 
-    ablation.run({"naive_grpo": cfg, ..., "dapo": cfg}, seeds=3, workdir="runs/ablation")
-
-The stages' configs differ only in the algorithm; each run gets its seed and the shared start. The
-workdir holds
-
-    start/sft_model/     the SFT warm start every run begins from (an HF directory with its
-                         tokenizer), trained once: the configs' `model.init="sft"`
-    <stage>/seed<k>/     one training run, as `launch.train` writes it (metrics.jsonl, checkpoints/)
-    table.md, table.json, curves.png
-
-and the same call resumes: a run whose metrics reach its last step is not re-run, an interrupted
-one resumes from its checkpoints. Dynamic sampling generates more responses per rollout step than
-it trains on, so stages are compared at equal generated samples (`rollout/samples`) as well as at
-equal steps.
+Settings are compared over their finished runs at the largest sample budget every finished run reached
+at an evaluation (each run's metric interpolated between its evaluations there), and at the last step
+every finished run evaluated. Pruned and failed trials are listed with the samples they spent and their
+last reported value; their curves are drawn dashed.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from dapo_jax import metrics as metrics_lib
-from dapo_jax import sharding
-from dapo_jax.builders import model, rl, task
-from dapo_jax.errors import ConfigError
 
 END_STEPS = 5  # "At the end" is the mean over a run's last rollout steps: one step's batch is small.
 END_METRICS = {"actor/entropy": "entropy", "response_length/mean": "length",
                "response_length/clip_ratio": "truncated", "actor/pg_clipfrac_eps_high": "clip_high",
                "actor/pg_clipfrac_eps_low": "clip_low"}
-
-
-class Interrupted(RuntimeError):
-  """A run stopped before its last step (a signal): the same command resumes it."""
-
-
-# --- running --------------------------------------------------------------------------------------
-
-def run_dir(workdir: str, stage: str, seed: int) -> str:
-  return os.path.join(workdir, stage, f"seed{seed}")
-
-
-def shared_start(cfg, workdir: str, mesh) -> str:
-  """The HF directory of the SFT warm start of `cfg` (`model.init="sft"`), trained once into
-  WORKDIR/start with the config's own seed."""
-  if cfg.model.init != "sft":
-    raise ConfigError(f"model.init={cfg.model.init!r}: an ablation shares the SFT warm start "
-                      "between its runs; expected 'sft'")
-  start = os.path.join(workdir, "start")
-  train, _ = task.datasets(cfg)
-  tok = model.tokenizer(cfg, start, train)
-  model.initial_model(cfg, start, tok, mesh, train)  # Trains and saves start/sft_model once.
-  return os.path.join(start, "sft_model")
-
-
-def run_config(cfg, start_dir: str, seed: int):
-  """`cfg` for one seed, starting from the shared warm start (model and tokenizer)."""
-  cfg = cfg.copy_and_resolve_references()
-  cfg.seed = seed
-  cfg.model.update(init="hf", hf_dir=start_dir)
-  return cfg
-
-
-def finished(workdir: str, num_steps: int) -> bool:
-  path = os.path.join(workdir, "metrics.jsonl")
-  return os.path.exists(path) and max(metrics_lib.read_jsonl(path), default=-1) >= num_steps
-
-
-def run(stage_cfgs: Mapping[str, object], seeds: int, workdir: str, mesh=None) -> dict:
-  """Trains every stage x seed not yet finished (stage by stage), then writes the report; returns
-  the table (`table`). Raises `Interrupted` when a run stopped before its end."""
-  first = next(iter(stage_cfgs.values()))
-  mesh = mesh if mesh is not None else sharding.make_mesh(first.mesh)
-  start = shared_start(first, workdir, mesh)
-  for stage, cfg in stage_cfgs.items():
-    for seed in range(seeds):
-      out = run_dir(workdir, stage, seed)
-      if finished(out, cfg.train.num_steps):
-        print(f"{out}: finished, not re-run", flush=True)
-        continue
-      print(f"=== {stage}, seed {seed} -> {out}", flush=True)
-      rl.run(run_config(cfg, start, seed), out, mesh)
-      if not finished(out, cfg.train.num_steps):
-        raise Interrupted(f"{out} stopped before step {cfg.train.num_steps}; run the same command to resume")
-  return report(workdir, list(stage_cfgs), seeds)
 
 
 # --- reading the runs -----------------------------------------------------------------------------
@@ -100,17 +33,17 @@ def eval_key(records: Mapping[int, dict]) -> str:
   return keys[0]
 
 
-def run_curves(records: Mapping[int, dict]) -> dict:
+def run_curves(records: Mapping[int, dict], metric: str) -> dict:
   """A run's metrics by rollout step: cumulative generated samples after each step, the held-out
-  evaluations (step 0 is before RL), and the per-step metrics that END_METRICS names."""
+  evaluations of `metric` (step 0 is before RL) and greedy accuracy, and the per-step metrics that
+  END_METRICS names."""
   steps = np.array(sorted(s for s in records if s > 0))
   samples = np.cumsum([records[s].get("rollout/samples", 0.0) for s in steps])
   at = {0: 0.0, **dict(zip(steps.tolist(), samples.tolist()))}
-  mean_key = eval_key(records)
-  evals = sorted(s for s in records if mean_key in records[s])
+  evals = sorted(s for s in records if metric in records[s])
   out = {"steps": steps, "samples": samples, "eval_steps": np.array(evals),
          "eval_samples": np.array([at[s] for s in evals]),
-         "mean": np.array([records[s][mean_key] for s in evals]),
+         "mean": np.array([records[s][metric] for s in evals]),
          "greedy": np.array([records[s].get("val/acc/greedy", np.nan) for s in evals])}
   for k in END_METRICS:
     out[k] = np.array([records[s].get(k, np.nan) for s in steps], np.float64)
@@ -125,15 +58,15 @@ def spread(values: Sequence[float]) -> dict:
 
 
 def table(curves: Mapping[str, Sequence[dict]], eval_name: str = "mean@k") -> dict:
-  """Per stage, over its seeds: held-out accuracy at the largest sample budget every run reached
+  """Per setting, over its seeds: held-out accuracy at the largest sample budget every run reached
   at an evaluation (linear interpolation between evaluations), and at the last step every run
   evaluated; samples generated by then; the END_METRICS averaged over the last END_STEPS steps."""
   runs = [c for cs in curves.values() for c in cs]
   budget = float(min(c["eval_samples"][-1] for c in runs))
   step = int(min(c["eval_steps"][-1] for c in runs))
   out = {"eval": eval_name, "budget_samples": budget, "budget_step": step, "end_steps": END_STEPS,
-         "stages": {}}
-  for stage, cs in curves.items():
+         "settings": {}}
+  for setting, cs in curves.items():
     by_samples = lambda key: spread([np.interp(budget, c["eval_samples"], c[key]) for c in cs])
     by_step = lambda key: spread([np.interp(step, c["eval_steps"], c[key]) for c in cs])
     row = {"seeds": len(cs), f"{eval_name}_at_samples": by_samples("mean"), "greedy_at_samples": by_samples("greedy"),
@@ -146,56 +79,70 @@ def table(curves: Mapping[str, Sequence[dict]], eval_name: str = "mean@k") -> di
     for k, name in END_METRICS.items():
       ends = [np.nanmean(c[k][-END_STEPS:]) if np.isfinite(c[k][-END_STEPS:]).any() else np.nan for c in cs]
       row[name] = spread(ends)
-    out["stages"][stage] = row
+    out["settings"][setting] = row
   return out
-
-
-def load_curves(workdir: str, stages: Sequence[str], seeds: int) -> dict[str, list[dict]]:
-  return {stage: [run_curves(metrics_lib.read_jsonl(os.path.join(run_dir(workdir, stage, seed), "metrics.jsonl")))
-                  for seed in range(seeds)] for stage in stages}
 
 
 # --- writing the report ---------------------------------------------------------------------------
 
-def markdown(t: dict) -> str:
-  """The table as markdown: mean ± std over seeds."""
+def markdown(t: dict, stopped: Sequence[dict] = (), name: str = "setting") -> str:
+  """The table as markdown, mean ± std over seeds; then the trials stopped early (`stopped`: their
+  setting, seed, state, samples and last reported value or error), and what every trial spent."""
   e, n = t["eval"], f"{t['budget_samples']:,.0f}"
   fmt = lambda s, p=3: f"{s['mean']:.{p}f} ± {s['std']:.{p}f}"
-  head = (f"| stage | {e} at {n} samples | greedy at {n} samples | {e} at step {t['budget_step']} | "
+  head = (f"| {name} | {e} at {n} samples | greedy at {n} samples | {e} at step {t['budget_step']} | "
           f"greedy at step {t['budget_step']} | samples by step {t['budget_step']} | entropy | length | "
           "truncated at step 1 | truncated | clip high | clip low |")
   lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-  for stage, r in t["stages"].items():
-    lines.append(f"| {stage} | {fmt(r[f'{e}_at_samples'])} | {fmt(r['greedy_at_samples'])} | "
+  for setting, r in t["settings"].items():
+    lines.append(f"| {setting} | {fmt(r[f'{e}_at_samples'])} | {fmt(r['greedy_at_samples'])} | "
                  f"{fmt(r[f'{e}_at_step'])} | {fmt(r['greedy_at_step'])} | {r['samples_at_step']['mean']:,.0f} | "
                  f"{fmt(r['entropy'], 2)} | {fmt(r['length'], 1)} | {fmt(r['truncated_start'])} | "
                  f"{fmt(r['truncated'])} | "
                  f"{fmt(r['clip_high'], 4)} | {fmt(r['clip_low'], 4)} |")
-  seeds = {r["seeds"] for r in t["stages"].values()}
-  before = np.mean([r["before_rl"]["mean"] for r in t["stages"].values()])
+  seeds = {r["seeds"] for r in t["settings"].values()}
+  before = np.mean([r["before_rl"]["mean"] for r in t["settings"].values()])
   lines += ["", f"Mean ± std over {max(seeds)} seed(s) (min and max per seed in table.json); held-out "
             f"{e} before RL {before:.3f}. Accuracy at equal samples is interpolated between evaluations; "
             f"entropy, response length, truncated fraction and clip fractions are the mean of the last "
             f"{t['end_steps']} rollout steps."]
+  if t.get("best") and len(t["settings"]) > 1:
+    b = t["settings"][t["best"]][f"{e}_at_samples"]
+    lines += ["", f"Best at {n} samples: {t['best']} ({e} {fmt(b)})."]
+  if stopped:
+    lines += ["", f"Stopped early: {len(stopped)} trial(s).", "",
+              f"| {name} | seed | state | samples | {e} at its last evaluation | note |", "|---|---|---|---|---|---|"]
+    for r in stopped:
+      value = "" if r.get("value") is None else f"{r['value']:.3f}"
+      lines.append(f"| {r['setting']} | {r['seed']} | {r['state'].lower()} | {r['samples']:,.0f} | {value} | "
+                   f"{r.get('error', '')} |")
+  if "spent" in t:
+    sp = t["spent"]
+    lines += ["", f"Samples generated: {sp['finished']:,.0f} by the {sp['finished_runs']} finished run(s), "
+              f"{sp['stopped']:,.0f} by the {len(stopped)} stopped early."]
   return "\n".join(lines) + "\n"
 
 
-def plot(curves: Mapping[str, Sequence[dict]], path: str, eval_name: str = "mean@k") -> bool:
+def plot(curves: Mapping[str, Sequence[dict]], path: str, eval_name: str = "mean@k",
+         stopped: Mapping[str, dict] = None) -> bool:
   """curves.png: held-out accuracy, entropy and the truncated fraction against generated samples,
-  per stage (mean over seeds, the band from the lowest to the highest seed). False when matplotlib
-  is missing."""
+  per setting (mean over seeds, the band from the lowest to the highest seed); the trials stopped
+  early (`stopped`: {name: curve}) dashed. False when matplotlib is missing."""
   try:
     from matplotlib.figure import Figure
   except ImportError:
     return False
   fig = Figure(figsize=(15, 4), layout="constrained")
   acc_ax, ent_ax, cut_ax = fig.subplots(1, 3)
-  for i, (stage, cs) in enumerate(curves.items()):
+  for i, (setting, cs) in enumerate(curves.items()):
     color = f"C{i}"
-    # Seeds of a stage that filters groups generate different numbers of samples: share a grid.
-    _band(acc_ax, [(c["eval_samples"], c["mean"]) for c in cs], color, stage)
-    _band(ent_ax, [(c["samples"], _smooth(c["actor/entropy"])) for c in cs], color, stage)
-    _band(cut_ax, [(c["samples"], _smooth(c["response_length/clip_ratio"])) for c in cs], color, stage)
+    # Seeds of a setting that filters groups generate different numbers of samples: share a grid.
+    _band(acc_ax, [(c["eval_samples"], c["mean"]) for c in cs], color, setting)
+    _band(ent_ax, [(c["samples"], _smooth(c["actor/entropy"])) for c in cs], color, setting)
+    _band(cut_ax, [(c["samples"], _smooth(c["response_length/clip_ratio"])) for c in cs], color, setting)
+  for j, (name, c) in enumerate((stopped or {}).items()):
+    if len(c["eval_samples"]):
+      acc_ax.plot(c["eval_samples"], c["mean"], linestyle="--", linewidth=1, color=f"C{len(curves) + j}", label=name)
   acc_ax.set(xlabel="generated samples", ylabel=f"held-out {eval_name}", title="Held-out accuracy")
   ent_ax.set(xlabel="generated samples", ylabel="token entropy (5-step mean)", title="Policy entropy")
   cut_ax.set(xlabel="generated samples", ylabel="truncated fraction (5-step mean)", title="Responses cut off")
@@ -224,16 +171,43 @@ def _smooth(y: np.ndarray, window: int = 5) -> np.ndarray:
   return out
 
 
-def report(workdir: str, stages: Sequence[str], seeds: int) -> dict:
-  """Writes table.md, table.json and curves.png (when matplotlib is installed) into `workdir`."""
-  curves = load_curves(workdir, stages, seeds)
-  name = eval_key(metrics_lib.read_jsonl(os.path.join(run_dir(workdir, stages[0], 0), "metrics.jsonl")))
-  name = name.removeprefix("val/acc/")
-  t = table(curves, name)
+def write(workdir: str, trials: Sequence, metric: str, name: str = "setting",
+          row: Callable[[object], str] | None = None, direction: str = "maximize", order: Sequence[str] = ()) -> dict:
+  """Writes table.md, table.json and curves.png (when matplotlib is installed) into `workdir` from the
+  sweep's `trials` (`study.TrialRecord`s; rows named by `row(trial)`, default its setting's label);
+  returns the table, with `markdown` and `plotted`. Rows in `order` come first, in that order."""
+  row = row or (lambda r: r.setting)
+  curves, stopped_rows, stopped_curves = {}, [], {}
+  spent = {"finished": 0.0, "finished_runs": 0, "stopped": 0.0}
+  for r in sorted(trials, key=lambda r: r.number):
+    path = os.path.join(r.workdir, "metrics.jsonl")
+    records = metrics_lib.read_jsonl(path) if os.path.exists(path) else {}
+    c = run_curves(records, metric)
+    samples = float(c["samples"][-1]) if len(c["samples"]) else 0.0
+    if r.state == "COMPLETE":
+      curves.setdefault(row(r), []).append(c)
+      spent["finished"] += samples
+      spent["finished_runs"] += 1
+    elif r.state in ("PRUNED", "FAIL"):
+      value = float(c["mean"][-1]) if len(c["mean"]) else None
+      stopped_rows.append({"setting": row(r), "seed": r.seed, "state": r.state, "samples": samples, "value": value,
+                           "error": r.error})
+      stopped_curves[f"{row(r)} seed {r.seed} ({r.state.lower()})"] = c
+      spent["stopped"] += samples
+  rank = {name: i for i, name in enumerate(order)}  # The space's order first (a grid's), then the trials'.
+  curves = dict(sorted(curves.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+  short = metric.removeprefix("val/acc/")
+  if not curves:
+    t = {"eval": short, "settings": {}, "stopped": stopped_rows, "spent": spent}
+    t["markdown"] = f"No trial has finished yet ({len(stopped_rows)} stopped early).\n"
+  else:
+    t = {**table(curves, short), "stopped": stopped_rows, "spent": spent}
+    at = {k: r[f"{short}_at_samples"]["mean"] for k, r in t["settings"].items()}
+    t["best"] = (max if direction == "maximize" else min)(at, key=at.get)
+    t["markdown"] = markdown(t, stopped_rows, name)
   with open(os.path.join(workdir, "table.json"), "w") as f:
-    json.dump(t, f, indent=1)
-  md = markdown(t)
+    json.dump({k: v for k, v in t.items() if k != "markdown"}, f, indent=1)
   with open(os.path.join(workdir, "table.md"), "w") as f:
-    f.write(md)
-  t["plotted"] = plot(curves, os.path.join(workdir, "curves.png"), name)
+    f.write(t["markdown"])
+  t["plotted"] = bool(curves) and plot(curves, os.path.join(workdir, "curves.png"), short, stopped_curves)
   return t
