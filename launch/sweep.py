@@ -36,6 +36,8 @@ _PRUNER = flags.DEFINE_enum("pruner", _D.pruner, ["none", "median", "halving"], 
                             "successive halving, or none.")
 _PRUNE_AFTER = flags.DEFINE_integer("prune_after", _D.prune_after, "Finished trials before median pruning starts.",
                                     lower_bound=0)
+_PRUNE_WARMUP = flags.DEFINE_integer("prune_warmup", _D.prune_warmup, "Generated samples a trial runs before "
+                                     "the median pruner may stop it.", lower_bound=0)
 _REDUCTION = flags.DEFINE_integer("reduction_factor", _D.reduction_factor, "Successive halving keeps 1/r of the "
                                   "trials at each budget rung.", lower_bound=2)
 _REPORT_EVERY = flags.DEFINE_integer("report_every", _D.report_every, "Generated samples between a trial's reports "
@@ -50,7 +52,8 @@ _LAUNCHER = flags.DEFINE_string("launcher", "", "A command each trial runs under
 
 def sweep_config() -> SweepConfig:
   return SweepConfig(seeds=_SEEDS.value, sampler=_SAMPLER.value, trials=_TRIALS.value, pruner=_PRUNER.value,
-                     prune_after=_PRUNE_AFTER.value, reduction_factor=_REDUCTION.value,
+                     prune_after=_PRUNE_AFTER.value, prune_warmup=_PRUNE_WARMUP.value,
+                     reduction_factor=_REDUCTION.value,
                      report_every=_REPORT_EVERY.value, metric=_METRIC.value, direction=_DIRECTION.value,
                      parallel=_PARALLEL.value, sampler_seed=_SAMPLER_SEED.value)
 

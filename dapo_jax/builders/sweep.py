@@ -2,8 +2,8 @@
 overrides, in its own process; `run` drives `sweep.study.Sweep` and writes `sweep.report`.
 
 The settings of a sweep share their SFT warm start (`model.init="sft"`) when what the warm start reads
-is equal (`start_key`: the model, tokenizer, sft, data, rollout and mesh sections, the seed and
-`train.microbatch_tokens`). It is trained once, by `launch.train --warm_start_only`, into
+is equal (`start_key`: the model, tokenizer, sft, data and mesh sections, the episodes' fields of rollout,
+the seed and `train.microbatch_tokens`). It is trained once, by `launch.train --warm_start_only`, into
 WORKDIR/starts/<key>/, and every trial starts from it (`model.init="hf"`), so the trials of a setting
 differ only in their RL seed, as the paper's ablation runs do. A sweep over a field the warm start reads
 (`sft.lr`, `model.num_layers`) trains one start per value.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
-import itertools
 import json
 import os
 import shlex
@@ -27,7 +26,8 @@ from dapo_jax.sweep import report as report_lib
 from dapo_jax.sweep import space as space_lib
 from dapo_jax.sweep import study as study_lib
 
-START_SECTIONS = ("model", "tokenizer", "sft", "data", "rollout", "mesh")  # what builders.warm_start reads
+START_SECTIONS = ("model", "tokenizer", "sft", "data", "mesh")  # what builders.warm_start reads, with
+START_ROLLOUT = ("env", "env_args", "max_turns", "turn_stop")    # the episodes' fields its tokenizer reads
 
 
 def split_config_path(path: str) -> tuple[str, dict[str, str]]:
@@ -83,6 +83,7 @@ def start_key(cfg) -> str:
   """A short hash of what the SFT warm start reads: configs with equal keys share one start."""
   d = cfg.to_dict()
   parts = {s: d[s] for s in START_SECTIONS}
+  parts["rollout"] = {f: d["rollout"][f] for f in START_ROLLOUT}
   parts.update(seed=d["seed"], microbatch_tokens=d["train"]["microbatch_tokens"])
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -145,7 +146,7 @@ def run(path: str, fixed: Mapping[str, object], space: space_lib.Space, cfg: stu
   if not base.train.eval_every:
     raise ConfigError("train.eval_every=0: a sweep reads the held-out evaluations; set train.eval_every")
   if cfg.sampler in ("auto", "grid") and space.grid is not None:
-    for values in _grid_points(space):
+    for values in space.grid_points():
       check(trials.config(space.overrides(values))[0])
   cfg = dataclasses.replace(cfg, metric=cfg.metric or default_metric(base),
                             report_every=cfg.report_every or default_report_every(base))
@@ -153,7 +154,7 @@ def run(path: str, fixed: Mapping[str, object], space: space_lib.Space, cfg: stu
   sweep = study_lib.Sweep(cfg, space, workdir, trials.plan, {**definition, "config": path, "fixed": dict(fixed)},
                           env=dict(env) if env is not None else None)
   records = sweep.run()
-  order = [(row or (lambda r: r.setting))(_Overrides(space.overrides(p))) for p in _grid_points(space)] \
+  order = [(row or (lambda r: r.setting))(_Overrides(space.overrides(p))) for p in space.grid_points()] \
       if space.grid is not None else []
   return report_lib.write(workdir, records, cfg.metric, name, row, cfg.direction, order)
 
@@ -166,11 +167,6 @@ class _Overrides:
   @property
   def setting(self) -> str:
     return space_lib.label(self.overrides)
-
-
-def _grid_points(space: space_lib.Space) -> list[dict]:
-  keys = list(space.grid)
-  return [dict(zip(keys, values)) for values in itertools.product(*space.grid.values())]
 
 
 def recipe_space(file: str) -> space_lib.Space | None:

@@ -13,6 +13,7 @@ sampler's values into a run's config: `--config.KEY=VALUE` flags and config-file
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -65,6 +66,11 @@ class Space:
     """How many settings the grid holds (None: a range makes it unbounded)."""
     grid = self.grid
     return None if grid is None else math.prod(len(v) for v in grid.values())
+
+  def grid_points(self) -> list[dict[str, Value]]:
+    """Every setting of the grid as {key: value}, the first key varying slowest, values as listed."""
+    grid = self.grid
+    return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
   def suggest(self, trial) -> dict[str, Value]:
     """The trial's setting, as the sampler picks it: {optuna parameter: value}."""

@@ -5,9 +5,9 @@ and workdir per trial), stopped early by an optuna pruner, all recorded in an SQ
     WORKDIR/trials/<setting>/seed<k>/      one run, as `launch.train` writes it, plus trial.log
     WORKDIR/starts/<key>/sft_model         a warm start shared by the trials whose starts are equal
 
-A trial is one (setting, seed). The sampler picks a setting for seed 0; once that run finishes, the
-setting's seeds 1..N-1 are queued (`enqueue_trial`) and run before a new setting, so a setting the pruner stopped spends
-no more seeds. Each trial reports its held-out metric at fixed generated-sample budgets
+A trial is one (setting, seed). The sampler picks a setting for seed 0 (the grid: every setting, queued
+at the study's start in the order listed); once that run finishes, the setting's seeds 1..N-1 are queued
+(`enqueue_trial`), so a setting the pruner stopped spends no more seeds. Each trial reports its held-out metric at fixed generated-sample budgets
 (`trials.budget_points`) and the pruner may stop it (SIGTERM: it checkpoints at its next step and exits).
 
 Killed (kill -9, a lost machine) and started again with the same command, the sweep resumes: finished,
@@ -49,12 +49,13 @@ class SweepConfig:
   trials: int = 0              # settings to try with random / tpe (0: the grid's size)
   pruner: str = "median"       # none, median (optuna's MedianPruner), halving (SuccessiveHalvingPruner)
   prune_after: int = 2         # finished trials before the median pruner stops any
+  prune_warmup: int = 0        # generated samples a trial runs before the median pruner may stop it
   reduction_factor: int = 2    # halving: the fraction 1/r of trials promoted at each budget rung
   report_every: int = 0        # generated samples between the trial's reports to the pruner (0: one eval interval)
   metric: str = ""             # the held-out metric (default: the run's val/acc/mean@k)
   direction: str = "maximize"  # or minimize
   parallel: int = 1            # trials at once
-  sampler_seed: int = 0        # the sampler's and grid order's seed
+  sampler_seed: int = 0        # the random and tpe samplers' seed
   poll_s: float = 2.0          # seconds between looks at the running trials' metrics
 
 
@@ -123,6 +124,9 @@ class Sweep:
         study_name=STUDY_NAME, storage=f"sqlite:///{os.path.abspath(workdir)}/study.db", load_if_exists=True,
         direction=cfg.direction, sampler=self._sampler(sampler), pruner=self._pruner())
     self._check_definition({**definition, "seeds": cfg.seeds, "sampler": sampler, "metric": cfg.metric})
+    if sampler == "grid" and not self.study.trials:  # A new study: the grid's settings, in the order listed.
+      for params in space.grid_points():
+        self.study.enqueue_trial(params, user_attrs={"seed": 0})
     self._running: dict[int, tuple] = {}  # trial number -> (optuna Trial, TrialProcess, run dir, seed)
     self._stop_signal = None
 
@@ -136,7 +140,7 @@ class Sweep:
   def _pruner(self):
     p = self._optuna.pruners
     if self.cfg.pruner == "median":
-      return p.MedianPruner(n_startup_trials=self.cfg.prune_after, n_warmup_steps=0)
+      return p.MedianPruner(n_startup_trials=self.cfg.prune_after, n_warmup_steps=self.cfg.prune_warmup)
     if self.cfg.pruner == "halving":
       return p.SuccessiveHalvingPruner(min_resource=self.cfg.report_every, reduction_factor=self.cfg.reduction_factor)
     return p.NopPruner()
