@@ -11,7 +11,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launchers that take --config (and so --dry_run).
-LAUNCHERS = ("train", "eval", "sample", "sft", "rm", "dpo", "export", "serve", "plan", "ablate", "bench")
+LAUNCHERS = ("train", "eval", "sample", "sft", "rm", "dpo", "export", "serve", "plan", "ablate", "sweep", "bench")
 PLACEHOLDERS = {"$DIR": "/tmp/dapo_docs_dir", "$W": "/tmp/dapo_docs_w", "W/": "/tmp/dapo_docs_w/"}
 
 

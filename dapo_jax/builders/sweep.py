@@ -151,8 +151,12 @@ def run(path: str, fixed: Mapping[str, object], space: space_lib.Space, cfg: stu
   cfg = dataclasses.replace(cfg, metric=cfg.metric or default_metric(base),
                             report_every=cfg.report_every or default_report_every(base))
   record.lock(workdir)  # One sweep per workdir; its trials lock their own.
+  env = dict(os.environ if env is None else env)
+  # The trials compile the same programs: one persistent compilation cache for them all.
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.abspath(workdir), "jax_cache"))
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   sweep = study_lib.Sweep(cfg, space, workdir, trials.plan, {**definition, "config": path, "fixed": dict(fixed)},
-                          env=dict(env) if env is not None else None)
+                          env=env)
   records = sweep.run()
   order = [(row or (lambda r: r.setting))(_Overrides(space.overrides(p))) for p in space.grid_points()] \
       if space.grid is not None else []
