@@ -176,6 +176,15 @@ def test_trial_command_and_shared_start(tmp_path):
   assert trials_.plan({"dapo.eps_high": 0.2}, 0).start_dir == plan.start_dir  # an RL field: one start
 
 
+def test_a_recipes_sweep_function_is_its_space(tmp_path):
+  s = sweep_builder.recipe_space(f"{ROOT}/configs/dapo_qwen2_5_32b.py")
+  assert [s.overrides(p) for p in s.grid_points()] == [{"dapo.eps_high": v} for v in (0.24, 0.28, 0.32)]
+  plan = sweep_builder.Trials(f"{ROOT}/configs/dapo_qwen2_5_32b.py:runlocal", {}, str(tmp_path), "launch.train").plan(
+      s.overrides({space.POINT: 2}), 1)
+  assert "--config.dapo.eps_high=0.32" in plan.argv("OUT") and "--config.seed=1" in plan.argv("OUT")
+  assert sweep_builder.recipe_space(f"{ROOT}/configs/default.py") is None
+
+
 def test_resuming_another_sweep_is_refused(tmp_path):
   s = space.from_specs(["dapo.eps_high=[0.2,0.3]"])
   cfg = study.SweepConfig(metric="val/acc/mean@2", report_every=10)

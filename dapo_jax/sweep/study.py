@@ -83,6 +83,16 @@ class TrialRecord:
   error: str
 
 
+@dataclasses.dataclass
+class _Active:
+  """A trial whose process runs."""
+  trial: object          # optuna.Trial
+  proc: trials_lib.TrialProcess
+  workdir: str
+  num_steps: int
+  reported: set          # budgets already reported
+
+
 def _grid_sampler(base):
   """optuna's GridSampler without its stop at the grid's end (`Study.stop` works inside `optimize` only; a
   sweep asks and tells, and stops when it has started every setting)."""
@@ -127,15 +137,15 @@ class Sweep:
     if sampler == "grid" and not self.study.trials:  # A new study: the grid's settings, in the order listed.
       for params in space.grid_points():
         self.study.enqueue_trial(params, user_attrs={"seed": 0})
-    self._running: dict[int, tuple] = {}  # trial number -> (optuna Trial, TrialProcess, run dir, seed)
+    self._running: dict[int, _Active] = {}  # by trial number
     self._stop_signal = None
 
   # --- the study ---------------------------------------------------------------------------------
 
   def _sampler(self, name: str):
     o, seed = self._optuna.samplers, self.cfg.sampler_seed
-    return {"grid": lambda: _grid_sampler(o.GridSampler)(self.space.grid, seed=seed), "random": lambda: o.RandomSampler(seed=seed),
-            "tpe": lambda: o.TPESampler(seed=seed)}[name]()
+    return {"grid": lambda: _grid_sampler(o.GridSampler)(self.space.grid, seed=seed),
+            "random": lambda: o.RandomSampler(seed=seed), "tpe": lambda: o.TPESampler(seed=seed)}[name]()
 
   def _pruner(self):
     p = self._optuna.pruners
@@ -170,10 +180,11 @@ class Sweep:
     T = self._optuna.trial.TrialState
     old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-      orphans = [t for t in self._trials(T.RUNNING)]  # Running when an earlier sweep process died.
+      orphans = list(self._trials(T.RUNNING))  # Running when an earlier sweep process died.
       for t in orphans:
         print(f"trial {t.number} ({t.user_attrs.get('setting')}, seed {t.user_attrs.get('seed')}) was running "
               "when the sweep stopped: resuming it", flush=True)
+      # Reopened as optuna's own ask() opens a trial (it has no public call for a running one).
       pending = [self._optuna.trial.Trial(self.study, t._trial_id) for t in orphans]
       while True:
         while self._stop_signal is None and len(self._running) < self.cfg.parallel:
@@ -200,10 +211,10 @@ class Sweep:
     self._stop_signal = signal.Signals(signum).name
 
   def _stop_all(self) -> None:
-    for _, proc, _, _ in self._running.values():
-      proc.stop()
-    for number, (_, proc, _, _) in list(self._running.items()):
-      proc.wait()
+    for active in self._running.values():
+      active.proc.stop()
+    for number, active in list(self._running.items()):
+      active.proc.wait()
       del self._running[number]  # Left RUNNING in the study: the next sweep resumes it.
 
   def _ask(self):
@@ -248,7 +259,8 @@ class Sweep:
         time.sleep(self.cfg.poll_s)
     print(f"=== trial {trial.number}: {setting}, seed {seed} -> {out}", flush=True)
     proc = trials_lib.TrialProcess(plan.argv(out), out, self._env, self._cwd)
-    self._running[trial.number] = (trial, proc, out, plan.num_steps)
+    (frozen,) = [t for t in self._trials() if t.number == trial.number]
+    self._running[trial.number] = _Active(trial, proc, out, plan.num_steps, set(frozen.intermediate_values))
 
   def _warm_start(self, plan: Plan) -> None:
     """Trains the shared warm start once (its own process), before the first trial that needs it."""
@@ -261,14 +273,15 @@ class Sweep:
 
   def _watch(self, number: int) -> None:
     """Reports the trial's new budget points, asks the pruner, and tells the study when it ended."""
-    trial, proc, out, num_steps = self._running[number]
+    active = self._running[number]
+    trial, proc, out, num_steps = active.trial, active.proc, active.workdir, active.num_steps
     code = proc.poll()
     curve = trials_lib.read_curve(out, self.cfg.metric)
     if curve is not None:
-      reported = self.study._storage.get_trial(trial._trial_id).intermediate_values
       for budget, value in trials_lib.budget_points(curve, self.cfg.report_every):
-        if budget not in reported:
+        if budget not in active.reported:
           trial.report(value, budget)
+          active.reported.add(budget)
       trial.set_user_attr("samples", curve.samples)
       if code is None and not proc.stopping and curve.last_step < num_steps and trial.should_prune():
         print(f"trial {number} pruned at {curve.samples:,.0f} samples (step {curve.last_step}): stopping it after "
