@@ -12,6 +12,7 @@ from dapo_jax.builders.checks import ConfigError, check, dataset_files, typed
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.envs import base as env_lib
 from dapo_jax.rollout import episodes as episodes_lib
+from dapo_jax.settings import pick
 
 
 @typed
@@ -149,17 +150,18 @@ def turn_stop_ids(cfg, tok) -> tuple[int, ...]:
 @typed
 def reward(cfg):
   """The rollout's reward from `reward.fn` (or weighted `reward.fns`, when the config has them):
-  a function path (process pool), http(s)://HOST:PORT (an RM server) or rm:DIR (a reward model
-  in this process, on the accelerator)."""
+  a function path (process pool), http(s)://HOST:PORT (an RM server), rm:DIR (a reward model
+  in this process, on the accelerator) or judge:URL (a language model grading by a rubric)."""
   r = cfg.reward
   mode = r.sandbox
   if mode != "namespaces" or any("python_tests" in f for f in (r.fn, *(r.fns))):
     from dapo_jax.rewards import code  # noqa: PLC0415
     code.set_sandbox(mode)  # A host that cannot sandbox fails here, saying what is missing.
   fns = tuple(f for f in (r.fns) if f)
+  judge = pick(rewards_lib.JudgeConfig, r)
   if fns:
-    return rewards_lib.CombinedReward(rewards_lib.parse_weighted(fns), r.timeout_s, r.workers)
-  return rewards_lib.make_reward(r.fn, r.timeout_s, r.workers)
+    return rewards_lib.CombinedReward(rewards_lib.parse_weighted(fns), r.timeout_s, r.workers, judge)
+  return rewards_lib.make_reward(r.fn, r.timeout_s, r.workers, judge)
 
 
 @typed

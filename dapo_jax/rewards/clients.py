@@ -14,6 +14,7 @@ import math
 import multiprocessing as mp
 import numbers
 import os
+import re
 import sys
 import threading
 import time
@@ -401,9 +402,18 @@ def parse_weighted(items: Sequence[str]) -> list[tuple[str, float]]:
   return out
 
 
-def make_reward(spec: str, timeout_s: float = 10.0, workers: int = 2, **http_kw):
+def make_reward(spec: str, timeout_s: float = 10.0, workers: int = 2, judge=None, **http_kw):
   """One reward from its spec: an http(s):// URL is a reward server, rm:DIR a reward model scored in
-  this process on the accelerator (`rewards.model.RMReward`), anything else a function path (a process pool)."""
+  this process on the accelerator (`rewards.model.RMReward`), judge:URL a language model behind an
+  OpenAI-compatible endpoint grading by a rubric (`rewards.judge`, configured by `judge`, a JudgeConfig),
+  anything else a function path (a process pool)."""
+  if spec.startswith("judge:"):
+    from dapo_jax.rewards import judge as judge_lib  # noqa: PLC0415
+    cfg = judge or judge_lib.JudgeConfig(timeout_s=timeout_s, workers=workers)
+    try:
+      return judge_lib.JudgeReward(spec, cfg)
+    except (OSError, ValueError, re.error) as e:
+      raise RewardConfigError(f"reward {spec!r}: {e}") from None
   if spec.startswith(("http://", "https://")):
     return HTTPReward(spec, timeout_s=timeout_s, **http_kw)
   if spec.startswith("rm:"):
@@ -423,8 +433,9 @@ class CombinedReward:
   errors and timeouts are the sums of the parts'.
   """
 
-  def __init__(self, fns: Sequence[tuple[str, float]], timeout_s: float = 10.0, workers: int = 2, **http_kw):
-    self.parts = [make_reward(spec, timeout_s, workers, **http_kw) for spec, _ in fns]
+  def __init__(self, fns: Sequence[tuple[str, float]], timeout_s: float = 10.0, workers: int = 2, judge=None,
+               **http_kw):
+    self.parts = [make_reward(spec, timeout_s, workers, judge, **http_kw) for spec, _ in fns]
     self.weights = [w for _, w in fns]
     rules = [k for k, p in enumerate(self.parts) if isinstance(p, RewardPool)]
     self.acc_from = rules[0] if rules else 0

@@ -7,13 +7,14 @@ import inspect
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.envs import sandbox as sandbox_lib
 from dapo_jax.pipelines import sft as sft_lib
+from dapo_jax.rewards import judge as judge_lib
 from dapo_jax.rollout import rollout as rollout_lib
 from dapo_jax.settings.section import Section, check
 
 TASKS = ("file", "arith", "reasoning_gym", "count_shapes")
 SFT_TASKS = ("arith", "count_shapes")  # The tasks with reference solutions (`data.arith_solution`): an SFT warm start.
 SOLUTION_STYLES = ("steps", "column", "mixed", "direct", "tool")
-_ROLLOUT, _SFT = rollout_lib.RolloutConfig, sft_lib.SFTConfig
+_ROLLOUT, _SFT, _JUDGE = rollout_lib.RolloutConfig, sft_lib.SFTConfig, judge_lib.JudgeConfig
 _ARITH = inspect.signature(data_lib.arith_examples).parameters  # The arithmetic task's own defaults.
 
 
@@ -74,7 +75,8 @@ class Data(Section):
 class Reward(Section):
   """`reward`: the rollout's scorer."""
   NAME = "reward"
-  # module:function(response, ground_truth), http://HOST:PORT (launch.serve_rm) or rm:DIR (a reward model).
+  # module:function(response, ground_truth), http://HOST:PORT (launch.serve_rm), rm:DIR (a reward model) or
+  # judge:http://HOST:PORT/v1 (a language model behind an OpenAI-compatible endpoint, grading by a rubric).
   fn: str = "dapo_jax.rewards:math_dapo"
   fns: tuple[str, ...] = ()        # a weighted sum instead of fn, e.g. ("rm:DIR", "0.5*dapo_jax.rewards:math_dapo")
   timeout_s: float = 10.0          # one scoring call; a hung one scores as failed
@@ -82,10 +84,20 @@ class Reward(Section):
   # Code the policy writes (rewards:python_tests, the python tool) runs in a sandbox (bubblewrap
   # namespaces, one cgroup, a seccomp filter: docs/sandbox.md); "none" is for trusted code only, and warns.
   sandbox: str = "namespaces"
+  # judge:URL (rewards/judge.py): a language model grading by a rubric; each field's doc is JudgeConfig's.
+  judge_model: str = _JUDGE.judge_model
+  judge_rubric: str = _JUDGE.judge_rubric
+  judge_pattern: str = _JUDGE.judge_pattern
+  judge_max_score: float = _JUDGE.judge_max_score
+  judge_max_tokens: int = _JUDGE.judge_max_tokens
+  judge_token_env: str = _JUDGE.judge_token_env
 
   def check(self) -> None:
     self.number("timeout_s", 0, lo_open=True)
+    self.number("judge_max_score", 0, lo_open=True)
+    self.number("judge_max_tokens", 1, integer=True)
     self.number("workers", 1, integer=True)
     check(isinstance(self.fn, str) and ":" in self.fn, "reward.fn", self.fn,
-          "'package.module:function', 'http://HOST:PORT' (a reward-model server) or 'rm:DIR' (a reward model)")
+          "'package.module:function', 'http://HOST:PORT' (a reward-model server), 'rm:DIR' (a reward model) or "
+          "'judge:http://HOST:PORT/v1' (a judge)")
     self.choice("sandbox", sandbox_lib.MODES, "'namespaces' or 'none' (trusted code only)")
