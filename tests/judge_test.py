@@ -54,8 +54,8 @@ def served(tmp_path_factory):
   end = tok.convert_tokens_to_ids("<|im_end|>")
   rows = []
   for (q, a, gt), verdict in TAUGHT:
-    text = tokenizer_lib.render(tok, [{"role": "user", "content": RUBRIC.format(prompt=q, response=a, ground_truth=gt)}],
-                                True)
+    question = RUBRIC.format(prompt=q, response=a, ground_truth=gt)
+    text = tokenizer_lib.render(tok, [{"role": "user", "content": question}], True)
     rows.append((tok(text, add_special_tokens=False)["input_ids"], tok(verdict, add_special_tokens=False)["input_ids"]
                  + [end]))
   cfg = testing.tiny_model_config(vocab_size=len(tok), embed_dim=64, mlp_dim=128)

@@ -256,7 +256,8 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert "trial 1 (dapo.eps_high=0.3, seed 0) was running when the sweep stopped: resuming it" in out.stdout
   assert "=== trial 0" not in out.stdout and open(f"{done}/metrics.jsonl").read() == finished  # Not rerun.
-  assert f"Resumed from {second}/checkpoints at rollout step {stopped_at}." in open(f"{second}/{trials.LOG_FILE}").read()
+  resumed = open(f"{second}/{trials.LOG_FILE}").read()
+  assert f"Resumed from {second}/checkpoints at rollout step {stopped_at}." in resumed
   st = optuna.load_study(study_name=study.STUDY_NAME, storage=f"sqlite:///{w}/study.db")
   assert [t.state.name for t in st.trials] == ["COMPLETE", "COMPLETE"]
   steps = [json.loads(x)["step"] for x in open(f"{second}/metrics.jsonl")]

@@ -1,6 +1,7 @@
 """Rewards, free of jax (reward-pool workers import this face): the rule checks (`rules`), clients
 that run any reward with a timeout (`clients`: a process pool, HTTP, weighted combinations), the
-reward-model scorer (`model`, imported only for rm:DIR), a language model as judge (`judge`, judge:URL). The RM server is `serve.rm_server`."""
+reward-model scorer (`model`, imported only for rm:DIR), a language model as judge (`judge`,
+judge:URL). The RM server is `serve.rm_server`."""
 from dapo_jax.rewards.clients import (
                                       FAILURE,
                                       CombinedReward,

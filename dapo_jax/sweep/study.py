@@ -7,8 +7,9 @@ and workdir per trial), stopped early by an optuna pruner, all recorded in an SQ
 
 A trial is one (setting, seed). The sampler picks a setting for seed 0 (the grid: every setting, queued
 at the study's start in the order listed); once that run finishes, the setting's seeds 1..N-1 are queued
-(`enqueue_trial`), so a setting the pruner stopped spends no more seeds. Each trial reports its held-out metric at fixed generated-sample budgets
-(`trials.budget_points`) and the pruner may stop it (SIGTERM: it checkpoints at its next step and exits).
+(`enqueue_trial`), so a setting the pruner stopped spends no more seeds. Each trial reports its held-out
+metric at fixed generated-sample budgets (`trials.budget_points`) and the pruner may stop it (SIGTERM:
+it checkpoints at its next step and exits).
 
 Killed (kill -9, a lost machine) and started again with the same command, the sweep resumes: finished,
 pruned and failed trials are never run again; a trial that was running (state RUNNING in the study)
