@@ -56,10 +56,11 @@ def _per_group(fn, rewards_QG, valid_QG, lengths_QG=None) -> np.ndarray:
   return out
 
 
-# `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO, GPG and
-# pass@k's give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
+# `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO, GPG,
+# pass@k's and MaxRL's give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
 # the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "reinforce_pp", "gae", "distill")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "maxrl", "reinforce_pp", "gae",
+              "distill")
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")
 KL_SHAPED_ESTIMATORS = ("reinforce_pp", "gae")  # Token rewards -β·KL to a reference; not distill's.
 
@@ -134,12 +135,28 @@ def passk_advantages(rewards_QG, norm_by_std: bool = True) -> np.ndarray:
   return out.astype(np.float32)
 
 
+def maxrl_advantages(success_QG) -> np.ndarray:
+  """MaxRL (Tajwar et al. 2026, arXiv 2602.02710, maximum likelihood RL): (s - p) / (p + 1e-6), with s
+  the response's success (0 or 1) and p its group's success rate: a right answer gets (G - K) / K for K
+  right of G, a wrong one -1, so hard prompts weigh more (1/p, the likelihood's gradient); a group
+  without a success gets 0. The authors' formula on the reward, here on the correctness (`acc`): the
+  paper's binary success, which a shaped score (the overlong penalty, ±1) is not."""
+  s = np.asarray(success_QG, np.float64)
+  p = s.mean(axis=1, keepdims=True)
+  return ((s - p) / (p + EPS)).astype(np.float32)
+
+
 def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: bool = True, *,
-                        lengths_QG: np.ndarray | None = None, valid_QG: np.ndarray | None = None) -> np.ndarray:
+                        lengths_QG: np.ndarray | None = None, valid_QG: np.ndarray | None = None,
+                        acc_QG: np.ndarray | None = None) -> np.ndarray:
   """One advantage per response [Q, G]; zeros for the token-level estimators (the loop computes
   those). `lengths_QG`: loss tokens per response, which reinforce_pp_baseline and opo weigh by.
   `valid_QG` (`Groups.valid_QG`): the rows that count; the others get 0 and leave every statistic,
-  so each advantage is what it would be without them."""
+  so each advantage is what it would be without them. `acc_QG`: correctness, which maxrl reads."""
+  if estimator == "maxrl":
+    if acc_QG is None:
+      raise ValueError("dapo.adv_estimator='maxrl' reads each response's success: pass acc_QG")
+    return _per_group(maxrl_advantages, acc_QG, valid_QG) if _masked(valid_QG) else maxrl_advantages(acc_QG)
   if estimator == "grpo":
     return group_advantages(rewards_QG, norm_by_std, valid_QG)
   if estimator == "rloo":
@@ -181,7 +198,7 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   """
   n, G, C = groups.tokens_QGC.shape
   adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std, lengths_QG=groups.policy_QGC.sum(-1),
-                               valid_QG=groups.valid_QG)
+                               valid_QG=groups.valid_QG, acc_QG=groups.acc_QG)
   real_Q = np.arange(Q) < n
   if n < Q:
     groups, adv_QG = groups.take(np.arange(Q) % n), adv_QG[np.arange(Q) % n]

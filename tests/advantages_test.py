@@ -89,3 +89,24 @@ def test_distill_advantages_and_the_teacher_vocabulary():
   advantages.check_teacher_vocab(384, 384, student="runs/a", teacher="runs/b")
   with pytest.raises(ValueError, match="'runs/big' has a vocabulary of 151936 tokens, the policy 'runs/a' 384"):
     advantages.check_teacher_vocab(384, 151936, student="runs/a", teacher="runs/big")
+
+
+def test_maxrl_weighs_a_success_by_the_inverse_success_rate():
+  """MaxRL by hand: K right of G gives a right answer (G - K) / K and a wrong one -1 (the authors'
+  (r - mean) / (mean + 1e-6) on 0/1 rewards); a group without a success, or all right, gives 0."""
+  acc = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+  got = advantages.sequence_advantages("maxrl", np.where(acc, 1.0, -1.0), acc_QG=acc)
+  want = np.array([[3, -1, -1, -1], [1, 1, -1, -1], [1 / 3, 1 / 3, 1 / 3, -1], [0] * 4, [0] * 4], np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  loop = [[(a - np.mean(row)) / (np.mean(row) + 1e-6) for a in row.astype(float)] for row in acc]
+  np.testing.assert_allclose(got, loop, rtol=1e-6)
+  # The score (±1, an overlong penalty) does not enter: MaxRL reads success. A failed environment's row
+  # leaves its group: the others are what they would be without it.
+  shaped = advantages.sequence_advantages("maxrl", np.where(acc, 0.7, -1.3), acc_QG=acc)
+  np.testing.assert_array_equal(shaped, got)
+  valid = np.ones_like(acc)
+  valid[0, 1] = False
+  masked = advantages.sequence_advantages("maxrl", np.zeros(acc.shape), acc_QG=acc, valid_QG=valid)
+  np.testing.assert_allclose(masked[0], [2, 0, -1, -1], rtol=1e-5)
+  with pytest.raises(ValueError, match="acc_QG"):
+    advantages.sequence_advantages("maxrl", np.zeros(acc.shape))

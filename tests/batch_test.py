@@ -184,3 +184,11 @@ def test_groups_json_round_trip_and_older_checkpoints():
   back = Groups.from_json(old)
   assert not back.carried_Q.any() and back.logp_QGC.shape == g.logp_QGC.shape and not back.logp_QGC.any()
   np.testing.assert_array_equal(back.tokens_QGC, g.tokens_QGC)
+
+
+def test_maxrl_batches_read_correctness_not_the_score():
+  g = make_groups([[True, False, False, False], [True, True, False, False]])
+  g = dataclasses.replace(g, score_QG=g.score_QG - 0.25)  # A shaped score: MaxRL does not read it.
+  batch, adv_QG = advantages.to_train_batch(g, 2, 3, norm_adv_by_std=True, overlong_filter=False, estimator="maxrl")
+  np.testing.assert_allclose(batch.adv_B, [3, -1, -1, -1, 1, 1, -1, -1], rtol=1e-5)
+  np.testing.assert_array_equal(adv_QG.reshape(-1), batch.adv_B)
