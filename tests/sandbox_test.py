@@ -3,6 +3,7 @@ unchanged afterwards. No mocks: every test builds real sandboxes (bubblewrap, a 
 filter; root on Linux, as in CI)."""
 import concurrent.futures as cf
 import fcntl
+import glob
 import hashlib
 import logging
 import os
@@ -93,6 +94,10 @@ def test_an_interpreter_in_a_virtualenv_under_tmp_runs_in_the_sandbox():
     os.chmod(d, 0o755)  # as `python -m venv` leaves a directory it makes
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", d], check=True,
                    timeout=120)
+    if sys.prefix != sys.base_prefix:  # The tests run in a virtualenv themselves: the new one sees its packages.
+      (site_dir,) = glob.glob(os.path.join(d, "lib", "python*", "site-packages"))
+      with open(os.path.join(site_dir, "parent.pth"), "w") as f:
+        f.write("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     code = ("from dapo_jax.envs.sandbox import run_python; "
             "r = run_python('import sys, numpy; print(sys.prefix)'); print(r.exit_code, r.stdout.strip(), r.stderr)")
     out = subprocess.run([os.path.join(d, "bin", "python"), "-c", code], capture_output=True, text=True, timeout=120,

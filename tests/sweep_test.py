@@ -227,6 +227,23 @@ def test_pruned_trials_stop_early_with_their_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_failed_trial_is_recorded_with_its_last_line_and_the_sweep_goes_on(tmp_path):
+  """A reward that does not exist fails each of its trials at start; the other setting runs; the report
+  names the failure."""
+  w = str(tmp_path / "sweep")
+  s = space.from_specs(["reward.fn=[dapo_jax.testing:no_such_reward,dapo_jax.testing:length_reward]"])
+  cfg = study.SweepConfig(pruner="none", metric="val/acc/mean@2", report_every=32, poll_s=0.2)
+  t = sweep_builder.run(SMALL, {"train.num_steps": 1}, s, cfg, w, "launch.train", {"space": "f"}, env=CHILD_ENV)
+  (failed,) = t["stopped"]
+  assert failed["state"] == "FAIL" and failed["setting"] == "reward.fn=dapo_jax.testing_no_such_reward"
+  assert "has no function 'no_such_reward'" in failed["error"]  # The trial's own one-line error.
+  assert list(t["settings"]) == ["reward.fn=dapo_jax.testing_length_reward"]
+  st = optuna.load_study(study_name=study.STUDY_NAME, storage=f"sqlite:///{w}/study.db")
+  assert [x.state.name for x in st.trials] == ["FAIL", "COMPLETE"]
+  assert "has no function" in open(f"{w}/table.md").read()
+
+
+@pytest.mark.slow
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
   w = str(tmp_path / "sweep")
   cmd = [sys.executable, "-m", "launch.sweep", f"--config={SMALL}", f"--workdir={w}", "--space=dapo.eps_high=[0.2,0.3]",

@@ -114,8 +114,8 @@ def markdown(t: dict, stopped: Sequence[dict] = (), name: str = "setting") -> st
               f"| {name} | seed | state | samples | {e} at its last evaluation | note |", "|---|---|---|---|---|---|"]
     for r in stopped:
       value = "" if r.get("value") is None else f"{r['value']:.3f}"
-      lines.append(f"| {r['setting']} | {r['seed']} | {r['state'].lower()} | {r['samples']:,.0f} | {value} | "
-                   f"{r.get('error', '')} |")
+      note = r.get("error", "").replace("|", "\\|")  # A failure's last line, inside a table cell.
+      lines.append(f"| {r['setting']} | {r['seed']} | {r['state'].lower()} | {r['samples']:,.0f} | {value} | {note} |")
   if "spent" in t:
     sp = t["spent"]
     lines += ["", f"Samples generated: {sp['finished']:,.0f} by the {sp['finished_runs']} finished run(s), "
