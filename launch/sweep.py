@@ -58,8 +58,8 @@ def sweep_config() -> SweepConfig:
                      parallel=_PARALLEL.value, sampler_seed=_SAMPLER_SEED.value)
 
 
-def main(argv):
-  del argv
+def search_space():
+  """(config path, space): the --space flags, else the config file's sweep(add)."""
   from ml_collections import config_flags
 
   from dapo_jax.builders import ConfigError
@@ -74,10 +74,33 @@ def main(argv):
   if space is None:
     raise ConfigError(f"--space: nothing to search; give --space=KEY=SPEC or a config file with sweep(add) "
                       f"({path} has none)")
-  workdir = _WORKDIR.value or common.default_workdir().replace(os.sep, os.sep + "sweep_", 1)
+  return path, space
+
+
+def workdir() -> str:
+  return _WORKDIR.value or common.default_workdir().replace(os.sep, os.sep + "sweep_", 1)
+
+
+def dry_run(flag_values) -> None:
+  """--dry_run: the trials the sweep would run, every grid setting checked; nothing runs."""
+  import sys
+
+  from ml_collections import config_flags
+
+  from dapo_jax.builders import sweep as sweep_builder
+  path, space = search_space()
+  fixed = dict(config_flags.get_override_values(flag_values["config"]))
+  print("\n".join(sweep_builder.plan_lines(path, fixed, space, sweep_config(), workdir())))
+  print(f"# config: {path}; checked; --dry_run: nothing was run")
+  sys.exit(0)
+
+
+def main(argv):
+  del argv
+  path, space = search_space()
   definition = {"space": list(_SPACE.value) or [dict(p) for p in space.points]}
-  common.run_sweep(path, space, workdir, sweep_config(), definition, _CHILD_ENV, launcher=_LAUNCHER.value)
+  common.run_sweep(path, space, workdir(), sweep_config(), definition, _CHILD_ENV, launcher=_LAUNCHER.value)
 
 
 if __name__ == "__main__":
-  common.run(main)
+  common.run(main, dry_run)

@@ -197,6 +197,24 @@ def test_resuming_another_sweep_is_refused(tmp_path):
                 space.from_specs(["a.b=range(0,1)"]), str(tmp_path / "x"), None, {})
 
 
+def test_dry_run_lists_the_trials_and_names_a_refused_setting():
+  env = dict(CHILD_ENV)
+  run = lambda *a: subprocess.run([sys.executable, "-m", "launch.sweep", "--dry_run", *a], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=120)
+  out = run("--space=dapo.eps_high=[0.28,0.4]", "--space=optim.lr=[1e-4,3e-4]", "--seeds=2")
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  assert lines[0] == "# 4 settings x 2 seed(s) = 8 trials (grid, in this order)"
+  assert [x.split()[0] for x in lines[1:5]] == [f"dapo.eps_high={e},optim.lr={lr}" for e in (0.28, 0.4)
+                                               for lr in (0.0001, 0.0003)]
+  assert len({x.split("warm start ")[1] for x in lines[1:5]}) == 1  # One shared start.
+  out = run("--space=dapo.eps_high=[0.28,-1]")
+  assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+      "error: --space setting dapo.eps_high=-1: dapo.eps_high=-1.0: expected > 0")
+  out = run("--space=dapo.eps_high=uniform(0,1)")
+  assert out.returncode == 1 and "error: --space='dapo.eps_high=uniform(0,1)'" in out.stderr
+
+
 # --- real sweeps -----------------------------------------------------------------------------------
 
 @pytest.mark.slow

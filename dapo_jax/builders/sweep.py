@@ -104,6 +104,14 @@ def check(cfg) -> None:
   validate(cfg, num_devices=sharding.mesh_devices(cfg.mesh))
 
 
+def check_base(cfg) -> None:
+  """The sweep's config, before any setting: checked, with the held-out evaluations a sweep reads."""
+  check(cfg)
+  if not cfg.train.eval_every:
+    raise ConfigError("train.eval_every=0: a sweep reads the held-out evaluations; set train.eval_every "
+                      "(--config.train.eval_every=N)")
+
+
 class Trials:
   """How the sweep in `workdir` runs a trial of the config `path` ('file.py[:args]') with `fixed`
   overrides: `plan(overrides, seed)` for `study.Sweep`."""
@@ -143,8 +151,7 @@ def run(path: str, fixed: Mapping[str, object], space: space_lib.Space, cfg: stu
   Every setting of a grid is checked before the first trial runs."""
   trials = Trials(path, fixed, workdir, train_module, launcher)
   base, _ = trials.config({})
-  if not base.train.eval_every:
-    raise ConfigError("train.eval_every=0: a sweep reads the held-out evaluations; set train.eval_every")
+  check_base(base)
   if cfg.sampler in ("auto", "grid") and space.grid is not None:
     for values in space.grid_points():
       check(trials.config(space.overrides(values))[0])
@@ -171,6 +178,36 @@ class _Overrides:
   @property
   def setting(self) -> str:
     return space_lib.label(self.overrides)
+
+
+def plan_lines(path: str, fixed: Mapping[str, object], space: space_lib.Space, cfg: study_lib.SweepConfig,
+               workdir: str) -> list[str]:
+  """What `launch.sweep --dry_run` prints: the trials a sweep would run, each grid setting checked as its
+  trial will be (a setting the checks refuse raises ConfigError naming it)."""
+  trials = Trials(path, fixed, workdir, "launch.train")
+  base, _ = trials.config({})
+  check_base(base)
+  sampler = cfg.sampler if cfg.sampler != "auto" else ("grid" if space.grid is not None else "tpe")
+  lines = []
+  if sampler == "grid" and space.grid is not None:
+    points = space.grid_points()
+    lines.append(f"# {len(points)} settings x {cfg.seeds} seed(s) = {len(points) * cfg.seeds} trials (grid, in "
+                 "this order)")
+    for point in points:
+      overrides = space.overrides(point)
+      try:
+        plan = trials.plan(overrides, 0)
+      except ConfigError as e:
+        raise ConfigError(f"--space setting {space_lib.label(overrides)}: {e}") from None
+      start = f", warm start {os.path.basename(plan.start_dir)}" if plan.start_dir else ""
+      lines.append(f"{space_lib.label(overrides)}  ({plan.num_steps} steps{start})")
+  else:
+    lines.append(f"# {cfg.trials or '?'} settings drawn by {sampler} x {cfg.seeds} seed(s), from:")
+    lines += [f"{p.key}: {list(p.choices) if p.choices else (p.low, p.high, p.step, 'log' if p.log else '')}"
+              for p in space.params]
+  lines.append(f"# metric {cfg.metric or default_metric(base)} reported every "
+               f"{cfg.report_every or default_report_every(base):,} samples; pruner {cfg.pruner}")
+  return lines
 
 
 def recipe_space(file: str) -> space_lib.Space | None:
