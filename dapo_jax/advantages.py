@@ -57,8 +57,8 @@ def _per_group(fn, rewards_QG, valid_QG, lengths_QG=None) -> np.ndarray:
 
 
 # `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO, GPG,
-# pass@k's and MaxRL's give one advantage per response; REINFORCE++ and GAE (PPO, with a value model) one per token, from
-# the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
+# pass@k's and MaxRL's give one advantage per response; REINFORCE++ and GAE (PPO, with a value model)
+# one per token, from the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "maxrl", "reinforce_pp", "gae",
               "distill")
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")

@@ -9,7 +9,8 @@ One JSON object per response: `prompt` (the question: the last user turn), `resp
 `score` (the reward, overlong penalty included), `acc`, `pred`, `length` (tokens), `truncated` (no
 EOS within the budget), `kept` (dynamic sampling's filter let the group through; surplus kept
 groups may still go unused), `masked` (an episode whose environment failed: out of the loss and of
-its group's statistics, `rollout.env_error`), `group` and `sample` (its prompt's number in the step and its index
+its group's statistics, `rollout.env_error`), `source` (the train file, for rows read from files),
+`group` and `sample` (its prompt's number in the step and its index
 in the group), `step` and `policy_step` (the rollout step whose parameters sampled it: the number
 of rollout steps trained before). Held-out rows have no `length`, `truncated` or `kept` (the
 evaluator scores texts). Read one with `zcat WORKDIR/rollouts/step_1.jsonl.gz | head` or
@@ -97,6 +98,8 @@ class RolloutRecorder:
                    "acc": bool(out["acc"][q, g]), "pred": out["pred"][b], "length": int(samples.length_B[b]),
                    "truncated": bool(samples.truncated_B[b]), "kept": bool(kept[q]), "sample": g,
                    "masked": valid is not None and not bool(valid[q, g])})
+      if examples[q].source:  # The train file it came from (several files, mixed: data.train_weights).
+        rows[-1]["source"] = examples[q].source
     with self._lock:
       for i, r in enumerate(rows):
         r["group"] = self.groups + i // G

@@ -149,3 +149,11 @@ def test_the_judge_trains_the_default_job_and_a_down_judge_is_counted(served, tm
       assert recs[2]["reward/errors"] + recs[2]["reward/timeouts"] >= len(failed)
       assert json.loads(open(os.path.join(workdir, "config.json")).read())["reward"]["judge_rubric"] == str(rubric)
   assert glob.glob(os.path.join(str(tmp_path / "served"), "rollouts", "step_*.jsonl.gz"))
+
+
+def test_a_judge_is_not_imported_as_a_reward_function_when_rows_are_checked():
+  from configs import common
+  from dapo_jax import builders
+  c = common.base()
+  c.reward.fn = "judge:http://127.0.0.1:9/v1"
+  assert builders.row_check(c) is None  # No `check_ground_truth` to ask a judge for; nothing imported.

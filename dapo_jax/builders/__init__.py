@@ -64,6 +64,7 @@ from dapo_jax.builders.rl import (  # noqa: F401
 from dapo_jax.builders.task import (  # noqa: F401
   completion_len,
   conversation_data,
+  data_iterator,
   datasets,
   episodes,
   preference_data,

@@ -18,8 +18,7 @@ from dapo_jax import rewards as rewards_lib
 from dapo_jax.builders import record
 from dapo_jax.builders.checks import ConfigError, typed, validate
 from dapo_jax.builders.model import initial_model, model_dir, tokenizer, trainer
-from dapo_jax.builders.task import completion_len, datasets, episodes, reward, turn_stop_ids
-from dapo_jax.data import prompts as data_lib
+from dapo_jax.builders.task import completion_len, data_iterator, datasets, episodes, reward, turn_stop_ids
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
@@ -143,8 +142,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     logprobs = trainer_.forward(objectives.completion_logprobs(model_cfg, pg.temperature, pg.group_size))
     rollout = rollout_lib.Rollout(tok, model_cfg, rollout_mesh or mesh, rollout_config(cfg),
                                   sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_, *episodes(cfg, tok))
-    data_iter = data_lib.PromptIterator(train, seed=cfg.seed, process_index=jax.process_index(),
-                                        process_count=jax.process_count())
+    data_iter = data_iterator(cfg, train, jax.process_index(), jax.process_count())
     critic_ = critic(cfg, model_cfg, params, tok, mesh, pg.group_size) if cfg.dapo.adv_estimator == "gae" else None
     teacher_ = teacher(cfg, model_cfg, tok, mesh, pg) if cfg.dapo.adv_estimator == "distill" else None
     evaluator_ = evaluator(cfg, rollout, evals)

@@ -54,6 +54,22 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
 
 
 @typed
+def data_iterator(cfg, train: list[data_lib.Example], process_index: int = 0, process_count: int = 1):
+  """The training prompts' stream: the examples shuffled by epoch (`PromptIterator`), or with
+  `data.train_weights` each train file in its share (`MixedIterator`)."""
+  d = cfg.data
+  if not d.train_weights:
+    return data_lib.PromptIterator(train, seed=cfg.seed, process_index=process_index, process_count=process_count)
+  files = [f for f in d.train_files if f]
+  sources = [[ex for ex in train if ex.source == f] for f in files]
+  empty = [f for f, part in zip(files, sources) if not part]
+  if empty:
+    raise ConfigError(f"data.train_weights: {empty[0]} gave no training rows")
+  return data_lib.MixedIterator(sources, d.train_weights, seed=cfg.seed, process_index=process_index,
+                                process_count=process_count)
+
+
+@typed
 def row_check(cfg):
   """What every dataset row must pass for this run to use it: the `check_ground_truth` of each reward
   function that has one (`rewards.code.python_tests`: a HumanEval task object) and the environment's
@@ -63,7 +79,7 @@ def row_check(cfg):
   specs = [spec for spec, _ in rewards_lib.parse_weighted(fns)] if fns else [r.fn]
   checks = []
   for spec in specs:
-    if ":" in spec and not spec.startswith(("http://", "https://", "rm:")):  # A function, not a server.
+    if ":" in spec and not spec.startswith(("http://", "https://", "rm:", "judge:")):  # A function, not a server.
       check = getattr(rewards_lib.resolve(spec), "check_ground_truth", None)
       if check is not None:
         checks.append(lambda ex, check=check: check(ex.ground_truth))

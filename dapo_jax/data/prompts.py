@@ -33,6 +33,7 @@ class Example:
   data_source: str = "math_dapo"
   index: int = 0               # row number in its file (or generator index)
   images: tuple[bytes, ...] = ()  # encoded images, one per `images.IMAGE_MARK` in the messages, in order
+  source: str = ""             # the file it was read from ("" for a generated task)
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Exa
   if images or images_lib.count_marks(messages):
     images_lib.check_marks(messages, len(images), f"{path}: row {i}")
   return Example(messages=messages, ground_truth=str(gt), data_source=str(row.get("data_source") or "math_dapo"),
-                 index=i, images=images)
+                 index=i, images=images, source=path)
 
 
 def _row_images(row: dict, path: str, i: int) -> tuple[bytes, ...]:
@@ -297,4 +298,71 @@ class PromptIterator:
     return {"epoch": self.epoch, "position": self.position}
 
   def restore(self, state: dict) -> None:
+    if "epoch" not in state:
+      raise DataError("the checkpoint's data position is of several mixed train files, this run reads them "
+                      "pooled (data.train_weights changed)")
     self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class MixedIterator:
+  """Prompts from several sources (train files) in fixed shares, as `PromptIterator` serves one.
+
+  The i-th prompt of the stream comes from source k with probability `weights[k]` (normalised): the
+  sources of the stream are drawn in blocks of `BLOCK` from a generator seeded by (seed, block), so
+  they depend on the seed and the position alone, and rewinding n prompts gives back each source's own.
+  Each source is its own `PromptIterator` (shuffled epochs, its own seed). State: the stream's
+  position and each source's (epoch, position), so a restored run continues with the same prompts.
+  """
+  BLOCK = 4096
+
+  def __init__(self, sources: Sequence[Sequence[Example]], weights: Sequence[float], seed: int = 0,
+               process_index: int = 0, process_count: int = 1):
+    if len(sources) != len(weights) or not sources:
+      raise DataError(f"{len(sources)} sources for {len(weights)} weights")
+    w = np.asarray(weights, np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w <= 0):
+      raise DataError(f"the sources' weights {tuple(weights)} must be positive numbers")
+    self.p = w / w.sum()
+    self.iters = [PromptIterator(s, seed=seed + 1009 * k) for k, s in enumerate(sources)]
+    self.seed, self.process_index, self.process_count = seed, process_index, process_count
+    self.drawn = 0
+    self._blocks: dict[int, np.ndarray] = {}
+
+  def source(self, i: int) -> int:
+    """The source of the stream's i-th prompt."""
+    b = i // self.BLOCK
+    if b not in self._blocks:
+      if len(self._blocks) > 8:
+        self._blocks.clear()
+      self._blocks[b] = np.random.default_rng([self.seed, 7919, b]).choice(len(self.p), size=self.BLOCK, p=self.p)
+    return int(self._blocks[b][i % self.BLOCK])
+
+  def next_batch(self, global_size: int) -> list[Example]:
+    if global_size % self.process_count:
+      raise ValueError(f"batch of {global_size} prompts does not split over {self.process_count} hosts")
+    picked = self.take(global_size)
+    per_host = global_size // self.process_count
+    return picked[self.process_index * per_host:(self.process_index + 1) * per_host]
+
+  def take(self, n: int) -> list[Example]:
+    picked = [self.iters[self.source(i)].take(1)[0] for i in range(self.drawn, self.drawn + n)]
+    self.drawn += n
+    return picked
+
+  def rewind(self, n: int) -> None:
+    if n < 0 or n > self.drawn:
+      raise ValueError(f"cannot rewind {n} prompts of the {self.drawn} drawn")
+    for i in range(self.drawn - n, self.drawn):
+      self.iters[self.source(i)].rewind(1)
+    self.drawn -= n
+
+  def state(self) -> dict:
+    return {"drawn": self.drawn, "sources": [it.state() for it in self.iters]}
+
+  def restore(self, state: dict) -> None:
+    if "sources" not in state or len(state["sources"]) != len(self.iters):
+      raise DataError(f"a data position of {len(state.get('sources', ()))} sources, this run mixes "
+                      f"{len(self.iters)} (data.train_files / data.train_weights changed)")
+    self.drawn = int(state["drawn"])
+    for it, st in zip(self.iters, state["sources"]):
+      it.restore(st)

@@ -26,6 +26,9 @@ class Data(Section):
                                    # "count_shapes" (drawn pictures: a vision-language model's task)
   train_files: tuple[str, ...] = ("",)   # task="file": parquet / jsonl files of training rows
   eval_files: tuple[str, ...] = ("",)    # task="file": held-out rows (e.g. AIME 2024)
+  # task="file" with several train_files: each file's share of the prompts drawn (normalised; each file
+  # shuffled on its own); () = the files' rows pooled and shuffled together.
+  train_weights: tuple[float, ...] = ()
   chat_template: bool = _ROLLOUT.chat_template   # render prompts with the tokenizer's chat template
   prompt_template: str = ""        # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
   max_images: int = _ROLLOUT.max_images   # a vision-language model: image slots per prompt (rows' images <= it)
@@ -47,6 +50,12 @@ class Data(Section):
 
   def check(self) -> None:
     self.choice("task", TASKS, "'arith', 'file', 'reasoning_gym' or 'count_shapes'")
+    if self.train_weights:
+      files = [f for f in self.train_files if f]
+      check(self.task == "file" and len(self.train_weights) == len(files), "data.train_weights", self.train_weights,
+            f"one weight per data.train_files entry ({len(files)}) with data.task='file'")
+      check(all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
+                for w in self.train_weights), "data.train_weights", self.train_weights, "positive numbers")
     if self.task == "count_shapes":
       self.number("max_count", 1, 12, integer=True)
       check(self.solution_style == "direct", "data.solution_style", self.solution_style,
