@@ -146,6 +146,8 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     critic_ = critic(cfg, model_cfg, params, tok, mesh, pg.group_size) if cfg.dapo.adv_estimator == "gae" else None
     teacher_ = teacher(cfg, model_cfg, tok, mesh, pg) if cfg.dapo.adv_estimator == "distill" else None
     evaluator_ = evaluator(cfg, rollout, evals)
+    if hasattr(data_iter, "watch"):  # data.curriculum: every scored group's outcome.
+      data_iter.watch(rollout)
   except BaseException:
     reward_.close()
     raise

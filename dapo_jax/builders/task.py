@@ -56,17 +56,25 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
 @typed
 def data_iterator(cfg, train: list[data_lib.Example], process_index: int = 0, process_count: int = 1):
   """The training prompts' stream: the examples shuffled by epoch (`PromptIterator`), or with
-  `data.train_weights` each train file in its share (`MixedIterator`)."""
+  `data.train_weights` each train file in its share (`MixedIterator`); with `data.curriculum`, the
+  prompts set aside skipped (`data.curriculum.Curriculum`)."""
   d = cfg.data
   if not d.train_weights:
-    return data_lib.PromptIterator(train, seed=cfg.seed, process_index=process_index, process_count=process_count)
-  files = [f for f in d.train_files if f]
-  sources = [[ex for ex in train if ex.source == f] for f in files]
-  empty = [f for f, part in zip(files, sources) if not part]
-  if empty:
-    raise ConfigError(f"data.train_weights: {empty[0]} gave no training rows")
-  return data_lib.MixedIterator(sources, d.train_weights, seed=cfg.seed, process_index=process_index,
+    it = data_lib.PromptIterator(train, seed=cfg.seed, process_index=process_index, process_count=process_count)
+  else:
+    files = [f for f in d.train_files if f]
+    sources = [[ex for ex in train if ex.source == f] for f in files]
+    empty = [f for f, part in zip(files, sources) if not part]
+    if empty:
+      raise ConfigError(f"data.train_weights: {empty[0]} gave no training rows")
+    it = data_lib.MixedIterator(sources, d.train_weights, seed=cfg.seed, process_index=process_index,
                                 process_count=process_count)
+  if not d.curriculum:
+    return it
+  if process_count > 1:  # Each process scores its own groups: the pools would differ between processes.
+    raise ConfigError("data.curriculum=True runs in one process for now (its pools are not gathered across hosts)")
+  from dapo_jax.data import curriculum  # noqa: PLC0415
+  return curriculum.Curriculum(it, d.revisit_after, size=len(train))
 
 
 @typed

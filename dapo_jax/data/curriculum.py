@@ -1,0 +1,120 @@
+"""Difficulty pools over the prompt stream (`data.curriculum`, prime-rl's pools): a prompt whose last
+group came back all right (solved) or all wrong (out of reach for now) is set aside for
+`data.revisit_after` rollout steps. The stream skips it until then; after that it comes back on its next
+turn in the stream and is judged again. Dynamic sampling would otherwise generate its G samples only to
+drop the group; set aside, those samples go to prompts that can teach something.
+
+`Curriculum` wraps a prompt iterator (`PromptIterator`, `MixedIterator`) and serves its calls (`take`,
+`next_batch`, `rewind`, `state`, `restore`). The loop says which rollout step draws (`at_step`); the
+rollout's scoring reports every scored group, kept or dropped (`watch`). A prompt is known by its train
+file and its text, so the same problem twice in a file is one prompt. Everything it decides follows
+from the seed and the outcomes, and its state (the pools) is checkpointed with the stream's position, so
+a resumed run draws what the uninterrupted one would.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dapo_jax.data.prompts import DataError, Example
+
+
+def key(ex: Example) -> str:
+  """A prompt's identity in the pools: its file and its question."""
+  return f"{ex.source}\x00{ex.messages[-1]['content']}"
+
+
+class Curriculum:
+  """A prompt stream that skips the prompts set aside (see the module docstring)."""
+
+  def __init__(self, base, revisit_after: int, size: int):
+    if revisit_after < 1:
+      raise DataError(f"data.revisit_after={revisit_after}: expected a number of rollout steps >= 1")
+    self.base, self.revisit_after, self.size = base, revisit_after, size
+    self.until: dict[str, int] = {}  # prompt key -> the first rollout step that may draw it again
+    self.step = 0
+    self._trail: list[int] = []      # base draws behind each prompt returned this step (for rewind)
+    self.skipped = self.set_aside = self.early = 0  # this step's counts (`metrics`)
+
+  # --- the stream ---------------------------------------------------------------------------------
+
+  def at_step(self, step: int) -> None:
+    """Rollout step `step` draws next: prompts set aside until then come back."""
+    self.step = step
+    self.until = {k: s for k, s in self.until.items() if s > step}
+    self._trail.clear()
+    self.skipped = self.set_aside = self.early = 0
+
+  def take(self, n: int) -> list[Example]:
+    out = []
+    for _ in range(n):
+      draws = 0
+      while True:
+        ex = self.base.take(1)[0]
+        draws += 1
+        if self.until.get(key(ex), 0) <= self.step:
+          break
+        if draws > self.size:  # A whole epoch set aside: serve it rather than stall.
+          self.early += 1
+          break
+        self.skipped += 1
+      out.append(ex)
+      self._trail.append(draws)
+    return out
+
+  def next_batch(self, global_size: int) -> list[Example]:
+    count = getattr(self.base, "process_count", 1)
+    if global_size % count:
+      raise ValueError(f"batch of {global_size} prompts does not split over {count} hosts")
+    picked = self.take(global_size)
+    per_host = global_size // count
+    index = getattr(self.base, "process_index", 0)
+    return picked[index * per_host:(index + 1) * per_host]
+
+  def rewind(self, n: int) -> None:
+    """Steps back the last `n` prompts returned this step, and the prompts skipped before each."""
+    if n < 0 or n > len(self._trail):
+      raise ValueError(f"cannot rewind {n} prompts: {len(self._trail)} were drawn this step")
+    if n:
+      self.base.rewind(sum(self._trail[-n:]))
+      del self._trail[-n:]
+
+  def state(self) -> dict:
+    return {"base": self.base.state(), "until": dict(self.until)}
+
+  def restore(self, state: dict) -> None:
+    if "until" not in state:
+      raise DataError("the checkpoint's data position has no curriculum pools (data.curriculum changed)")
+    self.base.restore(state["base"])
+    self.until = {str(k): int(s) for k, s in state["until"].items()}
+
+  # --- outcomes -----------------------------------------------------------------------------------
+
+  def record(self, examples: Sequence[Example], acc_QG, valid_QG=None) -> None:
+    """Each scored group's outcome: all right or all wrong sets its prompt aside, mixed brings it in."""
+    acc = np.asarray(acc_QG, bool)
+    valid = np.ones_like(acc) if valid_QG is None else np.asarray(valid_QG, bool)
+    for ex, a, v in zip(examples, acc, valid):
+      if not v.any():
+        continue
+      if a[v].all() or not a[v].any():
+        self.until[key(ex)] = self.step + self.revisit_after + 1
+        self.set_aside += 1
+      else:
+        self.until.pop(key(ex), None)
+
+  def watch(self, rollout) -> None:
+    """Records the groups `rollout.score` scores (training rollouts, every group, kept or dropped)."""
+    score = rollout.score
+
+    def scored(examples, samples, G, *args, **kw):
+      out = score(examples, samples, G, *args, **kw)
+      self.record(examples, out["acc"], out.get("valid"))
+      return out
+    rollout.score = scored
+
+  def metrics(self) -> dict:
+    """This step's: prompts skipped (set aside), groups set aside, prompts served early, pool size."""
+    return {"data/curriculum_skipped": self.skipped, "data/curriculum_set_aside": self.set_aside,
+            "data/curriculum_early": self.early, "data/curriculum_pool": len(self.until)}

@@ -1,0 +1,115 @@
+"""Difficulty pools over the prompt stream (`data.curriculum`): what is set aside, skipped and brought back,
+rewinding over skipped prompts, the state a checkpoint keeps; and runs on a six-problem file whose
+prompts recur every step: the pools act, and a run stopped and resumed draws what the uninterrupted
+run draws."""
+import json
+
+import pytest
+
+from configs import default
+from dapo_jax import builders, dumps, metrics
+from dapo_jax.data import curriculum
+from dapo_jax.data import prompts as data_lib
+
+EX = [data_lib.Example(messages=({"role": "user", "content": f"q{i}"},), ground_truth=str(i), source="f")
+      for i in range(6)]
+
+
+def stream(revisit_after=2):
+  return curriculum.Curriculum(data_lib.PromptIterator(EX, shuffle=False), revisit_after, size=len(EX))
+
+
+def names(exs):
+  return [ex.messages[0]["content"] for ex in exs]
+
+
+def test_solved_and_unsolved_prompts_are_set_aside_then_come_back():
+  c = stream(revisit_after=2)
+  c.at_step(1)
+  first = c.take(3)
+  c.record(first, [[True, True], [True, False], [False, False]])  # q0 solved, q1 mixed, q2 out of reach
+  assert names(c.take(3)) == ["q3", "q4", "q5"]
+  assert c.metrics() == {"data/curriculum_skipped": 0, "data/curriculum_set_aside": 2, "data/curriculum_early": 0,
+                         "data/curriculum_pool": 2}
+  for step in (2, 3):  # Set aside for 2 steps: the next epochs skip q0 and q2.
+    c.at_step(step)
+    assert names(c.take(4)) == ["q1", "q3", "q4", "q5"] and c.metrics()["data/curriculum_skipped"] == 2
+  c.at_step(4)  # Back: drawn, and judged again (mixed this time: stays in).
+  back = c.take(3)
+  assert names(back) == ["q0", "q1", "q2"]
+  c.record(back[:1], [[True, False]])
+  assert c.metrics()["data/curriculum_pool"] == 0
+
+
+def test_rewind_steps_back_over_the_skipped_prompts_and_the_state_round_trips():
+  c = stream(revisit_after=5)
+  c.at_step(1)
+  c.record(EX[:3:2], [[True, True], [False, False]])  # q0 and q2 aside
+  c.at_step(2)
+  assert names(c.take(2)) == ["q1", "q3"]
+  state = json.loads(json.dumps(c.state()))  # As a checkpoint holds it.
+  ahead = names(c.take(3))
+  assert ahead == ["q4", "q5", "q1"]  # The next epoch, q0 skipped again.
+  c.rewind(3)
+  assert names(c.take(3)) == ahead
+  again = stream(revisit_after=5)
+  again.restore(state)
+  again.at_step(2)
+  assert names(again.take(3)) == ahead
+  with pytest.raises(ValueError, match="cannot rewind"):
+    again.rewind(4)
+  with pytest.raises(data_lib.DataError, match="data.curriculum changed"):
+    stream().restore({"epoch": 0, "position": 0})
+
+
+def test_a_stream_whose_every_prompt_is_aside_serves_rather_than_stalls():
+  c = stream(revisit_after=3)
+  c.at_step(1)
+  c.record(EX, [[True, True]] * len(EX))
+  c.at_step(2)
+  assert len(c.take(2)) == 2 and c.metrics()["data/curriculum_early"] == 2
+
+
+def write_rows(path, n):
+  rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i}+1?"}],
+           "reward_model": {"ground_truth": str(i + 1), "style": "rule"}} for i in range(n)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+@pytest.mark.slow
+def test_pools_act_and_a_resumed_run_draws_what_the_uninterrupted_one_draws(tmp_path):
+  train = write_rows(tmp_path / "six.jsonl", 6)
+
+  def config(steps):
+    cfg = default.get_config("runlocal")
+    cfg.model.init = "random"
+    cfg.reward.fn = "dapo_jax.testing:length_reward"
+    cfg.data.update(task="file", train_files=(train,), eval_files=(train,), num_eval=2, curriculum=True,
+                    revisit_after=1)
+    cfg.train.update(num_steps=steps, dump_rollouts_every=1, ckpt_every=1, keep_ckpts=10)
+    return cfg
+
+  builders.run(config(4), str(tmp_path / "straight"))
+  builders.run(config(2), str(tmp_path / "stopped"))
+  builders.run(config(4), str(tmp_path / "stopped"))  # Resumes after step 2.
+  # The pools and the stream's position as each checkpoint holds them, and every metric of every step
+  # (prompts admitted, samples, rewards, the pools' counts), are the uninterrupted run's.
+  extra = lambda name, step: json.load(open(tmp_path / name / "checkpoints" / str(step) / "extra" / "metadata"))
+  for step in (3, 4):
+    assert extra("stopped", step)["data"] == extra("straight", step)["data"]
+  recs = {name: metrics.read_jsonl(str(tmp_path / name / "metrics.jsonl")) for name in ("straight", "stopped")}
+  for step in range(1, 5):
+    same = lambda r: {k: v for k, v in r[step].items() if not k.startswith(("timing_s/", "perf/"))}
+    assert same(recs["stopped"]) == same(recs["straight"]), step
+  r = recs["straight"]
+  assert sum(r[s]["data/curriculum_set_aside"] for s in range(1, 5)) > 0 and extra("straight", 4)["data"]["until"]
+  # A prompt aside after step k (its group all right or all wrong) is not drawn at step k + 1
+  # (revisit_after=1), unless every prompt was aside.
+  acted = 0
+  for k in (1, 2, 3):
+    aside = {key.split("\x00")[1] for key, until in extra("straight", k)["data"]["until"].items() if until > k}
+    drawn = {row["prompt"] for row in dumps.read(dumps.path(str(tmp_path / "straight"), k + 1))}
+    assert not (aside & drawn) or r[k + 1]["data/curriculum_early"] > 0, k
+    acted += len(aside)
+  assert acted
