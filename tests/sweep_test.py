@@ -262,6 +262,23 @@ def test_a_failed_trial_is_recorded_with_its_last_line_and_the_sweep_goes_on(tmp
 
 
 @pytest.mark.slow
+def test_a_random_sweep_draws_its_settings_from_the_range(tmp_path):
+  w = str(tmp_path / "sweep")
+  s = space.from_specs(["dapo.eps_high=range(0.2,0.3)"])
+  cfg = study.SweepConfig(sampler="random", trials=2, pruner="none", metric="val/acc/mean@2", report_every=32,
+                          poll_s=0.2, sampler_seed=3)
+  t = sweep_builder.run(SMALL, {**FIXED, "train.num_steps": 1}, s, cfg, w, "launch.train", {"space": "r"},
+                        env=CHILD_ENV)
+  st = optuna.load_study(study_name=study.STUDY_NAME, storage=f"sqlite:///{w}/study.db")
+  values = [x.params["dapo.eps_high"] for x in st.trials]
+  assert [x.state.name for x in st.trials] == ["COMPLETE", "COMPLETE"] and len(set(values)) == 2
+  assert all(0.2 <= v <= 0.3 for v in values) and len(t["settings"]) == 2
+  for v in values:  # Each trial ran with its value.
+    run = study.run_dir(w, space.label({"dapo.eps_high": v}), 0)
+    assert json.load(open(f"{run}/config.json"))["dapo"]["eps_high"] == v
+
+
+@pytest.mark.slow
 def test_killed_sweep_resumes_without_rerunning_finished_trials(tmp_path):
   w = str(tmp_path / "sweep")
   cmd = [sys.executable, "-m", "launch.sweep", f"--config={SMALL}", f"--workdir={w}", "--space=dapo.eps_high=[0.2,0.3]",
