@@ -155,7 +155,8 @@ def test_report_table_over_seeds_at_equal_samples(tmp_path):
 def test_warm_start_key_follows_what_the_start_reads():
   file, args = sweep_builder.split_config_path(f"{ROOT}/configs/default.py")
   key = lambda **o: sweep_builder.start_key(sweep_builder.load_config(file, args, o))
-  assert key() == key(**{"dapo.eps_high": 0.4, "optim.lr": 3e-4, "train.num_steps": 7, "rollout.max_new_tokens": 9})
+  assert key() == key(**{"dapo.eps_high": 0.4, "optim.lr": 3e-4, "train.num_steps": 7, "rollout.max_new_tokens": 9,
+                         "data.curriculum": True, "data.revisit_after": 3})
   for field, value in (("sft.lr", 1e-3), ("model.num_layers", 2), ("seed", 1), ("data.digits", 3),
                        ("rollout.env", "dapo_jax.envs:Calculator"), ("train.microbatch_tokens", 64)):
     assert key(**{field: value}) != key(), field

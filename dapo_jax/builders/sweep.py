@@ -3,7 +3,7 @@ overrides, in its own process; `run` drives `sweep.study.Sweep` and writes `swee
 
 The settings of a sweep share their SFT warm start (`model.init="sft"`) when what the warm start reads
 is equal (`start_key`: the model, tokenizer, sft, data and mesh sections, the episodes' fields of rollout,
-the seed and `train.microbatch_tokens`). It is trained once, by `launch.train --warm_start_only`, into
+the seed and `train.microbatch_tokens`; not data's RL-stream fields: its mixing weights and curriculum). It is trained once, by `launch.train --warm_start_only`, into
 WORKDIR/starts/<key>/, and every trial starts from it (`model.init="hf"`), so the trials of a setting
 differ only in their RL seed, as the paper's ablation runs do. A sweep over a field the warm start reads
 (`sft.lr`, `model.num_layers`) trains one start per value.
@@ -28,6 +28,7 @@ from dapo_jax.sweep import study as study_lib
 
 START_SECTIONS = ("model", "tokenizer", "sft", "data", "mesh")  # what builders.warm_start reads, with
 START_ROLLOUT = ("env", "env_args", "max_turns", "turn_stop")    # the episodes' fields its tokenizer reads
+START_DATA_RL = ("train_weights", "curriculum", "revisit_after")  # data fields only the RL stream reads
 
 
 def split_config_path(path: str) -> tuple[str, dict[str, str]]:
@@ -83,6 +84,7 @@ def start_key(cfg) -> str:
   """A short hash of what the SFT warm start reads: configs with equal keys share one start."""
   d = cfg.to_dict()
   parts = {s: d[s] for s in START_SECTIONS}
+  parts["data"] = {k: v for k, v in d["data"].items() if k not in START_DATA_RL}
   parts["rollout"] = {f: d["rollout"][f] for f in START_ROLLOUT}
   parts.update(seed=d["seed"], microbatch_tokens=d["train"]["microbatch_tokens"])
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
