@@ -337,12 +337,7 @@ class MixedIterator:
       self._blocks[b] = np.random.default_rng([self.seed, 7919, b]).choice(len(self.p), size=self.BLOCK, p=self.p)
     return int(self._blocks[b][i % self.BLOCK])
 
-  def next_batch(self, global_size: int) -> list[Example]:
-    if global_size % self.process_count:
-      raise ValueError(f"batch of {global_size} prompts does not split over {self.process_count} hosts")
-    picked = self.take(global_size)
-    per_host = global_size // self.process_count
-    return picked[self.process_index * per_host:(self.process_index + 1) * per_host]
+  next_batch = PromptIterator.next_batch  # This host's shard of the next `global_size` of the stream.
 
   def take(self, n: int) -> list[Example]:
     picked = [self.iters[self.source(i)].take(1)[0] for i in range(self.drawn, self.drawn + n)]
