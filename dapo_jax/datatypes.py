@@ -38,7 +38,12 @@ class PackedRows:
   target_K: jax.Array
   place_K: jax.Array
   row_B: jax.Array          # bool [B]: a row of the mini-batch (False: an unused row slot)
+  # int32 [M, P]: the (query block, key block) pairs attention computes, blocks of `block` positions,
+  # -1 = none (`packing.block_pairs`, `packed_attention.attend_blocks`); None: dense under the mask.
+  query_block_MP: jax.Array | None = None
+  key_block_MP: jax.Array | None = None
   shards: int = struct.field(pytree_node=False, default=1)
+  block: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass

@@ -85,6 +85,9 @@ class LoopConfig:
   use_decoupled_loss: bool = False  # stale rows' π_old: False = sampler log-probs; True = this step's policy
   partial_rollouts: bool = False  # the rollout in flight continues with each update's params as it ends
   packing: bool = False         # micro-batches of rows packed without padding (`packing.packed_microbatches`)
+  # packed: attention by blocks of this many tokens reading only the key blocks their segments reach, in
+  # one sequence of the whole budget per shard (`packing.key_blocks`); 0 = dense, sequences of a length bucket
+  packing_block: int = 0
 
   @property
   def updates_per_step(self) -> int:
@@ -192,7 +195,7 @@ class DAPO:
     """`packing.packed_rows`' budget for `trainer`'s passes (default: the policy's)."""
     trainer = trainer or self.trainer
     return dict(max_tokens=trainer.microbatch_tokens, shards=sharding.batch_shards(trainer.mesh.shape),
-                buckets=self.cfg.length_buckets, scored=trainer.scored_cost)
+                buckets=self.cfg.length_buckets, scored=trainer.scored_cost, block=self.cfg.packing_block)
 
   def split(self, batch):
     """The train batch's `minibatches` mini-batches (consecutive rows: whole groups)."""

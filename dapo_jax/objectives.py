@@ -19,6 +19,7 @@ from dapo_jax import loss as loss_lib
 from dapo_jax.datatypes import LMBatch, PackedLMBatch, PreferenceBatch, RLBatch, ValueBatch
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.model import vision as vision_lib
+from dapo_jax.model.packed_attention import Segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +227,7 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
   lm head runs on those alone (a prompt's positions and a row's padding make no logits); the results
   go to their [B, C] places, the padded layout's."""
   pk = mb.packed
-  mask_MTT = model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT)
-  out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, mask_MTT, head="hidden",
+  out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
                           with_router=with_router)
   h_MTD, routing = out if with_router else (out, None)
   x_SKD = _at_scored(pk, h_MTD)
@@ -517,8 +517,7 @@ def completion_values(model_cfg: model_lib.ModelConfig, group_size: int = 0) -> 
   def fn(params, mb) -> jax.Array:
     if getattr(mb, "packed", None) is not None:
       pk = mb.packed
-      values_MT = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT,
-                                    model_lib.packed_attention_mask(pk.segments_MT, pk.branches_MT), head="scalar")
+      values_MT = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="scalar")
       return _to_rows(pk, _at_scored(pk, values_MT), mb.loss_mask_BC.shape)
     C = mb.loss_mask_BC.shape[1]
     P = mb.tokens_BT.shape[1] - C

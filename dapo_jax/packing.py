@@ -15,19 +15,20 @@ from dapo_jax.errors import ConfigError
 
 
 def packed_microbatches(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
-                        scored: float = 0.0) -> list:
+                        scored: float = 0.0, block: int = 0) -> list:
   """`packed_rows`' micro-batches alone."""
   return [part for part, _ in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets,
-                                          scored=scored)]
+                                          scored=scored, block=block)]
 
 
 def packed_pass(fn: Callable, batch, put: Callable, *, max_tokens: int, shards: int = 1,
-                buckets: Sequence[int] = (), scored: float = 0.0) -> np.ndarray:
+                buckets: Sequence[int] = (), scored: float = 0.0, block: int = 0) -> np.ndarray:
   """A forward pass `fn(placed micro-batch) -> [R, Cb]` over `batch`'s rows packed (`packed_rows`), its
   values put back in the rows' places: [B, C] fp32 (0 where a row has no completion token)."""
   B, C = batch.loss_mask_BC.shape
   out = np.zeros((B, C), np.float32)
-  for part, rows in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets, scored=scored):
+  for part, rows in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets, scored=scored,
+                                block=block):
     values = np.asarray(sharding.fetch(fn(put(part))))
     real = rows >= 0
     out[rows[real], :values.shape[1]] = values[real]
@@ -35,7 +36,7 @@ def packed_pass(fn: Callable, batch, put: Callable, *, max_tokens: int, shards: 
 
 
 def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
-                scored: float = 0.0) -> list[tuple]:
+                scored: float = 0.0, block: int = 0) -> list[tuple]:
   """A mini-batch's rows packed without padding (host, pure): the micro-batches of a padding-free
   update (`datatypes.PackedRows`).
 
@@ -50,9 +51,14 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   next micro-batch. With `scored` > 0 the budget also counts what the rows' logits hold, `scored`
   positions for each completion token (`train_step.scored_token_positions`): a shard takes no row
   past `max_tokens` of its sequences' positions and that (its first row always). The lm head runs on
-  the completion tokens alone (`PackedRows.source_K`), K per shard, a power of two.
+  the completion tokens alone (`PackedRows.source_K`), K per shard, within 1/8 above their count.
   Row slots per shard (and the last micro-batch's sequences) are a power of two: a run compiles few
   shapes. The rows' [B, C] arrays are cut to the micro-batch's completion bucket.
+  With `block` > 0, attention reads key blocks (`block_pairs`, `packed_attention.attend_blocks`), so
+  its cost follows the segments rather than a sequence's length: a shard then holds one sequence of
+  the whole budget (`max_tokens` rounded down to whole blocks, or the longest row's bucket), the
+  budget counts the positions filled, and the sequence is cut to the sixteenths of the budget (in
+  whole blocks) that hold them.
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
   out as `RLBatch` (a `ValueBatch`).
   """
@@ -74,14 +80,19 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   while pending:
     Cb = bucket(completion_B[pending[0]])
     L = P + Cb  # Holds any row whose completion fits Cb (a row feeds at most P + Cb - 1 tokens then).
+    if block:
+      L = max(max_tokens // block, -(-L // block)) * block
     n = shards * max(1, max_tokens // L)
     bins, fill, prompts, rest = [[] for _ in range(n)], [0] * n, [set() for _ in range(n)], []
     opened, tokens = [0] * shards, [0] * shards  # Per shard: sequences in use, scored tokens.
 
     def holds(i, b):  # Bin i's shard within its budget with row b there too (or b its first).
       d = i % shards
-      used = opened[d] + (not bins[i])
-      return not opened[d] or used * L + (tokens[d] + completion_B[b]) * scored <= max_tokens
+      if block:  # Positions filled, not sequences opened.
+        taken = sum(fill[j] for j in range(d, n, shards)) + cost(i)
+      else:
+        taken = (opened[d] + (not bins[i])) * L
+      return not opened[d] or taken + (tokens[d] + completion_B[b]) * scored <= max_tokens
 
     for b in pending:  # First fit, longest first; a prompt already in a sequence costs nothing more there.
       cost = lambda i: length_B[b] - (trunk_B[b] if prompt_id_B[b] in prompts[i] else 0)
@@ -98,7 +109,10 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
     pending = rest
     used = [rows for rows in bins if rows]
     S = _pow2_at_least(-(-len(used) // shards), len(bins) // shards)
-    out.append(_pack(batch, used, shards, S, L, Cb, length_B, prompt_B, completion_B, prompt_id_B))
+    if block:  # The sequences cut to what holds the fullest, in sixteenths of the budget (few shapes).
+      unit = -(-max(max_tokens // 32, 1) // block) * block
+      L = min(L, -(-max(fill) // unit) * unit)
+    out.append(_pack(batch, used, shards, S, L, Cb, length_B, prompt_B, completion_B, prompt_id_B, block))
   return out
 
 
@@ -109,7 +123,7 @@ def _prompt_ids(tokens_BP: np.ndarray, mask_BP: np.ndarray) -> np.ndarray:
 
 
 def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb: int, length_B, prompt_B,
-          completion_B, prompt_id_B) -> tuple:
+          completion_B, prompt_id_B, block: int = 0) -> tuple:
   """One packed micro-batch, and its row slots' rows: bin i is sequence i // shards of shard i % shards
   (S sequences of L each). In a sequence, rows of one prompt make one segment: the prompt but its last
   token once (branch 0), then each row's branch (1, 2, ...); a row alone is a segment of branch 0."""
@@ -147,7 +161,7 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
           start = put(d, start, real, lo, int(length_B[b]), segment, branch if shared else 0)
           row_idx[d, r], r = b, r + 1
   seq = lambda x: x.reshape(shards * S, L)  # [D, S x L] -> [D x S, L]: shard d's are sequences d*S .. d*S + S - 1.
-  K = _pow2_at_least(max(len(p) for p in picks), R * Cb)
+  K = _eighths_at_least(max(len(p) for p in picks), R * Cb)
   scored_DK3 = np.zeros((shards, K, 3), np.int32)
   scored_DK3[..., 2] = shards * R * Cb  # Padding: dropped.
   for d, p in enumerate(picks):
@@ -155,10 +169,53 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       scored_DK3[d, :len(p)] = p
   P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
   source_K, target_K, place_K = (scored_DK3[..., i].reshape(-1) for i in range(3))
+  pairs = {}
+  if block:
+    pairs = dict(zip(("query_block_MP", "key_block_MP"), block_pairs(seq(segments_DL), seq(branches_DL), block)))
   return _rows_of(batch, row_idx.reshape(-1), P, Cb).replace(packed=PackedRows(
       tokens_MT=seq(tokens_DL), positions_MT=seq(positions_DL), segments_MT=seq(segments_DL),
       branches_MT=seq(branches_DL), source_K=source_K, target_K=target_K, place_K=place_K,
-      row_B=row_idx.reshape(-1) >= 0, shards=shards)), row_idx.reshape(-1)
+      row_B=row_idx.reshape(-1) >= 0, shards=shards, block=block, **pairs)), row_idx.reshape(-1)
+
+
+def block_pairs(segments_MT: np.ndarray, branches_MT: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+  """The (query block, key block) pairs of packed sequences cut into blocks of `block` positions where
+  a query sees a key (`packed_attention.sees`: its own branch's or segment's tokens up to it, and its
+  segment's trunk): int32 [M, P] query blocks and key blocks, -1 after a sequence's pairs, P the most
+  any sequence has, rounded up to a multiple of its block count (few shapes)."""
+  M, T = segments_MT.shape
+  n = T // block
+  need_Mnn = np.zeros((M, n, n), bool)
+  for m in range(M):
+    seg, br = segments_MT[m], branches_MT[m]
+    change = np.ones(T, bool)
+    change[1:] = (seg[1:] != seg[:-1]) | (br[1:] != br[:-1])
+    starts = np.flatnonzero(change)
+    trunks = {}
+    for lo, hi in zip(starts, list(starts[1:]) + [T]):  # Runs of one (segment, branch).
+      if seg[lo] == 0:
+        continue
+      if br[lo] == 0:
+        trunks[int(seg[lo])] = (lo, hi)
+      for i in range(lo // block, (hi - 1) // block + 1):
+        need_Mnn[m, i, lo // block:i + 1] = True
+        if br[lo] > 0 and int(seg[lo]) in trunks:
+          t_lo, t_hi = trunks[int(seg[lo])]
+          need_Mnn[m, i, t_lo // block:(t_hi - 1) // block + 1] = True
+  P = -(-int(need_Mnn.sum((1, 2)).max()) // n) * n
+  query_MP, key_MP = np.full((M, P), -1, np.int32), np.full((M, P), -1, np.int32)
+  for m in range(M):
+    i, j = np.nonzero(need_Mnn[m])
+    query_MP[m, :len(i)], key_MP[m, :len(j)] = i, j
+  return query_MP, key_MP
+
+
+def _eighths_at_least(n: int, cap: int) -> int:
+  """The smallest m x 2^e >= n with m in 8..15 (at most 1/8 above n: the lm head's rows, which pay
+  for every padded one), but at most `cap` (when cap >= n); below 16, n itself."""
+  n = int(n)
+  step = 1 << max(n.bit_length() - 4, 0)
+  return min(-(-n // step) * step, max(cap, n))
 
 
 def _pow2_at_least(n: int, cap: int) -> int:

@@ -71,9 +71,10 @@ def test_rows_pack_first_fit_longest_first_by_hand():
   sources = scored_sources(p)
   np.testing.assert_array_equal(sources[1, :LENGTHS[7]], 14 + 4 + np.arange(5))  # row 7 after row 5
   np.testing.assert_array_equal(sources[3, :LENGTHS[0]], 29 + 4 + np.arange(3))  # row 0: sequence 1
-  # The lm head's tokens: the completions' own, 24 of them, K = 32 (a power of two).
+  # The lm head's tokens: the completions' own, 24 of them, K = 24 (m x 2^e, m in 8..15: 12 x 2).
   pk = p.packed
-  assert pk.source_K.shape == (32,) and int((pk.place_K < 8 * 24).sum()) == 24 == sum(LENGTHS[b] for b in [5, 7, 2, 0, 3, 6])
+  assert pk.source_K.shape == (24,)
+  assert int((pk.place_K < 8 * 24).sum()) == 24 == sum(LENGTHS[b] for b in [5, 7, 2, 0, 3, 6])
   np.testing.assert_array_equal(pk.target_K[:24], np.asarray(p.tokens_BT).reshape(-1)[pk.place_K[:24]])
   np.testing.assert_array_equal(p.packed.tokens_MT[0, 14:24], batch.tokens_BT[7][batch.mask_BT[7]])
   # Length buckets: short rows go in sequences of P + 16 = 21 positions, 3 of them in 64 tokens.
@@ -167,9 +168,9 @@ def test_packed_loss_metrics_and_gradients_equal_the_padded_ones(name):
   _assert_parts_make_the_batch(obj, batch, parts)
 
 
-def _assert_parts_make_the_batch(obj, batch, parts):
+def _assert_parts_make_the_batch(obj, batch, parts, cfg=CFG):
   """The objective summed over packed micro-batches is the padded batch's: loss, metrics, gradient."""
-  params = _params()
+  params = _params(cfg)
   step = jax.jit(jax.value_and_grad(obj.loss, has_aux=True))
   (loss, metrics), grads = step(params, batch, obj.counts(batch))
   counts = jax.tree.map(lambda *c: sum(c), *[obj.counts(p) for p in parts])
@@ -208,19 +209,21 @@ def _assert_same_update(padded, packed):
   assert int(s_pk.step) == int(s_pad.step) == 2
 
 
-def _params():
-  from dapo_jax.model import transformer as model_lib
-  return model_lib.init_params(CFG, jax.random.key(3))
+def _params(cfg=CFG):
+  return model_lib.init_params(cfg, jax.random.key(3))
 
 
 @pytest.mark.parametrize("case", ["one_device", "mesh_2x2x2", "lora_int8", "moe", "chunked_logits",
-                                  "vs_shared_prompt"])
+                                  "vs_shared_prompt", "blocks/mesh_2x2x2", "blocks/lora_int8"])
 def test_two_packed_updates_equal_two_padded_updates(case):
   """Through the Trainer (micro-batches of two shapes accumulated, AdamW): metrics of each update and
   params after two, on one device and the (2, 2, 2) mesh, LoRA on int8, Qwen3-MoE, chunked logits, and
-  against the padded shared-prompt layout (groups of 2 rows sharing a prompt, which runs once)."""
+  against the padded shared-prompt layout (groups of 2 rows sharing a prompt, which runs once);
+  "blocks/": attention over block pairs (`packing.block_pairs`)."""
   cfg, adapters, mesh = CFG, None, sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   budget = 64  # Two micro-batches of 4 and 8 row slots.
+  block = 8 if case.startswith("blocks/") else 0
+  case = case.removeprefix("blocks/")
   if case == "mesh_2x2x2":
     if len(jax.devices()) < 8:
       pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
@@ -239,7 +242,7 @@ def test_two_packed_updates_equal_two_padded_updates(case):
     batch = batch.replace(tokens_BT=tokens, mask_BT=mask)
   trainer = _trainer(cfg, objectives.PGConfig(kl_coef=0.1, group_size=G), mesh, adapters)
   params0 = jax.device_get(trainer.init(jax.random.key(0)).params)
-  parts = packing.packed_microbatches(batch, max_tokens=budget, shards=sharding.batch_shards(mesh.shape))
+  parts = packing.packed_microbatches(batch, max_tokens=budget, shards=sharding.batch_shards(mesh.shape), block=block)
   _assert_same_update(_two_steps(trainer, params0, [batch]), _two_steps(trainer, params0, parts))
 
 
@@ -259,10 +262,11 @@ def test_a_run_with_packing_makes_the_padded_runs_update(tmp_path):
     np.testing.assert_allclose(packed[k], padded[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packed", [False, True, 8], ids=["padded", "packed", "blocks"])
 def test_a_sequence_parallel_update_equals_the_unsharded_one(packed):
   """`mesh.sequence` = 4 splits each row's (or packed sequence's) tokens over 4 of 8 forced devices, fsdp
-  = 2 the rows: two updates give the metrics and params of one device's to 1e-5."""
+  = 2 the rows: two updates give the metrics and params of one device's to 1e-5 (packed sequences
+  attending densely, or over block pairs of 8)."""
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
   one = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
@@ -273,8 +277,8 @@ def test_a_sequence_parallel_update_equals_the_unsharded_one(packed):
   params0 = jax.device_get(_trainer(CFG, pg, one).init(jax.random.key(0)).params)
   runs = []
   for mesh in (one, split):
-    parts = (packing.packed_microbatches(batch, max_tokens=64, shards=sharding.batch_shards(mesh.shape))
-             if packed else [batch])
+    parts = (packing.packed_microbatches(batch, max_tokens=64, shards=sharding.batch_shards(mesh.shape),
+                                         block=0 if packed is True else packed) if packed else [batch])
     runs.append(_two_steps(_trainer(CFG, pg, mesh), params0, parts))
   _assert_same_update(*runs)
 

@@ -26,7 +26,7 @@ from flax import linen as nn
 from dapo_jax import sharding
 from dapo_jax.model import layers as layers_lib
 from dapo_jax.model import lora as lora_lib
-from dapo_jax.model import quant, vision
+from dapo_jax.model import packed_attention, quant, vision
 from dapo_jax.model.config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
 
 Params = Any
@@ -61,9 +61,10 @@ class RMSNorm(nn.Module):
 class Block(nn.Module):
   """One layer's parameters (training layout), applied to one or two segments of rows.
 
-  Layout "rows": one segment [B, T, D]. Layout "shared_prompt": Q prompts [Q, P, D] and their
-  B = Q*G completions [B, C, D], completion row qG+g continuing prompt q (a rollout group shares one
-  prompt forward). Layout "prefix_prompt": a prefix [1, N, D] every prompt begins with, the Q
+  Layout "rows": one segment [B, T, D]. Layout "packed": packed sequences [B, T, D], attention inside
+  their segments (`packed_attention`; the mask is a `packed_attention.Segments`). Layout
+  "shared_prompt": Q prompts [Q, P, D] and their B = Q*G completions [B, C, D], completion row qG+g
+  continuing prompt q (a rollout group shares one prompt forward). Layout "prefix_prompt": a prefix [1, N, D] every prompt begins with, the Q
   prompts' rest [Q, P, D] and the completions [B, C, D] (no sliding window). Dense layers run on
   every token of every segment at once; only attention sees the segments. With `emit_kv`, also
   returns this call's keys and values ([B, K, T, H] each, one pair per segment).
@@ -85,7 +86,8 @@ class Block(nn.Module):
     if cfg.local_layers:  # Local layers: the window and their own rotary table.
       window = jnp.where(local, cfg.sliding_window, jnp.iinfo(jnp.int32).max)
       tables = jax.tree.map(lambda g, l: jnp.where(local, l, g), tables, local_tables)
-      masks = (layers_lib.windowed(masks[0], window),) + tuple(masks[1:])
+      if self.layout != "packed":  # Packed segments are windowed by position (`packed_attention`).
+        masks = (layers_lib.windowed(masks[0], window),) + tuple(masks[1:])
     p = {"attn_norm": {"scale_D": _scale_param(self, "attn_norm")}}
     p["wq_DNH"] = _matrix(self, "wq_DNH", (D, N, H), cfg)
     p["wk_DKH"] = _matrix(self, "wk_DKH", (D, K, H), cfg)
@@ -135,6 +137,8 @@ class Block(nn.Module):
       vs = per_segment(v_XKH, K, H)
       if self.layout == "rows":
         outs = [self._attend_rows(qs[0], ks[0], vs[0], masks[0])]
+      elif self.layout == "packed":
+        outs = [self._attend_packed(qs[0], ks[0], vs[0], masks[0], window)]
       elif self.layout == "prefix_prompt":  # The prefix; the prompts after it; completions after both.
         kw = layers_lib.attn_kw(cfg)
         real_1N, real_QP = masks[0][:, -1], masks[1][:, -1]
@@ -167,6 +171,13 @@ class Block(nn.Module):
     attend = lambda q, mask, offset: layers_lib.attend_shared_prompt(
         q, k_BCKH, v_BCKH, mask, k_QPKH, v_QPKH, mask_QP, window=window, query_offset=offset, **kw)
     return _query_blocks(attend, q_BCKRH, mask_BCC, self.cfg.attn_chunk)
+
+  def _attend_packed(self, q_BTKRH, k_BTKH, v_BTKH, segments: packed_attention.Segments, window):
+    """Packed sequences: over their block pairs where they have them, else dense under their mask."""
+    if not segments.block:
+      return self._attend_rows(q_BTKRH, k_BTKH, v_BTKH, segments.dense_mask(window))
+    return packed_attention.attend_blocks(q_BTKRH, k_BTKH, v_BTKH, segments, window, self.cfg.attn_chunk,
+                                          **layers_lib.attn_kw(self.cfg))
 
   def _attend_rows(self, q_BTKRH, k_BTKH, v_BTKH, mask_BTS):
     c = self.cfg.attn_chunk
@@ -230,10 +241,10 @@ class Transformer(nn.Module):
 
   Head "lm": logits [B, T, V] (fp32). Head "scalar": one value per position [B, T] (fp32) from a
   D-vector `score_D` (a reward model's or value model's head). Head "hidden": the final norm's
-  output [B, T, D], for `unembed` to turn into logits a chunk of positions at a time. Inputs are one segment of rows
-  (layout "rows"), (prompts, completions) (layout "shared_prompt", see `Block`) or (prefix, prompts,
-  completions) (layout "prefix_prompt"): then the outputs are those at the positions predicting each
-  completion token, [B, C, ...].
+  output [B, T, D], for `unembed` to turn into logits a chunk of positions at a time. Inputs are one
+  segment of rows (layout "rows"), packed sequences (layout "packed"), (prompts, completions) (layout
+  "shared_prompt", see `Block`) or (prefix, prompts, completions) (layout "prefix_prompt"): then the
+  outputs are those at the positions predicting each completion token, [B, C, ...].
   """
   cfg: ModelConfig
   head: str = "lm"
@@ -259,8 +270,11 @@ class Transformer(nn.Module):
     lora_switch = None  # The adapters' scale and, in a training forward, their dropout rate.
     if self.has_variable("lora", "scale"):
       lora_switch = {k: self.get_variable("lora", k) for k in ("scale", "dropout_rate") if self.has_variable("lora", k)}
-    real = tuple(jnp.diagonal(m, axis1=-2, axis2=-1) for m in masks)  # A token sees itself iff it is real.
-    if self.layout != "rows":  # Routing statistics count a shared segment once per row, as the rows do.
+    if self.layout == "packed":
+      real = (masks[0].real_BT(),)
+    else:  # A token sees itself iff it is real.
+      real = tuple(jnp.diagonal(m, axis1=-2, axis2=-1) for m in masks)
+    if self.layout not in ("rows", "packed"):  # Routing statistics count a shared segment once per row.
       real = tuple(r * (tokens[-1].shape[0] // t.shape[0]) for r, t in zip(real, tokens))
     shared = (tables, local_tables, masks, lora_switch, real)
     kvs = []
@@ -366,9 +380,11 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logit
   With `with_router` (an MoE model), returns (that, routing statistics): see `routing`.
   `images_BMD`: each row's image vectors (`vision.image_features`), placed at its image placeholders
   (`mask_BTS` then opens each image's attention both ways: `attention_mask`).
+  `mask_BTS` may be a `packed_attention.Segments` instead: packed sequences (`pos_BT` their positions).
   """
   images = () if images_BMD is None else (images_BMD,)
-  return _apply(Transformer(cfg, head, "rows", emit_kv), params, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from,
+  layout = "packed" if isinstance(mask_BTS, packed_attention.Segments) else "rows"
+  return _apply(Transformer(cfg, head, layout, emit_kv), params, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from,
                 images, with_router=with_router)
 
 

@@ -256,6 +256,7 @@ class Train(Section):
   shared_prefix: int = 32          # and a mini-batch's common first tokens, in multiples of this many (0 = off)
   length_buckets: int = 8          # micro-batches cut to one of this many lengths (0 = pad to max_new_tokens)
   packing: bool = False            # rows packed without padding into sequences of microbatch_tokens (exact)
+  packing_block: int = _LOOP.packing_block   # packed: attention reads only the key blocks of this many tokens it needs
   ckpt_every: int = 5              # rollout steps between checkpoints (0 = at the end only)
   keep_ckpts: int = 3              # checkpoints kept
   eval_every: int = 5              # rollout steps between held-out evaluations (0 = start and end only)
@@ -274,6 +275,7 @@ class Train(Section):
     self.number("microbatch_tokens", 1, integer=True, allowed="a positive token budget")
     self.number("shared_prefix", 0, integer=True, allowed=">= 0 (0 = each group's prompt whole)")
     self.number("length_buckets", 0, integer=True, allowed=">= 0 (0 = every row padded to rollout.max_new_tokens)")
+    self.number("packing_block", 0, integer=True, allowed=">= 0 (0 = dense attention in each packed sequence)")
     check(not (self.packing and self.num_microbatches), "train.num_microbatches", self.num_microbatches,
           "0 with train.packing (packed micro-batches are sized by train.microbatch_tokens)")
     for f in ("num_steps", "ckpt_every", "eval_every", "log_samples_every"):

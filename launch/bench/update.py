@@ -1,5 +1,6 @@
 """`bench update`: one rollout step's update on long-tailed rows, padded (micro-batches cut to length
-buckets, `train.packing=False`) and packed (`train.packing=True`), side by side on the very same batch:
+buckets, `train.packing=False`) and packed (`train.packing=True`; with `--config.train.packing_block=c`,
+also packed with attention by key blocks, "blocks"), side by side on the very same batch:
 the update's median time (all micro-batches, forward + backward + AdamW; runs interleaved A B A B),
 the positions each layout computes, and XLA's own FLOP count of each against the real tokens' FLOPs
 (on the model cut to one layer: XLA's cost analysis counts a scanned loop's body once)."""
@@ -33,6 +34,10 @@ def bench(cfg, peak):
                                                  scored=trainer.scored_cost),
       "packed": packing.packed_microbatches(batch, max_tokens=cfg.train.microbatch_tokens, shards=shards,
                                             buckets=buckets, scored=trainer.scored_cost)}
+  if cfg.train.packing_block:  # Attention by key blocks, in sequences of the whole budget.
+    layouts["blocks"] = packing.packed_microbatches(batch, max_tokens=cfg.train.microbatch_tokens, shards=shards,
+                                                    buckets=buckets, scored=trainer.scored_cost,
+                                                    block=cfg.train.packing_block)
   state = {"s": trainer.init(params=params)}
 
   def update(parts):
@@ -61,7 +66,9 @@ def bench(cfg, peak):
     out[name] = {"update_s": float(np.median(times[name])), "runs_s": times[name], "microbatches": len(parts),
                  "shapes": sorted({shape(p) for p in parts}), "positions": sum(positions(p, share) for p in parts),
                  "xla_update_flops": flops, "xla_flops_over_real": flops / real_flops}
-  out["packed_speedup"] = out["padded"]["update_s"] / out["packed"]["update_s"]
+  for name in layouts:
+    if name != "padded":
+      out[f"{name}_speedup"] = out["padded"]["update_s"] / out[name]["update_s"]
   return out
 
 
