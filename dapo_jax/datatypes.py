@@ -21,14 +21,19 @@ from flax import struct
 @struct.dataclass
 class PackedRows:
   """The model's inputs of a packed micro-batch (`packing.packed_microbatches`): rows' real tokens
-  packed into M sequences of T positions, one segment per row, or per prompt where rows share one;
-  each data shard holds M / shards consecutive sequences and the rows packed in them. Attention stays
-  inside a segment, and inside a branch but for the segment's trunk; positions restart at each segment."""
+  packed into M sequences of T positions, one segment per row, or per prompt where rows share one, or
+  per sequence where its prompts begin alike; each data shard holds M / shards consecutive sequences
+  and the rows packed in them. Attention stays inside a segment, inside a prompt's part but for the
+  segment's shared beginning, and inside a branch but for the part's trunk (`packed_attention.sees`);
+  positions are each row's own."""
   tokens_MT: jax.Array      # int32 [M, T]
   positions_MT: jax.Array   # int32: position within the segment (the row's position ids)
   segments_MT: jax.Array    # int32: 1.. = the segment's number in its sequence; 0 = padding
-  # int32: 0 = the segment's trunk (a shared prompt but its last token, or a whole row), k = its k-th
-  # row's branch, which sees the trunk and itself.
+  # int32: 0 = the beginning the segment's prompts share (a segment of several prompts), k = its k-th
+  # prompt's part, which sees that beginning and itself.
+  prompts_MT: jax.Array
+  # int32: 0 = the prompt part's trunk (a shared prompt but its last token, or a whole row), k = its
+  # k-th row's branch, which sees the trunk and itself.
   branches_MT: jax.Array
   # The scored tokens, K per shard (shard d's are the d-th K; the row slots of shard d are the d-th
   # B / shards). int32 [shards x K]: the index, in its shard's sequences laid end to end, of the

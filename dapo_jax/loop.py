@@ -87,7 +87,7 @@ class LoopConfig:
   packing: bool = False         # micro-batches of rows packed without padding (`packing.packed_microbatches`)
   # packed: attention by blocks of this many tokens reading only the key blocks their segments reach, in
   # one sequence of the whole budget per shard (`packing.key_blocks`); 0 = dense, sequences of a length bucket
-  packing_block: int = 0
+  packing_block: int = 32
 
   @property
   def updates_per_step(self) -> int:

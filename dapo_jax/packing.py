@@ -57,8 +57,10 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   With `block` > 0, attention reads key blocks (`block_pairs`, `packed_attention.attend_blocks`), so
   its cost follows the segments rather than a sequence's length: a shard then holds one sequence of
   the whole budget (`max_tokens` rounded down to whole blocks, or the longest row's bucket), the
-  budget counts the positions filled, and the sequence is cut to the sixteenths of the budget (in
+  budget counts the positions filled, and the sequence is cut to the thirty-seconds of the budget (in
   whole blocks) that hold them.
+  Prompts that begin alike (few-shot examples, a system prompt) share that beginning too: a sequence
+  holding several prompts holds it once, as a prefix their parts attend to (`_pack`).
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
   out as `RLBatch` (a `ValueBatch`).
   """
@@ -73,6 +75,8 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   prompt_B, completion_B = mask[:, :P].sum(1), mask[:, P:].sum(1)
   prompt_id_B = _prompt_ids(np.asarray(batch.tokens_BT)[:, :P], mask[:, :P])
   trunk_B = np.maximum(prompt_B - 1, 0)  # What a row shares with its prompt's other rows.
+  rows = _Rows(length_B, prompt_B, completion_B, prompt_id_B,
+               _common_prefix(np.asarray(batch.tokens_BT)[:, :P], mask[:, :P], length_B > 0))
   edges = sorted({c for c in buckets if c < C} | {C})
   bucket = lambda n: next(c for c in edges if c >= n)
   pending = sorted(np.flatnonzero(length_B), key=lambda b: -length_B[b])
@@ -94,8 +98,9 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
         taken = (opened[d] + (not bins[i])) * L
       return not opened[d] or taken + (tokens[d] + completion_B[b]) * scored <= max_tokens
 
-    for b in pending:  # First fit, longest first; a prompt already in a sequence costs nothing more there.
-      cost = lambda i: length_B[b] - (trunk_B[b] if prompt_id_B[b] in prompts[i] else 0)
+    for b in pending:  # First fit, longest first; a prompt already in a sequence costs nothing more there,
+      # a new one its part after the prompts' common beginning.
+      cost = lambda i: length_B[b] - (trunk_B[b] if prompt_id_B[b] in prompts[i] else rows.prefix if prompts[i] else 0)
       k = next((i for i in range(n) if fill[i] + cost(i) <= L and completion_B[b] <= Cb
                 and (not scored or holds(i, b))), None)
       if k is None:
@@ -109,11 +114,37 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
     pending = rest
     used = [rows for rows in bins if rows]
     S = _pow2_at_least(-(-len(used) // shards), len(bins) // shards)
-    if block:  # The sequences cut to what holds the fullest, in sixteenths of the budget (few shapes).
+    if block:  # The sequences cut to what holds the fullest, in 32nds of the budget (few shapes).
       unit = -(-max(max_tokens // 32, 1) // block) * block
       L = min(L, -(-max(fill) // unit) * unit)
-    out.append(_pack(batch, used, shards, S, L, Cb, length_B, prompt_B, completion_B, prompt_id_B, block))
+    out.append(_pack(batch, used, shards, S, L, Cb, rows, block))
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """A mini-batch's rows as packing sees them: real tokens the forward reads, prompt and completion
+  lengths, prompt numbers (`_prompt_ids`), and the real tokens all prompts begin with (each prompt's
+  last one excluded: it begins its rows' branches)."""
+  length_B: np.ndarray
+  prompt_B: np.ndarray
+  completion_B: np.ndarray
+  prompt_id_B: np.ndarray
+  prefix: int
+
+
+def _common_prefix(tokens_BP: np.ndarray, mask_BP: np.ndarray, rows_B: np.ndarray) -> int:
+  """The number of real tokens every prompt of `rows_B` begins with, at most the shortest prompt but one."""
+  prompts = [t[m] for t, m, r in zip(tokens_BP, mask_BP, rows_B) if r]
+  if len({p.tobytes() for p in prompts}) < 2:
+    return 0
+  n = min(len(p) for p in prompts) - 1
+  first = prompts[0][:n]
+  for p in prompts[1:]:
+    same = np.flatnonzero(p[:n] != first)
+    n = int(same[0]) if len(same) else n
+    first = first[:n]
+  return max(n, 0)
 
 
 def _prompt_ids(tokens_BP: np.ndarray, mask_BP: np.ndarray) -> np.ndarray:
@@ -122,43 +153,49 @@ def _prompt_ids(tokens_BP: np.ndarray, mask_BP: np.ndarray) -> np.ndarray:
   return np.array([seen.setdefault(t[m].tobytes(), len(seen)) for t, m in zip(tokens_BP, mask_BP)], np.int64)
 
 
-def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb: int, length_B, prompt_B,
-          completion_B, prompt_id_B, block: int = 0) -> tuple:
+def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb: int, rows: "_Rows",
+          block: int = 0) -> tuple:
   """One packed micro-batch, and its row slots' rows: bin i is sequence i // shards of shard i % shards
   (S sequences of L each). In a sequence, rows of one prompt make one segment: the prompt but its last
-  token once (branch 0), then each row's branch (1, 2, ...); a row alone is a segment of branch 0."""
+  token once (branch 0), then each row's branch (1, 2, ...); a row alone is a segment of branch 0.
+  A sequence of several prompts that begin alike (`rows.prefix` > 0 tokens) is one segment: the prefix
+  once (prompt 0), then each prompt's part (prompt 1, 2, ...) laid out as above after the prefix."""
   tokens, mask = np.asarray(batch.tokens_BT), np.asarray(batch.mask_BT, bool)
-  per_shard = [[rows for i, rows in enumerate(bins) if i % shards == d] for d in range(shards)]
-  R = _pow2_at_least(max(sum(len(rows) for rows in seqs) for seqs in per_shard), len(length_B))
+  per_shard = [[seq_rows for i, seq_rows in enumerate(bins) if i % shards == d] for d in range(shards)]
+  R = _pow2_at_least(max(sum(len(r) for r in seqs) for seqs in per_shard), len(rows.length_B))
   row_idx = np.full((shards, R), -1)
-  tokens_DL, positions_DL, segments_DL, branches_DL = (np.zeros((shards, S * L), np.int32) for _ in range(4))
+  ids_DL = {k: np.zeros((shards, S * L), np.int32) for k in ("tokens", "positions", "segments", "prompts", "branches")}
   picks = [[] for _ in range(shards)]  # (source, target, place) of each shard's scored tokens
 
-  def put(d, start, real, lo, hi, segment, branch):  # The row's real tokens [lo, hi) at `start`.
-    tokens_DL[d, start:start + hi - lo] = real[lo:hi]
-    positions_DL[d, start:start + hi - lo] = np.arange(lo, hi)
-    segments_DL[d, start:start + hi - lo] = segment
-    branches_DL[d, start:start + hi - lo] = branch
+  def put(d, start, real, lo, hi, segment, prompt, branch):  # The row's real tokens [lo, hi) at `start`.
+    for k, v in (("tokens", real[lo:hi]), ("positions", np.arange(lo, hi)), ("segments", segment),
+                 ("prompts", prompt), ("branches", branch)):
+      ids_DL[k][d, start:start + hi - lo] = v
     return start + hi - lo
 
   for d, seqs in enumerate(per_shard):
     r = 0
-    for s, rows in enumerate(seqs):
+    for s, seq_rows in enumerate(seqs):
       start = s * L
       by_prompt = {}  # The sequence's rows by prompt, in order of first appearance.
-      for b in rows:
-        by_prompt.setdefault(prompt_id_B[b], []).append(b)
-      for segment, group in enumerate(by_prompt.values(), 1):
+      for b in seq_rows:
+        by_prompt.setdefault(rows.prompt_id_B[b], []).append(b)
+      N = rows.prefix if len(by_prompt) > 1 else 0
+      if N:  # The prompts' common beginning, once: every prompt's part sees it.
+        b = seq_rows[0]
+        start = put(d, start, tokens[b][mask[b]], 0, N, 1, 0, 0)
+      for k, group in enumerate(by_prompt.values(), 1):
+        segment, prompt = (1, k) if N else (k, 1)
         shared = len(group) > 1
-        if shared:  # The trunk: the prompt but its last token.
+        if shared:  # The trunk: the prompt but its last token (after the prefix).
           b = group[0]
-          start = put(d, start, tokens[b][mask[b]], 0, int(prompt_B[b]) - 1, segment, 0)
+          start = put(d, start, tokens[b][mask[b]], N, int(rows.prompt_B[b]) - 1, segment, prompt, 0)
         for branch, b in enumerate(group, 1):
-          real, p, c = tokens[b][mask[b]], int(prompt_B[b]), int(completion_B[b])
-          lo = p - 1 if shared else 0
+          real, p, c = tokens[b][mask[b]], int(rows.prompt_B[b]), int(rows.completion_B[b])
+          lo = p - 1 if shared else N
           # Completion token c is predicted at the row's position p - 1 + c.
           picks[d] += zip(start + (p - 1 - lo) + np.arange(c), real[p:p + c], (d * R + r) * Cb + np.arange(c))
-          start = put(d, start, real, lo, int(length_B[b]), segment, branch if shared else 0)
+          start = put(d, start, real, lo, int(rows.length_B[b]), segment, prompt, branch if shared else 0)
           row_idx[d, r], r = b, r + 1
   seq = lambda x: x.reshape(shards * S, L)  # [D, S x L] -> [D x S, L]: shard d's are sequences d*S .. d*S + S - 1.
   K = _eighths_at_least(max(len(p) for p in picks), R * Cb)
@@ -169,39 +206,46 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       scored_DK3[d, :len(p)] = p
   P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
   source_K, target_K, place_K = (scored_DK3[..., i].reshape(-1) for i in range(3))
-  pairs = {}
+  ids = {f"{k}_MT": seq(v) for k, v in ids_DL.items()}
   if block:
-    pairs = dict(zip(("query_block_MP", "key_block_MP"), block_pairs(seq(segments_DL), seq(branches_DL), block)))
+    ids["query_block_MP"], ids["key_block_MP"] = block_pairs(ids["segments_MT"], ids["prompts_MT"],
+                                                             ids["branches_MT"], block)
   return _rows_of(batch, row_idx.reshape(-1), P, Cb).replace(packed=PackedRows(
-      tokens_MT=seq(tokens_DL), positions_MT=seq(positions_DL), segments_MT=seq(segments_DL),
-      branches_MT=seq(branches_DL), source_K=source_K, target_K=target_K, place_K=place_K,
-      row_B=row_idx.reshape(-1) >= 0, shards=shards, block=block, **pairs)), row_idx.reshape(-1)
+      **ids, source_K=source_K, target_K=target_K, place_K=place_K, row_B=row_idx.reshape(-1) >= 0,
+      shards=shards, block=block)), row_idx.reshape(-1)
 
 
-def block_pairs(segments_MT: np.ndarray, branches_MT: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+def block_pairs(segments_MT: np.ndarray, prompts_MT: np.ndarray, branches_MT: np.ndarray,
+                block: int) -> tuple[np.ndarray, np.ndarray]:
   """The (query block, key block) pairs of packed sequences cut into blocks of `block` positions where
-  a query sees a key (`packed_attention.sees`: its own branch's or segment's tokens up to it, and its
-  segment's trunk): int32 [M, P] query blocks and key blocks, -1 after a sequence's pairs, P the most
-  any sequence has, rounded up to a multiple of its block count (few shapes)."""
+  a query sees a key (`packed_attention.sees`: its own run's tokens up to it, its prompt's trunk and
+  its segment's prefix): int32 [M, P] query blocks and key blocks, -1 after a sequence's pairs, P the
+  most any sequence has, rounded up to a multiple of its block count (few shapes)."""
   M, T = segments_MT.shape
   n = T // block
   need_Mnn = np.zeros((M, n, n), bool)
+  span = lambda lo, hi: slice(lo // block, (hi - 1) // block + 1)  # The blocks of tokens [lo, hi).
   for m in range(M):
-    seg, br = segments_MT[m], branches_MT[m]
+    seg, prompt, br = segments_MT[m], prompts_MT[m], branches_MT[m]
     change = np.ones(T, bool)
-    change[1:] = (seg[1:] != seg[:-1]) | (br[1:] != br[:-1])
+    change[1:] = (seg[1:] != seg[:-1]) | (prompt[1:] != prompt[:-1]) | (br[1:] != br[:-1])
     starts = np.flatnonzero(change)
-    trunks = {}
-    for lo, hi in zip(starts, list(starts[1:]) + [T]):  # Runs of one (segment, branch).
-      if seg[lo] == 0:
+    seen = {}  # (segment, prompt) -> [lo, hi) of its prefix (prompt 0) or trunk (branch 0)
+    for lo, hi in zip(starts, list(starts[1:]) + [T]):  # Runs of one (segment, prompt, branch).
+      key = (int(seg[lo]), int(prompt[lo]))
+      if key[0] == 0:
         continue
       if br[lo] == 0:
-        trunks[int(seg[lo])] = (lo, hi)
+        seen[key] = (lo, hi)
+      above = []  # The runs it sees besides its own: the segment's prefix, the prompt's trunk.
+      if prompt[lo] > 0 and (key[0], 0) in seen:
+        above.append(seen[key[0], 0])
+      if br[lo] > 0 and key in seen:
+        above.append(seen[key])
       for i in range(lo // block, (hi - 1) // block + 1):
         need_Mnn[m, i, lo // block:i + 1] = True
-        if br[lo] > 0 and int(seg[lo]) in trunks:
-          t_lo, t_hi = trunks[int(seg[lo])]
-          need_Mnn[m, i, t_lo // block:(t_hi - 1) // block + 1] = True
+        for a_lo, a_hi in above:
+          need_Mnn[m, i, span(a_lo, a_hi)] = True
   P = -(-int(need_Mnn.sum((1, 2)).max()) // n) * n
   query_MP, key_MP = np.full((M, P), -1, np.int32), np.full((M, P), -1, np.int32)
   for m in range(M):

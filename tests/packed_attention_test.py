@@ -18,7 +18,7 @@ def test_block_pairs_by_hand():
   # [7, 10); segment 2 a lone row [10, 14); padding [14, 16).
   seg = np.array([[1] * 10 + [2] * 4 + [0] * 2])
   br = np.array([[0] * 3 + [1] * 4 + [2] * 3 + [0] * 4 + [0] * 2])
-  q, k = packing.block_pairs(seg, br, 4)
+  q, k = packing.block_pairs(seg, (seg > 0).astype(int), br, 4)
   pairs = sorted((int(i), int(j)) for i, j in zip(q[0], k[0]) if i >= 0)
   # Block 0 (trunk, branch 1): itself. Block 1 (branch 1, branch 2): itself, block 0 (trunk, branch 1's
   # start). Block 2 (branch 2 then segment 2): branch 2 began in block 1, its trunk is block 0; segment

@@ -11,6 +11,7 @@ from dapo_jax import objectives, optim, packing, sharding, testing, train_step
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.model import lora
 from dapo_jax.model import transformer as model_lib
+from dapo_jax.model.packed_attention import Segments
 
 CFG = testing.tiny_model_config(vocab_size=64)
 OPT = optim.OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1, grad_clip=1.0, eps=1e-3)
@@ -19,14 +20,17 @@ MOE = dataclasses.replace(CFG, arch="qwen3_moe", qk_norm=True, qkv_bias=False, n
 LENGTHS = [3, 20, 2, 4, 24, 9, 1, 5]  # Completion lengths (C = 24); prompts of 5 tokens, rows 2 and 3 of 3.
 
 
-def long_tail_batch(C=24, P=5, seed=0, rollout_logp=False, shared=1) -> RLBatch:
-  """Rows of LENGTHS' completions; with `shared` = G, each G consecutive rows have one prompt."""
+def long_tail_batch(C=24, P=5, seed=0, rollout_logp=False, shared=1, prefix=0) -> RLBatch:
+  """Rows of LENGTHS' completions; with `shared` = G, each G consecutive rows have one prompt; with
+  `prefix` = n, every prompt begins with the same n real tokens."""
   rng = np.random.default_rng(seed)
   B = len(LENGTHS)
   pmask = np.ones((B, P), bool)
   pmask[2:4, :2] = False  # Left padding.
   cmask = np.arange(C)[None] < np.array(LENGTHS)[:, None]
   prompts = np.repeat(rng.integers(4, 64, size=(B, P))[::shared], shared, axis=0)
+  for b in range(B):
+    prompts[b, np.flatnonzero(pmask[b])[:prefix]] = np.arange(prefix) + 1
   tokens = np.concatenate([np.where(pmask, prompts, 0),
                            np.where(cmask, rng.integers(4, 64, size=(B, C)), 0)], 1).astype(np.int32)
   loss_mask = cmask.copy()
@@ -119,6 +123,45 @@ def test_rows_of_one_prompt_share_it_in_a_sequence_by_hand():
   np.testing.assert_array_equal(np.flatnonzero(mask[25]), list(range(14, 18)) + [24, 25])
   np.testing.assert_array_equal(np.flatnonzero(mask[20]), list(range(14, 21)))
   np.testing.assert_array_equal(np.flatnonzero(mask[16]), list(range(14, 17)))
+
+
+def test_prompts_that_begin_alike_share_their_beginning_by_hand():
+  batch = long_tail_batch(shared=2, prefix=2)  # Groups of 2 rows; every prompt begins with tokens 1, 2.
+  # A row costs its tokens past the prompts' common beginning (2) in a sequence holding another
+  # prompt, past its prompt's first P - 1 where its prompt is already: micro-batch 2 fits rows 5, 7, 3
+  # and 6 in one sequence (14 + 8 + 5 + 2 = 29).
+  parts = packing.packed_microbatches(batch, max_tokens=64)
+  assert [rows_of(batch, p) for p in parts] == [[4, 1, 0, -1], [5, 7, 6, 3, 2, -1, -1, -1]]  # Slots: by prompt.
+  pk = parts[1].packed
+  # One segment: the beginning (2), row 5 after it (12), rows 7 and 6's trunk (2) and branches (6, 2),
+  # row 3 after the beginning (5). Positions are each row's own.
+  np.testing.assert_array_equal(pk.segments_MT[0], [1] * 29)
+  np.testing.assert_array_equal(pk.prompts_MT[0], [0] * 2 + [1] * 12 + [2] * 10 + [3] * 5)
+  np.testing.assert_array_equal(pk.branches_MT[0], [0] * 16 + [1] * 6 + [2] * 2 + [0] * 5)
+  np.testing.assert_array_equal(pk.positions_MT[0], [0, 1] + list(range(2, 14)) + [2, 3] + list(range(4, 10)) +
+                                [4, 5] + list(range(2, 7)))
+  row3 = batch.tokens_BT[3][batch.mask_BT[3]]
+  np.testing.assert_array_equal(pk.tokens_MT[0, :2], [1, 2])
+  np.testing.assert_array_equal(pk.tokens_MT[0, 24:], row3[2:7])
+  np.testing.assert_array_equal(scored_sources(parts[1])[3, :LENGTHS[3]], 24 + np.arange(4))
+  # Row 3's last token sees the beginning and its own part; row 6's second, the beginning, its
+  # prompt's trunk and its branch.
+  mask = np.asarray(Segments.of(pk).dense_mask())[0]
+  np.testing.assert_array_equal(np.flatnonzero(mask[28]), [0, 1, 24, 25, 26, 27, 28])
+  np.testing.assert_array_equal(np.flatnonzero(mask[23]), [0, 1, 14, 15, 22, 23])
+
+
+@pytest.mark.parametrize("block", [0, 8])
+def test_prompts_that_begin_alike_give_the_padded_loss_metrics_and_gradients(block):
+  """Prompts with a common beginning, alone and in groups of 2, with a local layer: packed (dense, or
+  over block pairs) against the padded rows."""
+  cfg = dataclasses.replace(CFG, local_layers=(0,), sliding_window=6)
+  obj = objectives.policy_gradient(cfg, objectives.PGConfig(kl_coef=0.1))
+  for G in (1, 2):
+    batch = long_tail_batch(shared=G, prefix=2)
+    parts = packing.packed_microbatches(batch, max_tokens=64, block=block)
+    assert any(int(p.packed.prompts_MT.max()) > 1 for p in parts)  # Some sequence shares the beginning.
+    _assert_parts_make_the_batch(obj, batch, parts, cfg)
 
 
 @pytest.mark.parametrize("name", ["token_mean", "seq_mean_token_sum", "kl_k3", "gspo", "one/clip_cov"])

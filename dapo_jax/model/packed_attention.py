@@ -1,12 +1,14 @@
 """Attention inside packed sequences (`datatypes.PackedRows`): which key a query sees, and attention
 that computes only the (query block, key block) pairs where some query sees some key.
 
-A packed sequence holds several segments (one per row, or per prompt whose rows share it); a segment
-is a trunk (branch 0) and branches (1, 2, ...), each branch seeing the trunk and itself. Query t sees
-key s iff s <= t, both are in one segment, s is in the trunk or in t's branch, and, in a local
-layer, s is fewer than `window` *positions* behind t: a branch's positions continue its trunk's
-although other branches may lie between them in the sequence, so index distance is not position
-distance here (the rows layout's `layers.windowed` assumes it is).
+A packed sequence holds segments: one per row, per prompt whose rows share it, or one for the whole
+sequence when its prompts begin alike. A segment is a tree of runs: the prompts' shared beginning
+(prompt 0), each prompt's part (prompt 1, 2, ...), in which a trunk (branch 0) and branches (1, 2,
+...), each branch seeing the trunk and itself. Query t sees key s iff s <= t, both are in one
+segment, s is in the shared beginning or in t's prompt part, there in the trunk or in t's branch,
+and, in a local layer, s is fewer than `window` *positions* behind t: a branch's positions continue
+its trunk's although other branches may lie between them in the sequence, so index distance is not
+position distance here (the rows layout's `layers.windowed` assumes it is).
 
 Dense masked attention costs T^2 per sequence whatever its segments. With a block pair list
 (`packing.block_pairs`, made on the host, where the packing is known) the sequence is cut into blocks
@@ -29,7 +31,8 @@ from dapo_jax.model import layers as layers_lib
 class Segments:
   """A packed micro-batch's layout, as attention reads it ([B, T] each: `PackedRows`' fields)."""
   segments_BT: jax.Array    # int32: 1.. = the segment in its sequence; 0 = padding
-  branches_BT: jax.Array    # int32: 0 = the segment's trunk, k = its k-th branch
+  prompts_BT: jax.Array     # int32: 0 = the segment's shared beginning, k = its k-th prompt's part
+  branches_BT: jax.Array    # int32: 0 = the part's trunk, k = its k-th branch
   positions_BT: jax.Array   # int32: the token's position in its row
   # int32 [B, P]: the (query block, key block) pairs to compute, -1 = none; None: dense attention.
   query_block_BP: jax.Array | None = None
@@ -39,14 +42,14 @@ class Segments:
   @classmethod
   def of(cls, packed) -> "Segments":
     """The layout of a `PackedRows`."""
-    return cls(packed.segments_MT, packed.branches_MT, packed.positions_MT, packed.query_block_MP,
-               packed.key_block_MP, packed.block)
+    return cls(packed.segments_MT, packed.prompts_MT, packed.branches_MT, packed.positions_MT,
+               packed.query_block_MP, packed.key_block_MP, packed.block)
 
   def real_BT(self) -> jax.Array:
     return self.segments_BT > 0
 
   def ids(self) -> tuple:
-    return self.segments_BT, self.branches_BT, self.positions_BT
+    return self.segments_BT, self.prompts_BT, self.branches_BT, self.positions_BT
 
   def dense_mask(self, window=None) -> jax.Array:
     """[B, T, T] bool: query t sees key s (the module docstring's rule)."""
@@ -55,12 +58,13 @@ class Segments:
 
 
 def sees(ids_q, idx_q, ids_k, idx_k, window=None) -> jax.Array:
-  """[..., Tq, Tk] bool from the queries' (segment, branch, position) [..., Tq] and sequence index
-  idx_q, and the keys' [..., Tk]: the module docstring's rule."""
-  (seg_q, br_q, pos_q), (seg_k, br_k, pos_k) = ids_q, ids_k
+  """[..., Tq, Tk] bool from the queries' (segment, prompt, branch, position) [..., Tq] and sequence
+  index idx_q, and the keys' [..., Tk]: the module docstring's rule."""
+  (seg_q, pr_q, br_q, pos_q), (seg_k, pr_k, br_k, pos_k) = ids_q, ids_k
   q = lambda x: x[..., :, None]
   k = lambda x: x[..., None, :]
-  out = (q(seg_q) == k(seg_k)) & k(seg_k > 0) & (k(idx_k) <= q(idx_q)) & ((k(br_k) == 0) | (q(br_q) == k(br_k)))
+  in_part = (q(pr_q) == k(pr_k)) & ((k(br_k) == 0) | (q(br_q) == k(br_k)))
+  out = (q(seg_q) == k(seg_k)) & k(seg_k > 0) & (k(idx_k) <= q(idx_q)) & ((k(pr_k) == 0) | in_part)
   if window is not None:
     out &= q(pos_q) - k(pos_k) < window
   return out
