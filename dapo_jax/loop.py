@@ -164,9 +164,9 @@ class DAPO:
     episodes = self.rollout.episodes
     if episodes is not None:  # env/* count this rollout's episodes alone.
       episodes.reset_metrics()
-    curriculum = getattr(self.data_iter, "at_step", None)  # data.curriculum: its pools as of this step
-    if curriculum is not None:
-      curriculum(step)
+    at_step = getattr(self.data_iter, "at_step", None)  # A stream that counts per step (pools, sources).
+    if at_step is not None:
+      at_step(step)
     if c.streaming:
       batch, stats, info = dynamic_sampling.stream_groups(
           self.rollout, params(), self.data_iter, c.group_size, c.prompts_per_step,
@@ -187,8 +187,8 @@ class DAPO:
       info["carry_dropped"] = dropped
     if episodes is not None:
       info["env"] = episodes.metrics()
-    if curriculum is not None:
-      info["curriculum"] = self.data_iter.metrics()
+    if at_step is not None:
+      info["data"] = self.data_iter.metrics()
     return batch, stats, info
 
   def pack_args(self, trainer=None) -> dict:

@@ -236,7 +236,7 @@ def step_metrics(groups, stats, info: dict, train: dict, timing: dict, adv: np.n
       "timing_s/old_log_prob": timing.get("old_log_prob_s", 0.0),
       "timing_s/update_actor": timing.get("update_actor_s", 0.0), "timing_s/step": step_s,
       "perf/throughput": info["gen_tokens"] / max(step_s, 1e-9)})
-  m.update(info.get("curriculum", {}))  # data.curriculum's pools (`data.curriculum.Curriculum.metrics`)
+  m.update(info.get("data", {}))  # The stream's: data.curriculum's pools, mixed sources' outcomes (data/*)
   if "carry_dropped" in info:  # Carried groups past their staleness bound (`pipelining.bound_carry`).
     m["rollout/carry_dropped_stale"] = info["carry_dropped"]
   m.update(info.get("env", {}))  # Episodes: this rollout's environment errors, timeouts, turns (`loop.DAPO.collect`).

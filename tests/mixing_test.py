@@ -5,10 +5,11 @@ import collections
 import json
 import os
 
+import numpy as np
 import pytest
 
 from configs import common, default
-from dapo_jax import builders, dumps
+from dapo_jax import builders, dumps, metrics
 from dapo_jax.data import prompts as data_lib
 
 
@@ -110,3 +111,12 @@ def test_a_run_mixes_two_files_and_resumes_the_stream(tmp_path):
   assert consumed == stream
   sources = collections.Counter(r["source"] for s in rows for r in rows[s] if r["sample"] == 0)
   assert set(sources) == {f1, f2} and os.path.exists(os.path.join(workdir, "checkpoints"))
+  # Each step's metrics count the groups scored from each file and their samples' accuracy, as the
+  # step's dump lists them.
+  logged = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  for s in range(1, 5):
+    for name, f in (("one", f1), ("two", f2)):
+      mine = [r for r in rows[s] if r["source"] == f]
+      assert logged[s][f"data/source/{name}/groups"] == sum(r["sample"] == 0 for r in mine), (s, name)
+      if mine:
+        assert logged[s][f"data/source/{name}/acc"] == pytest.approx(np.mean([r["acc"] for r in mine]))

@@ -6,6 +6,7 @@ The first builders of the launch boundary: `model` builds the tokenizer from the
 from __future__ import annotations
 
 import json
+import os
 
 from dapo_jax import rewards as rewards_lib
 from dapo_jax.builders.checks import ConfigError, check, dataset_files, typed
@@ -53,6 +54,13 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
   return train, evals[: d.num_eval] if d.num_eval else evals
 
 
+def source_names(files) -> list[str]:
+  """Each train file's name in the metrics (data/source/<name>/...): its base name without extension,
+  or its position where two files share one."""
+  names = [os.path.splitext(os.path.basename(f))[0] for f in files]
+  return names if len(set(names)) == len(names) else [f"source{k}" for k in range(len(files))]
+
+
 @typed
 def data_iterator(cfg, train: list[data_lib.Example], process_index: int = 0, process_count: int = 1):
   """The training prompts' stream: the examples shuffled by epoch (`PromptIterator`), or with
@@ -68,7 +76,7 @@ def data_iterator(cfg, train: list[data_lib.Example], process_index: int = 0, pr
     if empty:
       raise ConfigError(f"data.train_weights: {empty[0]} gave no training rows")
     it = data_lib.MixedIterator(sources, d.train_weights, seed=cfg.seed, process_index=process_index,
-                                process_count=process_count)
+                                process_count=process_count, names=source_names(files))
   if not d.curriculum:
     return it
   if process_count > 1:  # Each process scores its own groups: the pools would differ between processes.

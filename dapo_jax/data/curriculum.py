@@ -42,6 +42,8 @@ class Curriculum:
   def at_step(self, step: int) -> None:
     """Rollout step `step` draws next: prompts set aside until then come back."""
     self.step = step
+    if hasattr(self.base, "at_step"):  # Mixed sources count their groups per step.
+      self.base.at_step(step)
     self.until = {k: s for k, s in self.until.items() if s > step}
     self._trail.clear()
     self.skipped = self.set_aside = self.early = 0
@@ -113,8 +115,12 @@ class Curriculum:
       self.record(examples, out["acc"], out.get("valid"))
       return out
     rollout.score = scored
+    if hasattr(self.base, "watch"):
+      self.base.watch(rollout)
 
   def metrics(self) -> dict:
-    """This step's: prompts skipped (set aside), groups set aside, prompts served early, pool size."""
-    return {"data/curriculum_skipped": self.skipped, "data/curriculum_set_aside": self.set_aside,
-            "data/curriculum_early": self.early, "data/curriculum_pool": len(self.until)}
+    """This step's: prompts skipped (set aside), groups set aside, prompts served early, pool size
+    (and the mixed sources' metrics)."""
+    base = self.base.metrics() if hasattr(self.base, "metrics") else {}
+    return base | {"data/curriculum_skipped": self.skipped, "data/curriculum_set_aside": self.set_aside,
+                   "data/curriculum_early": self.early, "data/curriculum_pool": len(self.until)}

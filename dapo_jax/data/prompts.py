@@ -312,11 +312,13 @@ class MixedIterator:
   they depend on the seed and the position alone, and rewinding n prompts gives back each source's own.
   Each source is its own `PromptIterator` (shuffled epochs, its own seed). State: the stream's
   position and each source's (epoch, position), so a restored run continues with the same prompts.
+  Watching a rollout (`watch`), it counts each rollout step's scored groups by source (`metrics`:
+  data/source/<name>/groups and /acc, every group scored, kept by dynamic sampling or not).
   """
   BLOCK = 4096
 
   def __init__(self, sources: Sequence[Sequence[Example]], weights: Sequence[float], seed: int = 0,
-               process_index: int = 0, process_count: int = 1):
+               process_index: int = 0, process_count: int = 1, names: Sequence[str] = ()):
     if len(sources) != len(weights) or not sources:
       raise DataError(f"{len(sources)} sources for {len(weights)} weights")
     w = np.asarray(weights, np.float64)
@@ -327,6 +329,49 @@ class MixedIterator:
     self.seed, self.process_index, self.process_count = seed, process_index, process_count
     self.drawn = 0
     self._blocks: dict[int, np.ndarray] = {}
+    self.names = list(names) or [f"source{k}" for k in range(len(sources))]
+    self._name_of = {ex.source: n for part, n in zip(sources, self.names) for ex in part[:1]}
+    self.at_step(0)
+
+  # --- what each source's prompts scored -------------------------------------------------------------
+  def at_step(self, step: int) -> None:
+    """Rollout step `step` draws next: its counts start at zero."""
+    del step
+    self._groups = dict.fromkeys(self.names, 0)
+    self._acc = {n: [0.0, 0] for n in self.names}  # correct samples, samples
+
+  def record(self, examples: Sequence[Example], acc_QG, valid_QG=None) -> None:
+    """Scored groups' outcomes, by the source each prompt came from."""
+    acc = np.asarray(acc_QG, bool)
+    valid = np.ones_like(acc) if valid_QG is None else np.asarray(valid_QG, bool)
+    for ex, a, v in zip(examples, acc, valid):
+      name = self._name_of.get(ex.source)
+      if name is not None:
+        self._groups[name] += 1
+        self._acc[name][0] += float(a[v].sum())
+        self._acc[name][1] += int(v.sum())
+
+  def watch(self, rollout) -> None:
+    """Records the groups `rollout.score` scores (training rollouts, every group, kept or dropped)."""
+    score = rollout.score
+
+    def scored(examples, samples, G, *args, **kw):
+      out = score(examples, samples, G, *args, **kw)
+      self.record(examples, out["acc"], out.get("valid"))
+      return out
+    rollout.score = scored
+
+  def metrics(self) -> dict:
+    """This step's scored groups and the accuracy of their samples, by source."""
+    out = {}
+    for n in self.names:
+      out[f"data/source/{n}/groups"] = self._groups[n]
+      right, samples = self._acc[n]
+      if samples:
+        out[f"data/source/{n}/acc"] = right / samples
+    return out
+
+  # --- the stream ---------------------------------------------------------------------------------
 
   def source(self, i: int) -> int:
     """The source of the stream's i-th prompt."""

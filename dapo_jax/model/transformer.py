@@ -64,8 +64,9 @@ class Block(nn.Module):
   Layout "rows": one segment [B, T, D]. Layout "packed": packed sequences [B, T, D], attention inside
   their segments (`packed_attention`; the mask is a `packed_attention.Segments`). Layout
   "shared_prompt": Q prompts [Q, P, D] and their B = Q*G completions [B, C, D], completion row qG+g
-  continuing prompt q (a rollout group shares one prompt forward). Layout "prefix_prompt": a prefix [1, N, D] every prompt begins with, the Q
-  prompts' rest [Q, P, D] and the completions [B, C, D] (no sliding window). Dense layers run on
+  continuing prompt q (a rollout group shares one prompt forward). Layout "prefix_prompt": a prefix
+  [1, N, D] every prompt begins with, the Q prompts' rest [Q, P, D] and the completions [B, C, D] (no
+  sliding window). Dense layers run on
   every token of every segment at once; only attention sees the segments. With `emit_kv`, also
   returns this call's keys and values ([B, K, T, H] each, one pair per segment).
   `local` (scanned over layers, a traced bool) selects the sliding window and the local RoPE table.
