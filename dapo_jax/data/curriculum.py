@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dapo_jax.data.prompts import DataError, Example
+from dapo_jax.data.prompts import DataError, Example, watch_scores
 
 
 def key(ex: Example) -> str:
@@ -108,13 +108,7 @@ class Curriculum:
 
   def watch(self, rollout) -> None:
     """Records the groups `rollout.score` scores (training rollouts, every group, kept or dropped)."""
-    score = rollout.score
-
-    def scored(examples, samples, G, *args, **kw):
-      out = score(examples, samples, G, *args, **kw)
-      self.record(examples, out["acc"], out.get("valid"))
-      return out
-    rollout.score = scored
+    watch_scores(rollout, self.record)
     if hasattr(self.base, "watch"):
       self.base.watch(rollout)
 

@@ -304,6 +304,17 @@ class PromptIterator:
     self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+def watch_scores(rollout, record) -> None:
+  """Calls `record(examples, acc_QG, valid_QG)` with every group `rollout.score` scores from now on."""
+  score = rollout.score
+
+  def scored(examples, samples, G, *args, **kw):
+    out = score(examples, samples, G, *args, **kw)
+    record(examples, out["acc"], out.get("valid"))
+    return out
+  rollout.score = scored
+
+
 class MixedIterator:
   """Prompts from several sources (train files) in fixed shares, as `PromptIterator` serves one.
 
@@ -353,13 +364,7 @@ class MixedIterator:
 
   def watch(self, rollout) -> None:
     """Records the groups `rollout.score` scores (training rollouts, every group, kept or dropped)."""
-    score = rollout.score
-
-    def scored(examples, samples, G, *args, **kw):
-      out = score(examples, samples, G, *args, **kw)
-      self.record(examples, out["acc"], out.get("valid"))
-      return out
-    rollout.score = scored
+    watch_scores(rollout, self.record)
 
   def metrics(self) -> dict:
     """This step's scored groups and the accuracy of their samples, by source."""
