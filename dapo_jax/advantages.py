@@ -59,8 +59,8 @@ def _per_group(fn, rewards_QG, valid_QG, lengths_QG=None) -> np.ndarray:
 # `dapo.adv_estimator`: group-relative (Eq. 9), RLOO, REINFORCE++ with a group baseline, OPO, GPG,
 # pass@k's and MaxRL's give one advantage per response; REINFORCE++ and GAE (PPO, with a value model)
 # one per token, from the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
-ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "maxrl", "reinforce_pp", "gae",
-              "distill")
+ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "maxrl", "gdpo", "reinforce_pp",
+              "gae", "distill")
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")
 KL_SHAPED_ESTIMATORS = ("reinforce_pp", "gae")  # Token rewards -β·KL to a reference; not distill's.
 
@@ -146,13 +146,42 @@ def maxrl_advantages(success_QG) -> np.ndarray:
   return ((s - p) / (p + EPS)).astype(np.float32)
 
 
+def gdpo_advantages(parts_QGK: np.ndarray, weights_K, lengths_QG: np.ndarray, norm_by_std: bool = True,
+                    valid_QG=None) -> np.ndarray:
+  """verl's gdpo (Group reward-Decoupled normalisation, arXiv 2601.05242): each reward component k is
+  normalised in its group as GRPO does (`group_advantages`), the results summed with weights w_k, and
+  the sum whitened over the batch's response tokens (verl's masked_whiten: a response weighs as its
+  `lengths_QG` tokens, variance unbiased). One component dominating the others no longer drowns them.
+  Rows that are not `valid_QG` leave every statistic and get 0."""
+  parts = np.asarray(parts_QGK, np.float64)
+  valid = np.ones(parts.shape[:2], bool) if valid_QG is None else np.asarray(valid_QG, bool)
+  adv_QG = sum(w * group_advantages(parts[..., k], norm_by_std, valid).astype(np.float64)
+               for k, w in enumerate(weights_K))
+  n_QG = np.asarray(lengths_QG, np.float64) * valid
+  n = n_QG.sum()
+  mean = (n_QG * adv_QG).sum() / n
+  var = (n_QG * (adv_QG - mean) ** 2).sum() / max(n - 1, 1.0)
+  return np.where(valid, (adv_QG - mean) / np.sqrt(var + 1e-8), 0.0).astype(np.float32)
+
+
 def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: bool = True, *,
                         lengths_QG: np.ndarray | None = None, valid_QG: np.ndarray | None = None,
-                        acc_QG: np.ndarray | None = None) -> np.ndarray:
+                        acc_QG: np.ndarray | None = None, parts_QGK: np.ndarray | None = None,
+                        part_weights: tuple[float, ...] = ()) -> np.ndarray:
   """One advantage per response [Q, G]; zeros for the token-level estimators (the loop computes
-  those). `lengths_QG`: loss tokens per response, which reinforce_pp_baseline and opo weigh by.
+  those). `lengths_QG`: loss tokens per response, which reinforce_pp_baseline, opo and gdpo weigh by.
   `valid_QG` (`Groups.valid_QG`): the rows that count; the others get 0 and leave every statistic,
-  so each advantage is what it would be without them. `acc_QG`: correctness, which maxrl reads."""
+  so each advantage is what it would be without them. `acc_QG`: correctness, which maxrl reads.
+  gdpo: the reward's components `parts_QGK` weighed by `part_weights` (() = ones; no components: the
+  reward itself is the one component)."""
+  if estimator == "gdpo":
+    if lengths_QG is None:
+      raise ValueError("dapo.adv_estimator='gdpo' whitens over response tokens: pass lengths_QG")
+    parts = rewards_QG[..., None] if parts_QGK is None or not np.shape(parts_QGK)[-1] else parts_QGK
+    weights = part_weights or (1.0,) * np.shape(parts)[-1]
+    if len(weights) != np.shape(parts)[-1]:
+      raise ValueError(f"dapo.gdpo_reward_weights has {len(weights)} weights for {np.shape(parts)[-1]} components")
+    return gdpo_advantages(parts, weights, lengths_QG, norm_by_std, valid_QG)
   if estimator == "maxrl":
     if acc_QG is None:
       raise ValueError("dapo.adv_estimator='maxrl' reads each response's success: pass acc_QG")
@@ -183,7 +212,8 @@ def sequence_advantages(estimator: str, rewards_QG: np.ndarray, norm_by_std: boo
 
 
 def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: bool,
-                   overlong_filter: bool, estimator: str = "grpo") -> tuple[RLBatch, np.ndarray]:
+                   overlong_filter: bool, estimator: str = "grpo",
+                   part_weights: tuple[float, ...] = ()) -> tuple[RLBatch, np.ndarray]:
   """Host arrays of the train batch, [Q*G rows, P+C]: each group's prompt (its last `prompt_len`
   positions, left-padded) then each completion; advantages per response (`sequence_advantages`:
   Eq. 9 for GRPO).
@@ -198,7 +228,8 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
   """
   n, G, C = groups.tokens_QGC.shape
   adv_QG = sequence_advantages(estimator, groups.score_QG, norm_adv_by_std, lengths_QG=groups.policy_QGC.sum(-1),
-                               valid_QG=groups.valid_QG, acc_QG=groups.acc_QG)
+                               valid_QG=groups.valid_QG, acc_QG=groups.acc_QG, parts_QGK=groups.parts_QGK,
+                               part_weights=part_weights)
   real_Q = np.arange(Q) < n
   if n < Q:
     groups, adv_QG = groups.take(np.arange(Q) % n), adv_QG[np.arange(Q) % n]

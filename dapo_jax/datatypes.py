@@ -115,6 +115,9 @@ class Groups:
   # fp32 [Q, I*M, D]: a vision-language model's prompts' image vectors (`vision.image_features`); M*I = 0
   # for a text model.
   images_QMD: np.ndarray | None = None
+  # fp32 [Q, G, K]: the reward's components `dapo.gdpo_reward_keys` names (GDPO normalises each in its
+  # group); K = 0 without them.
+  parts_QGK: np.ndarray | None = None
 
   def __post_init__(self):
     if self.policy_QGC is None:
@@ -127,13 +130,15 @@ class Groups:
       self.valid_QG = np.ones(np.shape(self.length_QG), bool)
     if self.images_QMD is None:
       self.images_QMD = np.zeros((len(self.prompt_QP), 0, 0), np.float32)
+    if self.parts_QGK is None:
+      self.parts_QGK = np.zeros(np.shape(self.length_QG) + (0,), np.float32)
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
 
   @classmethod
   def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG, valid_QG=None,
-                   images_QMD=None) -> "Groups":
+                   images_QMD=None, parts_QGK=None) -> "Groups":
     """Q prompts' groups from their Q*G sampled rows (`sampling.Samples`, group-major) and scores."""
     Q, (B, C) = len(prompt_QP), samples.tokens_BC.shape
     G = B // Q
@@ -144,7 +149,8 @@ class Groups:
                policy_QGC=None if samples.policy_BC is None else samples.policy_BC.reshape(Q, G, C),
                switch_QG=None if samples.switch_B is None else np.asarray(samples.switch_B, np.int32).reshape(Q, G),
                valid_QG=None if valid_QG is None else np.asarray(valid_QG, bool).reshape(Q, G),
-               images_QMD=None if images_QMD is None else np.asarray(images_QMD, np.float32))
+               images_QMD=None if images_QMD is None else np.asarray(images_QMD, np.float32),
+               parts_QGK=None if parts_QGK is None else np.asarray(parts_QGK, np.float32).reshape(Q, G, -1))
 
   def take(self, idx) -> "Groups":
     return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
@@ -178,9 +184,14 @@ class Groups:
                dtypes=dict(d["dtypes"], images_QMD="float32"))
     if "valid_QG" not in d:  # Saved before masked rows: every row counts.
       d = dict(d, valid_QG=np.ones(np.shape(d["length_QG"]), bool), dtypes=dict(d["dtypes"], valid_QG="bool"))
+    if "parts_QGK" not in d:  # Saved before reward components: none.
+      d = dict(d, parts_QGK=np.zeros(np.shape(d["length_QG"]) + (0,), np.float32),
+               dtypes=dict(d["dtypes"], parts_QGK="float32"))
     groups = Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
     if groups.images_QMD.ndim != 3:  # No images: JSON lists lose the empty axes.
       groups.images_QMD = groups.images_QMD.reshape(len(groups.prompt_QP), 0, 0)
+    if groups.parts_QGK.ndim != 3:  # No components: likewise.
+      groups.parts_QGK = groups.parts_QGK.reshape(*groups.length_QG.shape, 0)
     return groups
 
 

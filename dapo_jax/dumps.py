@@ -10,6 +10,7 @@ One JSON object per response: `prompt` (the question: the last user turn), `resp
 EOS within the budget), `kept` (dynamic sampling's filter let the group through; surplus kept
 groups may still go unused), `masked` (an episode whose environment failed: out of the loss and of
 its group's statistics, `rollout.env_error`), `source` (the train file, for rows read from files),
+`parts` (the reward's components that `dapo.gdpo_reward_keys` names, by name),
 `group` and `sample` (its prompt's number in the step and its index
 in the group), `step` and `policy_step` (the rollout step whose parameters sampled it: the number
 of rollout steps trained before). Held-out rows have no `length`, `truncated` or `kept` (the
@@ -90,6 +91,7 @@ class RolloutRecorder:
     from dapo_jax.rollout import dynamic_sampling  # noqa: PLC0415 (rollout imports nothing of this)
     valid = out.get("valid")
     kept = dynamic_sampling.keep_groups(out["filter"], valid) if self.filter_groups else np.ones(len(examples), bool)
+    keys = self.rollout.cfg.gdpo_reward_keys
     rows = []
     for b, text in enumerate(out["texts"]):
       q, g = divmod(b, G)
@@ -100,6 +102,8 @@ class RolloutRecorder:
                    "masked": valid is not None and not bool(valid[q, g])})
       if examples[q].source:  # The train file it came from (several files, mixed: data.train_weights).
         rows[-1]["source"] = examples[q].source
+      if keys:
+        rows[-1]["parts"] = {k: float(v) for k, v in zip(keys, out["parts"][q, g])}
     with self._lock:
       for i, r in enumerate(rows):
         r["group"] = self.groups + i // G

@@ -75,6 +75,7 @@ class LoopConfig:
                                 # did not need (same kept groups); False: only while kept + in flight < Q
   admit_margin: float = 1.0     # how far ahead: standard deviations of the expected keeps
   adv_estimator: str = "grpo"   # advantages.ESTIMATORS; "gae" needs a `Critic`
+  gdpo_reward_weights: tuple[float, ...] = ()  # gdpo: each component's weight (() = ones)
   gamma: float = 1.0            # discount of the token-level estimators
   lam: float = 1.0              # GAE's λ
   max_bad_steps: int = 5        # stop after this many non-finite updates in a row
@@ -276,7 +277,7 @@ class DAPO:
     else:
       batch, adv = adv_lib.to_train_batch(groups, c.prompts_per_step, self.rollout.prompt_len(
           groups.prompt_mask_QP), norm_adv_by_std=c.norm_adv_by_std, overlong_filter=c.overlong_filter,
-          estimator=c.adv_estimator)
+          estimator=c.adv_estimator, part_weights=tuple(c.gdpo_reward_weights))
       batch_tokens = int(np.asarray(batch.mask_BT).sum())  # the real tokens an update reads
       token_level = c.adv_estimator in adv_lib.TOKEN_ESTIMATORS
       if token_level:

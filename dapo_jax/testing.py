@@ -42,6 +42,13 @@ def length_reward(response: str, ground_truth: str) -> dict:
   return {"score": 1.0 if ok else -1.0, "acc": ok, "pred": str(len(response))}
 
 
+def parts_reward(response: str, ground_truth: str) -> dict:
+  """`length_reward` with two components beside its score: "even" (its check, 0/1) and "short" (1 for
+  at most 8 characters, else 0), for GDPO (`dapo.gdpo_reward_keys`)."""
+  out = length_reward(response, ground_truth)
+  return {**out, "even": float(out["acc"]), "short": float(len(response) <= 8), "note": "not a number"}
+
+
 def slow_length_reward(response: str, ground_truth: str) -> dict:
   """`length_reward`, answered after 0-40 ms (by the response's length): a scorer whose latency varies."""
   import time  # noqa: PLC0415

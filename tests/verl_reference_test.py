@@ -81,7 +81,7 @@ LOSS_FNS = {m: f"compute_policy_loss_{m}" for m in ("vanilla", "gspo", "sapo", "
 ADV_FNS = ("compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
            "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage", "compute_gae_advantage_return",
-           "compute_grpo_passk_outcome_advantage")
+           "compute_grpo_passk_outcome_advantage", "compute_gdpo_outcome_advantage")
 verl = extract("core_algos.py.txt", (*LOSS_FNS.values(), "agg_loss", *ADV_FNS, "kl_penalty_forward"), dict(BASE))
 verl_rc = extract("rollout_corr_helper.py.txt", (
     "SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "_parse_rollout_is_threshold",
@@ -374,6 +374,46 @@ def test_grpo_passk_matches_verl(norm_by_std):
         index=np.arange(1), config=AlgoConfig(norm_adv_by_std_in_grpo=True))
   with pytest.raises(ValueError, match="grpo_passk"):
     advantages.sequence_advantages("grpo_passk", score_QG[:, :1])
+
+
+@pytest.mark.parametrize("weights", [(), (1.0, 0.5, 2.0)])
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_gdpo_matches_verl(weights, norm_by_std):
+  """Three components, one far larger than the others (which GDPO keeps from drowning them), ties in
+  some groups, unequal lengths (the batch whitening weighs a response by its tokens)."""
+  score_QG, lengths_QG, mask_BC, _ = outcome_case(7)
+  Q, G = score_QG.shape
+  rng = np.random.default_rng(8)
+  parts_QGK = np.stack([score_QG, 50.0 * rng.choice([0.0, 1.0], size=(Q, G)), rng.normal(size=(Q, G))], -1)
+  keys = ("accuracy", "format", "style")
+  P = 3
+  attention_BT = np.concatenate([np.ones((Q * G, P)), mask_BC], 1).astype(np.int64)
+  want_BC, _ = verl["compute_gdpo_outcome_advantage"](
+      token_level_rewards=torch.zeros(mask_BC.shape, dtype=torch.float64), response_mask=torch.tensor(mask_BC * 1.0),
+      index=np.repeat(np.arange(Q), G), norm_adv_by_std_in_grpo=norm_by_std,
+      config=AlgoConfig(gdpo_reward_keys=keys, gdpo_reward_weights=weights or None, norm_adv_by_std_in_grpo=norm_by_std),
+      non_tensor_batch={k: parts_QGK[..., i].reshape(-1) for i, k in enumerate(keys)},
+      batch={"prompts": torch.zeros((Q * G, P)), "attention_mask": torch.tensor(attention_BT)})
+  got_QG = advantages.sequence_advantages("gdpo", score_QG, norm_by_std, lengths_QG=lengths_QG, parts_QGK=parts_QGK,
+                                          part_weights=weights)
+  np.testing.assert_allclose(np.broadcast_to(got_QG.reshape(-1, 1), mask_BC.shape) * mask_BC, want_BC.numpy(),
+                             rtol=1e-5, atol=1e-5)
+  grpo_sum = sum(w * advantages.group_advantages(parts_QGK[..., k], norm_by_std)
+                 for k, w in enumerate(weights or (1.0,) * 3))
+  assert not np.allclose(got_QG, grpo_sum, atol=1e-3)  # The batch whitening moved them.
+
+
+def test_gdpo_without_components_whitens_the_grpo_advantage_of_the_reward_as_verl():
+  score_QG, lengths_QG, mask_BC, token_rewards_BC = outcome_case(9)
+  Q, G = score_QG.shape
+  want_BC, _ = verl["compute_gdpo_outcome_advantage"](
+      token_level_rewards=torch.tensor(token_rewards_BC), response_mask=torch.tensor(mask_BC * 1.0),
+      index=np.repeat(np.arange(Q), G))
+  got_QG = advantages.sequence_advantages("gdpo", score_QG, lengths_QG=lengths_QG)
+  np.testing.assert_allclose(np.broadcast_to(got_QG.reshape(-1, 1), mask_BC.shape) * mask_BC, want_BC.numpy(),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="2 weights for 1 components"):
+    advantages.sequence_advantages("gdpo", score_QG, lengths_QG=lengths_QG, part_weights=(1.0, 2.0))
 
 
 def test_reinforce_pp_carries_returns_across_masked_spans_as_verl():

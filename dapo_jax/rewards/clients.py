@@ -121,9 +121,14 @@ def _score(x) -> float:
   return v
 
 
+_MAX_PARTS = 16  # numeric entries of a result kept beside its score (`dapo.gdpo_reward_keys` reads them)
+
+
 def checked(out) -> dict:
-  """A reward function's result as {"score": float, "acc": bool, "pred": str}: a number or a dict
-  with a finite "score"; anything else raises RewardValueError (the sample is then a failure)."""
+  """A reward function's result as {"score": float, "acc": bool, "pred": str} and its other numeric
+  entries as floats (a score's components, e.g. {"format": 1.0, "accuracy": 0.0}, at most 16): a
+  number or a dict with a finite "score"; anything else raises RewardValueError (the sample is then
+  a failure)."""
   if not isinstance(out, dict):
     if out is None or isinstance(out, (str, bytes, list, tuple)):
       raise RewardValueError(f"returned {str(out)[:80]!r} ({type(out).__name__}), expected a number or a "
@@ -137,7 +142,12 @@ def checked(out) -> dict:
   if isinstance(acc, (str, bytes)) or (acc is not None and not isinstance(acc, numbers.Number)
                                        and getattr(acc, "shape", None) != ()):
     raise RewardValueError(f"acc {str(acc)[:80]!r} is a {type(acc).__name__}, not a bool")
-  return {"score": v, "acc": v > 0 if acc is None else bool(acc), "pred": str(out.get("pred", ""))[:_MAX_PRED]}
+  parts = {k: float(x) for k, x in out.items() if isinstance(k, str) and k not in ("score", "acc", "pred")
+           and isinstance(x, numbers.Real) and math.isfinite(x)}
+  if len(parts) > _MAX_PARTS:
+    raise RewardValueError(f"returned {len(parts)} numeric entries besides 'score'; at most {_MAX_PARTS} are kept")
+  return {**parts, "score": v, "acc": v > 0 if acc is None else bool(acc),
+          "pred": str(out.get("pred", ""))[:_MAX_PRED]}
 
 
 def _call(call_id: int, path: str, response: str, ground_truth: str) -> dict:
@@ -366,7 +376,8 @@ class HTTPReward:
 def combine(parts: Sequence[Sequence[dict]], weights: Sequence[float], acc_from: int = 0) -> list[dict]:
   """Weighted sum of several rewards' results for the same samples: score = Σ_k w_k·score_k.
 
-  acc and pred come from part `acc_from` (e.g. the rule check, when an RM score is mixed in).
+  acc and pred come from part `acc_from` (e.g. the rule check, when an RM score is mixed in); each
+  part's other numeric entries are kept (where two parts name one, the earlier part's).
   """
   if len(parts) != len(weights) or not parts:
     raise ValueError(f"{len(parts)} reward results for {len(weights)} weights")
@@ -377,7 +388,8 @@ def combine(parts: Sequence[Sequence[dict]], weights: Sequence[float], acc_from:
     ref = parts[acc_from][i]
     score = float(sum(w * p[i]["score"] for w, p in zip(weights, parts)))
     # Each part is finite; their weighted sum is kept within float32's range too (the advantages').
-    out.append({"score": max(-_MAX_SCORE, min(_MAX_SCORE, score)),
+    extra = {k: x for p in reversed(parts) for k, x in p[i].items() if k not in ("score", "acc", "pred")}
+    out.append({**extra, "score": max(-_MAX_SCORE, min(_MAX_SCORE, score)),
                 "acc": bool(ref["acc"]), "pred": str(ref.get("pred", ""))})
   return out
 

@@ -387,12 +387,12 @@ def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, li
     s = g["samples"]
     G = s.tokens_BC.shape[0]
     scored = rollout.score([g["example"]], s, G, g["rewards"])
-    out.append((_groups(g, scored["score"], scored["acc"], scored["filter"], scored["valid"]), scored["texts"],
-                time.perf_counter() - t0))
+    out.append((_groups(g, scored["score"], scored["acc"], scored["filter"], scored["valid"], scored["parts"]),
+                scored["texts"], time.perf_counter() - t0))
   return out
 
 
-def _groups(g: dict, score_QG, acc_QG, filter_QG, valid_QG=None) -> Groups:
+def _groups(g: dict, score_QG, acc_QG, filter_QG, valid_QG=None, parts_QGK=None) -> Groups:
   images = None if g["images"] is None else g["images"][None]
   return Groups.from_samples(g["prompt"][None], g["mask"][None], g["samples"], score_QG, acc_QG, filter_QG, valid_QG,
-                             images)
+                             images, parts_QGK)

@@ -57,6 +57,9 @@ class RolloutConfig:
   overlong_buffer: int = 0             # L_cache of the soft overlong punishment (Eq. 13); 0 = off
   overlong_penalty: float = 1.0
   filter_metric: str = "acc"           # what dynamic sampling compares (filter_values)
+  # the reward's components kept per sample for GDPO (`reward_parts`): "score", "acc", "overlong_reward"
+  # (the overlong penalty, verl's name) or a numeric entry of the reward's result
+  gdpo_reward_keys: tuple[str, ...] = ()
   turn_tokens: int = 0                 # episodes: tokens one policy turn may draw (0 = the whole budget)
 
 
@@ -273,8 +276,9 @@ class Rollout:
     acc_QG = np.array([r["acc"] for r in results], bool).reshape(Q, G)
     valid_QG = np.array([not r.get("masked", False) for r in results], bool).reshape(Q, G)
     filter_QG = filter_values(c.filter_metric, acc_QG=acc_QG, score_QG=raw_QG, reward_QG=score_QG)
+    parts_QGK = reward_parts(c.gdpo_reward_keys, results, penalty).reshape(Q, G, -1)
     return {"score": score_QG, "acc": acc_QG, "filter": np.asarray(filter_QG, np.float64), "valid": valid_QG,
-            "pred": [r["pred"] for r in results], "texts": texts}
+            "pred": [r["pred"] for r in results], "texts": texts, "parts": parts_QGK}
 
   def groups(self, params, examples: Sequence[data_lib.Example], G: int, key,
              first_prompt_id: int = 0) -> tuple[Groups, dict]:
@@ -294,7 +298,8 @@ class Rollout:
     groups = Groups.from_samples(prompt_QP, pmask_QP, samples, sharding.gather_hosts(local["score"]),
                                  sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]),
                                  valid_QG=sharding.gather_hosts(local["valid"]),
-                                 images_QMD=None if images_QMD is None else sharding.fetch(images_QMD))
+                                 images_QMD=None if images_QMD is None else sharding.fetch(images_QMD),
+                                 parts_QGK=sharding.gather_hosts(local["parts"]))
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info
@@ -310,6 +315,24 @@ class Rollout:
     return self.groups(params, examples, G, jax.random.fold_in(step_key, index))
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+
+
+def reward_parts(keys: Sequence[str], results: Sequence[dict], penalty_B: np.ndarray) -> np.ndarray:
+  """[B, K] fp32: each sample's reward components `keys` (`dapo.gdpo_reward_keys`): "score" (the reward
+  before the overlong penalty), "acc", "overlong_reward" (the penalty) or an entry of its result. A
+  failed reward call has no components: they are 0 there (its score stays the failure's). A result
+  that lacks a named entry otherwise raises, naming the sample and the entries it has."""
+  out = np.zeros((len(results), len(keys)), np.float32)
+  for b, r in enumerate(results):
+    for k, key in enumerate(keys):
+      if key == "overlong_reward":
+        out[b, k] = penalty_B[b]
+      elif key in r:
+        out[b, k] = float(r[key])
+      elif r.get("pred") != rewards_lib.FAILURE["pred"]:
+        has = sorted(name for name in r if name != "pred")
+        raise ConfigError(f"dapo.gdpo_reward_keys: sample {b}'s reward result has no {key!r}; it has {has}")
+  return out
 
 
 def filter_values(metric: str, *, acc_QG: np.ndarray, score_QG: np.ndarray, reward_QG: np.ndarray) -> np.ndarray:

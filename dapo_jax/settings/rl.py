@@ -158,6 +158,8 @@ class Dapo(Section):
   kl_estimator: str = _PG.kl_estimator
   entropy_coeff: float = _PG.entropy_coeff   # entropy bonus: the loss minus this x the aggregated entropy (verl's)
   adv_estimator: str = _LOOP.adv_estimator   # advantages.ESTIMATORS; gae = PPO (critic), distill = a teacher
+  gdpo_reward_keys: tuple[str, ...] = _ROLLOUT.gdpo_reward_keys   # gdpo: the reward's components (() = the reward)
+  gdpo_reward_weights: tuple[float, ...] = _LOOP.gdpo_reward_weights   # gdpo: their weights (() = ones)
   teacher_dir: str = ""            # distill: the teacher, an HF directory of the policy's tokenizer
 
   def check(self) -> None:
@@ -174,6 +176,14 @@ class Dapo(Section):
     self.choice("filter_metric", rollout_lib.FILTER_METRICS)
     self.choice("adv_estimator", adv_lib.ESTIMATORS)
     self.choice("kl_estimator", ("k1", "k3"), "'k1' or 'k3'")
+    keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+    if keys or weights:
+      check(self.adv_estimator == "gdpo", "dapo.gdpo_reward_keys", keys, "() unless dapo.adv_estimator='gdpo'")
+      check(all(isinstance(k, str) and k for k in keys), "dapo.gdpo_reward_keys", keys, "names of reward entries")
+      check(not weights or len(weights) == max(len(keys), 1), "dapo.gdpo_reward_weights", weights,
+            f"() or one weight per dapo.gdpo_reward_keys entry ({max(len(keys), 1)})")
+      check(all(isinstance(w, (int, float)) and not isinstance(w, bool) and abs(w) < float("inf") for w in weights),
+            "dapo.gdpo_reward_weights", weights, "finite numbers")
     self.number("kl_coef", 0)
     self.number("entropy_coeff", 0)
     self.number("overlong_penalty", 0)
