@@ -391,7 +391,8 @@ def test_gdpo_matches_verl(weights, norm_by_std):
   want_BC, _ = verl["compute_gdpo_outcome_advantage"](
       token_level_rewards=torch.zeros(mask_BC.shape, dtype=torch.float64), response_mask=torch.tensor(mask_BC * 1.0),
       index=np.repeat(np.arange(Q), G), norm_adv_by_std_in_grpo=norm_by_std,
-      config=AlgoConfig(gdpo_reward_keys=keys, gdpo_reward_weights=weights or None, norm_adv_by_std_in_grpo=norm_by_std),
+      config=AlgoConfig(gdpo_reward_keys=keys, gdpo_reward_weights=weights or None,
+                        norm_adv_by_std_in_grpo=norm_by_std),
       non_tensor_batch={k: parts_QGK[..., i].reshape(-1) for i, k in enumerate(keys)},
       batch={"prompts": torch.zeros((Q * G, P)), "attention_mask": torch.tensor(attention_BT)})
   got_QG = advantages.sequence_advantages("gdpo", score_QG, norm_by_std, lengths_QG=lengths_QG, parts_QGK=parts_QGK,
