@@ -441,7 +441,7 @@ def test_a_masked_row_leaves_the_groups_advantages_as_if_it_were_absent():
   np.testing.assert_allclose(adv[1], advantages.group_advantages(score[1:])[0])
   np.testing.assert_array_equal(batch.loss_mask_BC.reshape(Q, G, C).any(-1), valid)
   lengths = np.array([[3, 1, 2, 3], [3, 3, 3, 3]])
-  for est in ("grpo", "rloo", "gpg", "reinforce_pp_baseline", "opo", "grpo_passk"):
+  for est in ("grpo", "rloo", "gpg", "reinforce_pp_baseline", "opo", "grpo_passk", "gdpo"):
     got = advantages.sequence_advantages(est, score[:1], lengths_QG=lengths[:1], valid_QG=valid[:1])
     want = advantages.sequence_advantages(est, score[:1, :3], lengths_QG=lengths[:1, :3])
     np.testing.assert_allclose(got[0, :3], want[0], rtol=1e-6, err_msg=est)
