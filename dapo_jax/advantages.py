@@ -60,8 +60,8 @@ def _per_group(fn, rewards_QG, valid_QG, lengths_QG=None) -> np.ndarray:
 # pass@k's and MaxRL's give one advantage per response; REINFORCE++ and GAE (PPO, with a value model)
 # one per token, from the KL-shaped token rewards. verl's names, where ours are not shorter ("reinforce_plus_plus").
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "maxrl", "gdpo", "reinforce_pp",
-              "gae", "distill")
-TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill")
+              "gae", "distill", "optimal_token_baseline")
+TOKEN_ESTIMATORS = ("reinforce_pp", "gae", "distill", "optimal_token_baseline")
 KL_SHAPED_ESTIMATORS = ("reinforce_pp", "gae")  # Token rewards -β·KL to a reference; not distill's.
 
 
@@ -351,9 +351,10 @@ def kl_shaped_rewards(score_B, logp_BC, ref_logp_BC, mask_BC, beta: float) -> ja
   return (-beta * kl_BC) * mask + score_B1 * at_last_BC
 
 
-@functools.partial(jax.jit, static_argnames=("estimator", "gamma", "lam"))
+@functools.partial(jax.jit, static_argnames=("estimator", "gamma", "lam", "group_size"))
 def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, values_BC=None, *, beta,
-                     gamma: float, lam: float = 1.0, teacher_logp_BC=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     gamma: float, lam: float = 1.0, teacher_logp_BC=None, sum_pi_sq_BC=None,
+                     group_size: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-token advantages of the token-level estimators from the rollout's score, log-probs of the
   policy that sampled and of the reference, and (GAE) the value model's values:
   (token_rewards_BC, advantages_BC, returns_BC).
@@ -361,6 +362,8 @@ def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, val
   token rewards = `kl_shaped_rewards` (β may be 0: no KL); "gae": `gae(rewards, values, γ, λ)`;
   "reinforce_pp": `reinforce_pp(rewards, γ)`. Both whiten the advantages over the mask. "distill":
   the token reward and advantage are `distill_advantages` (the teacher's log-probs), returns alike.
+  "optimal_token_baseline": `optimal_token_baseline` on the rows' groups of `group_size` (Σπ² of the
+  sampling policy `sum_pi_sq_BC`).
   """
   if estimator == "distill":
     adv_BC = distill_advantages(logp_BC, teacher_logp_BC, mask_BC)
@@ -370,9 +373,41 @@ def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, val
     adv_BC, returns_BC = gae(token_rewards_BC, values_BC, mask_BC, gamma, lam)
   elif estimator == "reinforce_pp":
     adv_BC, returns_BC = reinforce_pp(token_rewards_BC, mask_BC, gamma)
+  elif estimator == "optimal_token_baseline":
+    adv_BC, returns_BC = optimal_token_baseline(token_rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, group_size)
   else:
     raise ValueError(f"token_advantages: estimator {estimator!r}; expected one of {TOKEN_ESTIMATORS}")
   return token_rewards_BC, adv_BC, returns_BC
+
+
+def optimal_token_baseline(token_rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, group_size: int,
+                           handle_zero_tail: bool = True, eps: float = 1e-8) -> tuple[jax.Array, jax.Array]:
+  """verl's optimal_token_baseline: a baseline per token and group, B_t = Σ_g G_t·W_t / Σ_g W_t over the
+  group's G rows (consecutive in the batch), with G_t the return-to-go and W_t = Σ_{j<=t} (1 - 2π_j +
+  Σ_v π_v²) the path's accumulated variance proxy (π_j the sampled token's probability under the
+  sampling policy). A group of one has no baseline. `handle_zero_tail`: the one longest row of a group
+  has no baseline past the second-longest's length (nothing to compare with there). Returns
+  (advantages G_t - B_t, returns G_t), 0 outside the mask."""
+  mask = jnp.asarray(mask_BC, jnp.float32)
+  B, C = mask.shape
+  G = group_size
+  returns_BC = jnp.flip(jnp.cumsum(jnp.flip(jnp.asarray(token_rewards_BC, jnp.float32) * mask, -1), -1), -1)
+  w_BC = 1.0 - 2.0 * jnp.exp(jnp.asarray(logp_BC, jnp.float32)) + jnp.asarray(sum_pi_sq_BC, jnp.float32)
+  W_BC = jnp.cumsum(w_BC * mask, -1)
+  if G == 1:
+    return returns_BC * mask, returns_BC
+  per_group = lambda x_BC: x_BC.reshape(B // G, G, C)
+  num_QC = jnp.sum(per_group(returns_BC * W_BC * mask), 1)
+  den_QC = jnp.sum(per_group(W_BC * mask), 1) + eps
+  base_QGC = jnp.broadcast_to((num_QC / den_QC)[:, None, :], (B // G, G, C))
+  if handle_zero_tail:
+    len_QG = per_group(mask).sum(-1)
+    top_Q2 = jnp.sort(len_QG, -1)[:, -2:]
+    longest_QG = (len_QG == top_Q2[:, 1:]) & (jnp.sum(len_QG == top_Q2[:, 1:], -1, keepdims=True) == 1) & (
+        top_Q2[:, 1:] > top_Q2[:, :1])
+    tail_QGC = longest_QG[:, :, None] & (jnp.arange(C)[None, None, :] >= top_Q2[:, :1, None])
+    base_QGC = jnp.where(tail_QGC, 0.0, base_QGC)
+  return (returns_BC - base_QGC.reshape(B, C)) * mask, returns_BC
 
 
 def distill_advantages(logp_BC, teacher_logp_BC, mask_BC) -> jax.Array:

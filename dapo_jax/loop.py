@@ -104,14 +104,19 @@ class DAPO:
 
   def __init__(self, cfg: LoopConfig, *, trainer, logprobs, rollout, evaluator, data_iter, params,
                workdir: str, keep_ckpts: int = 3, writer_cfg: metrics_lib.WriterConfig = metrics_lib.WriterConfig(),
-               run_config: dict | None = None, critic: ppo.Critic | None = None, kl_ctrl=None, teacher=None):
+               run_config: dict | None = None, critic: ppo.Critic | None = None, kl_ctrl=None, teacher=None,
+               logprobs_sum_pi_squared=None):
     self.cfg, self.trainer, self.logprobs, self.rollout, self.evaluator = cfg, trainer, logprobs, rollout, evaluator
     self.data_iter = data_iter
     if cfg.adv_estimator == "gae" and critic is None:
       raise ValueError("adv_estimator='gae' needs a value model (critic)")
     if cfg.adv_estimator == "distill" and teacher is None:
       raise ValueError("adv_estimator='distill' needs a teacher: (log-prob function, params)")
+    if cfg.adv_estimator == "optimal_token_baseline" and logprobs_sum_pi_squared is None:
+      raise ValueError("adv_estimator='optimal_token_baseline' needs logprobs_sum_pi_squared "
+                       "(objectives.completion_logprobs_and_sum_pi_squared, jitted by Trainer.forward)")
     self.critic, self.kl_ctrl, self.teacher = critic, kl_ctrl, teacher
+    self.logprobs_sum_pi_squared = logprobs_sum_pi_squared
     self.state = trainer.init(params=params)
     # Baselines with a KL term: the initial policy, resident on the mesh like the params.
     self.ref_params = trainer.reference_params(self.state.params) if cfg.reference else None
@@ -287,6 +292,7 @@ class DAPO:
             batch, groups, estimator=c.adv_estimator, logprobs=self.logprobs, trainer=self.trainer,
             params=self.state.params, ref_params=self.ref_params, critic=self.critic, kl_ctrl=self.kl_ctrl,
             Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam, teacher=self.teacher,
+            logprobs_sum_pi_squared=self.logprobs_sum_pi_squared,
             pack=functools.partial(packing.packed_pass, put=self.trainer.put_batch, **self.pack_args())
             if c.packing else None)
         adv = batch.adv_BC[batch.loss_mask_BC]

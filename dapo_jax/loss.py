@@ -45,6 +45,11 @@ def entropy(logits_BTV: jax.Array) -> jax.Array:
   return jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
+def sum_pi_squared(logits_BTV: jax.Array) -> jax.Array:
+  """Per-token Σ_v π_v² of (already temperature-scaled) logits: 1 for a certain choice, 1/V for a uniform one."""
+  return jnp.sum(jnp.square(jax.nn.softmax(logits_BTV.astype(jnp.float32), axis=-1)), axis=-1)
+
+
 def masked_mean(x_BC: jax.Array, mask_BC: jax.Array, num_tokens=None) -> jax.Array:
   mask = mask_BC.astype(jnp.float32)
   denom = jnp.sum(mask) if num_tokens is None else num_tokens

@@ -196,32 +196,35 @@ def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params
 
 
 def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch, temperature: float,
-                     with_router: bool = False, entropy_grad: bool = False):
+                     with_router: bool = False, entropy_grad: bool = False, spread: str = "entropy"):
   """(log π of each completion token [B, C], the entropy of its temperature-scaled distribution
-  [B, C] (differentiable with `entropy_grad`, else not), the routing statistics or None). With
+  [B, C] (differentiable with `entropy_grad`, else not; `spread="sum_pi_squared"`: Σ_v π_v² instead,
+  which the optimal token baseline reads), the routing statistics or None). With
   `model.logits_chunk` the logits are made `logits_chunk` positions at a time and remade in the
   backward pass (`jax.checkpoint`), so at most B x logits_chunk x V of them exist at once; the values
   are those of the whole tensor."""
   if getattr(mb, "packed", None) is not None:
-    return _packed_stats(model_cfg, params, mb, temperature, with_router, entropy_grad)
+    return _packed_stats(model_cfg, params, mb, temperature, with_router, entropy_grad, spread)
   P = mb.tokens_BT.shape[1] - mb.loss_mask_BC.shape[1]
   targets_BC = mb.tokens_BT[:, P:]
   if not model_cfg.logits_chunk:
     out = completion_logits(model_cfg, group_size, params, mb, with_router=with_router)
     z_BCV, routing = out if with_router else (out, None)
-    return (*_logprobs_and_entropy(z_BCV / temperature, targets_BC, entropy_grad), routing)
+    return (*_logprobs_and_entropy(z_BCV / temperature, targets_BC, entropy_grad, spread), routing)
   out = _completion_hidden(model_cfg, group_size, params, mb, with_router=with_router)
   x_BCD, routing = out if with_router else (out, None)
-  return (*_chunked_stats(model_cfg, params, x_BCD, targets_BC, temperature, entropy_grad), routing)
+  return (*_chunked_stats(model_cfg, params, x_BCD, targets_BC, temperature, entropy_grad, spread), routing)
 
 
-def _logprobs_and_entropy(z_BCV, targets_BC, entropy_grad: bool = False):
+def _logprobs_and_entropy(z_BCV, targets_BC, entropy_grad: bool = False, spread: str = "entropy"):
   z_for_entropy = z_BCV if entropy_grad else jax.lax.stop_gradient(z_BCV)
+  if spread == "sum_pi_squared":
+    return loss_lib.token_logprobs(z_BCV, targets_BC), loss_lib.sum_pi_squared(z_for_entropy)
   return loss_lib.token_logprobs(z_BCV, targets_BC), loss_lib.entropy(z_for_entropy)
 
 
 def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, temperature: float, with_router: bool,
-                  entropy_grad: bool = False):
+                  entropy_grad: bool = False, spread: str = "entropy"):
   """`completion_stats` of a packed micro-batch (`datatypes.PackedRows`): the model runs on the packed
   sequences, each scored token takes the final hidden state of the position that predicts it, and the
   lm head runs on those alone (a prompt's positions and a row's padding make no logits); the results
@@ -233,10 +236,10 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
   x_SKD = _at_scored(pk, h_MTD)
   targets_SK = pk.target_K.reshape(pk.shards, -1)
   if model_cfg.logits_chunk:
-    logp_SK, entropy_SK = _chunked_stats(model_cfg, params, x_SKD, targets_SK, temperature, entropy_grad)
+    logp_SK, entropy_SK = _chunked_stats(model_cfg, params, x_SKD, targets_SK, temperature, entropy_grad, spread)
   else:
     z_SKV = model_lib.unembed(model_cfg, params, x_SKD)
-    logp_SK, entropy_SK = _logprobs_and_entropy(z_SKV / temperature, targets_SK, entropy_grad)
+    logp_SK, entropy_SK = _logprobs_and_entropy(z_SKV / temperature, targets_SK, entropy_grad, spread)
   shape = mb.loss_mask_BC.shape
   return _to_rows(pk, logp_SK, shape), _to_rows(pk, entropy_SK, shape), routing
 
@@ -255,7 +258,7 @@ def _to_rows(pk, y_SK, shape_BC):
 
 
 def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, temperature: float,
-                   entropy_grad: bool = False):
+                   entropy_grad: bool = False, spread: str = "entropy"):
   """Log-probs and entropies [B, C] of the lm head on final hidden states [B, C, D], `model.logits_chunk`
   positions at a time, each chunk's logits remade in the backward pass."""
   chunk = model_cfg.logits_chunk
@@ -268,7 +271,8 @@ def _chunked_stats(model_cfg: model_lib.ModelConfig, params, x_BCD, targets_BC, 
   @jax.checkpoint
   def one(args):
     x_BcD, t_Bc = args
-    return _logprobs_and_entropy(model_lib.unembed(model_cfg, params, x_BcD) / temperature, t_Bc, entropy_grad)
+    return _logprobs_and_entropy(model_lib.unembed(model_cfg, params, x_BcD) / temperature, t_Bc, entropy_grad,
+                                 spread)
 
   logp_NBc, ent_NBc = jax.lax.map(one, (x_NBcD, t_NBc))
   unchunk = lambda y_NBc: y_NBc.swapaxes(0, 1).reshape(B, n * chunk)[:, :C]
@@ -279,6 +283,15 @@ def completion_logprobs(model_cfg: model_lib.ModelConfig, temperature: float, gr
   """(params, batch) -> log π(completion token) [B, C] fp32, from temperature-scaled logits."""
   def fn(params, mb: RLBatch) -> jax.Array:
     return completion_stats(model_cfg, group_size, params, mb, temperature)[0]
+  return fn
+
+
+def completion_logprobs_and_sum_pi_squared(model_cfg: model_lib.ModelConfig, temperature: float,
+                                           group_size: int = 0) -> Callable:
+  """(params, batch) -> [B, C, 2] fp32: log π(completion token) and Σ_v π_v² of its distribution, what
+  the optimal token baseline reads (`advantages.optimal_token_baseline`)."""
+  def fn(params, mb: RLBatch):
+    return jnp.stack(completion_stats(model_cfg, group_size, params, mb, temperature, spread="sum_pi_squared")[:2], -1)
   return fn
 
 

@@ -23,13 +23,15 @@ def packed_microbatches(batch, *, max_tokens: int, shards: int = 1, buckets: Seq
 
 def packed_pass(fn: Callable, batch, put: Callable, *, max_tokens: int, shards: int = 1,
                 buckets: Sequence[int] = (), scored: float = 0.0, block: int = 0) -> np.ndarray:
-  """A forward pass `fn(placed micro-batch) -> [R, Cb]` over `batch`'s rows packed (`packed_rows`), its
-  values put back in the rows' places: [B, C] fp32 (0 where a row has no completion token)."""
+  """A forward pass `fn(placed micro-batch) -> [R, Cb, ...]` over `batch`'s rows packed (`packed_rows`),
+  its values put back in the rows' places: [B, C, ...] fp32 (0 where a row has no completion token)."""
   B, C = batch.loss_mask_BC.shape
-  out = np.zeros((B, C), np.float32)
+  out = None
   for part, rows in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets, scored=scored,
                                 block=block):
     values = np.asarray(sharding.fetch(fn(put(part))))
+    if out is None:
+      out = np.zeros((B, C) + values.shape[2:], np.float32)
     real = rows >= 0
     out[rows[real], :values.shape[1]] = values[real]
   return out

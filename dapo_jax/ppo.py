@@ -40,19 +40,27 @@ class Critic:
 
 def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs: Callable, trainer, params,
                      ref_params, critic: Critic | None, kl_ctrl, Q: int, G: int, gamma: float,
-                     lam: float, teacher=None, pack: Callable | None = None) -> tuple[RLBatch, ValueBatch | None, dict]:
+                     lam: float, teacher=None, pack: Callable | None = None,
+                     logprobs_sum_pi_squared: Callable | None = None) -> tuple[RLBatch, ValueBatch | None, dict]:
   """Log-probs of the sampling policy and the reference, the KL-shaped token rewards, values (GAE),
   per-token advantages and returns of `batch` (Q groups of G rows). Returns the batch with its
   log-probs and `adv_BC` set, the value model's batch (None without one) and the step's metrics;
   updates the adaptive KL controller. "distill": `teacher` = (its log-prob function, its params).
-  `pack` (`packing.packed_pass` with the run's budget): every pass runs on the rows packed."""
+  `pack` (`packing.packed_pass` with the run's budget): every pass runs on the rows packed.
+  "optimal_token_baseline": `logprobs_sum_pi_squared` (`objectives.completion_logprobs_and_sum_pi_squared`)
+  replaces `logprobs`, in the same one pass."""
   rows = batch.replace(behaviour_B=None)  # Forward passes read no flags.
   if pack is None:
     placed = trainer.put_batch(rows)
     run = lambda fn: np.asarray(sharding.fetch(fn(placed)))
   else:
     run = lambda fn: pack(fn, rows)
-  logp_BC = run(lambda b: logprobs(params, b))
+  sum_pi_sq_BC = None
+  if estimator == "optimal_token_baseline":
+    both_BC2 = run(lambda b: logprobs_sum_pi_squared(params, b))
+    logp_BC, sum_pi_sq_BC = both_BC2[..., 0], both_BC2[..., 1]
+  else:
+    logp_BC = run(lambda b: logprobs(params, b))
   ref_BC = run(lambda b: logprobs(ref_params, b)) if ref_params is not None else logp_BC
   values_BC = run(critic.values) if critic is not None else None
   mask_BC = batch.loss_mask_BC
@@ -67,7 +75,7 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
     teacher_BC = run(lambda b: teacher_logprobs(teacher_params, b))
   rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
       estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=gamma, lam=lam,
-      teacher_logp_BC=teacher_BC))
+      teacher_logp_BC=teacher_BC, sum_pi_sq_BC=sum_pi_sq_BC, group_size=G))
   own_rows = groups.score_QG.size  # The rows after them repeat groups to fill a short step.
   kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC, num_rows=own_rows)
   metrics = metrics_lib.token_level(rewards_BC, returns_BC, values_BC, mask_BC, kl=kl, beta=beta)

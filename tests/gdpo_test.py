@@ -30,7 +30,8 @@ def test_reward_parts_by_name_with_failures_and_a_missing_entry():
   got = rollout_lib.reward_parts(("score", "acc", "format", "overlong_reward"), results, penalty)
   np.testing.assert_array_equal(got, [[1, 1, 1, 0], [-1, 0, 0, -0.5], [-1, 0, 0, -0.25]])
   assert rollout_lib.reward_parts((), results, penalty).shape == (3, 0)
-  with pytest.raises(ConfigError, match=r"sample 2's reward result has no 'style'; it has \['acc', 'format', 'score'\]"):
+  has = r"it has \['acc', 'format', 'score'\]"
+  with pytest.raises(ConfigError, match=r"sample 2's reward result has no 'style'; " + has):
     rollout_lib.reward_parts(("style",), [dict(results[0], style=1.0), results[1], results[2]], penalty)
 
 

@@ -81,7 +81,8 @@ LOSS_FNS = {m: f"compute_policy_loss_{m}" for m in ("vanilla", "gspo", "sapo", "
 ADV_FNS = ("compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
            "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage", "compute_gae_advantage_return",
-           "compute_grpo_passk_outcome_advantage", "compute_gdpo_outcome_advantage")
+           "compute_grpo_passk_outcome_advantage", "compute_gdpo_outcome_advantage",
+           "compute_optimal_token_baseline_advantage")
 verl = extract("core_algos.py.txt", (*LOSS_FNS.values(), "agg_loss", *ADV_FNS, "kl_penalty_forward"), dict(BASE))
 verl_rc = extract("rollout_corr_helper.py.txt", (
     "SAFETY_BOUND", "SUPPORTED_ROLLOUT_RS_OPTIONS", "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS", "_parse_rollout_is_threshold",
@@ -415,6 +416,34 @@ def test_gdpo_without_components_whitens_the_grpo_advantage_of_the_reward_as_ver
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="2 weights for 1 components"):
     advantages.sequence_advantages("gdpo", score_QG, lengths_QG=lengths_QG, part_weights=(1.0, 2.0))
+
+
+@pytest.mark.parametrize("G", [4, 1])
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_optimal_token_baseline_matches_verl(G, zero_tail):
+  """Groups with one longest row (its tail gets no baseline), with a tie for the longest, a masked span
+  mid-row, rewards on several tokens; and groups of one (no baseline)."""
+  rng = np.random.default_rng(11)
+  Q = 3 if G > 1 else 6
+  lengths_B = rng.integers(1, C + 1, size=Q * G)
+  if G > 1:
+    lengths_B[:G] = [C, 5, 3, 5]       # one longest
+    lengths_B[G:2 * G] = [7, 7, 2, 4]  # a tie
+  mask_BC = np.arange(C)[None, :] < lengths_B[:, None]
+  mask_BC[-1, 1:3] &= False            # a masked span (a tool's reply)
+  rewards_BC = np.where(rng.random((Q * G, C)) < 0.2, rng.normal(size=(Q * G, C)), 0.0)
+  rewards_BC[np.arange(Q * G), lengths_B - 1] += rng.choice([-1.0, 1.0], size=Q * G)
+  logp_BC = np.log(rng.uniform(0.05, 1.0, size=(Q * G, C)))
+  sum_pi_sq_BC = rng.uniform(0.05, 1.0, size=(Q * G, C))
+  want_adv, want_ret = verl["compute_optimal_token_baseline_advantage"](
+      token_level_rewards=torch.tensor(rewards_BC), response_mask=torch.tensor(mask_BC * 1.0),
+      index=np.repeat(np.arange(Q), G), old_log_probs=torch.tensor(logp_BC), sum_pi_squared=torch.tensor(sum_pi_sq_BC),
+      handle_zero_tail=zero_tail)
+  got_adv, got_ret = advantages.optimal_token_baseline(rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, G, zero_tail)
+  np.testing.assert_allclose(np.asarray(got_adv), want_adv.numpy(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got_ret), want_ret.numpy(), rtol=1e-5, atol=1e-5)
+  if G > 1 and zero_tail:  # The longest row's advantage past the second-longest is its return.
+    np.testing.assert_allclose(np.asarray(got_adv)[0, 5:], want_ret.numpy()[0, 5:], rtol=1e-5)
 
 
 def test_reinforce_pp_carries_returns_across_masked_spans_as_verl():

@@ -140,6 +140,10 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     pg = pg_config(cfg)
     trainer_ = trainer(cfg, model_cfg, mesh, objectives.policy_gradient(model_cfg, pg))
     logprobs = trainer_.forward(objectives.completion_logprobs(model_cfg, pg.temperature, pg.group_size))
+    with_sum_pi_squared = None
+    if cfg.dapo.adv_estimator == "optimal_token_baseline":
+      with_sum_pi_squared = trainer_.forward(objectives.completion_logprobs_and_sum_pi_squared(
+          model_cfg, pg.temperature, pg.group_size))
     rollout = rollout_lib.Rollout(tok, model_cfg, rollout_mesh or mesh, rollout_config(cfg),
                                   sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_, *episodes(cfg, tok))
     data_iter = data_iterator(cfg, train, jax.process_index(), jax.process_count())
@@ -156,7 +160,8 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
                      evaluator=evaluator_, data_iter=data_iter, params=params,
                      workdir=workdir, keep_ckpts=cfg.train.keep_ckpts,
                      writer_cfg=cfg.metrics.library(), run_config=cfg.to_dict(),
-                     critic=critic_, kl_ctrl=kl_controller(cfg), teacher=teacher_)
+                     critic=critic_, kl_ctrl=kl_controller(cfg), teacher=teacher_,
+                     logprobs_sum_pi_squared=with_sum_pi_squared)
   except BaseException:
     reward_.close()
     evaluator_.close()
