@@ -401,15 +401,24 @@ def mlp(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> jax.Array:
 # E experts; each of the X tokens goes to k of them: A = X*k (token, expert) assignments. The
 # lower-case k (the router's top-k) is the one letter outside the shape alphabet's capitals.
 
-def route(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(cfg: ModelConfig, p: dict, h_XD: jax.Array, replay_Xk: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The router: (probabilities [X, E] fp32, the k most probable experts [X, k], their gates [X, k]).
 
   Softmax over all E experts in fp32, then top-k; with `norm_topk_prob` the k gates are
   renormalised to sum to 1 (else they are the raw probabilities, as Qwen3-30B-A3B's config says).
+  Routing replay: a token whose `replay_Xk` row holds experts (>= 0; -1 = none) goes to those instead
+  of its top-k, gated by this router's probabilities of them (renormalised alike), so the gradient
+  still reaches the router through the gates.
   """
   logits_XE = matmul("XD,DE->XE", h_XD, p["router_DE"], cfg, jnp.float32)
   probs_XE = jax.nn.softmax(logits_XE, axis=-1)
   gate_Xk, expert_Xk = jax.lax.top_k(probs_XE, cfg.experts_per_token)
+  if replay_Xk is not None:
+    replay_Xk = replay_Xk.astype(jnp.int32)
+    replayed_X1 = replay_Xk[:, :1] >= 0
+    expert_Xk = jnp.where(replayed_X1, replay_Xk, expert_Xk)
+    gate_Xk = jnp.where(replayed_X1, jnp.take_along_axis(probs_XE, jnp.maximum(replay_Xk, 0), axis=-1), gate_Xk)
   if cfg.norm_topk_prob:
     gate_Xk = gate_Xk / jnp.sum(gate_Xk, axis=-1, keepdims=True)
   return probs_XE, expert_Xk, gate_Xk
@@ -513,22 +522,25 @@ def _pad_rows(a: jax.Array, pad: int) -> jax.Array:
   return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) if pad else a
 
 
-def feed_forward(cfg: ModelConfig, p: dict, h_XD: jax.Array) -> tuple[jax.Array, Any]:
+def feed_forward(cfg: ModelConfig, p: dict, h_XD: jax.Array, replay_Xk: jax.Array | None = None
+                 ) -> tuple[jax.Array, Any]:
   """The layer's MLP, or its experts when it has a router: (output, routing) where routing is
-  (probs_XE, expert_Xk) of an expert layer (the load statistics read it) and None otherwise."""
+  (probs_XE, expert_Xk) of an expert layer (the load statistics read it; the experts the tokens went
+  to, `replay_Xk`'s where it holds some: `route`) and None otherwise."""
   if "router_DE" not in p:
     return mlp(cfg, p, h_XD), None
-  probs_XE, expert_Xk, gate_Xk = route(cfg, p, h_XD)
+  probs_XE, expert_Xk, gate_Xk = route(cfg, p, h_XD, replay_Xk)
   return experts(cfg, p, h_XD, expert_Xk, gate_Xk), (probs_XE, expert_Xk)
 
 
-def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple[jax.Array, Any, Any]:
+def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable, replay_Xk: jax.Array | None = None
+          ) -> tuple[jax.Array, Any, Any]:
   """Pre-norm block on flattened tokens: x + attn(norm(x)), then x + mlp(norm(x)); Gemma also
   normalises each branch's output (post-norms) before adding it. Returns (x, aux, routing).
 
   `attend(q_XKRH, k_XKH, v_XKH) -> (o_XNH, aux)` applies rotary embeddings and attention as the
   caller lays its tokens out; `aux` (e.g. the keys and values written to a cache) is returned, and
-  so is the routing of an expert layer (`feed_forward`).
+  so is the routing of an expert layer (`feed_forward`; `replay_Xk`: experts to route to, `route`).
   """
   h_XD = norm(cfg, x_XD, p["attn_norm"]["scale_D"])
   o_XNH, aux = attend(*project_qkv(cfg, p, h_XD))
@@ -536,7 +548,7 @@ def layer(cfg: ModelConfig, p: dict, x_XD: jax.Array, attend: Callable) -> tuple
   if cfg.gemma:
     a_XD = norm(cfg, a_XD, p["post_attn_norm"]["scale_D"])
   x_XD = x_XD + a_XD
-  m_XD, routing = feed_forward(cfg, p, norm(cfg, x_XD, p["mlp_norm"]["scale_D"]))
+  m_XD, routing = feed_forward(cfg, p, norm(cfg, x_XD, p["mlp_norm"]["scale_D"]), replay_Xk)
   if cfg.gemma:
     m_XD = norm(cfg, m_XD, p["post_mlp_norm"]["scale_D"])
   return x_XD + m_XD, aux, routing

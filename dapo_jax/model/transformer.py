@@ -71,15 +71,21 @@ class Block(nn.Module):
   returns this call's keys and values ([B, K, T, H] each, one pair per segment).
   `local` (scanned over layers, a traced bool) selects the sliding window and the local RoPE table.
   With `moe`, the MLP is a router and E experts; the layer then sows its routing statistics
-  (`router_stats`) into the "router" collection.
+  (`router_stats`) into the "router" collection, and with `emit_experts` the experts each token went
+  to ([X, k]). `routes_Xk` (scanned with `local`; -1 rows: none) are experts recorded elsewhere (the
+  sampler's, or π_old's): with `replay` the tokens go to them (routing replay, `layers.route`), and
+  either way the layer sows how often its own top-k holds them (`agreement`).
   """
   cfg: ModelConfig
   layout: str = "rows"
   emit_kv: bool = False
   moe: bool = False
+  replay: bool = False
+  emit_experts: bool = False
 
   @nn.compact
-  def __call__(self, segments: tuple, shared: tuple, local: jax.Array):
+  def __call__(self, segments: tuple, shared: tuple, scanned: tuple):
+    local, routes_Xk = scanned
     cfg = self.cfg
     D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     tables, local_tables, masks, lora_switch, real = shared
@@ -158,9 +164,14 @@ class Block(nn.Module):
     # Dense projections run on flattened tokens: 2-D matmuls whose gradients XLA computes
     # without transposed copies.
     x_XD = jnp.concatenate([s.reshape(-1, D) for s in segments])
-    x_XD, kv, routing = layers_lib.layer(cfg, p, x_XD, attend)
+    x_XD, kv, routing = layers_lib.layer(cfg, p, x_XD, attend, routes_Xk if self.replay else None)
     if routing is not None:
-      self.sow("router", "stats", router_stats(*routing, jnp.concatenate([r.reshape(-1) for r in real])))
+      real_X = jnp.concatenate([r.reshape(-1) for r in real])
+      self.sow("router", "stats", router_stats(*routing, real_X))
+      if routes_Xk is not None:
+        self.sow("router", "agree", agreement(cfg, routing[0], routes_Xk, real_X))
+      if self.emit_experts:
+        self.sow("router", "experts", routing[1].astype(jnp.int32))
     # A one-row segment (a shared prefix) is whole on every batch shard.
     return tuple(sharding.constrain(s, "BTD" if s.shape[0] > 1 else (None, "seq", "embed"))
                  for s in per_segment(x_XD, D)), kv
@@ -203,6 +214,17 @@ def _query_blocks(attend, q_BTKRH, mask_BTS, c: int):
   block = jax.checkpoint(lambda a: attend(*a))
   out_nBcKRH = jax.lax.map(block, (q_nBcKRH, mask_nBcS, jnp.arange(n) * c))
   return jnp.moveaxis(out_nBcKRH, 0, 1).reshape(B, n * c, K, R, H)[:, :T]
+
+
+def agreement(cfg: ModelConfig, probs_XE: jax.Array, routes_Xk: jax.Array, real_X: jax.Array) -> dict:
+  """How often this router's own top-k holds the recorded experts `routes_Xk`, over the real tokens
+  that have a record: {"hits": Σ over them of the fraction of their k recorded experts in the top-k,
+  "tokens": their count} (fp32, no gradient)."""
+  own_Xk = jax.lax.top_k(jax.lax.stop_gradient(probs_XE), cfg.experts_per_token)[1]
+  recorded_X = (routes_Xk[:, 0] >= 0) & (real_X > 0)
+  held_X = jnp.mean(jnp.any(routes_Xk[:, :, None] == own_Xk[:, None, :], axis=-1), axis=-1)
+  w_X = recorded_X.astype(jnp.float32)
+  return {"hits": jnp.sum(held_X * w_X), "tokens": jnp.sum(w_X)}
 
 
 def router_stats(probs_XE: jax.Array, expert_Xk: jax.Array, real_X: jax.Array) -> dict:
@@ -251,9 +273,14 @@ class Transformer(nn.Module):
   head: str = "lm"
   layout: str = "rows"
   emit_kv: bool = False  # also return every layer's keys/values: ([L, B, K, T, H], [L, B, K, T, H]), per segment
+  replay: bool = False   # route the tokens that `routes` records to those experts (routing replay)
+  emit_experts: bool = False  # sow each expert layer's per-token experts (`experts_of`)
 
   @nn.compact
-  def __call__(self, tokens: tuple, pos: tuple, masks: tuple, logits_from: int = 0, images: tuple = ()):
+  def __call__(self, tokens: tuple, pos: tuple, masks: tuple, logits_from: int = 0, images: tuple = (),
+               routes: tuple = ()):
+    """`routes`: per segment, each token's experts in every expert layer recorded elsewhere, [B, T, L_moe,
+    k] int (-1: none; a segment's None: none), for routing replay (`replay`) or its agreement statistics."""
     cfg = self.cfg
     embed_VD = _param(self, "embed_VD", (cfg.vocab_size, cfg.embed_dim), _normal, cfg)
     x = tuple(embed(cfg, embed_VD, t) for t in tokens)
@@ -278,12 +305,17 @@ class Transformer(nn.Module):
     if self.layout not in ("rows", "packed"):  # Routing statistics count a shared segment once per row.
       real = tuple(r * (tokens[-1].shape[0] // t.shape[0]) for r, t in zip(real, tokens))
     shared = (tables, local_tables, masks, lora_switch, real)
-    kvs = []
+    routes_LXk = _routes_by_layer(cfg, routes, tokens) if routes else None
+    kvs, moe_seen = [], 0
     for r, (start, stop, moe) in enumerate(cfg.layer_runs):
       layers = nn.scan(block, variable_axes={"params": 0, "lora": 0, "router": 0}, split_rngs={"params": True},
                        in_axes=(nn.broadcast, 0), length=stop - start,
                        metadata_params={nn.PARTITION_NAME: "layers"})
-      x, kv = layers(cfg, self.layout, self.emit_kv, moe, name=run_name(r))(x, shared, local_L[start:stop])
+      run_routes = None
+      if moe and routes_LXk is not None:
+        run_routes, moe_seen = routes_LXk[moe_seen:moe_seen + stop - start], moe_seen + stop - start
+      x, kv = layers(cfg, self.layout, self.emit_kv, moe, self.replay, self.emit_experts, name=run_name(r))(
+          x, shared, (local_L[start:stop], run_routes))
       kvs.append(kv)
     kv = jax.tree.map(lambda *a: jnp.concatenate(a), *kvs) if self.emit_kv else None
 
@@ -312,6 +344,27 @@ class Transformer(nn.Module):
         logits_BTV = layers_lib.matmul("BTD,DV->BTV", x_BTD, unembed_DV, cfg, jnp.float32)
       out = sharding.constrain(layers_lib.output_logits(cfg, logits_BTV), "BTV")
     return (out, kv) if self.emit_kv else out
+
+
+def _routes_by_layer(cfg: ModelConfig, routes: tuple, tokens: tuple) -> jax.Array:
+  """Per-segment recorded experts [B, T, L_moe, k] (None: none) -> [L_moe, X, k] int32 in the order a
+  block flattens its tokens (segment after segment, row-major)."""
+  L, k = sum(stop - start for start, stop, moe in cfg.layer_runs if moe), cfg.experts_per_token
+  flat = [jnp.full((t.size, L, k), -1, jnp.int32) if r is None else r.reshape(t.size, L, k).astype(jnp.int32)
+          for r, t in zip(routes, tokens)]
+  return jnp.concatenate(flat).transpose(1, 0, 2)
+
+
+def experts_of(cfg: ModelConfig, collection: dict, tokens: tuple) -> tuple:
+  """The "router" collection of an apply with `emit_experts` -> per segment, each token's experts in
+  every expert layer, [B, T, L_moe, k] int32 (the layout `routes` takes)."""
+  per_run = [collection[run_name(r)]["experts"][0] for r, (_, _, moe) in enumerate(cfg.layer_runs) if moe]
+  LXk = jnp.concatenate(per_run)  # [L_moe, X, k]
+  out, at = [], 0
+  for t in tokens:
+    out.append(LXk[:, at:at + t.size].transpose(1, 0, 2).reshape(*t.shape, LXk.shape[0], LXk.shape[2]))
+    at += t.size
+  return tuple(out)
 
 
 def unembed(cfg: ModelConfig, params: Params, x_BTD: jax.Array) -> jax.Array:
@@ -361,19 +414,27 @@ def _apply(module: Transformer, params: Params, *args, with_router: bool = False
   if not with_router:
     return module.apply(lora_lib.flax_variables(params), *args)
   out, state = module.apply(lora_lib.flax_variables(params), *args, mutable=["router"])
-  return out, routing(module.cfg, state.get("router", {}))
+  stats = routing(module.cfg, state.get("router", {}))
+  if module.emit_experts:
+    stats["experts"] = experts_of(module.cfg, state["router"], args[0])
+  return out, stats
 
 
 def routing(cfg: ModelConfig, collection: dict) -> dict:
   """The "router" collection of an apply -> {"counts_LE", "probs_LE": [L_moe, E], "tokens_L": [L_moe]},
-  the expert layers in order."""
-  runs = [collection[run_name(r)]["stats"][0] for r, (_, _, moe) in enumerate(cfg.layer_runs) if moe]
-  cat = lambda key: jnp.concatenate([s[key] for s in runs])
-  return {"counts_LE": cat("counts_E"), "probs_LE": cat("probs_E"), "tokens_L": cat("tokens")}
+  the expert layers in order; with recorded routes, also "agree_L" and "recorded_L" [L_moe]: the
+  recorded experts this router's own top-k held, and the recorded tokens (`agreement`)."""
+  runs = [collection[run_name(r)] for r, (_, _, moe) in enumerate(cfg.layer_runs) if moe]
+  cat = lambda kind, key: jnp.concatenate([s[kind][0][key] for s in runs])
+  out = {"counts_LE": cat("stats", "counts_E"), "probs_LE": cat("stats", "probs_E"), "tokens_L": cat("stats", "tokens")}
+  if runs and "agree" in runs[0]:
+    out.update(agree_L=cat("agree", "hits"), recorded_L=cat("agree", "tokens"))
+  return out
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logits_from: int = 0,
-            emit_kv: bool = False, head: str = "lm", with_router: bool = False, images_BMD=None):
+            emit_kv: bool = False, head: str = "lm", with_router: bool = False, images_BMD=None,
+            routes_BTLk=None, replay: bool = False, emit_experts: bool = False):
   """Teacher-forced outputs of the head (fp32 logits [B, T', V], or values [B, T']) for positions
   >= logits_from (static).
 
@@ -382,11 +443,17 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, pos_BT, mask_BTS, logit
   `images_BMD`: each row's image vectors (`vision.image_features`), placed at its image placeholders
   (`mask_BTS` then opens each image's attention both ways: `attention_mask`).
   `mask_BTS` may be a `packed_attention.Segments` instead: packed sequences (`pos_BT` their positions).
+  `routes_BTLk`: each token's experts recorded elsewhere (-1: none), replayed with `replay` (`Transformer`);
+  `emit_experts` (with `with_router`): the statistics hold each token's experts, "experts" ([B, T, L_moe, k]).
   """
   images = () if images_BMD is None else (images_BMD,)
   layout = "packed" if isinstance(mask_BTS, packed_attention.Segments) else "rows"
-  return _apply(Transformer(cfg, head, layout, emit_kv), params, (tokens_BT,), (pos_BT,), (mask_BTS,), logits_from,
-                images, with_router=with_router)
+  routes = () if routes_BTLk is None else (routes_BTLk,)
+  out = _apply(Transformer(cfg, head, layout, emit_kv, replay, emit_experts), params, (tokens_BT,), (pos_BT,),
+               (mask_BTS,), logits_from, images, routes, with_router=with_router)
+  if with_router and emit_experts:
+    out[1]["experts"] = out[1]["experts"][0]
+  return out
 
 
 def prefill_after_prefix(cfg: ModelConfig, params: Params, prefix_1N: jax.Array, suffix_UT: jax.Array,
@@ -423,15 +490,15 @@ def attention_mask(cfg: ModelConfig, tokens_BT: jax.Array, mask_BT: jax.Array) -
 
 
 def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT: jax.Array,
-           logits_from: int = 0, with_router: bool = False, images_BMD=None) -> jax.Array:
+           logits_from: int = 0, with_router: bool = False, images_BMD=None, **routing_kw) -> jax.Array:
   """Teacher-forced logits [B, T, V] (fp32) of left-padded rows; mask 1 = real token.
 
   With `logits_from`, only positions logits_from..T-1 are unembedded ([B, T - logits_from, V]).
   With `with_router` (an MoE model), returns (logits, routing statistics): see `routing`.
-  `images_BMD`: the rows' image vectors, as `forward`'s.
+  `images_BMD`: the rows' image vectors, as `forward`'s; `routing_kw`: its routing replay arguments.
   """
   return forward(model_cfg, params, tokens_BT, positions(mask_BT), attention_mask(model_cfg, tokens_BT, mask_BT),
-                 logits_from=logits_from, with_router=with_router, images_BMD=images_BMD)
+                 logits_from=logits_from, with_router=with_router, images_BMD=images_BMD, **routing_kw)
 
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
