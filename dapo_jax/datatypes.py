@@ -73,6 +73,9 @@ class RLBatch:
   # A vision-language model's rows: each row's image vectors (`vision.image_features`, a group's rows
   # alike), placed at its prompt's image placeholders by every pass that scores a token; None: no images.
   images_BMD: jax.Array | None = None
+  # Routing replay (`model.router_replay="R3"`): int32 [B, C, L_moe, k], the experts the sampler sent each
+  # completion token to in every expert layer (-1: none); None: no replay.
+  routes_BCLk: jax.Array | None = None
   # A packed micro-batch: the model reads `packed`; tokens_BT / mask_BT then hold the completions
   # alone ([B, C], no prompt columns) and every [B, ...] array has B = D x R row slots.
   packed: PackedRows | None = None
@@ -118,6 +121,9 @@ class Groups:
   # fp32 [Q, G, K]: the reward's components `dapo.gdpo_reward_keys` names (GDPO normalises each in its
   # group); K = 0 without them.
   parts_QGK: np.ndarray | None = None
+  # int32 [Q, G, C, L_moe, k]: routing replay's record, each completion token's experts in every expert
+  # layer of the sampler (-1: none; `sampling.Samples.experts_BCLk`); L_moe = k = 0 without one.
+  experts_QGCLk: np.ndarray | None = None
 
   def __post_init__(self):
     if self.policy_QGC is None:
@@ -132,6 +138,8 @@ class Groups:
       self.images_QMD = np.zeros((len(self.prompt_QP), 0, 0), np.float32)
     if self.parts_QGK is None:
       self.parts_QGK = np.zeros(np.shape(self.length_QG) + (0,), np.float32)
+    if self.experts_QGCLk is None:
+      self.experts_QGCLk = np.zeros(np.shape(self.tokens_QGC) + (0, 0), np.int32)
 
   def __len__(self) -> int:
     return len(self.prompt_QP)
@@ -150,7 +158,9 @@ class Groups:
                switch_QG=None if samples.switch_B is None else np.asarray(samples.switch_B, np.int32).reshape(Q, G),
                valid_QG=None if valid_QG is None else np.asarray(valid_QG, bool).reshape(Q, G),
                images_QMD=None if images_QMD is None else np.asarray(images_QMD, np.float32),
-               parts_QGK=None if parts_QGK is None else np.asarray(parts_QGK, np.float32).reshape(Q, G, -1))
+               parts_QGK=None if parts_QGK is None else np.asarray(parts_QGK, np.float32).reshape(Q, G, -1),
+               experts_QGCLk=None if samples.experts_BCLk is None else np.asarray(samples.experts_BCLk, np.int32)
+               .reshape(Q, G, C, *samples.experts_BCLk.shape[2:]))
 
   def take(self, idx) -> "Groups":
     return Groups(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
@@ -187,11 +197,16 @@ class Groups:
     if "parts_QGK" not in d:  # Saved before reward components: none.
       d = dict(d, parts_QGK=np.zeros(np.shape(d["length_QG"]) + (0,), np.float32),
                dtypes=dict(d["dtypes"], parts_QGK="float32"))
+    if "experts_QGCLk" not in d:  # Saved before routing replay: no record.
+      d = dict(d, experts_QGCLk=np.zeros(np.shape(d["tokens_QGC"]) + (0, 0), np.int32),
+               dtypes=dict(d["dtypes"], experts_QGCLk="int32"))
     groups = Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
     if groups.images_QMD.ndim != 3:  # No images: JSON lists lose the empty axes.
       groups.images_QMD = groups.images_QMD.reshape(len(groups.prompt_QP), 0, 0)
     if groups.parts_QGK.ndim != 3:  # No components: likewise.
       groups.parts_QGK = groups.parts_QGK.reshape(*groups.length_QG.shape, 0)
+    if groups.experts_QGCLk.ndim != 5:  # No record: likewise.
+      groups.experts_QGCLk = groups.experts_QGCLk.reshape(*groups.tokens_QGC.shape, 0, 0)
     return groups
 
 

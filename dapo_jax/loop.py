@@ -276,7 +276,7 @@ class DAPO:
     pipelining.mark_stale(groups, step, decoupled=self.cfg.use_decoupled_loss)
     host_memory.release()  # The rollout's buffers, before the update allocates its own.
     c = self.cfg
-    train_metrics, timing, adv, token_metrics, batch_tokens = {}, {}, np.zeros((0,)), {}, 0
+    train_metrics, timing, adv, token_metrics, batch_tokens, replay = {}, {}, np.zeros((0,)), {}, 0, {}
     if groups is None:
       logging.warning("step %d: no group with mixed correctness; no update", step)
     else:
@@ -284,6 +284,10 @@ class DAPO:
           groups.prompt_mask_QP), norm_adv_by_std=c.norm_adv_by_std, overlong_filter=c.overlong_filter,
           estimator=c.adv_estimator, part_weights=tuple(c.gdpo_reward_weights))
       batch_tokens = int(np.asarray(batch.mask_BT).sum())  # the real tokens an update reads
+      if batch.routes_BCLk is not None:  # Routing replay: the loss tokens whose experts the sampler recorded.
+        recorded_BC = np.asarray(batch.routes_BCLk)[:, :, 0, 0] >= 0
+        replay["router/replayed_tokens"] = float(recorded_BC[batch.loss_mask_BC].mean()
+                                                 if batch.loss_mask_BC.any() else 0.0)
       token_level = c.adv_estimator in adv_lib.TOKEN_ESTIMATORS
       if token_level:
         self.ckpt.wait()  # The critic's update donates its state too.
@@ -318,6 +322,7 @@ class DAPO:
         group_size=self.cfg.group_size, reward=self.rollout.reward, skipped=int(self.state.skipped),
         truncated_prompts=self.rollout.truncated_prompts, policy_version=step)
     m.update(token_metrics)
+    m.update(replay)
     m.update(self.perf(groups, stats, info, timing, batch_tokens, step_s))
     for k in ("update_critic_s", "adv_s"):
       if k in timing:

@@ -148,7 +148,27 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
     return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "lm", with_router)
   # Logits at position P-1+t predict completion token t.
   return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1,
-                          with_router=with_router, images_BMD=_images(mb))
+                          with_router=with_router, images_BMD=_images(mb), **_row_routes(model_cfg, mb, P))
+
+
+def _replay(model_cfg: model_lib.ModelConfig) -> bool:
+  return model_cfg.router_replay == "R3"
+
+
+def _row_routes(model_cfg: model_lib.ModelConfig, mb, P: int) -> dict:
+  """Routing replay's arguments of a forward over rows [prompt | completion] less their last token: the
+  completion tokens' recorded experts (the prompt's: none, it routes as the sampler's prefill did)."""
+  routes_BCLk = getattr(mb, "routes_BCLk", None)
+  if routes_BCLk is None:
+    return {}
+  B, _, L, k = routes_BCLk.shape
+  routes_BTLk = jnp.concatenate([jnp.full((B, P, L, k), -1, jnp.int32), routes_BCLk[:, :-1]], axis=1)
+  return dict(routes_BTLk=routes_BTLk, replay=_replay(model_cfg))
+
+
+def _segment_routes(model_cfg: model_lib.ModelConfig, mb) -> dict:
+  routes_BCLk = getattr(mb, "routes_BCLk", None)
+  return {} if routes_BCLk is None else dict(routes_BCLk=routes_BCLk, replay=_replay(model_cfg))
 
 
 def _images(mb, group_size: int = 1):
@@ -165,10 +185,11 @@ def _shared_prompt_outputs(model_cfg: model_lib.ModelConfig, group_size: int, pa
   completion = (mb.tokens_BT[:, P:], mb.mask_BT[:, P:])
   if getattr(mb, "prefix_len", 0):
     return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
-                                                    *completion, head=head, with_router=with_router)
+                                                    *completion, head=head, with_router=with_router,
+                                                    **_segment_routes(model_cfg, mb))
   return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P], mb.mask_BT[::group_size, :P],
                                      *completion, head=head, with_router=with_router,
-                                     images_QMD=_images(mb, group_size))
+                                     images_QMD=_images(mb, group_size), **_segment_routes(model_cfg, mb))
 
 
 def _prefix_and_rest(mb: RLBatch, group_size: int, P: int):
@@ -192,7 +213,7 @@ def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params
   tokens_BT, mask_BT = mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1]
   return model_lib.forward(model_cfg, params, tokens_BT, model_lib.positions(mask_BT),
                            model_lib.attention_mask(model_cfg, tokens_BT, mask_BT), logits_from=P - 1, head="hidden",
-                           with_router=with_router, images_BMD=_images(mb))
+                           with_router=with_router, images_BMD=_images(mb), **_row_routes(model_cfg, mb, P))
 
 
 def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch, temperature: float,

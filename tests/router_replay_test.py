@@ -99,3 +99,77 @@ def test_the_router_still_learns_under_replay():
   grads = jax.grad(loss)(params)
   router = [v for path, v in jax.tree_util.tree_flatten_with_path(grads)[0] if "router_DE" in jax.tree_util.keystr(path)]
   assert router and all(float(jnp.abs(g).max()) > 0 for g in router)
+
+
+def moe_run_cfg(replay: str, kv_dtype: str = "bfloat16", dtype: str = "bfloat16"):
+  from configs import default
+  cfg = default.get_config("runlocal")
+  cfg.model.update(init="random", arch="qwen3_moe", qk_norm=True, num_experts=8, experts_per_token=2,
+                   expert_mlp_dim=32, norm_topk_prob=True, router_replay=replay, dtype=dtype)
+  cfg.reward.update(fn="dapo_jax.testing:length_reward", workers=1)
+  cfg.rollout.kv_cache_dtype = kv_dtype  # a bfloat16 cache: the sampler's routing drifts from the update's
+  cfg.train.update(num_steps=2, eval_every=0, log_samples_every=0, minibatches=1)
+  cfg.data.num_eval = 0
+  return cfg
+
+
+@pytest.mark.parametrize("sampler", ["same", "perturbed"])
+def test_the_engine_records_the_experts_and_a_replaying_forward_routes_every_token_to_them(tmp_path, sampler):
+  """The sampler's own params: its records are the experts a teacher-forced forward over prompt +
+  completion chooses. A sampler that computes differently (here: its routers' weights perturbed by 5%,
+  as another engine's kernels would move them): some choices differ, and the replaying forward sends
+  every recorded token to the sampler's experts (counted: 100%)."""
+  from dapo_jax import builders
+  cfg = moe_run_cfg("R3", kv_dtype="", dtype="float32")
+  with builders.dapo(cfg, str(tmp_path / "run")) as run:
+    params = run.state.params
+    sampling = params
+    if sampler == "perturbed":
+      noise = lambda path, x: x * (1 + 0.05 * jax.random.normal(jax.random.key(1), x.shape)) if "router_DE" in (
+          jax.tree_util.keystr(path)) else x
+      sampling = jax.tree_util.tree_map_with_path(noise, params)
+    groups, _ = run.rollout.groups(sampling, run.data_iter.take(4), cfg.rollout.group_size, jax.random.key(0))
+    model_cfg = run.rollout.model_cfg
+  Q, G, C = groups.tokens_QGC.shape
+  L, k = groups.experts_QGCLk.shape[-2:]
+  assert (L, k) == (model_cfg.num_moe_layers, 2)
+  P = groups.prompt_QP.shape[1]
+  tokens = jnp.asarray(np.concatenate([np.repeat(groups.prompt_QP, G, 0), groups.tokens_QGC.reshape(-1, C)], 1))
+  mask = jnp.asarray(np.concatenate([np.repeat(groups.prompt_mask_QP, G, 0), groups.mask_QGC.reshape(-1, C)], 1))
+  recorded = groups.experts_QGCLk.reshape(-1, C, L, k)
+  real = groups.mask_QGC.reshape(-1, C)
+  assert (recorded[~real] == -1).all() and (recorded[real] >= 0).all()  # every fed token, nothing past the end
+  routes = jnp.asarray(np.concatenate([np.full((Q * G, P, L, k), -1), recorded], 1))
+  agree, gap = {}, {}
+  for replay in (False, True):
+    logits, stats = model.logits(model_cfg, params, tokens, mask, with_router=True, emit_experts=True,
+                                 routes_BTLk=routes, replay=replay)
+    used = np.sort(np.asarray(stats["experts"])[:, P:], -1)
+    agree[replay] = (used == np.sort(recorded, -1)).all(-1)[real].mean()
+    z = np.asarray(logits, np.float64)[:, P - 1:-1] / cfg.rollout.temperature
+    logp = np.take_along_axis(z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True))
+                              - z.max(-1, keepdims=True), np.asarray(tokens)[:, P:, None], -1)[..., 0]
+    gap[replay] = np.abs(logp - groups.logp_QGC.reshape(-1, C))[real].mean()  # the sampler-vs-trainer gap
+  assert agree[True] == 1.0
+  if sampler == "same":
+    assert agree[False] > 0.99 and gap[False] < 1e-4 and gap[True] < 1e-4, (agree, gap)
+  else:  # Replay leaves the gates' share of the gap: the mismatch falls, not to 0.
+    assert 0.5 < agree[False] < 0.99 and gap[True] < 0.8 * gap[False], (agree, gap)
+
+
+def test_r3_replays_every_recorded_token_and_the_mismatch_falls(tmp_path):
+  """Same first rollout (the sampler does not read the mode); with R3 the π_old pass routes the
+  completion tokens as the sampler did, so its log-probs come closer to the sampler's."""
+  import os
+  from dapo_jax import builders, metrics
+  logged = {}
+  for mode in ("disabled", "R3"):
+    workdir = str(tmp_path / mode)
+    builders.run(moe_run_cfg(mode), workdir)
+    logged[mode] = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  off, r3 = logged["disabled"][1], logged["R3"][1]
+  assert off["critic/score/mean"] == r3["critic/score/mean"]  # the same samples
+  assert r3["router/replayed_tokens"] == 1.0 and "router/replayed_tokens" not in off
+  assert 0.5 < r3["actor/router/rollout_agreement"] <= 1.0, r3["actor/router/rollout_agreement"]
+  assert r3["actor/mismatch/k3"] <= off["actor/mismatch/k3"], (r3["actor/mismatch/k3"], off["actor/mismatch/k3"])
+  assert all(np.isfinite(logged["R3"][s]["actor/pg_loss"]) for s in (1, 2))

@@ -59,6 +59,11 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
     raise ConfigError("rollout.use_decoupled_loss=True needs dapo.rollout_correction.rollout_is='token' or "
                       "'sequence': the decoupled loss weights rows by π_prox/π_behav through it, which would "
                       "otherwise be dropped")
+  if m.router_replay != "disabled":
+    check(r.engine == "continuous", "model.router_replay", m.router_replay,
+          "'disabled' with rollout.engine='static' (the continuous engine records the sampler's experts)")
+    check(not t.packing, "model.router_replay", m.router_replay,
+          "'disabled' with train.packing=True (packed rows do not carry the records yet)")
   if r.partial_rollouts and not (d.streaming and r.engine == "continuous"):
     raise ConfigError("rollout.partial_rollouts=True needs dapo.streaming=True and rollout.engine='continuous' "
                       "(params change between engine rounds)")

@@ -108,6 +108,9 @@ class ModelConfig:
   router_aux_coef: float = 0.0         # weight of the load-balancing loss in training (0 = off, as verl)
   expert_chunk: int = 0                # tokens per device per expert-dispatch block (0 = all at once);
                                        # bounds the dispatch buffers of long rows, as attn_chunk the scores
+  # Routing replay (verl's names): "R3" = the sampler records each token's experts and the π_old and
+  # update passes route the completion tokens to them (rollout routing replay); "disabled" = off.
+  router_replay: str = "disabled"
   # A vision-language model (Gemma 3 with images): its vision tower and projector; None = text only.
   vision: VisionConfig | None = None
 
@@ -155,6 +158,11 @@ class ModelConfig:
     if (self.arch == "qwen3_moe") != (self.num_experts > 0):
       raise ValueError(f"model.num_experts={self.num_experts} with model.arch={self.arch!r}: experts (num_experts "
                        "> 0) go with arch 'qwen3_moe' and only with it")
+    if self.router_replay not in ROUTER_REPLAY:
+      raise ValueError(f"model.router_replay={self.router_replay!r}; expected one of {ROUTER_REPLAY}")
+    if self.router_replay != "disabled" and not self.moe:
+      raise ValueError(f"model.router_replay={self.router_replay!r} replays experts: it needs an expert model "
+                       "(model.num_experts > 0)")
     if not self.moe:
       return
     if not 1 <= self.experts_per_token <= self.num_experts:
@@ -175,6 +183,10 @@ class ModelConfig:
 
   def is_moe_layer(self, l: int) -> bool:
     return self.moe and l not in self.dense_layers
+
+  @property
+  def num_moe_layers(self) -> int:
+    return sum(self.is_moe_layer(l) for l in range(self.num_layers))
 
   @property
   def layer_runs(self) -> tuple[tuple[int, int, bool], ...]:
@@ -279,4 +291,5 @@ class ModelConfig:
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "gemma3")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+ROUTER_REPLAY = ("disabled", "R3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -109,8 +109,9 @@ def _decode_layers(cfg: ModelConfig, p: dict, L: int, lora: dict | None = None) 
 
 
 def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Array, cache: Cache,
-                index: jax.Array) -> tuple[jax.Array, Cache]:
-  """One token per row through the cache: writes slot `index` of every layer, returns (logits_BV fp32, cache).
+                index: jax.Array, with_experts: bool = False) -> tuple[jax.Array, Cache]:
+  """One token per row through the cache: writes slot `index` of every layer, returns (logits_BV fp32, cache);
+  `with_experts`: (logits_BV, cache, the experts each row's token went to in every expert layer [B, L_moe, k]).
   `index` is one slot for all rows, or one per row ([B]: a continuous batch; a paged cache's rows
   at `cache.size` or beyond write nothing). A paged cache stores the token by its position `pos_B`.
 
@@ -128,21 +129,25 @@ def decode_step(cfg: ModelConfig, dparams: dict, tok_B: jax.Array, pos_B: jax.Ar
     masks[True] = layers_lib.windowed(mask_B1S, cfg.sliding_window, offset=offset)
   attend_cache = _attend_paged if isinstance(cache, paged.PagedCache) else _attend_dense
   x_BD = embed(cfg, dparams["embed_VD"], tok_B)
-  ks, vs = [], []
+  ks, vs, experts = [], [], []
   for l, (p, k_l, v_l) in enumerate(zip(dparams["layers"], cache.k, cache.v)):
     local = l in cfg.local_layers
     attend = functools.partial(attend_cache, cfg, k_l, v_l, cache, index, tables[local], masks[local])
     if isinstance(cache, paged.PagedCache):
       attend = functools.partial(attend, pos_B=pos_B, windowed=local)
-    x_BD, (k_l, v_l), _ = layers_lib.layer(cfg, p, x_BD, attend)
+    x_BD, (k_l, v_l), routing = layers_lib.layer(cfg, p, x_BD, attend)
     ks.append(k_l)
     vs.append(v_l)
+    if routing is not None:
+      experts.append(routing[1])
   x_BD = layers_lib.norm(cfg, x_BD, dparams["final_scale_D"])
   if "unembed_DV" in dparams:
     logits_BV = layers_lib.matmul("BD,DV->BV", x_BD, dparams["unembed_DV"], cfg, jnp.float32)
   else:  # Tied: as fast as a stored transpose on CPU, without its copy of the embedding.
     logits_BV = layers_lib.matmul("BD,VD->BV", x_BD, dparams["embed_VD"], cfg, jnp.float32)
   logits_BV = layers_lib.output_logits(cfg, logits_BV)
+  if with_experts:
+    return logits_BV, cache.replace(k=ks, v=vs), jnp.stack(experts, axis=1).astype(jnp.int32)
   return logits_BV, cache.replace(k=ks, v=vs)
 
 

@@ -503,22 +503,24 @@ def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
                       completion_BC: jax.Array, completion_mask_BC: jax.Array, head: str = "lm",
-                      with_router: bool = False, images_QMD=None) -> jax.Array:
+                      with_router: bool = False, images_QMD=None, routes_BCLk=None, replay: bool = False) -> jax.Array:
   """Logits [B, C, V] (fp32) predicting each completion token, for G = B/Q completions per prompt.
 
   Equals `logits` on the rows [prompt q | completion qG+g] (positions P-1 .. P+C-2), but each
   prompt's tokens pass through the model once rather than G times. `with_router`: as `logits`.
-  `images_QMD`: each prompt's image vectors (a vision-language model).
+  `images_QMD`: each prompt's image vectors (a vision-language model). `routes_BCLk`: the completion
+  tokens' recorded experts, replayed with `replay` (`forward`'s `routes_BTLk`).
   """
   G = completion_BC.shape[0] // prompt_QP.shape[0]
   C = completion_BC.shape[1]
   prompt_len_B = jnp.repeat(jnp.sum(prompt_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
   images = () if images_QMD is None else (images_QMD, None)
-  return _apply(Transformer(model_cfg, head, "shared_prompt"), params, (prompt_QP, completion_BC),
+  routes = () if routes_BCLk is None else (None, routes_BCLk)
+  return _apply(Transformer(model_cfg, head, "shared_prompt", replay=replay), params, (prompt_QP, completion_BC),
                 (positions(prompt_mask_QP), pos_BC),
                 (attention_mask(model_cfg, prompt_QP, prompt_mask_QP), causal_mask(completion_mask_BC)), 0, images,
-                with_router=with_router)
+                routes, with_router=with_router)
 
 
 def shared_prefix_len(reals, multiple: int) -> int:
@@ -537,7 +539,7 @@ def shared_prefix_len(reals, multiple: int) -> int:
 def completion_logits_after_prefix(model_cfg: ModelConfig, params: Params, prefix_1N: jax.Array,
                                    suffix_QP: jax.Array, suffix_mask_QP: jax.Array, completion_BC: jax.Array,
                                    completion_mask_BC: jax.Array, head: str = "lm",
-                                   with_router: bool = False) -> jax.Array:
+                                   with_router: bool = False, routes_BCLk=None, replay: bool = False) -> jax.Array:
   """`completion_logits` of prompts that all begin with `prefix_1N`: prompt q is [prefix | the
   real tokens of suffix_QP[q]] (left-padded; positions continue from N). The prefix passes through
   the model once for the whole batch, each prompt's rest once per group. No sliding window."""
@@ -547,10 +549,12 @@ def completion_logits_after_prefix(model_cfg: ModelConfig, params: Params, prefi
   prefix_mask_1N = jnp.ones(prefix_1N.shape, bool)
   prompt_len_B = N + jnp.repeat(jnp.sum(suffix_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
-  return _apply(Transformer(model_cfg, head, "prefix_prompt"), params, (prefix_1N, suffix_QP, completion_BC),
+  routes = () if routes_BCLk is None else (None, None, routes_BCLk)
+  return _apply(Transformer(model_cfg, head, "prefix_prompt", replay=replay), params,
+                (prefix_1N, suffix_QP, completion_BC),
                 (positions(prefix_mask_1N), N + positions(suffix_mask_QP), pos_BC),
-                (causal_mask(prefix_mask_1N), causal_mask(suffix_mask_QP), causal_mask(completion_mask_BC)),
-                with_router=with_router)
+                (causal_mask(prefix_mask_1N), causal_mask(suffix_mask_QP), causal_mask(completion_mask_BC)), 0, (),
+                routes, with_router=with_router)
 
 
 def last_token_scores(model_cfg: ModelConfig, params: Params, tokens_BT, mask_BT) -> jax.Array:

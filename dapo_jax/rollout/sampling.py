@@ -50,6 +50,7 @@ class Samples:
   truncated_B: jax.Array   # bool: no EOS within the budget
   policy_BC: jax.Array | None = None   # episodes: tokens the policy sampled (None: all of mask_BC)
   switch_B: jax.Array | None = None    # partial rollouts: first token drawn by updated params (-1: none)
+  experts_BCLk: jax.Array | None = None  # routing replay: each fed token's experts per expert layer (-1: none)
 
 
 @struct.dataclass

@@ -36,6 +36,7 @@ class Finished:
   # Partial rollouts: the first token drawn by the params of `Session.update_params` (-1: none was;
   # 0: all were). The tokens before it were drawn by the session's earlier params.
   switch_at: int = -1
+  experts_CLk: np.ndarray | None = None  # routing replay: each fed token's experts (`slots.SlotState`)
 
 
 @dataclasses.dataclass
@@ -83,9 +84,13 @@ def stack(rows: list[Finished], C: int) -> sampling.Samples:
   mask_BC = np.arange(C)[None, :] < length_B[:, None]
   policy_BC = None if rows[0].policy_C is None else np.stack([r.policy_C for r in rows]) & mask_BC
   switch = np.array([r.switch_at for r in rows], np.int32)
+  experts = None
+  if rows[0].experts_CLk is not None:  # A token past the sample's end was not fed: no record.
+    experts = np.where(mask_BC[:, :, None, None], np.stack([r.experts_CLk for r in rows]), -1).astype(np.int32)
   return sampling.Samples(tokens_BC=np.stack([r.tokens_C for r in rows]), logp_BC=np.stack([r.logp_C for r in rows]),
                           mask_BC=mask_BC, length_B=length_B, truncated_B=np.array([r.truncated for r in rows], bool),
-                          policy_BC=policy_BC, switch_B=switch if (switch >= 0).any() else None)
+                          policy_BC=policy_BC, switch_B=switch if (switch >= 0).any() else None,
+                          experts_BCLk=experts)
 
 
 class Session:
@@ -274,12 +279,14 @@ class Session:
     if not ended:
       return finished
     tokens, logp, policy = self._rows(ended)
+    experts = None if self.state.experts_SCLk is None else self._experts(ended)
     eos = set(e.eos)
     for i, s in enumerate(ended):
       w, n = self.slot_work[s], int(step_S[s])
       f = Finished(w.prompt_id, w.sample, tokens[i], logp[i], n, truncated=int(tokens[i][n - 1]) not in eos,
                    policy_C=policy[i] if self.episodes else None,
-                   switch_at=w.switch_at if w.switch_at < n else -1)  # -1: no token of the new params
+                   switch_at=w.switch_at if w.switch_at < n else -1,  # -1: no token of the new params
+                   experts_CLk=None if experts is None else experts[i])
       if self.episodes:  # A turn ended: the environment answers while the other slots decode.
         key = (w.prompt_id, w.sample)
         start = self.turn_start.get(key, 0)
@@ -297,10 +304,17 @@ class Session:
 
   def _rows(self, rows: list[int]):
     """Host copies of the token, log-prob and policy-mask rows of these slots."""
+    return sharding.fetch(slots_lib.take_rows(self.state.tokens_SC, self.state.logp_SC, self.state.policy_SC,
+                                              self._row_ids(rows)))
+
+  def _experts(self, rows: list[int]) -> np.ndarray:
+    """Host copies of these slots' recorded experts [A, C, L_moe, k] (routing replay)."""
+    return sharding.fetch(slots_lib.take_experts(self.state.experts_SCLk, self._row_ids(rows)))
+
+  def _row_ids(self, rows: list[int]):
     rows_A = np.zeros(next(b for b in _buckets(self.width) if b >= len(rows)), np.int32)  # Few shapes.
     rows_A[:len(rows)] = rows
-    return sharding.fetch(slots_lib.take_rows(self.state.tokens_SC, self.state.logp_SC, self.state.policy_SC,
-                                     sharding.put(rows_A, self.rep)))
+    return sharding.put(rows_A, self.rep)
 
   def _continue_episodes(self) -> list[Finished]:
     """Applies the environments' answers: a paused slot continues with the observation's tokens,

@@ -54,6 +54,9 @@ class SlotState:
   # Per-request sampling (`SamplerConfig.per_request`, a server): each slot's temperature and top-p.
   temperature_S: jax.Array
   top_p_S: jax.Array
+  # Routing replay (`model.router_replay`): the experts each fed token went to in every expert layer,
+  # int32 [S, C, L_moe, k] (-1: not fed); None otherwise.
+  experts_SCLk: jax.Array | None = None
 
 
 
@@ -81,7 +84,9 @@ def empty(model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig,
                    policy_SC=jnp.zeros((S, C), bool), force_end_S=jnp.zeros((S,), jnp.int32),
                    turn_end_S=jnp.full((S,), C, jnp.int32),
                    temperature_S=jnp.full((S,), sampler_cfg.temperature, jnp.float32),
-                   top_p_S=jnp.full((S,), sampler_cfg.top_p, jnp.float32))
+                   top_p_S=jnp.full((S,), sampler_cfg.top_p, jnp.float32),
+                   experts_SCLk=jnp.full((S, C, cfg.num_moe_layers, cfg.experts_per_token), -1, jnp.int32)
+                   if cfg.router_replay != "disabled" else None)
 
 
 def sample_key_data(key_data: jax.Array, prompt_id: jax.Array, sample: jax.Array) -> jax.Array:
@@ -191,7 +196,8 @@ def _started(pad_id, state, cache, key_S, logits_UV, mask_UP, src_S, slot_S, sto
       key_S=put(state.key_S, key_S), stop_at_S=put(state.stop_at_S, stop_at_S), cache=cache,
       policy_SC=put(state.policy_SC, False), force_end_S=put(state.force_end_S, 0),
       turn_end_S=put(state.turn_end_S, turn_end_S), temperature_S=put(state.temperature_S, temperature_S),
-      top_p_S=put(state.top_p_S, top_p_S))
+      top_p_S=put(state.top_p_S, top_p_S),
+      experts_SCLk=None if state.experts_SCLk is None else put(state.experts_SCLk, -1))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -260,9 +266,15 @@ def decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, d
     cache = kvc.write_mask_rows(s.cache, running_S, index_S)
     if isinstance(cache, paged.PagedCache):  # An ended row writes nothing: its pages may be another's now.
       index_S = jnp.where(running_S, index_S, cache.size)
-    logits_SV, cache = decode.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
+    experts_SCLk = s.experts_SCLk
+    if experts_SCLk is None:
+      logits_SV, cache = decode.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
+    else:  # Routing replay: the experts token col_S went to (its forward is this step's).
+      logits_SV, cache, experts_SLk = decode.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache,
+                                                         index_S, with_experts=True)
+      experts_SCLk = experts_SCLk.at[rows_S, col_S].set(experts_SLk, mode="drop")
     return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, policy_SC=policy_SC, step_S=s.step_S + running_S,
-                            done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache)
+                            done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache, experts_SCLk=experts_SCLk)
 
   steps, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
   return state, steps
@@ -281,6 +293,7 @@ end_rows = jax.jit(lambda state, end_S: state.replace(done_S=state.done_S | end_
 
 take_rows = jax.jit(lambda tokens_SC, logp_SC, policy_SC, rows_A: (tokens_SC[rows_A], logp_SC[rows_A],
                                                                     policy_SC[rows_A]))
+take_experts = jax.jit(lambda experts_SCLk, rows_A: experts_SCLk[rows_A])
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
