@@ -25,10 +25,39 @@ from dapo_jax.model.packed_attention import Segments
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """loss(params, micro_batch, counts) -> (scalar loss, metrics); counts(batch) -> global
-  denominators of a mini-batch; `group_size` consecutive rows are never split (0 or 1: any)."""
+  denominators of a mini-batch; `group_size` consecutive rows are never split (0 or 1: any).
+  `entropy_control`: a coefficient the train state carries and each update adjusts (`EntropyControl`)."""
   loss: Callable
   counts: Callable
   group_size: int = 1
+  entropy_control: "EntropyControl | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyControl:
+  """Adaptive entropy control (Skywork-OR1, arXiv 2505.22312; TRL's `use_adaptive_entropy`): the
+  entropy bonus's coefficient lives in the train state and moves after every optimizer update by
+  `delta`, up while the update's mean per-token entropy (over its loss tokens) is at or below `target`,
+  down otherwise, within [coef_min, coef_max]; an update applies the coefficient only when the
+  previous update's entropy was at or below `target` (the first applies none)."""
+  target: float
+  delta: float
+  coef_min: float
+  coef_max: float
+  initial: float
+
+  def init(self) -> dict:
+    return {"entropy_coef": jnp.asarray(self.initial, jnp.float32), "last_entropy": jnp.asarray(jnp.inf, jnp.float32)}
+
+  def applied(self, controls: dict) -> jax.Array:
+    """The coefficient an update applies."""
+    return jnp.where(controls["last_entropy"] <= self.target, controls["entropy_coef"], 0.0)
+
+  def update(self, controls: dict, entropy: jax.Array) -> dict:
+    up = entropy <= self.target
+    coef = jnp.where(up, jnp.minimum(controls["entropy_coef"] + self.delta, self.coef_max),
+                     jnp.maximum(controls["entropy_coef"] - self.delta, self.coef_min))
+    return {"entropy_coef": coef.astype(jnp.float32), "last_entropy": jnp.asarray(entropy, jnp.float32)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +128,12 @@ class PGConfig:
   kl_estimator: str = "k3"
   entropy_coeff: float = 0.0                # verl's actor.entropy_coeff: minus this x the entropy, aggregated
                                             # as the loss is (0 = off: the entropy is a metric only)
+  # Adaptive entropy control (`EntropyControl`, TRL's names): entropy_coeff is then the initial coefficient.
+  use_adaptive_entropy: bool = False
+  entropy_target: float = 0.2               # mean per-token entropy (nats) the controller holds the policy above
+  entropy_coef_delta: float = 0.005         # the coefficient's step per update
+  entropy_coef_min: float = 0.0
+  entropy_coef_max: float = 1.0
   old_is_current: bool = False              # π_old = π_θ (one update per rollout step): ratio is 1
                                             # (rows flagged in `behaviour_B` keep their old_logp_BC)
   group_size: int = 0                       # >0: rows come in groups of G sharing one prompt, which
@@ -114,6 +149,12 @@ class PGConfig:
     for name in ("clip_cov_ratio", "kl_cov_ratio"):
       if not 0 < getattr(self, name) <= 1:
         raise ValueError(f"dapo.{name}={getattr(self, name)}: expected in (0, 1]")
+
+  def entropy_control(self) -> EntropyControl | None:
+    if not self.use_adaptive_entropy:
+      return None
+    return EntropyControl(target=self.entropy_target, delta=self.entropy_coef_delta, coef_min=self.entropy_coef_min,
+                          coef_max=self.entropy_coef_max, initial=self.entropy_coeff)
 
   def loss_knobs(self) -> dict:
     """The mode knobs of `loss.policy_loss`."""
@@ -332,9 +373,9 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
             "num_rows": num_rows(batch)}
 
   def loss(params, mb: RLBatch, counts: dict):
+    bonus = bool(cfg.entropy_coeff) or cfg.use_adaptive_entropy
     logp_BC, entropy_BC, routing = completion_stats(model_cfg, cfg.group_size, params, mb, cfg.temperature,
-                                                    with_router=bool(model_cfg.moe),
-                                                    entropy_grad=bool(cfg.entropy_coeff))
+                                                    with_router=bool(model_cfg.moe), entropy_grad=bonus)
     old_logp_BC = mb.old_logp_BC
     if cfg.old_is_current:  # π_old = π_θ, except on rows an earlier policy sampled (carried groups).
       current_BC = jax.lax.stop_gradient(logp_BC)
@@ -373,10 +414,10 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
         clip_ratio_c=cfg.clip_ratio_c, agg=cfg.loss_agg, ref_logp_BC=mb.ref_logp_BC, kl_coef=cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, adv_BC=mb.adv_BC, norm_len=cfg.norm_len or None, mode=mode,
         is_weights_BC=is_weights_BC, **cfg.loss_knobs(), **denoms)
-    if cfg.entropy_coeff:  # verl: policy_loss = pg_loss - entropy_coeff x agg_loss(entropy, mask, loss_agg_mode).
+    if bonus:  # verl: policy_loss = pg_loss - entropy_coeff x agg_loss(entropy, mask, loss_agg_mode).
       entropy_loss = loss_lib.aggregate(entropy_BC, mb.loss_mask_BC, cfg.loss_agg, norm_len=cfg.norm_len or None,
                                         **denoms)
-      value = value - cfg.entropy_coeff * entropy_loss
+      value = value - counts.get("entropy_coef", cfg.entropy_coeff) * entropy_loss
       extra["entropy_loss"] = entropy_loss
     metrics = jax.tree.map(lambda m: m * weight, dict(metrics, **extra))
     metrics["entropy"] = loss_lib.masked_mean(entropy_BC, mb.loss_mask_BC, denoms["num_tokens"]) * weight
@@ -389,7 +430,7 @@ def policy_gradient(model_cfg: model_lib.ModelConfig, cfg: PGConfig) -> Objectiv
       metrics.update(jax.tree.map(lambda m: m * share, router_metrics))
     return value, metrics
 
-  return Objective(loss=loss, counts=counts, group_size=cfg.group_size)
+  return Objective(loss=loss, counts=counts, group_size=cfg.group_size, entropy_control=cfg.entropy_control())
 
 
 def language_model(model_cfg: model_lib.ModelConfig) -> Objective:

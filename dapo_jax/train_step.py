@@ -37,13 +37,14 @@ class TrainState:
   opt_state: Any
   skipped: jax.Array        # updates skipped because the loss or gradient norm was not finite
   bad_streak: jax.Array     # consecutive skipped updates
+  controls: Any = None      # an objective's controller state (`objectives.EntropyControl`); None: none
 
   @classmethod
-  def create(cls, params, tx: optax.GradientTransformation, adapters: bool = False) -> "TrainState":
+  def create(cls, params, tx: optax.GradientTransformation, adapters: bool = False, controls=None) -> "TrainState":
     """With `adapters`, params is a `lora` tree and the optimizer state covers params["lora"] alone."""
     zero = jnp.zeros((), jnp.int32)
     return cls(step=zero, rollout_step=zero, params=params, opt_state=tx.init(trainable(params, adapters)),
-               skipped=zero, bad_streak=zero)
+               skipped=zero, bad_streak=zero, controls=controls)
 
 
 def trainable(params, adapters: bool = False):
@@ -125,13 +126,15 @@ def merge_microbatches(x_M, group_size: int = 1):
 
 def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Callable,
                tx: optax.GradientTransformation, optim_cfg: optim.OptimConfig, num_microbatches: int = 1,
-               group_size: int = 1, adapters: bool = False, dropout: float = 0.0, seed: int = 0):
+               group_size: int = 1, adapters: bool = False, dropout: float = 0.0, seed: int = 0, control=None):
   """One optimizer update on one mini-batch; pure. Returns (state, metrics).
 
   With `adapters` (a `lora` tree), gradients are taken with respect to the adapters alone, and
   the adapters' inputs are dropped with probability `dropout` (masks from `lora.dropout_key`).
+  `control` (`objectives.EntropyControl`): the coefficient it applies joins the counts, and the
+  update moves it (`state.controls`).
   """
-  counts = counts_fn(batch)  # Global over the mini-batch: the denominators of every micro-batch.
+  counts = with_controls(counts_fn(batch), state, control)  # Global over the mini-batch: every micro-batch's.
   grad_fn = jax.value_and_grad(adapter_loss(objective, state.params, adapters, dropout, seed, state.step),
                                has_aux=True)
   params = trainable(state.params, adapters)
@@ -150,7 +153,15 @@ def train_step(state: TrainState, batch, *, objective: Callable, counts_fn: Call
     (loss, metrics, grads), _ = jax.lax.scan(accumulate, (loss0, metrics0, grads0),
                                              (micro, jnp.arange(num_microbatches)))
 
-  return apply_update(state, loss, metrics, grads, counts, tx=tx, optim_cfg=optim_cfg, adapters=adapters)
+  return apply_update(state, loss, metrics, grads, counts, tx=tx, optim_cfg=optim_cfg, adapters=adapters,
+                      control=control)
+
+
+def with_controls(counts: dict, state: TrainState, control) -> dict:
+  """`counts` and what the state's controller applies in this update (the entropy coefficient)."""
+  if control is None:
+    return counts
+  return dict(counts, entropy_coef=control.applied(state.controls))
 
 
 def adapter_loss(objective: Callable, params, adapters: bool, dropout: float, seed: int, update) -> Callable:
@@ -169,11 +180,12 @@ def adapter_loss(objective: Callable, params, adapters: bool, dropout: float, se
 
 
 def apply_update(state: TrainState, loss, metrics: dict, grads, counts: dict, *, tx: optax.GradientTransformation,
-                 optim_cfg: optim.OptimConfig, adapters: bool = False) -> tuple[TrainState, dict]:
+                 optim_cfg: optim.OptimConfig, adapters: bool = False, control=None) -> tuple[TrainState, dict]:
   """AdamW on accumulated gradients (of the adapters alone with `adapters`); pure. A non-finite loss
   or gradient skips the update (counted); so does a mini-batch with no loss tokens (only padding),
   which must not move the weights, the optimizer moments or the step count (AdamW would still
-  apply momentum and weight decay)."""
+  apply momentum and weight decay). `control`: its state moves by the update's metrics (a mini-batch
+  without loss tokens leaves it)."""
   params = trainable(state.params, adapters)
   grad_norm = optax.global_norm(grads)
   ok = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
@@ -193,6 +205,10 @@ def apply_update(state: TrainState, loss, metrics: dict, grads, counts: dict, *,
   metrics = dict(metrics, loss=loss, grad_norm=grad_norm, lr=lr, update_skipped=(~ok).astype(jnp.float32),
                  update_applied=apply.astype(jnp.float32),
                  **{k: v for k, v in counts.items() if k == "num_tokens"})
+  if control is not None:
+    moved = control.update(state.controls, metrics["entropy"])
+    state = state.replace(controls=jax.tree.map(lambda n, o: jnp.where(has_tokens, n, o), moved, state.controls))
+    metrics.update(entropy_coef_applied=counts["entropy_coef"], entropy_coef=state.controls["entropy_coef"])
   return state, metrics
 
 
@@ -243,19 +259,23 @@ class Trainer:
     self.scored_cost = scored_token_positions(model_cfg) if head == "lm" else 0.0
     self.group_size = max(objective.group_size, 1)
     self.lora = lora
+    self._control = objective.entropy_control
     dropout = lora.dropout if lora is not None else 0.0
 
     # Shardings of the whole state from the parameters' logical axes (boxed abstract params:
     # optax's moments inherit the boxes, so they shard like their parameters).
+    control = objective.entropy_control
+    controls = (lambda: control.init()) if control is not None else (lambda: None)
     if lora is None:
       def boxed_state():
-        return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0), head), self.tx)
+        return TrainState.create(model_lib.init_boxed(model_cfg, jax.random.key(0), head), self.tx, controls=controls())
       logical = nn.get_partition_spec(jax.eval_shape(boxed_state))
     else:
       base_boxed = jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0), head))
       self.base_float_sharding = nn.logical_to_mesh_sharding(nn.get_partition_spec(base_boxed), mesh, param_rules)
-      logical = nn.get_partition_spec(jax.eval_shape(lambda p: TrainState.create(p, self.tx, adapters=True),
-                                                     lora_lib.boxed(model_cfg, lora, base_boxed)))
+      logical = nn.get_partition_spec(jax.eval_shape(
+          lambda p: TrainState.create(p, self.tx, adapters=True, controls=controls()),
+          lora_lib.boxed(model_cfg, lora, base_boxed)))
     self.state_sharding = nn.logical_to_mesh_sharding(logical, mesh, param_rules)
     self.params_sharding = self.state_sharding.params
     self.batch_sharding = NamedSharding(mesh, P(sharding.BATCH_AXES))
@@ -265,7 +285,7 @@ class Trainer:
     def step(state, batch):
       return train_step(state, batch, objective=objective.loss, counts_fn=objective.counts, tx=self.tx,
                         optim_cfg=optim_cfg, num_microbatches=self.microbatches_for(batch),
-                        group_size=self.group_size)
+                        group_size=self.group_size, control=control)
     if lora is None:
       self._step = jax.jit(step, in_shardings=(self.state_sharding, self.batch_sharding),
                            out_shardings=(self.state_sharding, self.replicated), donate_argnums=0)
@@ -281,11 +301,12 @@ class Trainer:
                                                self.replicated, self.replicated),
                           out_shardings=((self.replicated, self.replicated), grads_sharding))
     self._counts = jax.jit(objective.counts, in_shardings=(self.batch_sharding,), out_shardings=self.replicated)
+    self._with_controls = jax.jit(lambda counts, state: with_controls(counts, state, control))
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
     self._apply = jax.jit(lambda state, loss, metrics, grads, counts: apply_update(
-        state, loss, metrics, grads, counts, tx=self.tx, optim_cfg=optim_cfg, adapters=adapters),
+        state, loss, metrics, grads, counts, tx=self.tx, optim_cfg=optim_cfg, adapters=adapters, control=control),
         donate_argnums=() if adapters else (0,))  # A LoRA state's base is read by the reference too.
-    self._create = jax.jit(lambda p: TrainState.create(p, self.tx, adapters=lora is not None),
+    self._create = jax.jit(lambda p: TrainState.create(p, self.tx, adapters=lora is not None, controls=controls()),
                            in_shardings=(self.params_sharding,), out_shardings=self.state_sharding)
     self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng, head),
                                 out_shardings=self.params_sharding if lora is None else self.base_float_sharding)
@@ -299,7 +320,8 @@ class Trainer:
       state = rest.replace(params=dict(rest.params, base=base))
       state, metrics = train_step(state, batch, objective=objective.loss, counts_fn=objective.counts, tx=self.tx,
                                   optim_cfg=optim_cfg, num_microbatches=self.microbatches_for(batch),
-                                  group_size=self.group_size, adapters=True, dropout=lora.dropout, seed=seed)
+                                  group_size=self.group_size, adapters=True, dropout=lora.dropout, seed=seed,
+                                  control=objective.entropy_control)
       return _without_base(state), metrics
     rest_sharding = _without_base(self.state_sharding)
     self._step = jax.jit(step, in_shardings=(rest_sharding, self.params_sharding["base"], self.batch_sharding),
@@ -336,6 +358,8 @@ class Trainer:
       counts = self._counts(micro_batches[0])
       for mb in micro_batches[1:]:
         counts = self._add(counts, self._counts(mb))
+      if self._control is not None:
+        counts = self._with_controls(counts, state)
       acc = None
       for i, mb in enumerate(micro_batches):
         out = self._grads(state.params, mb, counts, state.step, i)

@@ -157,6 +157,11 @@ class Dapo(Section):
   kl_coef: float = _PG.kl_coef     # DAPO: no KL, no reference model
   kl_estimator: str = _PG.kl_estimator
   entropy_coeff: float = _PG.entropy_coeff   # entropy bonus: the loss minus this x the aggregated entropy (verl's)
+  use_adaptive_entropy: bool = _PG.use_adaptive_entropy   # TRL's controller on that coefficient (its initial value)
+  entropy_target: float = _PG.entropy_target   # adaptive: the mean per-token entropy (nats) held
+  entropy_coef_delta: float = _PG.entropy_coef_delta   # adaptive: the coefficient's step per update
+  entropy_coef_min: float = _PG.entropy_coef_min
+  entropy_coef_max: float = _PG.entropy_coef_max
   adv_estimator: str = _LOOP.adv_estimator   # advantages.ESTIMATORS; gae = PPO (critic), distill = a teacher
   gdpo_reward_keys: tuple[str, ...] = _ROLLOUT.gdpo_reward_keys   # gdpo: the reward's components (() = the reward)
   gdpo_reward_weights: tuple[float, ...] = _LOOP.gdpo_reward_weights   # gdpo: their weights (() = ones)
@@ -186,6 +191,11 @@ class Dapo(Section):
             "dapo.gdpo_reward_weights", weights, "finite numbers")
     self.number("kl_coef", 0)
     self.number("entropy_coeff", 0)
+    if self.use_adaptive_entropy:
+      self.number("entropy_target", 0, lo_open=True)
+      self.number("entropy_coef_delta", 0, lo_open=True)
+      lo = self.number("entropy_coef_min", 0)
+      self.number("entropy_coef_max", lo, allowed=f">= dapo.entropy_coef_min={lo}")
     self.number("overlong_penalty", 0)
     self.number("max_gen_batches", 0, integer=True, allowed=">= 0 (0 = unlimited)")
     self.number("admit_margin", 0, allowed=">= 0 (standard deviations of the expected keeps)")
