@@ -105,7 +105,7 @@ class DAPO:
   def __init__(self, cfg: LoopConfig, *, trainer, logprobs, rollout, evaluator, data_iter, params,
                workdir: str, keep_ckpts: int = 3, writer_cfg: metrics_lib.WriterConfig = metrics_lib.WriterConfig(),
                run_config: dict | None = None, critic: ppo.Critic | None = None, kl_ctrl=None, teacher=None,
-               logprobs_sum_pi_squared=None):
+               logprobs_sum_pi_squared=None, logprobs_experts=None):
     self.cfg, self.trainer, self.logprobs, self.rollout, self.evaluator = cfg, trainer, logprobs, rollout, evaluator
     self.data_iter = data_iter
     if cfg.adv_estimator == "gae" and critic is None:
@@ -117,6 +117,8 @@ class DAPO:
                        "(objectives.completion_logprobs_and_sum_pi_squared, jitted by Trainer.forward)")
     self.critic, self.kl_ctrl, self.teacher = critic, kl_ctrl, teacher
     self.logprobs_sum_pi_squared = logprobs_sum_pi_squared
+    # Routing replay R2: π_old's pass also returns each completion token's experts, which the updates replay.
+    self.logprobs_experts = logprobs_experts
     self.state = trainer.init(params=params)
     # Baselines with a KL term: the initial policy, resident on the mesh like the params.
     self.ref_params = trainer.reference_params(self.state.params) if cfg.reference else None
@@ -238,15 +240,21 @@ class DAPO:
       for i, mb in enumerate(parts):
         # Forward passes read no flags: one compiled pass whether or not the batch has carried rows.
         placed = self.trainer.put_batch(mb.replace(behaviour_B=None))
-        if c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
+        if c.updates_per_step > 1 and self.logprobs_experts is not None:  # R2: π_old's routing, replayed.
+          old_BC, routes_BCLk = sharding.fetch(self.logprobs_experts(self.state.params, placed))
+          mb = mb.replace(routes_BCLk=routes_BCLk)
+        elif c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
           old_BC = sharding.fetch(self.logprobs(self.state.params, placed))
+        if c.updates_per_step > 1:
           if mb.behaviour_B is not None:  # Carried rows keep their sampling policy's log-probs.
             old_BC = np.where(mb.behaviour_B[:, None], mb.old_logp_BC, old_BC)
           mb = mb.replace(old_logp_BC=old_BC)
           if mb.rollout_logp_BC is not None and mb.loss_mask_BC.any():
             d = (old_BC - mb.rollout_logp_BC)[mb.loss_mask_BC]
             log_r += [d.max(), d.min()]
-        if self.ref_params is not None:
+        if self.ref_params is not None:  # The reference routes its tokens itself.
+          if mb.routes_BCLk is not None:
+            placed = self.trainer.put_batch(mb.replace(behaviour_B=None, routes_BCLk=None))
           mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, placed)))
         parts[i] = mb
     t1 = time.perf_counter()

@@ -440,9 +440,9 @@ def router_aux_loss(routing: dict) -> tuple[jax.Array, dict]:
   expert e per token (they sum to k) and P_e is expert e's mean router probability, both over every
   expert layer's real tokens. `routing` is `model.routing`'s. Also returns router metrics: the
   load of each (layer, expert), its share of the layer's assignments times E (1 = balanced),
-  at its largest and smallest; with recorded experts (routing replay), "router/rollout_agreement": the
-  share of the sampler's (token, expert) choices that this router's own top-k holds (1 = it would have
-  routed every recorded token as the sampler did)."""
+  at its largest and smallest; with recorded experts (routing replay), "router/replay_agreement": the
+  share of the recorded (token, expert) choices (the sampler's, or π_old's) that this router's own
+  top-k holds (1 = it would have routed every recorded token so)."""
   counts_LE, probs_LE = routing["counts_LE"], routing["probs_LE"]
   E = counts_LE.shape[-1]
   n = jnp.maximum(jnp.sum(routing["tokens_L"]), 1.0)
@@ -452,5 +452,5 @@ def router_aux_loss(routing: dict) -> tuple[jax.Array, dict]:
              "router/load_min": jnp.min(load_LE)}
   if "agree_L" in routing:
     recorded = jnp.sum(routing["recorded_L"])
-    metrics["router/rollout_agreement"] = jnp.sum(routing["agree_L"]) / jnp.maximum(recorded, 1.0)
+    metrics["router/replay_agreement"] = jnp.sum(routing["agree_L"]) / jnp.maximum(recorded, 1.0)
   return aux, metrics

@@ -180,20 +180,21 @@ def mismatch(train_logp_BC, rollout_logp_BC, mask_BC, threshold: float, num_toke
 
 
 def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch,
-                      with_router: bool = False) -> jax.Array:
+                      with_router: bool = False, emit_experts: bool = False) -> jax.Array:
   """Logits [B, C, V] predicting each completion token of a batch of RL rows (`with_router`: and
   the routing statistics of an MoE model, `model.routing`)."""
   C = mb.loss_mask_BC.shape[1]
   P = mb.tokens_BT.shape[1] - C
   if group_size:
-    return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "lm", with_router)
+    return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "lm", with_router, emit_experts)
   # Logits at position P-1+t predict completion token t.
   return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1,
-                          with_router=with_router, images_BMD=_images(mb), **_row_routes(model_cfg, mb, P))
+                          with_router=with_router, images_BMD=_images(mb), emit_experts=emit_experts,
+                          **_row_routes(model_cfg, mb, P))
 
 
 def _replay(model_cfg: model_lib.ModelConfig) -> bool:
-  return model_cfg.router_replay == "R3"
+  return model_cfg.router_replay in ("R2", "R3")
 
 
 def _row_routes(model_cfg: model_lib.ModelConfig, mb, P: int) -> dict:
@@ -219,7 +220,7 @@ def _images(mb, group_size: int = 1):
 
 
 def _shared_prompt_outputs(model_cfg: model_lib.ModelConfig, group_size: int, params, mb, P: int, head: str,
-                           with_router: bool):
+                           with_router: bool, emit_experts: bool = False):
   """The `head` outputs predicting each completion token when each group's prompt runs once, and
   an RLBatch in the shared-prefix layout runs its common prefix once too (other batches, e.g. DPO's
   preference pairs, have no such layout)."""
@@ -227,9 +228,9 @@ def _shared_prompt_outputs(model_cfg: model_lib.ModelConfig, group_size: int, pa
   if getattr(mb, "prefix_len", 0):
     return model_lib.completion_logits_after_prefix(model_cfg, params, *_prefix_and_rest(mb, group_size, P),
                                                     *completion, head=head, with_router=with_router,
-                                                    **_segment_routes(model_cfg, mb))
+                                                    emit_experts=emit_experts, **_segment_routes(model_cfg, mb))
   return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P], mb.mask_BT[::group_size, :P],
-                                     *completion, head=head, with_router=with_router,
+                                     *completion, head=head, with_router=with_router, emit_experts=emit_experts,
                                      images_QMD=_images(mb, group_size), **_segment_routes(model_cfg, mb))
 
 
@@ -345,6 +346,28 @@ def completion_logprobs(model_cfg: model_lib.ModelConfig, temperature: float, gr
   """(params, batch) -> log π(completion token) [B, C] fp32, from temperature-scaled logits."""
   def fn(params, mb: RLBatch) -> jax.Array:
     return completion_stats(model_cfg, group_size, params, mb, temperature)[0]
+  return fn
+
+
+def completion_logprobs_and_experts(model_cfg: model_lib.ModelConfig, temperature: float,
+                                    group_size: int = 0) -> Callable:
+  """(params, batch) -> (log π(completion token) [B, C] fp32, the experts each completion token went
+  to in every expert layer [B, C, L_moe, k] int32, -1 for the last column, which no forward feeds):
+  the π_old pass of routing replay R2."""
+  def fn(params, mb: RLBatch):
+    if model_cfg.logits_chunk:
+      raise ValueError("model.router_replay='R2' records π_old's experts from whole logits: model.logits_chunk=0")
+    C = mb.loss_mask_BC.shape[1]
+    P = mb.tokens_BT.shape[1] - C
+    z_BCV, routing = completion_logits(model_cfg, group_size, params, mb, with_router=True, emit_experts=True)
+    experts = routing["experts"]
+    if isinstance(experts, tuple):  # Segments: the completions' are the last.
+      experts_BCLk = experts[-1]
+    else:  # Rows less their last token: completion token c at column P + c.
+      experts_BCLk = jnp.pad(experts[:, P:], ((0, 0), (0, 1), (0, 0), (0, 0)), constant_values=-1)
+    last_BC = jnp.arange(C)[None, :] == C - 1
+    experts_BCLk = jnp.where(last_BC[:, :, None, None], -1, experts_BCLk)
+    return loss_lib.token_logprobs(z_BCV / temperature, mb.tokens_BT[:, P:]), experts_BCLk
   return fn
 
 

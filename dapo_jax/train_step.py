@@ -217,7 +217,7 @@ def microbatched_forward(fn: Callable, params, batch, num_microbatches: int = 1,
   if num_microbatches == 1:
     return fn(params, batch)
   micro = split_microbatches(batch, num_microbatches, group_size)
-  return merge_microbatches(jax.lax.map(lambda mb: fn(params, mb), micro), group_size)
+  return jax.tree.map(lambda x: merge_microbatches(x, group_size), jax.lax.map(lambda mb: fn(params, mb), micro))
 
 
 class Trainer:

@@ -170,6 +170,45 @@ def test_r3_replays_every_recorded_token_and_the_mismatch_falls(tmp_path):
   off, r3 = logged["disabled"][1], logged["R3"][1]
   assert off["critic/score/mean"] == r3["critic/score/mean"]  # the same samples
   assert r3["router/replayed_tokens"] == 1.0 and "router/replayed_tokens" not in off
-  assert 0.5 < r3["actor/router/rollout_agreement"] <= 1.0, r3["actor/router/rollout_agreement"]
+  assert 0.5 < r3["actor/router/replay_agreement"] <= 1.0, r3["actor/router/replay_agreement"]
   assert r3["actor/mismatch/k3"] <= off["actor/mismatch/k3"], (r3["actor/mismatch/k3"], off["actor/mismatch/k3"])
   assert all(np.isfinite(logged["R3"][s]["actor/pg_loss"]) for s in (1, 2))
+
+
+@pytest.mark.parametrize("group_size", [0, 2])
+def test_the_r2_pass_gives_the_log_probs_and_the_experts_of_the_forward(group_size):
+  """π_old's pass under R2: its log-probs are the plain pass's, and each completion token's experts
+  those a forward over prompt + completion chooses (the last column, never fed: -1); rows or shared prompts."""
+  from dapo_jax import objectives
+  from dapo_jax.datatypes import RLBatch
+  cfg = dataclasses.replace(CFG, router_replay="R2")
+  params, _, _ = setup(cfg)
+  rng = np.random.default_rng(5)
+  B, P, C = 4, 5, 6
+  tokens = jnp.asarray(rng.integers(1, CFG.vocab_size, size=(B, P + C)), jnp.int32)
+  if group_size:  # rows of a group share their prompt
+    tokens = tokens.at[1].set(tokens[1].at[:P].set(tokens[0, :P])).at[3].set(tokens[3].at[:P].set(tokens[2, :P]))
+  mask = jnp.asarray(np.arange(P + C)[None] >= np.array([[0], [0], [2], [2]]))
+  batch = RLBatch(tokens_BT=tokens, mask_BT=mask, loss_mask_BC=mask[:, P:], old_logp_BC=jnp.zeros((B, C)),
+                  adv_B=jnp.zeros(B), ref_logp_BC=jnp.zeros((B, C)))
+  logp, experts = objectives.completion_logprobs_and_experts(cfg, 1.0, group_size)(params, batch)
+  np.testing.assert_allclose(logp, objectives.completion_logprobs(cfg, 1.0, group_size)(params, batch), atol=1e-5)
+  _, stats = model.logits(cfg, params, tokens, mask, with_router=True, emit_experts=True)
+  want = np.asarray(stats["experts"])[:, P:]
+  np.testing.assert_array_equal(np.sort(experts[:, :-1], -1), np.sort(want[:, :-1], -1))
+  assert (np.asarray(experts[:, -1]) == -1).all()
+
+
+def test_r2_replays_pi_olds_routing_in_the_updates(tmp_path):
+  """Two updates per step: the first sees π_old's own params (its top-k holds every record), the
+  second moved params (the update's router and π_old's records may part)."""
+  import os
+  from dapo_jax import builders, metrics
+  cfg = moe_run_cfg("R2", kv_dtype="", dtype="float32")
+  cfg.train.minibatches = 2
+  workdir = str(tmp_path / "r2")
+  builders.run(cfg, workdir)
+  logged = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  for s in (1, 2):
+    assert 0.5 < logged[s]["actor/router/replay_agreement"] <= 1.0
+    assert np.isfinite(logged[s]["actor/pg_loss"]) and "router/replayed_tokens" not in logged[s]

@@ -60,8 +60,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                       "'sequence': the decoupled loss weights rows by π_prox/π_behav through it, which would "
                       "otherwise be dropped")
   if m.router_replay != "disabled":
-    check(r.engine == "continuous", "model.router_replay", m.router_replay,
-          "'disabled' with rollout.engine='static' (the continuous engine records the sampler's experts)")
+    check(r.engine == "continuous" or m.router_replay != "R3", "model.router_replay", m.router_replay,
+          "'disabled' or 'R2' with rollout.engine='static' (the continuous engine records the sampler's experts)")
     check(not t.packing, "model.router_replay", m.router_replay,
           "'disabled' with train.packing=True (packed rows do not carry the records yet)")
   if r.partial_rollouts and not (d.streaming and r.engine == "continuous"):

@@ -140,7 +140,10 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     pg = pg_config(cfg)
     trainer_ = trainer(cfg, model_cfg, mesh, objectives.policy_gradient(model_cfg, pg))
     logprobs = trainer_.forward(objectives.completion_logprobs(model_cfg, pg.temperature, pg.group_size))
-    with_sum_pi_squared = None
+    with_sum_pi_squared, with_experts = None, None
+    if model_cfg.router_replay == "R2":
+      with_experts = trainer_.forward(objectives.completion_logprobs_and_experts(model_cfg, pg.temperature,
+                                                                                 pg.group_size))
     if cfg.dapo.adv_estimator == "optimal_token_baseline":
       with_sum_pi_squared = trainer_.forward(objectives.completion_logprobs_and_sum_pi_squared(
           model_cfg, pg.temperature, pg.group_size))
@@ -161,7 +164,7 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
                      workdir=workdir, keep_ckpts=cfg.train.keep_ckpts,
                      writer_cfg=cfg.metrics.library(), run_config=cfg.to_dict(),
                      critic=critic_, kl_ctrl=kl_controller(cfg), teacher=teacher_,
-                     logprobs_sum_pi_squared=with_sum_pi_squared)
+                     logprobs_sum_pi_squared=with_sum_pi_squared, logprobs_experts=with_experts)
   except BaseException:
     reward_.close()
     evaluator_.close()

@@ -109,7 +109,8 @@ class ModelConfig:
   expert_chunk: int = 0                # tokens per device per expert-dispatch block (0 = all at once);
                                        # bounds the dispatch buffers of long rows, as attn_chunk the scores
   # Routing replay (verl's names): "R3" = the sampler records each token's experts and the π_old and
-  # update passes route the completion tokens to them (rollout routing replay); "disabled" = off.
+  # update passes route the completion tokens to them (rollout routing replay); "R2" = the π_old pass
+  # records them and the updates route so (vanilla routing replay); "disabled" = off.
   router_replay: str = "disabled"
   # A vision-language model (Gemma 3 with images): its vision tower and projector; None = text only.
   vision: VisionConfig | None = None
@@ -291,5 +292,5 @@ class ModelConfig:
 
 ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "gemma3")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
-ROUTER_REPLAY = ("disabled", "R3")
+ROUTER_REPLAY = ("disabled", "R2", "R3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

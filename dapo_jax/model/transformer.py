@@ -503,7 +503,8 @@ def logits(model_cfg: ModelConfig, params: Params, tokens_BT: jax.Array, mask_BT
 
 def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Array, prompt_mask_QP: jax.Array,
                       completion_BC: jax.Array, completion_mask_BC: jax.Array, head: str = "lm",
-                      with_router: bool = False, images_QMD=None, routes_BCLk=None, replay: bool = False) -> jax.Array:
+                      with_router: bool = False, images_QMD=None, routes_BCLk=None, replay: bool = False,
+                      emit_experts: bool = False) -> jax.Array:
   """Logits [B, C, V] (fp32) predicting each completion token, for G = B/Q completions per prompt.
 
   Equals `logits` on the rows [prompt q | completion qG+g] (positions P-1 .. P+C-2), but each
@@ -517,7 +518,8 @@ def completion_logits(model_cfg: ModelConfig, params: Params, prompt_QP: jax.Arr
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
   images = () if images_QMD is None else (images_QMD, None)
   routes = () if routes_BCLk is None else (None, routes_BCLk)
-  return _apply(Transformer(model_cfg, head, "shared_prompt", replay=replay), params, (prompt_QP, completion_BC),
+  return _apply(Transformer(model_cfg, head, "shared_prompt", replay=replay, emit_experts=emit_experts), params,
+                (prompt_QP, completion_BC),
                 (positions(prompt_mask_QP), pos_BC),
                 (attention_mask(model_cfg, prompt_QP, prompt_mask_QP), causal_mask(completion_mask_BC)), 0, images,
                 routes, with_router=with_router)
@@ -539,7 +541,8 @@ def shared_prefix_len(reals, multiple: int) -> int:
 def completion_logits_after_prefix(model_cfg: ModelConfig, params: Params, prefix_1N: jax.Array,
                                    suffix_QP: jax.Array, suffix_mask_QP: jax.Array, completion_BC: jax.Array,
                                    completion_mask_BC: jax.Array, head: str = "lm",
-                                   with_router: bool = False, routes_BCLk=None, replay: bool = False) -> jax.Array:
+                                   with_router: bool = False, routes_BCLk=None, replay: bool = False,
+                                   emit_experts: bool = False) -> jax.Array:
   """`completion_logits` of prompts that all begin with `prefix_1N`: prompt q is [prefix | the
   real tokens of suffix_QP[q]] (left-padded; positions continue from N). The prefix passes through
   the model once for the whole batch, each prompt's rest once per group. No sliding window."""
@@ -550,7 +553,7 @@ def completion_logits_after_prefix(model_cfg: ModelConfig, params: Params, prefi
   prompt_len_B = N + jnp.repeat(jnp.sum(suffix_mask_QP, axis=-1, dtype=jnp.int32), G)
   pos_BC = prompt_len_B[:, None] + jnp.arange(C)[None, :]
   routes = () if routes_BCLk is None else (None, None, routes_BCLk)
-  return _apply(Transformer(model_cfg, head, "prefix_prompt", replay=replay), params,
+  return _apply(Transformer(model_cfg, head, "prefix_prompt", replay=replay, emit_experts=emit_experts), params,
                 (prefix_1N, suffix_QP, completion_BC),
                 (positions(prefix_mask_1N), N + positions(suffix_mask_QP), pos_BC),
                 (causal_mask(prefix_mask_1N), causal_mask(suffix_mask_QP), causal_mask(completion_mask_BC)), 0, (),

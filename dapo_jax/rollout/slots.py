@@ -86,7 +86,7 @@ def empty(model_cfg: model_lib.ModelConfig, sampler_cfg: sampling.SamplerConfig,
                    temperature_S=jnp.full((S,), sampler_cfg.temperature, jnp.float32),
                    top_p_S=jnp.full((S,), sampler_cfg.top_p, jnp.float32),
                    experts_SCLk=jnp.full((S, C, cfg.num_moe_layers, cfg.experts_per_token), -1, jnp.int32)
-                   if cfg.router_replay != "disabled" else None)
+                   if cfg.router_replay == "R3" else None)
 
 
 def sample_key_data(key_data: jax.Array, prompt_id: jax.Array, sample: jax.Array) -> jax.Array:
