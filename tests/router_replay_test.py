@@ -1,12 +1,16 @@
 """Routing replay (R3 / R2) in the model: tokens routed to recorded experts, gated by the router's own
 probabilities of them; per-token experts emitted; the agreement statistics by hand."""
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import default
+from dapo_jax import builders, metrics, objectives
+from dapo_jax.datatypes import RLBatch
 from dapo_jax.model import layers
 from dapo_jax.model import transformer as model
 
@@ -97,12 +101,12 @@ def test_the_router_still_learns_under_replay():
     return jnp.sum(model.logits(CFG, p, tokens, mask, routes_BTLk=routes, replay=True)[..., 0])
 
   grads = jax.grad(loss)(params)
-  router = [v for path, v in jax.tree_util.tree_flatten_with_path(grads)[0] if "router_DE" in jax.tree_util.keystr(path)]
+  leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+  router = [v for path, v in leaves if "router_DE" in jax.tree_util.keystr(path)]
   assert router and all(float(jnp.abs(g).max()) > 0 for g in router)
 
 
 def moe_run_cfg(replay: str, kv_dtype: str = "bfloat16", dtype: str = "bfloat16"):
-  from configs import default
   cfg = default.get_config("runlocal")
   cfg.model.update(init="random", arch="qwen3_moe", qk_norm=True, num_experts=8, experts_per_token=2,
                    expert_mlp_dim=32, norm_topk_prob=True, router_replay=replay, dtype=dtype)
@@ -119,7 +123,6 @@ def test_the_engine_records_the_experts_and_a_replaying_forward_routes_every_tok
   completion chooses. A sampler that computes differently (here: its routers' weights perturbed by 5%,
   as another engine's kernels would move them): some choices differ, and the replaying forward sends
   every recorded token to the sampler's experts (counted: 100%)."""
-  from dapo_jax import builders
   cfg = moe_run_cfg("R3", kv_dtype="", dtype="float32")
   with builders.dapo(cfg, str(tmp_path / "run")) as run:
     params = run.state.params
@@ -160,8 +163,6 @@ def test_the_engine_records_the_experts_and_a_replaying_forward_routes_every_tok
 def test_r3_replays_every_recorded_token_and_the_mismatch_falls(tmp_path):
   """Same first rollout (the sampler does not read the mode); with R3 the π_old pass routes the
   completion tokens as the sampler did, so its log-probs come closer to the sampler's."""
-  import os
-  from dapo_jax import builders, metrics
   logged = {}
   for mode in ("disabled", "R3"):
     workdir = str(tmp_path / mode)
@@ -179,8 +180,6 @@ def test_r3_replays_every_recorded_token_and_the_mismatch_falls(tmp_path):
 def test_the_r2_pass_gives_the_log_probs_and_the_experts_of_the_forward(group_size):
   """π_old's pass under R2: its log-probs are the plain pass's, and each completion token's experts
   those a forward over prompt + completion chooses (the last column, never fed: -1); rows or shared prompts."""
-  from dapo_jax import objectives
-  from dapo_jax.datatypes import RLBatch
   cfg = dataclasses.replace(CFG, router_replay="R2")
   params, _, _ = setup(cfg)
   rng = np.random.default_rng(5)
@@ -202,8 +201,6 @@ def test_the_r2_pass_gives_the_log_probs_and_the_experts_of_the_forward(group_si
 def test_r2_replays_pi_olds_routing_in_the_updates(tmp_path):
   """Two updates per step: the first sees π_old's own params (its top-k holds every record), the
   second moved params (the update's router and π_old's records may part)."""
-  import os
-  from dapo_jax import builders, metrics
   cfg = moe_run_cfg("R2", kv_dtype="", dtype="float32")
   cfg.train.minibatches = 2
   workdir = str(tmp_path / "r2")
