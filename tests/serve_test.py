@@ -636,7 +636,7 @@ def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
   as_trained.user_prompt = lambda q: builders.user_prompt_messages(run_cfg, q)
   body = lambda messages, **kw: openai_api.ChatBody(messages=messages, **kw)
   question = [{"role": "user", "content": "What is 38+46?"}]
-  ids, _, _ = as_trained.chat_prompt(body(question))
+  ids, _, _, _ = as_trained.chat_prompt(body(question))
   trained = builders.user_prompt(run_cfg, "What is 38+46?").messages
   assert len(trained) == 3 and trained[-1]["content"] != "What is 38+46?"  # A worked example, then the question.
   want = tok(tokenizer_lib.render(tok, [dict(m) for m in trained], True), add_special_tokens=False)["input_ids"]

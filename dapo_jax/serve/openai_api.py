@@ -31,9 +31,11 @@ import fastapi
 import pydantic
 from fastapi import responses
 
+from dapo_jax.data import images as data_images
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import tool_formats
 from dapo_jax.serve import http, logprob_layouts, scoring, tool_stream
+from dapo_jax.serve import images as images_lib
 from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve.http import APIError
 from dapo_jax.serve.sample_text import SampleText
@@ -111,10 +113,12 @@ def _bad(param: str, what: str) -> APIError:
   return APIError(400, f"{param}: {what}", param=param)
 
 
-def normalize_message(m: dict, i: int) -> dict:
+def normalize_message(m: dict, i: int, images: list | None = None) -> dict:
   """A message as the chat template expects it: text content, tool-call arguments as objects. A
   malformed one (a field of the wrong type, arguments that are not a JSON object, nesting deeper
-  than MAX_DEPTH, text that is not Unicode) is a 400 naming the field."""
+  than MAX_DEPTH, text that is not Unicode) is a 400 naming the field. `images` (a vision-language
+  model's request; None: a text model's): its `image_url` parts' images are appended to it, each
+  leaving an image mark in the text (`serve.images`)."""
   at = f"messages[{i}]"
   if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
     raise _bad(f"{at}.role", "expected system, user, assistant or tool")
@@ -123,13 +127,20 @@ def normalize_message(m: dict, i: int) -> dict:
   if m["role"] == "developer":
     m["role"] = "system"
   content = m.get("content")
-  if isinstance(content, list):  # Content parts: text only.
+  if isinstance(content, list):  # Content parts: text, and images for a vision-language model.
+    texts = []
     for j, p in enumerate(content):
+      if isinstance(p, dict) and p.get("type") == "image_url" and images is not None:
+        images.append(images_lib.part_image(p, f"{at}.content[{j}]"))
+        texts.append(data_images.IMAGE_MARK)
+        continue
       if not isinstance(p, dict) or p.get("type") != "text":
-        raise _bad(f"{at}.content[{j}]", "only text parts are supported")
+        raise _bad(f"{at}.content[{j}]", "only text parts are supported" if images is None else
+                   "expected a text or image_url part")
       if not isinstance(p.get("text", ""), str):
         raise _bad(f"{at}.content[{j}].text", "expected a string")
-    content = "".join(p.get("text", "") for p in content)
+      texts.append(p.get("text", ""))
+    content = "".join(texts)
   if content is not None and not isinstance(content, str):
     raise _bad(f"{at}.content", "expected a string or text parts")
   m["content"] = content or ""
@@ -205,10 +216,14 @@ class OpenAIPolicy:
   """The routes' logic over a scheduler: prompts in, OpenAI answers out."""
 
   def __init__(self, scheduler: scheduler_lib.Scheduler, tok, model_name: str, eos_ids: tuple[int, ...],
-               user_prompt=None, max_prompt_chars: int = http.Limits.max_prompt_chars):
+               user_prompt=None, max_prompt_chars: int = http.Limits.max_prompt_chars,
+               images: images_lib.ImageEncoder | None = None):
     """`user_prompt` (question -> messages): a chat request that is one user message, without tools, is put
-    as a run's training prompts were (`builders.user_prompt`: the task's instruction, worked examples)."""
+    as a run's training prompts were (`builders.user_prompt`: the task's instruction, worked examples).
+    `images`: a vision-language policy's tower, for chat messages' image parts (every prompt then
+    carries image vectors, zeros without images)."""
     self.scheduler, self.tok, self.model_name, self.eos_ids = scheduler, tok, model_name, tuple(eos_ids)
+    self.images = images
     self.user_prompt, self.max_prompt_chars = user_prompt, max_prompt_chars
     self.tool_format = tool_formats.detect(tok)
     self.max_tokens = scheduler.engine.turn_tokens
@@ -249,16 +264,21 @@ class OpenAIPolicy:
 
   # --- running --------------------------------------------------------------------------------
 
-  async def _gather(self, prompts: list[list[int]], body: _Body, max_tokens: int, stops: list[str], on_update):
+  async def _gather(self, prompts: list[list[int]], body: _Body, max_tokens: int, stops: list[str], on_update,
+                    vectors=None):
     """Runs each prompt's n samples; calls `on_update(i, sample, ended)` as they advance (i: the
     prompt's index x n + the sample's); returns the SampleTexts. The request is admitted whole or
-    not at all (429), and any failure (the engine's, the client leaving) cancels all its samples."""
+    not at all (429), and any failure (the engine's, the client leaving) cancels all its samples.
+    `vectors`: each prompt's image vectors (a vision-language policy; default: none, zeros)."""
     loop, n = asyncio.get_running_loop(), body.n
     events: asyncio.Queue = asyncio.Queue()
     post = lambda q, *ev: loop.call_soon_threadsafe(events.put_nowait, (q, *ev))
+    if self.images is not None and vectors is None:
+      vectors = [self.images.vectors([])] * len(prompts)
     reqs = [scheduler_lib.Request(prompt_ids=ids, n=n, max_tokens=max_tokens, temperature=body.temperature,
                                   top_p=body.top_p, seed=body.seed, progress=bool(body.stream or stops),
-                                  on_event=functools.partial(post, q)) for q, ids in enumerate(prompts)]
+                                  on_event=functools.partial(post, q),
+                                  images_MD=None if vectors is None else vectors[q]) for q, ids in enumerate(prompts)]
     try:
       rids = self.scheduler.submit_all(reqs)
     except scheduler_lib.QueueFull as e:
@@ -434,15 +454,17 @@ class OpenAIPolicy:
                      "tool-call format (\"auto\" and \"none\" only)", param="tool_choice")
     return opening
 
-  def chat_prompt(self, body: ChatBody) -> tuple[list[int], list | None, str]:
-    """The conversation's token ids, the tools whose calls are parsed from the answer, and the call
-    opening that `tool_choice` forces (the ids end with it), checked (text capped before it is
-    rendered); slow for a long conversation: called in a thread. The tools are rendered whatever
-    `tool_choice` is; "none" parses no call (vLLM's behaviour)."""
+  def chat_prompt(self, body: ChatBody) -> tuple[list[int], list | None, str, Any]:
+    """The conversation's token ids, the tools whose calls are parsed from the answer, the call
+    opening that `tool_choice` forces (the ids end with it), and its images' vectors (a vision-language
+    policy's; None otherwise), checked (text capped before it is rendered); slow for a long
+    conversation or images: called in a thread. The tools are rendered whatever `tool_choice` is;
+    "none" parses no call (vLLM's behaviour)."""
     chars = sum(text_chars(m, f"messages[{i}]") for i, m in enumerate(body.messages))
     chars += check_tools(body.tools) if body.tools is not None else 0
     self._check_chars(chars, "messages")
-    messages = [normalize_message(m, i) for i, m in enumerate(body.messages)]
+    images = [] if self.images is not None else None
+    messages = [normalize_message(m, i, images) for i, m in enumerate(body.messages)]
     tools = body.tools
     opening = self.forced_opening(body)
     if not getattr(self.tok, "chat_template", None):
@@ -455,8 +477,22 @@ class OpenAIPolicy:
       text = tokenizer_lib.render(self.tok, messages, True, tools=native)
     except Exception as e:  # The template refused the conversation (roles out of order, ...).
       raise APIError(400, f"messages: the chat template cannot render them: {e}", param="messages") from None
+    vectors = None
+    if self.images is not None:
+      if images and body.logprobs and body.top_logprobs:
+        raise APIError(400, "top_logprobs: not supported with images (the scoring pass reads text)",
+                       param="top_logprobs")
+      text = data_images.expand_marks(text, self.tok, self.images.vcfg)
     ids = self._prompt_ids(tokenizer_lib.encode_prompts(self.tok, [text + opening])[0], "messages")
-    return ids, (tools if body.tool_choice != "none" else None), opening
+    if self.images is not None:
+      M = self.images.vcfg.tokens_per_image
+      held = sum(t == self.images.vcfg.image_token_id for t in ids)
+      if held != len(images) * M:
+        raise APIError(400, f"messages: the prompt holds {held} image placeholders for {len(images)} image part(s) "
+                       f"of {M} each: its text holds {data_images.IMAGE_MARK!r} or image tokens itself",
+                       param="messages")
+      vectors = self.images.vectors(images)
+    return ids, (tools if body.tool_choice != "none" else None), opening, vectors
 
   def _message(self, s: SampleText, tools, opening: str = "") -> tuple[dict, str]:
     """The assistant message of a finished sample (after a forced call `opening`), and its finish reason."""
@@ -465,7 +501,8 @@ class OpenAIPolicy:
   async def chat(self, body: ChatBody):
     max_tokens = self._check(body, body.max_completion_tokens or body.max_tokens)
     stops = _stops(body.stop)
-    ids, tools, opening = await asyncio.to_thread(self.chat_prompt, body)
+    ids, tools, opening, vectors = await asyncio.to_thread(self.chat_prompt, body)
+    vectors = None if vectors is None else [vectors]
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": cid, "created": created, "model": self.model_name, "system_fingerprint": None}
 
@@ -479,7 +516,7 @@ class OpenAIPolicy:
       return {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
     if not body.stream:
-      samples = await self._gather([ids], body, max_tokens, stops, _nothing)
+      samples = await self._gather([ids], body, max_tokens, stops, _nothing, vectors)
       scored = body.logprobs and body.top_logprobs
       scores = await self._scores([ids + s.answer_tokens() for s in samples]) if scored else None
       choices = await _text_work(_tokens(samples), lambda: [choice(i, s, scores) for i, s in enumerate(samples)])
@@ -524,7 +561,7 @@ class OpenAIPolicy:
         if delta or chunk["logprobs"] or chunk["finish_reason"]:
           await emit({**head, "choices": [chunk]})
 
-      samples = await self._gather([ids], body, max_tokens, stops, update)
+      samples = await self._gather([ids], body, max_tokens, stops, update, vectors)
       if (body.stream_options or {}).get("include_usage"):
         await emit({**head, "choices": [], "usage": self._usage([ids], samples)})
     return _event_stream(chunks)

@@ -20,7 +20,7 @@ import random
 import secrets
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -48,6 +48,7 @@ class Request:
   on_event: Callable
   seed: int | None = None
   progress: bool = False    # streamed, or stop strings to watch
+  images_MD: Any = None     # a vision-language policy's prompt: its image vectors (`serve.images`)
   rid: int = -1             # set by submit: the engine's prompt id
   open_samples: set = dataclasses.field(default_factory=set)   # samples not yet ended (engine thread)
 
@@ -150,7 +151,8 @@ class Scheduler:
         x.open_samples = set(range(x.n))
         key = x.seed if x.seed is not None else random.getrandbits(31)
         self.session.add([x.rid], np.asarray([x.prompt_ids], np.int32), np.ones((1, len(x.prompt_ids)), bool), x.n,
-                         key_ids=[key % (1 << 31)], max_tokens=x.max_tokens, temperature=x.temperature, top_p=x.top_p)
+                         key_ids=[key % (1 << 31)], max_tokens=x.max_tokens, temperature=x.temperature, top_p=x.top_p,
+                         images_QMD=None if x.images_MD is None else np.asarray(x.images_MD)[None])
       elif kind == "score":
         self._scores.append(x)
       elif kind == "cancel" and x[0] in self.requests:
