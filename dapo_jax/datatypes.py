@@ -250,3 +250,4 @@ class ValueBatch:
   old_values_BC: jax.Array  # fp32 values of the critic that rolled out (clipping centre)
   returns_BC: jax.Array     # fp32 GAE returns (advantages.gae)
   packed: PackedRows | None = None  # A packed micro-batch, as `RLBatch.packed`
+  images_BMD: jax.Array | None = None  # a vision-language policy's rows: their image vectors, as `RLBatch`'s

@@ -18,9 +18,9 @@ from dapo_jax.datatypes import Groups, RLBatch, ValueBatch
 
 
 class Critic:
-  """PPO's value model: a `train_step.Trainer` of `objectives.value_model` (head="scalar", its own
+  """PPO's value model: a `train_step.Trainer` of `rlhf_objectives.value_model` (head="scalar", its own
   optimizer and learning rate, on the policy's mesh), its jitted values pass
-  (`trainer.forward(objectives.completion_values(...))`) and its train state."""
+  (`trainer.forward(rlhf_objectives.completion_values(...))`) and its train state."""
 
   def __init__(self, trainer: train_step.Trainer, values: Callable, params: Any):
     self.trainer, self._values = trainer, values
@@ -91,5 +91,6 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
   value_batch = None
   if critic is not None:
     value_batch = ValueBatch(tokens_BT=batch.tokens_BT, mask_BT=batch.mask_BT, loss_mask_BC=mask_BC,
-                             old_values_BC=values_BC, returns_BC=np.asarray(returns_BC, np.float32))
+                             old_values_BC=values_BC, returns_BC=np.asarray(returns_BC, np.float32),
+                             images_BMD=batch.images_BMD)
   return batch, value_batch, metrics

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import loss, objectives, testing
+from dapo_jax import loss, rlhf_objectives, testing
 from dapo_jax.data import conversations as conv_lib
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.data.prompts import DataError
@@ -124,7 +124,7 @@ def test_packed_attention_mask_against_loop():
   ref = np.array([[[seg[b, s] == seg[b, t] and seg[b, s] > 0 and s <= t for s in range(6)] for t in range(6)]
                   for b in range(2)])
   np.testing.assert_array_equal(m, ref)
-  tm = objectives.target_mask(np.ones((1, 6), bool), seg[:1])
+  tm = rlhf_objectives.target_mask(np.ones((1, 6), bool), seg[:1])
   np.testing.assert_array_equal(tm, [[True, False, True, True, False]])
 
 
@@ -151,7 +151,7 @@ def test_packed_loss_equals_unpacked_loss(tok):
   assert packed.tokens_BT.shape[0] < len(docs)   # Something really was packed together.
   p_sum, p_n = nll_sum(cfg, params, packed.tokens_BT, packed.positions_BT,
                        model_lib.packed_attention_mask(packed.segment_ids_BT),
-                       objectives.target_mask(packed.loss_mask_BT, packed.segment_ids_BT))
+                       rlhf_objectives.target_mask(packed.loss_mask_BT, packed.segment_ids_BT))
   # Unpacked: one right-padded row per document, positions 0.., causal attention over real tokens.
   T = max(lengths)
   tokens = np.full((len(docs), T), tok.pad_token_id, np.int32)

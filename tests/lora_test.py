@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import objectives, optim, sharding, testing, train_step
+from dapo_jax import objectives, optim, rlhf_objectives, sharding, testing, train_step
 from dapo_jax.datatypes import LMBatch, PreferenceBatch, RLBatch
 from dapo_jax.hf import convert as hf
 from dapo_jax.hf import peft as peft_format
@@ -310,8 +310,8 @@ def sft_batch(B=4, T=12, seed=0):
 
 TRAINERS = {  # objective, head, batch: as sft.run / sft_chat.train, rm.train and dpo.train build them.
     "sft": (lambda: objectives.language_model(CFG), "lm", sft_batch),
-    "rm": (lambda: objectives.reward_model(CFG), "scalar", preference_pairs),
-    "dpo": (lambda: objectives.dpo(CFG, objectives.DPOConfig(beta=0.1)), "lm", preference_pairs)}
+    "rm": (lambda: rlhf_objectives.reward_model(CFG), "scalar", preference_pairs),
+    "dpo": (lambda: rlhf_objectives.dpo(CFG, rlhf_objectives.DPOConfig(beta=0.1)), "lm", preference_pairs)}
 
 
 @pytest.mark.parametrize("kind", sorted(TRAINERS))
@@ -344,15 +344,15 @@ def test_sft_rm_dpo_train_adapters_only_from_the_base(kind):
 
 
 def test_dpo_reference_is_the_base_with_adapters_off():
-  obj = objectives.dpo(CFG, objectives.DPOConfig(beta=0.1))
+  obj = rlhf_objectives.dpo(CFG, rlhf_objectives.DPOConfig(beta=0.1))
   trainer = train_step.Trainer(CFG, OPT, one_device_mesh(), obj, lora=LCFG)
   base = base_params()
   adapted_params = trainer.place(adapted())  # Adapters that change the model, as a PEFT import would.
   ref = trainer.reference_params(adapted_params)
-  fn = trainer.forward(objectives.response_logprobs(CFG))
+  fn = trainer.forward(rlhf_objectives.response_logprobs(CFG))
   batch = preference_pairs()
   np.testing.assert_allclose(np.asarray(fn(ref, trainer.put_batch(batch))),
-                             np.asarray(objectives.response_logprobs(CFG)(base, batch)), atol=1e-5)
+                             np.asarray(rlhf_objectives.response_logprobs(CFG)(base, batch)), atol=1e-5)
 
 
 # --- the sampler ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import loss, objectives, optim, sharding, testing, train_step
+from dapo_jax import loss, objectives, optim, rlhf_objectives, sharding, testing, train_step
 from dapo_jax.data import conversations
 from dapo_jax.datatypes import LMBatch, PackedLMBatch, PreferenceBatch
 from dapo_jax.model import transformer as model
@@ -37,7 +37,7 @@ def test_packed_loss_equals_unpacked():
   packed = conversations.pack(docs, seq_len=24)
   assert packed.tokens_BT.shape[0] < len(docs)  # Several documents share a row.
   pb = PackedLMBatch(packed.tokens_BT, packed.positions_BT, packed.segment_ids_BT, packed.loss_mask_BT)
-  obj = objectives.packed_language_model(cfg)
+  obj = rlhf_objectives.packed_language_model(cfg)
   got, m = obj.loss(params, pb, obj.counts(pb))
 
   # Reference: every document alone in its own left-padded row, the plain LM objective.
@@ -54,7 +54,7 @@ def test_packed_loss_equals_unpacked():
   np.testing.assert_allclose(float(got), float(want), atol=1e-5, rtol=1e-5)
   assert float(obj.counts(pb)["num_tokens"]) == float(ref_obj.counts(lb)["num_tokens"])
   # The held-out pass sums the same NLL.
-  nll = np.asarray(objectives.packed_nll(cfg)(params, pb))
+  nll = np.asarray(rlhf_objectives.packed_nll(cfg)(params, pb))
   np.testing.assert_allclose(nll[:, 0].sum() / nll[:, 1].sum(), float(want), rtol=1e-5)
 
 
@@ -91,12 +91,12 @@ def test_reward_model_loss_matches_numpy():
   diff = r[0::2] - r[1::2]
   for margin in (0.0, 0.5):
     want = np.mean(np.log1p(np.exp(-(diff - margin))))
-    obj = objectives.reward_model(cfg, margin)
+    obj = rlhf_objectives.reward_model(cfg, margin)
     got, m = obj.loss(params, batch, obj.counts(batch))
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
     np.testing.assert_allclose(float(m["accuracy"]), np.mean(diff > 0))
     np.testing.assert_allclose(float(m["margin"]), np.mean(diff), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(objectives.reward_scores(cfg)(params, batch)), r, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(rlhf_objectives.reward_scores(cfg)(params, batch)), r, rtol=1e-5, atol=1e-6)
 
 
 def _trainer(cfg, objective, micro, head="lm"):
@@ -111,7 +111,7 @@ def test_reward_model_step_is_the_same_in_microbatches():
   batch = _pairs(np.random.default_rng(2), 8)
   out = []
   for micro in (1, 2):
-    tr = _trainer(cfg, objectives.reward_model(cfg), micro, head="scalar")
+    tr = _trainer(cfg, rlhf_objectives.reward_model(cfg), micro, head="scalar")
     state = tr.init(params=params)
     state, m = tr.step(state, tr.put_batch(batch))
     out.append((jax.device_get(m), jax.device_get(state.params["score_D"])))
@@ -143,9 +143,9 @@ def test_dpo_step_loss_matches_dpo_loss(loss_type):
   ref_logp = _naive_logp(cfg, ref, batch)
   logp = _naive_logp(cfg, policy, batch)
   # The reference pass the driver runs (Trainer.forward) gives the same log-probs.
-  dcfg = objectives.DPOConfig(beta=0.2, loss_type=loss_type)
-  tr = _trainer(cfg, objectives.dpo(cfg, dcfg), 2)
-  ref_fn = tr.forward(objectives.response_logprobs(cfg))
+  dcfg = rlhf_objectives.DPOConfig(beta=0.2, loss_type=loss_type)
+  tr = _trainer(cfg, rlhf_objectives.dpo(cfg, dcfg), 2)
+  ref_fn = tr.forward(rlhf_objectives.response_logprobs(cfg))
   got_ref = np.asarray(jax.device_get(ref_fn(tr.copy_params(sharding.put(ref, tr.params_sharding)),
                                              tr.put_batch(batch))))
   np.testing.assert_allclose(got_ref, ref_logp, rtol=1e-5)
@@ -173,7 +173,7 @@ def test_rpo_adds_alpha_times_the_chosen_token_mean_nll():
   h = (logp[0::2] - logp[1::2]) - (ref_logp[0::2] - ref_logp[1::2])
   nll = -logp[0::2].sum() / batch.loss_mask_BC[0::2].sum()
   want = np.mean(np.log1p(np.exp(-beta * h))) + alpha * nll
-  obj = objectives.dpo(cfg, objectives.DPOConfig(beta=beta, rpo_alpha=alpha))
+  obj = rlhf_objectives.dpo(cfg, rlhf_objectives.DPOConfig(beta=beta, rpo_alpha=alpha))
   counts = obj.counts(batch)
   # Two micro-batches of one pair each, with the mini-batch's counts, add up to the whole.
   halves = [jax.tree.map(lambda x: x[rows], batch) for rows in (slice(0, 2), slice(2, 4))]
@@ -181,7 +181,7 @@ def test_rpo_adds_alpha_times_the_chosen_token_mean_nll():
   outs = [loss_fn(policy, half, counts) for half in halves]
   np.testing.assert_allclose(sum(float(v) for v, _ in outs), want, rtol=1e-5)
   np.testing.assert_allclose(sum(float(m["nll_loss"]) for _, m in outs), nll, rtol=1e-5)
-  plain = objectives.dpo(cfg, objectives.DPOConfig(beta=beta))
+  plain = rlhf_objectives.dpo(cfg, rlhf_objectives.DPOConfig(beta=beta))
   np.testing.assert_allclose(float(plain.loss(policy, batch, plain.counts(batch))[0]), want - alpha * nll, rtol=1e-5)
 
 
@@ -211,9 +211,9 @@ def test_value_model_loss_matches_value_loss_on_naive_values():
                      rng.standard_normal(naive.shape).astype(np.float32))
   m = pairs.loss_mask_BC
   for G in (0, 2):
-    got_v = np.asarray(objectives.completion_values(cfg, G)(params, batch))
+    got_v = np.asarray(rlhf_objectives.completion_values(cfg, G)(params, batch))
     np.testing.assert_allclose(np.where(m, got_v, 0), np.where(m, naive, 0), rtol=1e-5, atol=1e-5)
-    obj = objectives.value_model(cfg, clip_range=0.2, group_size=G)
+    obj = rlhf_objectives.value_model(cfg, clip_range=0.2, group_size=G)
     got, _ = obj.loss(params, batch, obj.counts(batch))
     want, _ = loss.value_loss(jnp.asarray(naive), batch.old_values_BC, batch.returns_BC, m, 0.2)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dapo_jax import objectives, packing, train_step
+from dapo_jax import objectives, packing, rlhf_objectives, train_step
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import layers, vision
@@ -284,3 +284,33 @@ def test_two_updates_with_images_on_the_mesh_equal_one_device_and_leave_the_towe
   trained = one["lora"] if lora else one["layers"]
   assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(
       jax.device_get(lora_lib.adapt(cfg, lcfg, params, jax.random.key(1))["lora"]) if lora else params["layers"])))
+
+
+@pytest.mark.parametrize("group_size", [0, 3])
+def test_the_critic_values_completions_with_the_prompts_images(tmp_path, group_size):
+  """PPO's value model (the policy's trunk with a scalar head) reads the rows' image vectors: its values
+  equal a scalar-head forward of prompt + images + completion, in both layouts, and differ without them."""
+  from dapo_jax.datatypes import ValueBatch
+  from dapo_jax.pipelines import rm
+  make_hf_model(str(tmp_path / "hf"))
+  cfg, params = hf.load(str(tmp_path / "hf"))
+  critic = rm.from_lm(jax.device_get(params))
+  tokens, mask = batch()
+  pixels = images_of_different_sizes()
+  per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])
+  images = np.asarray(vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row)))
+  G, C, P = 3, 5, tokens.shape[1]
+  rng = np.random.default_rng(4)
+  completions = rng.integers(1, 200, size=(2 * G, C)).astype(np.int32)
+  rows = np.concatenate([np.repeat(tokens, G, 0), completions], 1)
+  rows_mask = np.concatenate([np.repeat(mask, G, 0), np.ones((2 * G, C), bool)], 1)
+  zeros = np.zeros((2 * G, C), np.float32)
+  vb = ValueBatch(tokens_BT=rows, mask_BT=rows_mask, loss_mask_BC=np.ones((2 * G, C), bool), old_values_BC=zeros,
+                  returns_BC=zeros, images_BMD=np.repeat(images, G, 0))
+  ours = np.asarray(rlhf_objectives.completion_values(cfg, group_size)(critic, vb))
+  want = np.asarray(model.forward(cfg, critic, jnp.asarray(rows), model.positions(jnp.asarray(rows_mask)),
+                                  model.attention_mask(cfg, jnp.asarray(rows), jnp.asarray(rows_mask)), head="scalar",
+                                  images_BMD=jnp.asarray(np.repeat(images, G, 0))))[:, P - 1:-1]
+  np.testing.assert_allclose(ours, want, atol=1e-5)
+  blind = np.asarray(rlhf_objectives.completion_values(cfg, group_size)(critic, vb.replace(images_BMD=None)))
+  assert np.abs(blind - ours).max() > 1e-3

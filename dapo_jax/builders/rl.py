@@ -12,7 +12,7 @@ import os
 import jax
 
 from dapo_jax import advantages as adv_lib
-from dapo_jax import evaluate, loop, objectives, ppo, sharding, train_step
+from dapo_jax import evaluate, loop, objectives, ppo, rlhf_objectives, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax import rewards as rewards_lib
 from dapo_jax.builders import record
@@ -92,7 +92,7 @@ def kl_controller(cfg):
 @typed
 def critic(cfg, model_cfg: model_lib.ModelConfig, params, tok, mesh, group_size: int) -> ppo.Critic:
   """PPO's value model (`critic`): the policy's trunk with a zero scalar head, or a reward model's
-  directory; its own Trainer (objectives.value_model) and optimizer on the policy's mesh."""
+  directory; its own Trainer (rlhf_objectives.value_model) and optimizer on the policy's mesh."""
   from dapo_jax.pipelines import rm  # noqa: PLC0415
   c = cfg.critic
   if c.init == "rm":
@@ -104,11 +104,12 @@ def critic(cfg, model_cfg: model_lib.ModelConfig, params, tok, mesh, group_size:
                         f"{model_cfg.vocab_size}; the value model must read the policy's tokens")
   else:
     critic_cfg, critic_params = model_cfg, rm.from_lm(jax.device_get(params))
-  objective = objectives.value_model(critic_cfg, c.clip_range, group_size)
+  objective = rlhf_objectives.value_model(critic_cfg, c.clip_range, group_size)
   trainer_ = train_step.Trainer(critic_cfg, c.optim_config(), mesh, objective,
                                 num_microbatches=cfg.train.num_microbatches,
                                 microbatch_tokens=cfg.train.microbatch_tokens, head="scalar")
-  return ppo.Critic(trainer_, trainer_.forward(objectives.completion_values(critic_cfg, group_size)), critic_params)
+  values = trainer_.forward(rlhf_objectives.completion_values(critic_cfg, group_size))
+  return ppo.Critic(trainer_, values, critic_params)
 
 
 @typed

@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from dapo_jax import evaluate as evaluate_lib
-from dapo_jax import objectives, optim, train_step
+from dapo_jax import optim, rlhf_objectives, train_step
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.pipelines import fit, pairs
@@ -47,11 +47,11 @@ def train(c: DPOTrainConfig, model_cfg: model_lib.ModelConfig, params, tok, trai
   """DPO from `params` (also the reference); returns (params, the last held-out metrics). With
   `lora`, adapters train on the frozen `params` and the reference is that base with them off."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=c.grad_clip)
-  dcfg = objectives.DPOConfig(beta=c.beta, loss_type=c.loss_type, label_smoothing=c.label_smoothing,
+  dcfg = rlhf_objectives.DPOConfig(beta=c.beta, loss_type=c.loss_type, label_smoothing=c.label_smoothing,
                               rpo_alpha=c.rpo_alpha)
-  trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.dpo(model_cfg, dcfg), num_microbatches=0,
+  trainer = train_step.Trainer(model_cfg, opt, mesh, rlhf_objectives.dpo(model_cfg, dcfg), num_microbatches=0,
                                microbatch_tokens=c.microbatch_tokens, lora=lora, seed=c.seed)
-  logprobs = trainer.forward(objectives.response_logprobs(model_cfg))
+  logprobs = trainer.forward(rlhf_objectives.response_logprobs(model_cfg))
   params = trainer.place(params)
   ref = trainer.reference_params(params)
   data = pairs.pair_rows(tok, train_pairs, c)

@@ -4,7 +4,7 @@
 
 The model is the policy's trunk with a scalar head (`model.Transformer(head="scalar")`, param
 `score_D`) read at the last real token of prompt + response + EOS, trained with the pairwise loss
--log σ(r(x, y_c) - r(x, y_r)) (`objectives.reward_model`) through `fit.fit`: resumable, logged
+-log σ(r(x, y_c) - r(x, y_r)) (`rlhf_objectives.reward_model`) through `fit.fit`: resumable, logged
 under rm/ and val/rm/.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dapo_jax import objectives, optim, train_step
+from dapo_jax import optim, rlhf_objectives, train_step
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.pipelines import fit, pairs
@@ -51,9 +51,10 @@ def train(c: RMConfig, model_cfg: model_lib.ModelConfig, params, tok, train_pair
   val/rm/accuracy/<kind> for held-out rows with an `error` field). With `lora`, adapters and the
   score head train on the frozen trunk of `params`."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=c.grad_clip)
-  trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.reward_model(model_cfg, c.margin), num_microbatches=0,
-                               microbatch_tokens=c.microbatch_tokens, head="scalar", lora=lora, seed=c.seed)
-  score = trainer.forward(objectives.reward_scores(model_cfg))
+  trainer = train_step.Trainer(model_cfg, opt, mesh, rlhf_objectives.reward_model(model_cfg, c.margin),
+                               num_microbatches=0, microbatch_tokens=c.microbatch_tokens, head="scalar", lora=lora,
+                               seed=c.seed)
+  score = trainer.forward(rlhf_objectives.reward_scores(model_cfg))
   data = pairs.pair_rows(tok, train_pairs, c)
   held = pairs.pair_rows(tok, eval_pairs, c) if eval_pairs else None
   errors = [p.error for p in eval_pairs or ()]

@@ -4,7 +4,7 @@
 
 Rows are read by `conversations` (messages or prompt/completion schema), encoded with the loss on
 the assistant turns (or every token), and packed into rows of `seq_len` tokens
-(`objectives.packed_language_model`: a packed row computes what its conversations would one by
+(`rlhf_objectives.packed_language_model`: a packed row computes what its conversations would one by
 one). The arithmetic task's conversations can be written to a file with `arith_conversation_rows`,
 so the pipeline reads them like any user data.
 """
@@ -16,7 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from dapo_jax import objectives, optim, train_step
+from dapo_jax import optim, rlhf_objectives, train_step
 from dapo_jax.data import conversations
 from dapo_jax.data import prompts as data_lib
 from dapo_jax.datatypes import PackedLMBatch
@@ -79,9 +79,9 @@ def train(c: ChatSFTConfig, model_cfg: model_lib.ModelConfig, params, tok, train
   """SFT from `params`; returns (params, the last held-out metrics `val/sft/loss`). With `lora`,
   adapters train on the frozen `params`."""
   opt = optim.OptimConfig(lr=c.lr, warmup_steps=c.warmup_steps, weight_decay=c.weight_decay, grad_clip=1.0)
-  trainer = train_step.Trainer(model_cfg, opt, mesh, objectives.packed_language_model(model_cfg),
+  trainer = train_step.Trainer(model_cfg, opt, mesh, rlhf_objectives.packed_language_model(model_cfg),
                                num_microbatches=0, microbatch_tokens=c.microbatch_tokens, lora=lora, seed=c.seed)
-  nll = trainer.forward(objectives.packed_nll(model_cfg))
+  nll = trainer.forward(rlhf_objectives.packed_nll(model_cfg))
   data = rows(tok, train_convs, c, source)
   n_rows = len(data.tokens_BT)
   docs_per_row = len(train_convs) / max(n_rows, 1)
