@@ -26,7 +26,7 @@ from dapo_jax.hf import convert as hf
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.rollout import sampling
 from dapo_jax.serve import http as http_lib
-from dapo_jax.serve import openai_api
+from dapo_jax.serve import openai_api, openai_messages
 from dapo_jax.serve import scheduler as scheduler_lib
 from dapo_jax.serve import server as server_lib
 
@@ -628,13 +628,12 @@ def test_a_runs_question_is_put_as_its_training_prompts_were(server, policy):
 
   from configs import default
   from dapo_jax import builders
-  from dapo_jax.serve import openai_api
   cfg, _, tok, _, _ = policy
   run_cfg = default.get_config()
   run_cfg.data.fewshot = 1
   as_trained = copy.copy(server.policy)
   as_trained.user_prompt = lambda q: builders.user_prompt_messages(run_cfg, q)
-  body = lambda messages, **kw: openai_api.ChatBody(messages=messages, **kw)
+  body = lambda messages, **kw: openai_messages.ChatBody(messages=messages, **kw)
   question = [{"role": "user", "content": "What is 38+46?"}]
   ids, _, _, _ = as_trained.chat_prompt(body(question))
   trained = builders.user_prompt(run_cfg, "What is 38+46?").messages
@@ -680,7 +679,7 @@ def test_a_failure_in_one_prompt_cancels_the_requests_other_samples(server):
   """Any failure while a request runs (here its own handler, at the first token) cancels every
   sample of it, the other prompts' too, at once; the slots go back to others."""
   ids = chat_ids(server.policy.tok, "What is 1 + 1?")
-  body = openai_api.CompletionBody(prompt=[ids, ids, ids], n=2, max_tokens=MAX_NEW, temperature=1.0, stream=True)
+  body = openai_messages.CompletionBody(prompt=[ids, ids, ids], n=2, max_tokens=MAX_NEW, temperature=1.0, stream=True)
   cancels, cancel = [], server.scheduler.cancel
   rids, submit_all = [], server.scheduler.submit_all
   server.scheduler.cancel = lambda rid, sample=None: (cancels.append((rid, sample)), cancel(rid, sample))

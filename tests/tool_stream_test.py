@@ -1,4 +1,4 @@
-"""Streamed tool calls (`serve.tool_stream`) against the unstreamed answer (`openai_api.assistant_message`,
+"""Streamed tool calls (`serve.tool_stream`) against the unstreamed answer (`openai_messages.assistant_message`,
 the whole-turn parser): fed a turn a few characters at a time, the chunks' content, names and
 argument fragments join into the same message, names before arguments, for every call format."""
 import collections
@@ -9,7 +9,7 @@ import pytest
 
 from dapo_jax.envs import tool_formats
 from dapo_jax.envs.base import ToolCall
-from dapo_jax.serve import openai_api, tool_stream
+from dapo_jax.serve import openai_messages, tool_stream
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
 CALLS = [ToolCall("add", {"a": 3, "b": {"c": "x}\""}}), ToolCall("mul", {"n": [1, 2]})]
@@ -53,7 +53,7 @@ def streamed(text: str, fmt: str, seed: int):
 @pytest.mark.parametrize("fmt", sorted(TURNS))
 def test_a_streamed_turn_joins_into_the_unstreamed_message(fmt):
   for text in TURNS[fmt]:
-    message, finish = openai_api.assistant_message(text, TOOLS, fmt)
+    message, finish = openai_messages.assistant_message(text, TOOLS, fmt)
     want_calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                   for c in message.get("tool_calls", [])]
     for seed in range(3):

@@ -21,7 +21,7 @@ import time
 
 import fastapi
 
-from dapo_jax.serve import http, openai_api
+from dapo_jax.serve import http, openai_messages
 
 REPLY_TIMEOUT_S = 600.0
 
@@ -118,9 +118,9 @@ def _check_request(body: dict) -> None:
   if not isinstance(messages, list) or not messages:
     raise http.APIError(400, "messages: expected a non-empty list of messages", param="messages")
   for i, m in enumerate(messages):
-    openai_api.normalize_message(m, i)
+    openai_messages.normalize_message(m, i)
   if body.get("tools") is not None:
-    openai_api.check_tools(body["tools"])
+    openai_messages.check_tools(body["tools"])
 
 
 def _settle(fut: asyncio.Future, x) -> None:

@@ -33,7 +33,7 @@ import threading
 from dapo_jax.envs import base as env_lib
 from dapo_jax.envs import tool_formats
 from dapo_jax.serve import gateway as gateway_lib
-from dapo_jax.serve import http, openai_api
+from dapo_jax.serve import http, openai_messages
 
 COMMAND_ENV = ("PATH", "HOME", "LANG")   # what a command gets of the trainer's environment, besides pass_env
 
@@ -125,7 +125,7 @@ class HarnessEnv(env_lib.Env):
   def _request(self, body: dict) -> list[dict]:
     if not isinstance(body.get("messages"), list) or not body["messages"]:
       raise HarnessError("the harness sent a request without messages")
-    return [openai_api.normalize_message(m, i) for i, m in enumerate(body["messages"])]
+    return [openai_messages.normalize_message(m, i) for i, m in enumerate(body["messages"])]
 
   # --- the environment's side -----------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class HarnessEnv(env_lib.Env):
     return list(self.messages)
 
   def step(self, assistant_text: str):
-    message, finish = openai_api.assistant_message(assistant_text, self.tools, self.fmt)
+    message, finish = openai_messages.assistant_message(assistant_text, self.tools, self.fmt)
     if self.turn_truncated:  # The turn hit its token budget: OpenAI's "length", whatever it holds.
       finish = "length"
     n = len(self.tokenizer(assistant_text, add_special_tokens=False)["input_ids"]) if self.tokenizer else 0
