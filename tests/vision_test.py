@@ -295,6 +295,7 @@ def test_the_critic_values_completions_with_the_prompts_images(tmp_path, group_s
   make_hf_model(str(tmp_path / "hf"))
   cfg, params = hf.load(str(tmp_path / "hf"))
   critic = rm.from_lm(jax.device_get(params))
+  critic["score_D"] = np.random.default_rng(5).normal(size=critic["score_D"].shape).astype(np.float32)  # not 0
   tokens, mask = batch()
   pixels = images_of_different_sizes()
   per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])
