@@ -47,6 +47,8 @@ class PackedRows:
   # -1 = none (`packing.block_pairs`, `packed_attention.attend_blocks`); None: dense under the mask.
   query_block_MP: jax.Array | None = None
   key_block_MP: jax.Array | None = None
+  # Routing replay: int32 [M, T, L_moe, k], each packed token's recorded experts (-1: none); None: no replay.
+  routes_MTLk: jax.Array | None = None
   shards: int = struct.field(pytree_node=False, default=1)
   block: int = struct.field(pytree_node=False, default=0)
 

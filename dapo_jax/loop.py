@@ -254,7 +254,10 @@ class DAPO:
             log_r += [d.max(), d.min()]
         if self.ref_params is not None:  # The reference routes its tokens itself.
           if mb.routes_BCLk is not None:
-            placed = self.trainer.put_batch(mb.replace(behaviour_B=None, routes_BCLk=None))
+            plain = mb.replace(behaviour_B=None, routes_BCLk=None)
+            if mb.packed is not None:
+              plain = plain.replace(packed=mb.packed.replace(routes_MTLk=None))
+            placed = self.trainer.put_batch(plain)
           mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, placed)))
         parts[i] = mb
     t1 = time.perf_counter()

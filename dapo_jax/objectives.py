@@ -293,8 +293,9 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
   lm head runs on those alone (a prompt's positions and a row's padding make no logits); the results
   go to their [B, C] places, the padded layout's."""
   pk = mb.packed
+  replay = {} if pk.routes_MTLk is None else dict(routes_BTLk=pk.routes_MTLk, replay=_replay(model_cfg))
   out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
-                          with_router=with_router)
+                          with_router=with_router, **replay)
   h_MTD, routing = out if with_router else (out, None)
   x_SKD = _at_scored(pk, h_MTD)
   targets_SK = pk.target_K.reshape(pk.shards, -1)

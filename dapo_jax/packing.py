@@ -168,11 +168,20 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
   row_idx = np.full((shards, R), -1)
   ids_DL = {k: np.zeros((shards, S * L), np.int32) for k in ("tokens", "positions", "segments", "prompts", "branches")}
   picks = [[] for _ in range(shards)]  # (source, target, place) of each shard's scored tokens
+  routes = getattr(batch, "routes_BCLk", None)  # Routing replay: each real token's recorded experts (-1: none).
+  if routes is not None:
+    routes = np.asarray(routes)
+    ids_DL["routes"] = np.full((shards, S * L) + routes.shape[2:], -1, np.int32)
+    prompt_routes = np.full((int(rows.prompt_B.max()),) + routes.shape[2:], -1, np.int32)
+    real_routes = lambda b: np.concatenate([prompt_routes[:int(rows.prompt_B[b])],
+                                            routes[b, :int(rows.completion_B[b])]])
 
-  def put(d, start, real, lo, hi, segment, prompt, branch):  # The row's real tokens [lo, hi) at `start`.
+  def put(d, start, real, lo, hi, segment, prompt, branch, b):  # Row b's real tokens [lo, hi) at `start`.
     for k, v in (("tokens", real[lo:hi]), ("positions", np.arange(lo, hi)), ("segments", segment),
                  ("prompts", prompt), ("branches", branch)):
       ids_DL[k][d, start:start + hi - lo] = v
+    if routes is not None:
+      ids_DL["routes"][d, start:start + hi - lo] = real_routes(b)[lo:hi]
     return start + hi - lo
 
   for d, seqs in enumerate(per_shard):
@@ -185,19 +194,19 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       N = rows.prefix if len(by_prompt) > 1 else 0
       if N:  # The prompts' common beginning, once: every prompt's part sees it.
         b = seq_rows[0]
-        start = put(d, start, tokens[b][mask[b]], 0, N, 1, 0, 0)
+        start = put(d, start, tokens[b][mask[b]], 0, N, 1, 0, 0, b)
       for k, group in enumerate(by_prompt.values(), 1):
         segment, prompt = (1, k) if N else (k, 1)
         shared = len(group) > 1
         if shared:  # The trunk: the prompt but its last token (after the prefix).
           b = group[0]
-          start = put(d, start, tokens[b][mask[b]], N, int(rows.prompt_B[b]) - 1, segment, prompt, 0)
+          start = put(d, start, tokens[b][mask[b]], N, int(rows.prompt_B[b]) - 1, segment, prompt, 0, b)
         for branch, b in enumerate(group, 1):
           real, p, c = tokens[b][mask[b]], int(rows.prompt_B[b]), int(rows.completion_B[b])
           lo = p - 1 if shared else N
           # Completion token c is predicted at the row's position p - 1 + c.
           picks[d] += zip(start + (p - 1 - lo) + np.arange(c), real[p:p + c], (d * R + r) * Cb + np.arange(c))
-          start = put(d, start, real, lo, int(rows.length_B[b]), segment, prompt, branch if shared else 0)
+          start = put(d, start, real, lo, int(rows.length_B[b]), segment, prompt, branch if shared else 0, b)
           row_idx[d, r], r = b, r + 1
   seq = lambda x: x.reshape(shards * S, L)  # [D, S x L] -> [D x S, L]: shard d's are sequences d*S .. d*S + S - 1.
   K = _eighths_at_least(max(len(p) for p in picks), R * Cb)
@@ -208,7 +217,9 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       scored_DK3[d, :len(p)] = p
   P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
   source_K, target_K, place_K = (scored_DK3[..., i].reshape(-1) for i in range(3))
-  ids = {f"{k}_MT": seq(v) for k, v in ids_DL.items()}
+  ids = {f"{k}_MT": seq(v) for k, v in ids_DL.items() if k != "routes"}
+  if routes is not None:
+    ids["routes_MTLk"] = ids_DL["routes"].reshape(shards * S, L, *routes.shape[2:])
   if block:
     ids["query_block_MP"], ids["key_block_MP"] = block_pairs(ids["segments_MT"], ids["prompts_MT"],
                                                              ids["branches_MT"], block)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from configs import default
-from dapo_jax import builders, metrics, objectives
+from dapo_jax import builders, metrics, objectives, packing
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.model import layers
 from dapo_jax.model import transformer as model
+from tests.packing_test import MOE, _assert_parts_make_the_batch, long_tail_batch
 
 CFG = model.ModelConfig(
     vocab_size=61, embed_dim=32, mlp_dim=48, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, arch="qwen3_moe",
@@ -209,3 +210,24 @@ def test_r2_replays_pi_olds_routing_in_the_updates(tmp_path):
   for s in (1, 2):
     assert 0.5 < logged[s]["actor/router/replay_agreement"] <= 1.0
     assert np.isfinite(logged[s]["actor/pg_loss"]) and "router/replayed_tokens" not in logged[s]
+
+
+@pytest.mark.parametrize("block", [0, 8])
+def test_r3_over_packed_rows_is_the_padded_update(block):
+  """Packed rows carry each completion token's record to its packed position: loss, metrics (the
+  replay agreement included) and gradients equal the padded rows'; and replaying moved them."""
+  cfg = dataclasses.replace(MOE, router_replay="R3")
+  batch = long_tail_batch()
+  B, C = batch.loss_mask_BC.shape
+  rng = np.random.default_rng(7)
+  routes = np.stack([rng.permutation(cfg.num_experts)[:2] for _ in range(B * C * cfg.num_moe_layers)])
+  routes = routes.reshape(B, C, cfg.num_moe_layers, 2).astype(np.int32)
+  batch = batch.replace(routes_BCLk=np.where(np.asarray(batch.mask_BT)[:, -C:, None, None], routes, -1))
+  obj = objectives.policy_gradient(cfg, objectives.PGConfig())
+  parts = packing.packed_microbatches(batch, max_tokens=256, block=block)
+  assert len(parts) == 1 and parts[0].packed.routes_MTLk is not None
+  _assert_parts_make_the_batch(obj, batch, parts, cfg)
+  plain = objectives.policy_gradient(dataclasses.replace(MOE, router_replay="disabled"), objectives.PGConfig())
+  params = model.init_params(cfg, jax.random.key(3))
+  replayed = obj.loss(params, parts[0], obj.counts(parts[0]))[0]
+  assert abs(float(plain.loss(params, parts[0], plain.counts(parts[0]))[0]) - float(replayed)) > 1e-6
