@@ -49,6 +49,9 @@ class PackedRows:
   key_block_MP: jax.Array | None = None
   # Routing replay: int32 [M, T, L_moe, k], each packed token's recorded experts (-1: none); None: no replay.
   routes_MTLk: jax.Array | None = None
+  # int32 [M, T]: the rows that read each token (a shared trunk: its branches; a shared beginning: its
+  # sequence's rows; else 1; padding 0), the weights of per-row statistics; None: segments_MT > 0.
+  rows_MT: jax.Array | None = None
   shards: int = struct.field(pytree_node=False, default=1)
   block: int = struct.field(pytree_node=False, default=0)
 

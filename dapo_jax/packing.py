@@ -166,7 +166,8 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
   per_shard = [[seq_rows for i, seq_rows in enumerate(bins) if i % shards == d] for d in range(shards)]
   R = _pow2_at_least(max(sum(len(r) for r in seqs) for seqs in per_shard), len(rows.length_B))
   row_idx = np.full((shards, R), -1)
-  ids_DL = {k: np.zeros((shards, S * L), np.int32) for k in ("tokens", "positions", "segments", "prompts", "branches")}
+  ids_DL = {k: np.zeros((shards, S * L), np.int32)
+            for k in ("tokens", "positions", "segments", "prompts", "branches", "rows")}
   picks = [[] for _ in range(shards)]  # (source, target, place) of each shard's scored tokens
   routes = getattr(batch, "routes_BCLk", None)  # Routing replay: each real token's recorded experts (-1: none).
   if routes is not None:
@@ -176,9 +177,9 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
     real_routes = lambda b: np.concatenate([prompt_routes[:int(rows.prompt_B[b])],
                                             routes[b, :int(rows.completion_B[b])]])
 
-  def put(d, start, real, lo, hi, segment, prompt, branch, b):  # Row b's real tokens [lo, hi) at `start`.
+  def put(d, start, real, lo, hi, segment, prompt, branch, b, readers=1):  # Row b's real tokens [lo, hi).
     for k, v in (("tokens", real[lo:hi]), ("positions", np.arange(lo, hi)), ("segments", segment),
-                 ("prompts", prompt), ("branches", branch)):
+                 ("prompts", prompt), ("branches", branch), ("rows", readers)):
       ids_DL[k][d, start:start + hi - lo] = v
     if routes is not None:
       ids_DL["routes"][d, start:start + hi - lo] = real_routes(b)[lo:hi]
@@ -194,13 +195,14 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       N = rows.prefix if len(by_prompt) > 1 else 0
       if N:  # The prompts' common beginning, once: every prompt's part sees it.
         b = seq_rows[0]
-        start = put(d, start, tokens[b][mask[b]], 0, N, 1, 0, 0, b)
+        start = put(d, start, tokens[b][mask[b]], 0, N, 1, 0, 0, b, readers=len(seq_rows))
       for k, group in enumerate(by_prompt.values(), 1):
         segment, prompt = (1, k) if N else (k, 1)
         shared = len(group) > 1
         if shared:  # The trunk: the prompt but its last token (after the prefix).
           b = group[0]
-          start = put(d, start, tokens[b][mask[b]], N, int(rows.prompt_B[b]) - 1, segment, prompt, 0, b)
+          start = put(d, start, tokens[b][mask[b]], N, int(rows.prompt_B[b]) - 1, segment, prompt, 0, b,
+                      readers=len(group))
         for branch, b in enumerate(group, 1):
           real, p, c = tokens[b][mask[b]], int(rows.prompt_B[b]), int(rows.completion_B[b])
           lo = p - 1 if shared else N

@@ -350,3 +350,14 @@ def test_the_sequence_axis_and_query_blocks_bound_a_long_rows_update_memory():
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     blocks = _trainer(dataclasses.replace(cfg, attn_chunk=512), objectives.PGConfig(group_size=G), mesh)
     assert blocks.compiled_step_memory(blocks.put_batch(batch)).temp_size_in_bytes < 0.2 * temp[0]
+
+
+def test_a_moes_load_statistics_count_a_shared_prompt_once_per_row():
+  """Rows sharing prompts, packed: the routers' statistics (and the load-balancing loss) weigh a
+  shared trunk by the rows that read it, as the padded rows count each row's prompt."""
+  for G, prefix in ((2, 0), (4, 0), (2, 3)):  # (2, 3): prompts that also begin alike share that beginning
+    batch = long_tail_batch(shared=G, prefix=prefix)
+    obj = objectives.policy_gradient(MOE, objectives.PGConfig())
+    parts = packing.packed_microbatches(batch, max_tokens=256)
+    assert len(parts) == 1 and int(parts[0].packed.rows_MT.max()) > 1  # one micro-batch: the loss is one's
+    _assert_parts_make_the_batch(obj, batch, parts, MOE)

@@ -37,15 +37,21 @@ class Segments:
   # int32 [B, P]: the (query block, key block) pairs to compute, -1 = none; None: dense attention.
   query_block_BP: jax.Array | None = None
   key_block_BP: jax.Array | None = None
+  # int32: the rows that read each token (a shared trunk or beginning: several); None: one per real token.
+  rows_BT: jax.Array | None = None
   block: int = struct.field(pytree_node=False, default=0)  # tokens per block
 
   @classmethod
   def of(cls, packed) -> "Segments":
     """The layout of a `PackedRows`."""
     return cls(packed.segments_MT, packed.prompts_MT, packed.branches_MT, packed.positions_MT,
-               packed.query_block_MP, packed.key_block_MP, packed.block)
+               packed.query_block_MP, packed.key_block_MP, packed.rows_MT, packed.block)
 
   def real_BT(self) -> jax.Array:
+    """Each token's weight in per-row statistics (the routers' loads): the rows that read it, as the
+    padded layouts count a shared prompt once per row; 0 for padding."""
+    if self.rows_BT is not None:
+      return self.rows_BT
     return self.segments_BT > 0
 
   def ids(self) -> tuple:
