@@ -240,12 +240,12 @@ class DAPO:
       for i, mb in enumerate(parts):
         # Forward passes read no flags: one compiled pass whether or not the batch has carried rows.
         placed = self.trainer.put_batch(mb.replace(behaviour_B=None))
-        if c.updates_per_step > 1 and self.logprobs_experts is not None:  # R2: π_old's routing, replayed.
-          old_BC, routes_BCLk = sharding.fetch(self.logprobs_experts(self.state.params, placed))
-          mb = mb.replace(routes_BCLk=routes_BCLk)
-        elif c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
-          old_BC = sharding.fetch(self.logprobs(self.state.params, placed))
-        if c.updates_per_step > 1:
+        if c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
+          if self.logprobs_experts is not None:  # R2: π_old's routing, which the updates replay.
+            old_BC, routes_BCLk = sharding.fetch(self.logprobs_experts(self.state.params, placed))
+            mb = mb.replace(routes_BCLk=routes_BCLk)
+          else:
+            old_BC = sharding.fetch(self.logprobs(self.state.params, placed))
           if mb.behaviour_B is not None:  # Carried rows keep their sampling policy's log-probs.
             old_BC = np.where(mb.behaviour_B[:, None], mb.old_logp_BC, old_BC)
           mb = mb.replace(old_logp_BC=old_BC)

@@ -266,13 +266,11 @@ def decode_round(model_cfg: model_lib.ModelConfig, sc: sampling.SamplerConfig, d
     cache = kvc.write_mask_rows(s.cache, running_S, index_S)
     if isinstance(cache, paged.PagedCache):  # An ended row writes nothing: its pages may be another's now.
       index_S = jnp.where(running_S, index_S, cache.size)
+    logits_SV, cache, *experts = decode.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache,
+                                                    index_S, with_experts=s.experts_SCLk is not None)
     experts_SCLk = s.experts_SCLk
-    if experts_SCLk is None:
-      logits_SV, cache = decode.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache, index_S)
-    else:  # Routing replay: the experts token col_S went to (its forward is this step's).
-      logits_SV, cache, experts_SLk = decode.decode_step(model_cfg, dparams, tok_S, s.prompt_len_S + s.step_S, cache,
-                                                         index_S, with_experts=True)
-      experts_SCLk = experts_SCLk.at[rows_S, col_S].set(experts_SLk, mode="drop")
+    if experts:  # Routing replay: the experts token col_S went to (its forward is this step's).
+      experts_SCLk = experts_SCLk.at[rows_S, col_S].set(experts[0], mode="drop")
     return i + 1, s.replace(tokens_SC=tokens_SC, logp_SC=logp_SC, policy_SC=policy_SC, step_S=s.step_S + running_S,
                             done_S=s.done_S | ended_S, logits_SV=logits_SV, cache=cache, experts_SCLk=experts_SCLk)
 
