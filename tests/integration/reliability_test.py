@@ -146,13 +146,16 @@ def test_full_disk_is_a_clear_error_and_keeps_checkpoints(tmp_path):
 
 
 def _default_job(workdir, steps):
-  """The default job (configs/default.py: tokenizer, SFT warm start, DAPO), shrunk to seconds a step."""
+  """The default job (configs/default.py: tokenizer, SFT warm start, DAPO), shrunk to seconds a step.
+
+  The held-out set is large enough that an evaluation lasts seconds, so a kill aimed inside one lands there
+  even on a loaded machine."""
   return [sys.executable, "-m", "launch.train", f"--workdir={workdir}", f"--config.train.num_steps={steps}",
           "--config.model.embed_dim=32", "--config.model.mlp_dim=64", "--config.model.num_layers=2",
           "--config.model.head_dim=8", "--config.tokenizer.vocab_size=300", "--config.sft.steps=30",
           "--config.sft.target_acc=0.0", "--config.sft.batch_size=8", "--config.sft.seq_len=64",
           "--config.dapo.prompts_per_step=4", "--config.dapo.gen_prompts=8", "--config.rollout.group_size=4",
-          "--config.rollout.max_new_tokens=16", "--config.dapo.overlong_buffer=4", "--config.data.num_eval=32",
+          "--config.rollout.max_new_tokens=16", "--config.dapo.overlong_buffer=4", "--config.data.num_eval=256",
           "--config.train.ckpt_every=1", "--config.train.eval_every=2", "--config.train.log_samples_every=0",
           "--config.reward.fn=dapo_jax.testing:length_reward"]
 
