@@ -261,6 +261,9 @@ class DAPO:
           mb = mb.replace(ref_logp_BC=sharding.fetch(self.logprobs(self.ref_params, placed)))
         parts[i] = mb
     t1 = time.perf_counter()
+    # Again here: the rollout's last buffers may have been freed only after the step's first release,
+    # and the update's peak (its activations and gradients) then stands on them.
+    host_memory.release()
     self.state, all_metrics = self.trainer.updates(self.state, minibatches, c.ppo_epochs)
     all_metrics = sharding.fetch(all_metrics)  # One host sync for the whole step.
     timing = {"old_log_prob_s": t1 - t0, "update_actor_s": time.perf_counter() - t1}

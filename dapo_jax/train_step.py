@@ -192,14 +192,20 @@ def apply_update(state: TrainState, loss, metrics: dict, grads, counts: dict, *,
   has_tokens = counts["num_tokens"] > 0 if "num_tokens" in counts else jnp.asarray(True)
   apply = ok & has_tokens
   lr = optim.lr_at(optim_cfg, state.rollout_step)
-  updates, new_opt_state = tx.update(grads, optim.with_lr(state.opt_state, lr), params)
-  new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
-  new_params = keep(new_params, params)
+
+  def updated(operands):
+    params, opt_state, grads = operands
+    updates, opt_state = tx.update(grads, optim.with_lr(opt_state, lr), params)
+    return optax.apply_updates(params, updates), opt_state
+
+  # A branch, not a select between the new and the old trees: XLA updates the donated state in place
+  # instead of holding both (a params-sized temporary less).
+  new_params, new_opt_state = jax.lax.cond(apply, updated, lambda operands: operands[:2],
+                                           (params, state.opt_state, grads))
   state = state.replace(
       step=state.step + apply.astype(jnp.int32),
       params=dict(state.params, lora=new_params) if adapters else new_params,
-      opt_state=keep(new_opt_state, state.opt_state),
+      opt_state=new_opt_state,
       skipped=state.skipped + (~ok).astype(jnp.int32),
       bad_streak=jnp.where(ok, 0, state.bad_streak + 1))
   metrics = dict(metrics, loss=loss, grad_norm=grad_norm, lr=lr, update_skipped=(~ok).astype(jnp.float32),
@@ -302,10 +308,12 @@ class Trainer:
                           out_shardings=((self.replicated, self.replicated), grads_sharding))
     self._counts = jax.jit(objective.counts, in_shardings=(self.batch_sharding,), out_shardings=self.replicated)
     self._with_controls = jax.jit(lambda counts, state: with_controls(counts, state, control))
-    self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+    # The running sum is donated: accumulating holds two gradient trees, not three.
+    self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
+    # The gradients are donated too: AdamW's updates take their place.
     self._apply = jax.jit(lambda state, loss, metrics, grads, counts: apply_update(
         state, loss, metrics, grads, counts, tx=self.tx, optim_cfg=optim_cfg, adapters=adapters, control=control),
-        donate_argnums=() if adapters else (0,))  # A LoRA state's base is read by the reference too.
+        donate_argnums=(3,) if adapters else (0, 3))  # A LoRA state's base is read by the reference too.
     self._create = jax.jit(lambda p: TrainState.create(p, self.tx, adapters=lora is not None, controls=controls()),
                            in_shardings=(self.params_sharding,), out_shardings=self.state_sharding)
     self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng, head),

@@ -49,7 +49,7 @@ def main():
     release = host_memory.release
     def phase_end():  # The loop calls release after each rollout, update and evaluation.
       caller = sys._getframe(1)  # loop.DAPO.step (after the rollout, after the update) or .evaluate
-      print(f"  phase peak {peak[0]:.2f} GB (since the previous phase; ended at {caller.f_code.co_name}:"
+      print(f"  phase peak {peak[0]:.2f} GB hwm {hwm():.2f} (since the previous phase; ended at {caller.f_code.co_name}:"
             f"{caller.f_lineno})", flush=True)
       peak[1] = max(peak[1], peak[0]); peak[0] = rss()
       return release() if trim else False
