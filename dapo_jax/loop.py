@@ -108,6 +108,7 @@ class DAPO:
                logprobs_sum_pi_squared=None, logprobs_experts=None):
     self.cfg, self.trainer, self.logprobs, self.rollout, self.evaluator = cfg, trainer, logprobs, rollout, evaluator
     self.data_iter = data_iter
+    host_memory.release_after_compiles()  # A phase's first run then starts without the compiler's garbage.
     if cfg.adv_estimator == "gae" and critic is None:
       raise ValueError("adv_estimator='gae' needs a value model (critic)")
     if cfg.adv_estimator == "distill" and teacher is None:

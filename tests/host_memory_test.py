@@ -33,3 +33,29 @@ def test_release_returns_freed_heap_pages():
   after = rss_mb()
   libc.free(chunks[-1])
   assert before - after > 150, (held, before, after)  # ~200 MB were freed in the heap.
+
+
+def test_release_trims_again_as_late_frees_land(monkeypatch):
+  import time
+  calls = []
+  monkeypatch.setattr(host_memory, "_malloc_trim", lambda: lambda pad: calls.append(time.perf_counter()))
+  t0 = time.perf_counter()
+  assert host_memory.release()
+  time.sleep(max(host_memory._SETTLE_S) + 0.3)
+  assert len(calls) == 1 + len(host_memory._SETTLE_S)
+  for at, called in zip(host_memory._SETTLE_S, calls[1:]):
+    assert called - t0 >= at
+
+
+def test_each_xla_compile_ends_with_a_release(monkeypatch):
+  import jax
+  import jax.numpy as jnp
+  calls = []
+  host_memory.release_after_compiles()
+  monkeypatch.setattr(host_memory, "_malloc_trim", lambda: lambda pad: calls.append(pad))
+  f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)  # A new function: its first call compiles.
+  f(jnp.ones((7, 5))).block_until_ready()
+  assert calls, "no release after the compile"
+  n = len(calls)
+  f(jnp.ones((7, 5))).block_until_ready()  # Cached: no compile, no release.
+  assert len(calls) == n

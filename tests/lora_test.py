@@ -472,3 +472,39 @@ def test_peft_adapter_for_another_base_fails_naming_the_tensor(tmp_path):
   json.dump(conf, open(tmp_path / "adapter" / "adapter_config.json", "w"))
   with pytest.raises(hf.CheckpointError, match="c_attn"):
     peft_format.load_peft(str(tmp_path / "adapter"), CFG)
+
+
+def test_remat_dots_recomputes_an_adapters_up_projection_instead_of_keeping_it():
+  """Remat "dots" keeps every unbatched weight matmul's output through the backward. An adapter's
+  rank-r up-projection is as large as its projection's output, so it runs as a batch of one and is
+  recomputed: the adapters' gradient keeps the [L, tokens, F] outputs of gate and up, as the full
+  model's does, where the control (an unbatched up-projection) keeps the adapters' two more."""
+  import contextlib
+  import io
+
+  import jax.ad_checkpoint
+  cfg = testing.tiny_model_config(vocab_size=64, embed_dim=64, mlp_dim=512, num_layers=2, head_dim=16, remat="dots")
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0, targets=("gate_proj", "up_proj"))
+  p = lora.adapt(cfg, lcfg, base_params(cfg), jax.random.key(1))
+  tokens, mask = rows(B=4, T=256)
+  per_layer_output = f"f32[{cfg.num_layers},{4 * 256},{cfg.mlp_dim}]"
+
+  def kept(loss, arg):  # The backward's residuals of the [L, tokens, F] shape.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(loss, arg)
+    return out.getvalue().count(per_layer_output)
+
+  full = kept(lambda params: model.logits(cfg, params, tokens, mask).sum(), p["base"])
+  adapters = lambda: kept(lambda a: model.logits(cfg, dict(p, lora=a), tokens, mask).sum(), p["lora"])
+  assert full == adapters() == 2
+
+  def unbatched(spec, x, p_, name, cfg_):  # The control: the up-projection as a plain weight matmul.
+    ad = (p_.get("lora") or {}).get(name)
+    if ad is None:
+      return None
+    h = layers.matmul("XD,Dr->Xr", x, ad["a"], cfg_)
+    return p_["lora_scale"] * layers.matmul("Xr,rF->XF", h, ad["b"], cfg_)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(layers, "adapter", unbatched)
+    assert adapters() == 4

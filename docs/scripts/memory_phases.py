@@ -47,12 +47,12 @@ def main():
     from dapo_jax import host_memory
     trim = os.environ.get('TRIM') != '0'  # TRIM=0: undo the loop's host_memory.release calls.
     release = host_memory.release
-    def phase_end():  # The loop calls release after each rollout, update and evaluation.
+    def phase_end(*args, **kwargs):  # The loop calls release after each rollout, update and evaluation.
       caller = sys._getframe(1)  # loop.DAPO.step (after the rollout, after the update) or .evaluate
       print(f"  phase peak {peak[0]:.2f} GB hwm {hwm():.2f} (since the previous phase; ended at {caller.f_code.co_name}:"
             f"{caller.f_lineno})", flush=True)
       peak[1] = max(peak[1], peak[0]); peak[0] = rss()
-      return release() if trim else False
+      return release(*args, **kwargs) if trim else False
     host_memory.release = phase_end
     peak[1] = peak[0]; peak[0] = rss()
     if whole_run:
