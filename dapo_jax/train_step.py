@@ -310,10 +310,9 @@ class Trainer:
     self._with_controls = jax.jit(lambda counts, state: with_controls(counts, state, control))
     # The running sum is donated: accumulating holds two gradient trees, not three.
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=0)
-    # The gradients are donated too: AdamW's updates take their place.
     self._apply = jax.jit(lambda state, loss, metrics, grads, counts: apply_update(
         state, loss, metrics, grads, counts, tx=self.tx, optim_cfg=optim_cfg, adapters=adapters, control=control),
-        donate_argnums=(3,) if adapters else (0, 3))  # A LoRA state's base is read by the reference too.
+        donate_argnums=() if adapters else (0,))  # A LoRA state's base is read by the reference too.
     self._create = jax.jit(lambda p: TrainState.create(p, self.tx, adapters=lora is not None, controls=controls()),
                            in_shardings=(self.params_sharding,), out_shardings=self.state_sharding)
     self._init_params = jax.jit(lambda rng: model_lib.init_params(model_cfg, rng, head),
