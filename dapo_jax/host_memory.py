@@ -37,15 +37,14 @@ def _malloc_trim():
 _SETTLE_S = (0.1, 0.3)
 
 
-def release(settle: bool = True) -> bool:
-  """Returns the allocator's free memory to the OS, and with `settle` again as late frees land (in a
-  background thread); False where the C library cannot."""
+def release() -> bool:
+  """Returns the allocator's free memory to the OS now, and again as late frees land (in a background
+  thread); False where the C library cannot."""
   trim = _malloc_trim()
   if trim is None:
     return False
   trim(0)
-  if settle:
-    threading.Thread(target=_trim_later, args=(trim,), daemon=True, name="host_memory.release").start()
+  threading.Thread(target=_trim_later, args=(trim,), daemon=True, name="host_memory.release").start()
   return True
 
 
