@@ -52,6 +52,11 @@ class PackedRows:
   # int32 [M, T]: the rows that read each token (a shared trunk: its branches; a shared beginning: its
   # sequence's rows; else 1; padding 0), the weights of per-row statistics; None: segments_MT > 0.
   rows_MT: jax.Array | None = None
+  # Images (`RLBatch.images_BMD`): int32 [M, T], each placeholder's image, numbered within its shard (0:
+  # text), whose tokens see each other both ways; int32 [M, N], the vector of each sequence's n-th
+  # placeholder in its shard's row slots' vectors laid end to end (slot r's i-th at r x M_img + i).
+  image_MT: jax.Array | None = None
+  image_source_MN: jax.Array | None = None
   shards: int = struct.field(pytree_node=False, default=1)
   block: int = struct.field(pytree_node=False, default=0)
 

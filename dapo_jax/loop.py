@@ -203,8 +203,10 @@ class DAPO:
   def pack_args(self, trainer=None) -> dict:
     """`packing.packed_rows`' budget for `trainer`'s passes (default: the policy's)."""
     trainer = trainer or self.trainer
+    vision = self.trainer.model_cfg.vision  # The rows are the policy's, placeholders included.
     return dict(max_tokens=trainer.microbatch_tokens, shards=sharding.batch_shards(trainer.mesh.shape),
-                buckets=self.cfg.length_buckets, scored=trainer.scored_cost, block=self.cfg.packing_block)
+                buckets=self.cfg.length_buckets, scored=trainer.scored_cost, block=self.cfg.packing_block,
+                image_token=-1 if vision is None else vision.image_token_id)
 
   def split(self, batch):
     """The train batch's `minibatches` mini-batches (consecutive rows: whole groups)."""

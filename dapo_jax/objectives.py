@@ -295,7 +295,7 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
   pk = mb.packed
   replay = {} if pk.routes_MTLk is None else dict(routes_BTLk=pk.routes_MTLk, replay=_replay(model_cfg))
   out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
-                          with_router=with_router, **replay)
+                          with_router=with_router, images_BMD=packed_images(mb), **replay)
   h_MTD, routing = out if with_router else (out, None)
   x_SKD = _at_scored(pk, h_MTD)
   targets_SK = pk.target_K.reshape(pk.shards, -1)
@@ -306,6 +306,17 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
     logp_SK, entropy_SK = _logprobs_and_entropy(z_SKV / temperature, targets_SK, entropy_grad, spread)
   shape = mb.loss_mask_BC.shape
   return _to_rows(pk, logp_SK, shape), _to_rows(pk, entropy_SK, shape), routing
+
+
+def packed_images(mb):
+  """A packed micro-batch's image vectors per sequence, [M, N, D], the n-th for its n-th placeholder
+  (`PackedRows.image_source_MN`, gathered within each shard); None: no images."""
+  pk = mb.packed
+  if pk.image_source_MN is None:
+    return None
+  vectors = mb.images_BMD.reshape(pk.shards, -1, mb.images_BMD.shape[-1])
+  source = pk.image_source_MN.reshape(pk.shards, -1)
+  return jnp.take_along_axis(vectors, source[..., None], axis=1).reshape(*pk.image_source_MN.shape, -1)
 
 
 def _at_scored(pk, y_MT):

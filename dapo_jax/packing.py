@@ -14,21 +14,17 @@ from dapo_jax.datatypes import PackedRows, RLBatch
 from dapo_jax.errors import ConfigError
 
 
-def packed_microbatches(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
-                        scored: float = 0.0, block: int = 0) -> list:
+def packed_microbatches(batch, **budget) -> list:
   """`packed_rows`' micro-batches alone."""
-  return [part for part, _ in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets,
-                                          scored=scored, block=block)]
+  return [part for part, _ in packed_rows(batch, **budget)]
 
 
-def packed_pass(fn: Callable, batch, put: Callable, *, max_tokens: int, shards: int = 1,
-                buckets: Sequence[int] = (), scored: float = 0.0, block: int = 0) -> np.ndarray:
+def packed_pass(fn: Callable, batch, put: Callable, **budget) -> np.ndarray:
   """A forward pass `fn(placed micro-batch) -> [R, Cb, ...]` over `batch`'s rows packed (`packed_rows`),
   its values put back in the rows' places: [B, C, ...] fp32 (0 where a row has no completion token)."""
   B, C = batch.loss_mask_BC.shape
   out = None
-  for part, rows in packed_rows(batch, max_tokens=max_tokens, shards=shards, buckets=buckets, scored=scored,
-                                block=block):
+  for part, rows in packed_rows(batch, **budget):
     values = np.asarray(sharding.fetch(fn(put(part))))
     if out is None:
       out = np.zeros((B, C) + values.shape[2:], np.float32)
@@ -38,7 +34,7 @@ def packed_pass(fn: Callable, batch, put: Callable, *, max_tokens: int, shards: 
 
 
 def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
-                scored: float = 0.0, block: int = 0) -> list[tuple]:
+                scored: float = 0.0, block: int = 0, image_token: int = -1) -> list[tuple]:
   """A mini-batch's rows packed without padding (host, pure): the micro-batches of a padding-free
   update (`datatypes.PackedRows`).
 
@@ -63,22 +59,31 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   whole blocks) that hold them.
   Prompts that begin alike (few-shot examples, a system prompt) share that beginning too: a sequence
   holding several prompts holds it once, as a prefix their parts attend to (`_pack`).
+  Rows with images (`RLBatch.images_BMD`, placeholders `image_token`) share a prompt only with rows of
+  the same images, and a beginning only up to the first placeholder; each sequence lists the vectors
+  of its placeholders in order (`PackedRows.image_source_MN`) and numbers its images (`image_MT`),
+  whose tokens see each other both ways, as in the rows layout (`vision.image_attention`).
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
   out as `RLBatch` (a `ValueBatch`).
   """
-  if getattr(batch, "images_BMD", None) is not None:
-    raise ConfigError("train.packing=True: rows with images are not packed yet; set train.packing=False "
-                      "(the padded update places each prompt's images)")
+  images = getattr(batch, "images_BMD", None)
+  if images is not None and image_token < 0:
+    raise ConfigError("packing.packed_rows: rows with images (images_BMD) need their placeholder's id "
+                      "(image_token)")
   B, C = batch.loss_mask_BC.shape
   T = batch.tokens_BT.shape[1]
   P = T - C
   mask = np.asarray(batch.mask_BT, bool)
   length_B = mask[:, :T - 1].sum(1)  # The forward's real tokens per row.
   prompt_B, completion_B = mask[:, :P].sum(1), mask[:, P:].sum(1)
-  prompt_id_B = _prompt_ids(np.asarray(batch.tokens_BT)[:, :P], mask[:, :P])
+  tokens_BP = np.asarray(batch.tokens_BT)[:, :P]
+  prompt_id_B = _prompt_ids(tokens_BP, mask[:, :P], None if images is None else np.asarray(images))
   trunk_B = np.maximum(prompt_B - 1, 0)  # What a row shares with its prompt's other rows.
-  rows = _Rows(length_B, prompt_B, completion_B, prompt_id_B,
-               _common_prefix(np.asarray(batch.tokens_BT)[:, :P], mask[:, :P], length_B > 0))
+  prefix = _common_prefix(tokens_BP, mask[:, :P], length_B > 0)
+  if images is not None:  # Alike placeholders may hold different images: the beginning stops before them.
+    firsts = [np.flatnonzero(t[m] == image_token) for t, m in zip(tokens_BP, mask[:, :P])]
+    prefix = min([prefix] + [int(f[0]) for f in firsts if len(f)])
+  rows = _Rows(length_B, prompt_B, completion_B, prompt_id_B, prefix, image_token)
   edges = sorted({c for c in buckets if c < C} | {C})
   bucket = lambda n: next(c for c in edges if c >= n)
   pending = sorted(np.flatnonzero(length_B), key=lambda b: -length_B[b])
@@ -133,6 +138,7 @@ class _Rows:
   completion_B: np.ndarray
   prompt_id_B: np.ndarray
   prefix: int
+  image_token: int = -1
 
 
 def _common_prefix(tokens_BP: np.ndarray, mask_BP: np.ndarray, rows_B: np.ndarray) -> int:
@@ -149,10 +155,11 @@ def _common_prefix(tokens_BP: np.ndarray, mask_BP: np.ndarray, rows_B: np.ndarra
   return max(n, 0)
 
 
-def _prompt_ids(tokens_BP: np.ndarray, mask_BP: np.ndarray) -> np.ndarray:
-  """[B] int: rows with the same real prompt tokens get the same number."""
+def _prompt_ids(tokens_BP: np.ndarray, mask_BP: np.ndarray, images_BMD: np.ndarray | None = None) -> np.ndarray:
+  """[B] int: rows with the same real prompt tokens (and the same image vectors) get the same number."""
   seen = {}
-  return np.array([seen.setdefault(t[m].tobytes(), len(seen)) for t, m in zip(tokens_BP, mask_BP)], np.int64)
+  key = lambda b: tokens_BP[b][mask_BP[b]].tobytes() + (b"" if images_BMD is None else images_BMD[b].tobytes())
+  return np.array([seen.setdefault(key(b), len(seen)) for b in range(len(tokens_BP))], np.int64)
 
 
 def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb: int, rows: "_Rows",
@@ -163,8 +170,11 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
   A sequence of several prompts that begin alike (`rows.prefix` > 0 tokens) is one segment: the prefix
   once (prompt 0), then each prompt's part (prompt 1, 2, ...) laid out as above after the prefix."""
   tokens, mask = np.asarray(batch.tokens_BT), np.asarray(batch.mask_BT, bool)
-  per_shard = [[seq_rows for i, seq_rows in enumerate(bins) if i % shards == d] for d in range(shards)]
-  R = _pow2_at_least(max(sum(len(r) for r in seqs) for seqs in per_shard), len(rows.length_B))
+  per_shard = [[_by_prompt(seq_rows, rows) for i, seq_rows in enumerate(bins) if i % shards == d]
+               for d in range(shards)]
+  # Row slots, per shard: its sequences' rows in order, each prompt's together.
+  slots = [[b for seq in seqs for group in seq for b in group] for seqs in per_shard]
+  R = _pow2_at_least(max(map(len, slots)), len(rows.length_B))
   row_idx = np.full((shards, R), -1)
   ids_DL = {k: np.zeros((shards, S * L), np.int32)
             for k in ("tokens", "positions", "segments", "prompts", "branches", "rows")}
@@ -176,6 +186,11 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
     prompt_routes = np.full((int(rows.prompt_B.max()),) + routes.shape[2:], -1, np.int32)
     real_routes = lambda b: np.concatenate([prompt_routes[:int(rows.prompt_B[b])],
                                             routes[b, :int(rows.completion_B[b])]])
+  images = getattr(batch, "images_BMD", None)
+  if images is not None:  # Each placeholder's image (numbered per shard) and vector (in its shard's slots).
+    I = images.shape[1]
+    ids_DL["image"] = np.zeros((shards, S * L), np.int32)
+    sources = [[[] for _ in range(S)] for _ in range(shards)]
 
   def put(d, start, real, lo, hi, segment, prompt, branch, b, readers=1):  # Row b's real tokens [lo, hi).
     for k, v in (("tokens", real[lo:hi]), ("positions", np.arange(lo, hi)), ("segments", segment),
@@ -183,20 +198,24 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       ids_DL[k][d, start:start + hi - lo] = v
     if routes is not None:
       ids_DL["routes"][d, start:start + hi - lo] = real_routes(b)[lo:hi]
+    if images is not None:
+      is_image = real == rows.image_token
+      image = np.cumsum(is_image & ~np.r_[False, is_image[:-1]])  # The row's 1st, 2nd, ... image
+      at = lo + np.flatnonzero(is_image[lo:hi])
+      ids_DL["image"][d, start + at - lo] = slot[b] * (I + 1) + image[at]
+      sources[d][start // L].extend(slot[b] * I + np.cumsum(is_image)[at] - 1)
     return start + hi - lo
 
   for d, seqs in enumerate(per_shard):
-    r = 0
-    for s, seq_rows in enumerate(seqs):
+    slot = {b: r for r, b in enumerate(slots[d])}
+    row_idx[d, :len(slots[d])] = slots[d]
+    for s, groups in enumerate(seqs):
       start = s * L
-      by_prompt = {}  # The sequence's rows by prompt, in order of first appearance.
-      for b in seq_rows:
-        by_prompt.setdefault(rows.prompt_id_B[b], []).append(b)
-      N = rows.prefix if len(by_prompt) > 1 else 0
+      N = rows.prefix if len(groups) > 1 else 0
       if N:  # The prompts' common beginning, once: every prompt's part sees it.
-        b = seq_rows[0]
-        start = put(d, start, tokens[b][mask[b]], 0, N, 1, 0, 0, b, readers=len(seq_rows))
-      for k, group in enumerate(by_prompt.values(), 1):
+        b = groups[0][0]
+        start = put(d, start, tokens[b][mask[b]], 0, N, 1, 0, 0, b, readers=sum(map(len, groups)))
+      for k, group in enumerate(groups, 1):
         segment, prompt = (1, k) if N else (k, 1)
         shared = len(group) > 1
         if shared:  # The trunk: the prompt but its last token (after the prefix).
@@ -207,9 +226,8 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
           real, p, c = tokens[b][mask[b]], int(rows.prompt_B[b]), int(rows.completion_B[b])
           lo = p - 1 if shared else N
           # Completion token c is predicted at the row's position p - 1 + c.
-          picks[d] += zip(start + (p - 1 - lo) + np.arange(c), real[p:p + c], (d * R + r) * Cb + np.arange(c))
+          picks[d] += zip(start + (p - 1 - lo) + np.arange(c), real[p:p + c], (d * R + slot[b]) * Cb + np.arange(c))
           start = put(d, start, real, lo, int(rows.length_B[b]), segment, prompt, branch if shared else 0, b)
-          row_idx[d, r], r = b, r + 1
   seq = lambda x: x.reshape(shards * S, L)  # [D, S x L] -> [D x S, L]: shard d's are sequences d*S .. d*S + S - 1.
   K = _eighths_at_least(max(len(p) for p in picks), R * Cb)
   scored_DK3 = np.zeros((shards, K, 3), np.int32)
@@ -222,20 +240,33 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
   ids = {f"{k}_MT": seq(v) for k, v in ids_DL.items() if k != "routes"}
   if routes is not None:
     ids["routes_MTLk"] = ids_DL["routes"].reshape(shards * S, L, *routes.shape[2:])
+  if images is not None:
+    n = _pow2_at_least(max(len(x) for per_seq in sources for x in per_seq), R * I)
+    ids["image_source_MN"] = np.zeros((shards * S, max(n, 1)), np.int32)
+    for m, x in enumerate(x for per_seq in sources for x in per_seq):
+      ids["image_source_MN"][m, :len(x)] = x
   if block:
     ids["query_block_MP"], ids["key_block_MP"] = block_pairs(ids["segments_MT"], ids["prompts_MT"],
-                                                             ids["branches_MT"], block)
+                                                             ids["branches_MT"], block, ids.get("image_MT"))
   return _rows_of(batch, row_idx.reshape(-1), P, Cb).replace(packed=PackedRows(
       **ids, source_K=source_K, target_K=target_K, place_K=place_K, row_B=row_idx.reshape(-1) >= 0,
       shards=shards, block=block)), row_idx.reshape(-1)
 
 
+def _by_prompt(seq_rows: list[int], rows: "_Rows") -> list[list[int]]:
+  """A sequence's rows by prompt, the prompts in order of first appearance."""
+  groups = {}
+  for b in seq_rows:
+    groups.setdefault(rows.prompt_id_B[b], []).append(b)
+  return list(groups.values())
+
+
 def block_pairs(segments_MT: np.ndarray, prompts_MT: np.ndarray, branches_MT: np.ndarray,
-                block: int) -> tuple[np.ndarray, np.ndarray]:
+                block: int, image_MT: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """The (query block, key block) pairs of packed sequences cut into blocks of `block` positions where
-  a query sees a key (`packed_attention.sees`: its own run's tokens up to it, its prompt's trunk and
-  its segment's prefix): int32 [M, P] query blocks and key blocks, -1 after a sequence's pairs, P the
-  most any sequence has, rounded up to a multiple of its block count (few shapes)."""
+  a query sees a key (`packed_attention.sees`: its own run's tokens up to it, its prompt's trunk, its
+  segment's prefix, and every token of its image): int32 [M, P] query blocks and key blocks, -1 after a
+  sequence's pairs, P the most any sequence has, rounded up to a multiple of its block count (few shapes)."""
   M, T = segments_MT.shape
   n = T // block
   need_Mnn = np.zeros((M, n, n), bool)
@@ -261,6 +292,10 @@ def block_pairs(segments_MT: np.ndarray, prompts_MT: np.ndarray, branches_MT: np
         need_Mnn[m, i, lo // block:i + 1] = True
         for a_lo, a_hi in above:
           need_Mnn[m, i, span(a_lo, a_hi)] = True
+    if image_MT is not None:  # An image's tokens see each other both ways.
+      for image in set(image_MT[m][image_MT[m] > 0].tolist()):
+        at = np.flatnonzero(image_MT[m] == image)
+        need_Mnn[m, span(at[0], at[-1] + 1), span(at[0], at[-1] + 1)] = True
   P = -(-int(need_Mnn.sum((1, 2)).max()) // n) * n
   query_MP, key_MP = np.full((M, P), -1, np.int32), np.full((M, P), -1, np.int32)
   for m in range(M):
@@ -293,7 +328,7 @@ def _rows_of(batch, idx: np.ndarray, P: int, Cb: int):
     x = getattr(batch, f.name)
     if not f.metadata.get("pytree_node", True) or f.name == "packed":
       continue
-    if x is None or f.name.endswith("_B"):
+    if x is None or f.name.endswith("_B") or f.name == "images_BMD":
       out[f.name] = take(x)
     elif f.name in ("tokens_BT", "mask_BT"):
       out[f.name] = take(np.asarray(x)[:, P:P + Cb])

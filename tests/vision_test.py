@@ -229,13 +229,75 @@ def test_the_update_scores_completions_with_the_prompts_images(tmp_path, group_s
     np.testing.assert_allclose(np.where(real, ours, 0), np.where(real, teacher[idx, :Cb], 0), atol=1e-5)
 
 
-def test_packing_rows_with_images_fails_naming_the_field():
-  rows = np.ones((2, 4), np.int32)
-  zeros = np.zeros((2, 2), np.float32)
-  rl = RLBatch(tokens_BT=rows, mask_BT=rows.astype(bool), loss_mask_BC=zeros.astype(bool), old_logp_BC=zeros,
-               adv_B=np.zeros(2, np.float32), ref_logp_BC=zeros, images_BMD=np.zeros((2, M, 8), np.float32))
-  with pytest.raises(ValueError, match="train.packing"):
-    packing.packed_rows(rl, max_tokens=64)
+def _rows_with_images(G: int, seed: int = 0, C: int = 6):
+  """Eight rows (`_vlm`'s placeholders), G per prompt: groups 0 and 1 have the same text and different
+  images, group 3 two images; every prompt begins with the same text and an image; left padding."""
+  rng = np.random.default_rng(seed)
+  img = [61] + [63] * 4 + [62]
+  texts = [[3, 4] + img + [9, 7, 8], [3, 4] + img + [9, 7, 8], [3, 4] + img + [10], [3, 4] + img + [11, 12] + img + [5]]
+  P, B, I, D = max(map(len, texts)), 8, 8, 32
+  prompts = [texts[b // G % 4] if G > 1 else texts[b % 4] for b in range(B)]
+  group_images = rng.normal(size=(B, I, D)).astype(np.float32)
+  images = np.stack([group_images[b // G] for b in range(B)])
+  lengths = [3, 6, 1, 5, 6, 2, 4, 6]
+  cmask = np.arange(C)[None] < np.array(lengths)[:, None]
+  tokens = np.array([[0] * (P - len(p)) + p for p in prompts])
+  pmask = np.array([[0] * (P - len(p)) + [1] * len(p) for p in prompts], bool)
+  tokens = np.concatenate([tokens, np.where(cmask, rng.integers(1, 60, (B, C)), 0)], 1).astype(np.int32)
+  zeros = np.zeros((B, C), np.float32)
+  return RLBatch(tokens_BT=tokens, mask_BT=np.concatenate([pmask, cmask], 1), loss_mask_BC=cmask,
+                 old_logp_BC=rng.normal(-4, 0.3, (B, C)).astype(np.float32),
+                 adv_B=rng.normal(size=B).astype(np.float32), ref_logp_BC=zeros, images_BMD=images)
+
+
+def test_packed_rows_with_images_by_hand():
+  """Rows share a prompt only with rows of the same images, a beginning only up to the first image;
+  each placeholder is numbered by its image and takes its row slot's vectors in order."""
+  batch = _rows_with_images(G=2)
+  with pytest.raises(ValueError, match="image_token"):
+    packing.packed_rows(batch, max_tokens=512)
+  (part, slots), = packing.packed_rows(batch, max_tokens=128, block=8, image_token=63)  # One sequence.
+  pk = part.packed
+  assert (pk.segments_MT.max(), pk.prompts_MT.max(), pk.branches_MT.max()) == (1, 4, 2)  # Four prompts of two rows.
+  beginning = pk.tokens_MT[0][(pk.prompts_MT[0] == 0) & (pk.segments_MT[0] > 0)]
+  np.testing.assert_array_equal(beginning, [3, 4, 61])  # Not the placeholders: the images differ.
+  is_image = pk.tokens_MT[0] == 63
+  assert ((pk.image_MT[0] > 0) == is_image).all()
+  ids = pk.image_MT[0][is_image]
+  assert len(set(ids.tolist())) == 5 and (np.bincount(ids)[ids] == 4).all()  # Five images of four tokens.
+  slot = {int(b): r for r, b in enumerate(slots)}
+  # The n-th placeholder's vector: its group's first row's, in the prompt's order.
+  expect, order = [], [int(b) for b in slots if b >= 0]
+  for g in range(4):
+    first = order[2 * g]
+    n = int((batch.tokens_BT[first] == 63).sum())
+    expect += [slot[first] * 8 + j for j in range(n)]
+  np.testing.assert_array_equal(pk.image_source_MN[0, :len(expect)], expect)
+  np.testing.assert_array_equal(part.images_BMD[[slot[b] for b in order]], batch.images_BMD[order])
+
+
+@pytest.mark.parametrize("G,block", [(1, 0), (2, 0), (2, 4)])
+def test_packed_rows_with_images_give_the_padded_loss_metrics_and_gradients(G, block):
+  """A vision-language model (a sliding-window layer, images seen both ways) on rows with images:
+  the objective summed over packed micro-batches (dense, or over block pairs) is the padded batch's."""
+  cfg = _vlm()
+  params = model.init_params(cfg, jax.random.key(3))
+  batch = _rows_with_images(G)
+  obj = objectives.policy_gradient(cfg, objectives.PGConfig(kl_coef=0.1))
+  parts = packing.packed_microbatches(batch, max_tokens=64, block=block, image_token=63)
+  assert len(parts) > 1
+  step = jax.jit(jax.value_and_grad(obj.loss, has_aux=True))
+  (loss, metrics), grads = step(params, batch, obj.counts(batch))
+  counts = jax.tree.map(lambda *c: sum(c), *[obj.counts(p) for p in parts])
+  (loss_p, metrics_p), grads_p = jax.tree.map(lambda *x: sum(x), *[step(params, p, counts) for p in parts])
+  np.testing.assert_allclose(loss_p, loss, rtol=1e-5, atol=1e-6)
+  for k in metrics:
+    np.testing.assert_allclose(metrics_p[k], metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6), grads, grads_p)
+  # The images matter: packed with them dropped, the loss is another.
+  blind = [p.replace(packed=p.packed.replace(image_source_MN=None, image_MT=None)) for p in parts]
+  loss_b = sum(float(step(params, p, counts)[0][0]) for p in blind)
+  assert abs(loss_b - float(loss)) > 1e-4
 
 
 def _vlm(vocab=64):
@@ -284,6 +346,38 @@ def test_two_updates_with_images_on_the_mesh_equal_one_device_and_leave_the_towe
   trained = one["lora"] if lora else one["layers"]
   assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(
       jax.device_get(lora_lib.adapt(cfg, lcfg, params, jax.random.key(1))["lora"]) if lora else params["layers"])))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
+def test_two_packed_updates_with_images_equal_two_padded_updates(mesh_shape):
+  """Through the Trainer, on one device and the (data, fsdp, tensor) = (2, 2, 2) mesh: two updates on rows
+  with images packed over block pairs (micro-batches accumulated) give the padded update's metrics and params."""
+  from dapo_jax import optim, sharding
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  cfg = _vlm()
+  params = jax.device_get(model.init_params(cfg, jax.random.key(0)))
+  batch = _rows_with_images(G=2)
+  out = []
+  for shape, packed in (((1, 1, 1), False), (mesh_shape, True)):
+    mesh = sharding.make_mesh(dict(zip(("data", "fsdp", "tensor"), shape)), jax.devices()[:int(np.prod(shape))])
+    trainer = train_step.Trainer(cfg, optim.OptimConfig(lr=1e-2, warmup_steps=0, grad_clip=1.0), mesh,
+                                 objectives.policy_gradient(cfg, objectives.PGConfig()), num_microbatches=1)
+    parts = (packing.packed_microbatches(batch, max_tokens=64, shards=sharding.batch_shards(mesh.shape), block=4,
+                                         image_token=63) if packed else [batch])
+    state = trainer.init(params=jax.tree.map(np.copy, params))
+    metrics = []
+    for _ in range(2):
+      placed = [trainer.put_batch(p) for p in parts]
+      state, m = trainer.accumulate_step(state, placed) if len(placed) > 1 else trainer.step(state, placed[0])
+      metrics.append(jax.device_get(m))
+    out.append((metrics, jax.device_get(state.params), len(parts)))
+  (m_pad, p_pad, _), (m_pk, p_pk, n_parts) = out
+  assert n_parts > 1 or mesh_shape != (1, 1, 1)
+  for a, b in zip(m_pad, m_pk):
+    for k in a:
+      np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(y, x, atol=1e-6), p_pad, p_pk)
 
 
 @pytest.mark.parametrize("group_size", [0, 3])

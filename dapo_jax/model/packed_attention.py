@@ -4,11 +4,13 @@ that computes only the (query block, key block) pairs where some query sees some
 A packed sequence holds segments: one per row, per prompt whose rows share it, or one for the whole
 sequence when its prompts begin alike. A segment is a tree of runs: the prompts' shared beginning
 (prompt 0), each prompt's part (prompt 1, 2, ...), in which a trunk (branch 0) and branches (1, 2,
-...), each branch seeing the trunk and itself. Query t sees key s iff s <= t, both are in one
-segment, s is in the shared beginning or in t's prompt part, there in the trunk or in t's branch,
-and, in a local layer, s is fewer than `window` *positions* behind t: a branch's positions continue
-its trunk's although other branches may lie between them in the sequence, so index distance is not
-position distance here (the rows layout's `layers.windowed` assumes it is).
+...), each branch seeing the trunk and itself. Query t sees key s iff both are in one segment and
+either s <= t, s is in the shared beginning or in t's prompt part, there in the trunk or in t's branch,
+or both are in one image (a vision-language model's: its tokens see each other both ways, as
+`vision.image_attention` opens them in rows); and, in a local layer, s is fewer than `window`
+*positions* behind t: a branch's positions continue its trunk's although other branches may lie
+between them in the sequence, so index distance is not position distance here (the rows layout's
+`layers.windowed` assumes it is).
 
 Dense masked attention costs T^2 per sequence whatever its segments. With a block pair list
 (`packing.block_pairs`, made on the host, where the packing is known) the sequence is cut into blocks
@@ -39,13 +41,14 @@ class Segments:
   key_block_BP: jax.Array | None = None
   # int32: the rows that read each token (a shared trunk or beginning: several); None: one per real token.
   rows_BT: jax.Array | None = None
+  images_BT: jax.Array | None = None  # int32: each image's tokens' number (0 = text); None: no images
   block: int = struct.field(pytree_node=False, default=0)  # tokens per block
 
   @classmethod
   def of(cls, packed) -> "Segments":
     """The layout of a `PackedRows`."""
     return cls(packed.segments_MT, packed.prompts_MT, packed.branches_MT, packed.positions_MT,
-               packed.query_block_MP, packed.key_block_MP, packed.rows_MT, packed.block)
+               packed.query_block_MP, packed.key_block_MP, packed.rows_MT, packed.image_MT, packed.block)
 
   def real_BT(self) -> jax.Array:
     """Each token's weight in per-row statistics (the routers' loads): the rows that read it, as the
@@ -55,7 +58,9 @@ class Segments:
     return self.segments_BT > 0
 
   def ids(self) -> tuple:
-    return self.segments_BT, self.prompts_BT, self.branches_BT, self.positions_BT
+    """What `sees` reads of each token: (segment, prompt, branch, position[, image])."""
+    ids = (self.segments_BT, self.prompts_BT, self.branches_BT, self.positions_BT)
+    return ids if self.images_BT is None else ids + (self.images_BT,)
 
   def dense_mask(self, window=None) -> jax.Array:
     """[B, T, T] bool: query t sees key s (the module docstring's rule)."""
@@ -64,13 +69,16 @@ class Segments:
 
 
 def sees(ids_q, idx_q, ids_k, idx_k, window=None) -> jax.Array:
-  """[..., Tq, Tk] bool from the queries' (segment, prompt, branch, position) [..., Tq] and sequence
-  index idx_q, and the keys' [..., Tk]: the module docstring's rule."""
-  (seg_q, pr_q, br_q, pos_q), (seg_k, pr_k, br_k, pos_k) = ids_q, ids_k
+  """[..., Tq, Tk] bool from the queries' (segment, prompt, branch, position[, image]) [..., Tq] and
+  sequence index idx_q, and the keys' [..., Tk]: the module docstring's rule."""
+  (seg_q, pr_q, br_q, pos_q, *image_q), (seg_k, pr_k, br_k, pos_k, *image_k) = ids_q, ids_k
   q = lambda x: x[..., :, None]
   k = lambda x: x[..., None, :]
   in_part = (q(pr_q) == k(pr_k)) & ((k(br_k) == 0) | (q(br_q) == k(br_k)))
-  out = (q(seg_q) == k(seg_k)) & k(seg_k > 0) & (k(idx_k) <= q(idx_q)) & ((k(pr_k) == 0) | in_part)
+  seen = (k(idx_k) <= q(idx_q)) & ((k(pr_k) == 0) | in_part)
+  if image_q:
+    seen |= (q(image_q[0]) == k(image_k[0])) & k(image_k[0] > 0)
+  out = (q(seg_q) == k(seg_k)) & k(seg_k > 0) & seen
   if window is not None:
     out &= q(pos_q) - k(pos_k) < window
   return out
