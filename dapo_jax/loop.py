@@ -245,8 +245,10 @@ class DAPO:
         placed = self.trainer.put_batch(mb.replace(behaviour_B=None))
         if c.updates_per_step > 1:  # Otherwise π_old is the current policy (see the module doc).
           if self.logprobs_experts is not None:  # R2: π_old's routing, which the updates replay.
-            old_BC, routes_BCLk = sharding.fetch(self.logprobs_experts(self.state.params, placed))
+            old_BC, routes_BCLk, *packed_routes = sharding.fetch(self.logprobs_experts(self.state.params, placed))
             mb = mb.replace(routes_BCLk=routes_BCLk)
+            if packed_routes:  # The same records at their packed positions.
+              mb = mb.replace(packed=mb.packed.replace(routes_MTLk=packed_routes[0]))
           else:
             old_BC = sharding.fetch(self.logprobs(self.state.params, placed))
           if mb.behaviour_B is not None:  # Carried rows keep their sampling policy's log-probs.

@@ -367,6 +367,8 @@ def completion_logprobs_and_experts(model_cfg: model_lib.ModelConfig, temperatur
   to in every expert layer [B, C, L_moe, k] int32, -1 for the last column, which no forward feeds):
   the π_old pass of routing replay R2."""
   def fn(params, mb: RLBatch):
+    if getattr(mb, "packed", None) is not None:
+      return _packed_logprobs_and_experts(model_cfg, temperature, params, mb)
     if model_cfg.logits_chunk:
       raise ValueError("model.router_replay='R2' records π_old's experts from whole logits: model.logits_chunk=0")
     C = mb.loss_mask_BC.shape[1]
@@ -381,6 +383,38 @@ def completion_logprobs_and_experts(model_cfg: model_lib.ModelConfig, temperatur
     experts_BCLk = jnp.where(last_BC[:, :, None, None], -1, experts_BCLk)
     return loss_lib.token_logprobs(z_BCV / temperature, mb.tokens_BT[:, P:]), experts_BCLk
   return fn
+
+
+def _packed_logprobs_and_experts(model_cfg: model_lib.ModelConfig, temperature: float, params, mb: RLBatch):
+  """The R2 pass over a packed micro-batch: (log π [B, C], each completion token's experts [B, C, L_moe, k]
+  as `completion_logprobs_and_experts` gives them, and the same records at their packed positions
+  [M, T, L_moe, k], -1 at every other token, for the updates to replay: `PackedRows.routes_MTLk`)."""
+  pk = mb.packed
+  h_MTD, routing = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
+                                     with_router=True, emit_experts=True, images_BMD=packed_images(mb))
+  z_SKV = model_lib.unembed(model_cfg, params, _at_scored(pk, h_MTD))
+  logp_SK = loss_lib.token_logprobs(z_SKV / temperature, pk.target_K.reshape(pk.shards, -1))
+  # Completion token c sits right after the position that predicts it, in the same run, where it is fed
+  # (a row's last column is not: the next position then begins another run).
+  M, T = pk.tokens_MT.shape
+  at = pk.source_K.reshape(pk.shards, -1) + 1
+  ids = [x.reshape(pk.shards, -1) for x in (pk.segments_MT, pk.prompts_MT, pk.branches_MT, pk.positions_MT)]
+  nxt = lambda x: jnp.take_along_axis(jnp.pad(x, ((0, 0), (0, 1))), at, axis=1)
+  now = lambda x: jnp.take_along_axis(x, at - 1, axis=1)
+  B, C = mb.loss_mask_BC.shape
+  fed_SK = (pk.place_K.reshape(pk.shards, -1) < B * C) & (nxt(ids[0]) > 0) & (nxt(ids[3]) == now(ids[3]) + 1)
+  for x in ids[:3]:
+    fed_SK &= nxt(x) == now(x)
+  experts_SNLk = routing["experts"].reshape(pk.shards, M // pk.shards * T, *routing["experts"].shape[2:])
+  experts_SNLk = jnp.pad(experts_SNLk, ((0, 0), (0, 1), (0, 0), (0, 0)), constant_values=-1)
+  experts_SKLk = jnp.where(fed_SK[..., None, None], jnp.take_along_axis(experts_SNLk, at[..., None, None], axis=1), -1)
+  L, k = experts_SKLk.shape[2:]
+  experts_BCLk = jnp.full((B * C, L, k), -1, jnp.int32).at[pk.place_K].set(
+      experts_SKLk.reshape(-1, L, k), mode="drop").reshape(B, C, L, k)
+  records_SNLk = jax.vmap(lambda r, i, e: r.at[i].set(e, mode="drop"))(
+      jnp.full_like(experts_SNLk, -1), jnp.where(fed_SK, at, experts_SNLk.shape[1]), experts_SKLk)
+  routes_MTLk = records_SNLk[:, :-1].reshape(M, T, L, k)
+  return _to_rows(pk, logp_SK, (B, C)), experts_BCLk, routes_MTLk
 
 
 def completion_logprobs_and_sum_pi_squared(model_cfg: model_lib.ModelConfig, temperature: float,
