@@ -315,7 +315,7 @@ class DAPO:
             batch, groups, estimator=c.adv_estimator, logprobs=self.logprobs, trainer=self.trainer,
             params=self.state.params, ref_params=self.ref_params, critic=self.critic, kl_ctrl=self.kl_ctrl,
             Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam, teacher=self.teacher,
-            logprobs_sum_pi_squared=self.logprobs_sum_pi_squared,
+            logprobs_sum_pi_squared=self.logprobs_sum_pi_squared, logprobs_experts=self.logprobs_experts,
             pack=functools.partial(packing.packed_pass, put=self.trainer.put_batch, **self.pack_args())
             if c.packing else None)
         adv = batch.adv_BC[batch.loss_mask_BC]

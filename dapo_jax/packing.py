@@ -19,18 +19,22 @@ def packed_microbatches(batch, **budget) -> list:
   return [part for part, _ in packed_rows(batch, **budget)]
 
 
-def packed_pass(fn: Callable, batch, put: Callable, **budget) -> np.ndarray:
-  """A forward pass `fn(placed micro-batch) -> [R, Cb, ...]` over `batch`'s rows packed (`packed_rows`),
-  its values put back in the rows' places: [B, C, ...] fp32 (0 where a row has no completion token)."""
+def packed_pass(fn: Callable, batch, put: Callable, **budget):
+  """A forward pass `fn(placed micro-batch) -> [R, Cb, ...]` (or a tuple of such) over `batch`'s rows
+  packed (`packed_rows`), its values put back in the rows' places: [B, C, ...] fp32 (0 where a row has
+  no completion token), or of an integer output's dtype (-1 there)."""
   B, C = batch.loss_mask_BC.shape
   out = None
   for part, rows in packed_rows(batch, **budget):
-    values = np.asarray(sharding.fetch(fn(put(part))))
+    values = sharding.fetch(fn(put(part)))
+    values = tuple(map(np.asarray, values)) if isinstance(values, tuple) else (np.asarray(values),)
     if out is None:
-      out = np.zeros((B, C) + values.shape[2:], np.float32)
+      out = tuple(np.full((B, C) + v.shape[2:], -1, v.dtype) if np.issubdtype(v.dtype, np.integer)
+                  else np.zeros((B, C) + v.shape[2:], np.float32) for v in values)
     real = rows >= 0
-    out[rows[real], :values.shape[1]] = values[real]
-  return out
+    for o, v in zip(out, values):
+      o[rows[real], :v.shape[1]] = v[real]
+  return out if len(out) > 1 else out[0]
 
 
 def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),

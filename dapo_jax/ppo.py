@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from dapo_jax import advantages as adv_lib
@@ -41,26 +42,33 @@ class Critic:
 def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs: Callable, trainer, params,
                      ref_params, critic: Critic | None, kl_ctrl, Q: int, G: int, gamma: float,
                      lam: float, teacher=None, pack: Callable | None = None,
-                     logprobs_sum_pi_squared: Callable | None = None) -> tuple[RLBatch, ValueBatch | None, dict]:
+                     logprobs_sum_pi_squared: Callable | None = None,
+                     logprobs_experts: Callable | None = None) -> tuple[RLBatch, ValueBatch | None, dict]:
   """Log-probs of the sampling policy and the reference, the KL-shaped token rewards, values (GAE),
   per-token advantages and returns of `batch` (Q groups of G rows). Returns the batch with its
   log-probs and `adv_BC` set, the value model's batch (None without one) and the step's metrics;
   updates the adaptive KL controller. "distill": `teacher` = (its log-prob function, its params).
   `pack` (`packing.packed_pass` with the run's budget): every pass runs on the rows packed.
   "optimal_token_baseline": `logprobs_sum_pi_squared` (`objectives.completion_logprobs_and_sum_pi_squared`)
-  replaces `logprobs`, in the same one pass."""
+  replaces `logprobs`, in the same one pass. Routing replay R2: `logprobs_experts`
+  (`objectives.completion_logprobs_and_experts`) is the π_old pass, and the batch carries the experts
+  it chose (`routes_BCLk`) for the updates to replay."""
   rows = batch.replace(behaviour_B=None)  # Forward passes read no flags.
   if pack is None:
     placed = trainer.put_batch(rows)
-    run = lambda fn: np.asarray(sharding.fetch(fn(placed)))
+    run = lambda fn: jax.tree.map(np.asarray, sharding.fetch(fn(placed)))
   else:
     run = lambda fn: pack(fn, rows)
-  sum_pi_sq_BC = None
+  sum_pi_sq_BC, routes_BCLk = None, None
   if estimator == "optimal_token_baseline":
     both_BC2 = run(lambda b: logprobs_sum_pi_squared(params, b))
     logp_BC, sum_pi_sq_BC = both_BC2[..., 0], both_BC2[..., 1]
+  elif logprobs_experts is not None:  # A packed pass also gives the packed records: the update packs anew.
+    logp_BC, routes_BCLk = run(lambda b: logprobs_experts(params, b)[:2])
   else:
     logp_BC = run(lambda b: logprobs(params, b))
+  if logprobs_experts is not None and routes_BCLk is None:  # The optimal token baseline's pass has no experts.
+    routes_BCLk = run(lambda b: logprobs_experts(params, b)[1])
   ref_BC = run(lambda b: logprobs(ref_params, b)) if ref_params is not None else logp_BC
   values_BC = run(critic.values) if critic is not None else None
   mask_BC = batch.loss_mask_BC
@@ -88,6 +96,8 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
   # them); carried rows keep their sampling policy's log-probs.
   old_BC = logp_BC if batch.behaviour_B is None else np.where(batch.behaviour_B[:, None], batch.old_logp_BC, logp_BC)
   batch = batch.replace(old_logp_BC=old_BC, ref_logp_BC=ref_BC, adv_BC=np.asarray(adv_BC, np.float32))
+  if routes_BCLk is not None:
+    batch = batch.replace(routes_BCLk=routes_BCLk)
   value_batch = None
   if critic is not None:
     value_batch = ValueBatch(tokens_BT=batch.tokens_BT, mask_BT=batch.mask_BT, loss_mask_BC=mask_BC,

@@ -291,3 +291,21 @@ def test_an_r2_run_with_packed_rows_is_the_padded_run(tmp_path):
     for key in ("actor/pg_loss", "actor/router/replay_agreement", "actor/grad_norm"):
       np.testing.assert_allclose(logged[True][s][key], logged[False][s][key], rtol=1e-4, atol=1e-6, err_msg=key)
     assert 0.5 < logged[True][s]["actor/router/replay_agreement"] <= 1.0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_r2_with_a_token_level_estimator_replays_the_advantage_passs_routing(tmp_path, packed):
+  """REINFORCE++ takes π_old in its advantage pass: under R2 that pass records the experts, every update
+  replays them (the agreement is logged), and the run's updates are those of the padded rows."""
+  logged = {}
+  for layout in sorted({False, packed}):
+    cfg = moe_run_cfg("R2", kv_dtype="", dtype="float32")
+    cfg.dapo.adv_estimator = "reinforce_pp"
+    cfg.train.update(minibatches=2, packing=layout, num_microbatches=0)
+    workdir = str(tmp_path / str(layout))
+    builders.run(cfg, workdir)
+    logged[layout] = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  for s in (1, 2):
+    assert 0.5 < logged[packed][s]["actor/router/replay_agreement"] <= 1.0
+    for key in ("actor/pg_loss", "actor/router/replay_agreement", "actor/grad_norm"):
+      np.testing.assert_allclose(logged[packed][s][key], logged[False][s][key], rtol=1e-4, atol=1e-6, err_msg=key)
