@@ -356,7 +356,7 @@ def kl_shaped_rewards(score_B, logp_BC, ref_logp_BC, mask_BC, beta: float) -> ja
 @functools.partial(jax.jit, static_argnames=("estimator", "gamma", "lam", "group_size"))
 def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, values_BC=None, *, beta,
                      gamma: float, lam: float = 1.0, teacher_logp_BC=None, sum_pi_sq_BC=None,
-                     group_size: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     group_size: int = 1, is_weights_BC=None) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-token advantages of the token-level estimators from the rollout's score, log-probs of the
   policy that sampled and of the reference, and (GAE) the value model's values:
   (token_rewards_BC, advantages_BC, returns_BC).
@@ -365,7 +365,7 @@ def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, val
   "reinforce_pp": `reinforce_pp(rewards, γ)`. Both whiten the advantages over the mask. "distill":
   the token reward and advantage are `distill_advantages` (the teacher's log-probs), returns alike.
   "optimal_token_baseline": `optimal_token_baseline` on the rows' groups of `group_size` (Σπ² of the
-  sampling policy `sum_pi_sq_BC`).
+  sampling policy `sum_pi_sq_BC`; rollout importance weights `is_weights_BC`, or None).
   """
   if estimator == "distill":
     adv_BC = distill_advantages(logp_BC, teacher_logp_BC, mask_BC)
@@ -376,25 +376,30 @@ def token_advantages(estimator: str, score_B, logp_BC, ref_logp_BC, mask_BC, val
   elif estimator == "reinforce_pp":
     adv_BC, returns_BC = reinforce_pp(token_rewards_BC, mask_BC, gamma)
   elif estimator == "optimal_token_baseline":
-    adv_BC, returns_BC = optimal_token_baseline(token_rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, group_size)
+    adv_BC, returns_BC = optimal_token_baseline(token_rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, group_size,
+                                                is_weights_BC=is_weights_BC)
   else:
     raise ValueError(f"token_advantages: estimator {estimator!r}; expected one of {TOKEN_ESTIMATORS}")
   return token_rewards_BC, adv_BC, returns_BC
 
 
 def optimal_token_baseline(token_rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, group_size: int,
-                           handle_zero_tail: bool = True, eps: float = 1e-8) -> tuple[jax.Array, jax.Array]:
+                           handle_zero_tail: bool = True, eps: float = 1e-8,
+                           is_weights_BC=None) -> tuple[jax.Array, jax.Array]:
   """verl's optimal_token_baseline: a baseline per token and group, B_t = Σ_g G_t·W_t / Σ_g W_t over the
   group's G rows (consecutive in the batch), with G_t the return-to-go and W_t = Σ_{j<=t} (1 - 2π_j +
   Σ_v π_v²) the path's accumulated variance proxy (π_j the sampled token's probability under the
   sampling policy). A group of one has no baseline. `handle_zero_tail`: the one longest row of a group
-  has no baseline past the second-longest's length (nothing to compare with there). Returns
-  (advantages G_t - B_t, returns G_t), 0 outside the mask."""
+  has no baseline past the second-longest's length (nothing to compare with there). `is_weights_BC`:
+  rollout importance weights ρ̄ (`correction.rollout_correction`), which scale each step's w_j by ρ̄_j²
+  (verl's rollout_is_weights). Returns (advantages G_t - B_t, returns G_t), 0 outside the mask."""
   mask = jnp.asarray(mask_BC, jnp.float32)
   B, C = mask.shape
   G = group_size
   returns_BC = jnp.flip(jnp.cumsum(jnp.flip(jnp.asarray(token_rewards_BC, jnp.float32) * mask, -1), -1), -1)
   w_BC = 1.0 - 2.0 * jnp.exp(jnp.asarray(logp_BC, jnp.float32)) + jnp.asarray(sum_pi_sq_BC, jnp.float32)
+  if is_weights_BC is not None:
+    w_BC = w_BC * jnp.square(jnp.asarray(is_weights_BC, jnp.float32))
   W_BC = jnp.cumsum(w_BC * mask, -1)
   if G == 1:
     return returns_BC * mask, returns_BC

@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -89,6 +90,7 @@ class LoopConfig:
   # packed: attention by blocks of this many tokens reading only the key blocks their segments reach, in
   # one sequence of the whole budget per shard (`packing.key_blocks`); 0 = dense, sequences of a length bucket
   packing_block: int = 32
+  rollout_correction: Any = None  # `objectives.RolloutCorrection`: its IS weights scale the optimal token baseline's
 
   @property
   def updates_per_step(self) -> int:
@@ -316,6 +318,7 @@ class DAPO:
             params=self.state.params, ref_params=self.ref_params, critic=self.critic, kl_ctrl=self.kl_ctrl,
             Q=c.prompts_per_step, G=c.group_size, gamma=c.gamma, lam=c.lam, teacher=self.teacher,
             logprobs_sum_pi_squared=self.logprobs_sum_pi_squared, logprobs_experts=self.logprobs_experts,
+            rollout_correction=c.rollout_correction,
             pack=functools.partial(packing.packed_pass, put=self.trainer.put_batch, **self.pack_args())
             if c.packing else None)
         adv = batch.adv_BC[batch.loss_mask_BC]

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 
 from dapo_jax import advantages as adv_lib
+from dapo_jax import correction, sharding, train_step
 from dapo_jax import metrics as metrics_lib
-from dapo_jax import sharding, train_step
 from dapo_jax.datatypes import Groups, RLBatch, ValueBatch
 
 
@@ -43,14 +43,17 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
                      ref_params, critic: Critic | None, kl_ctrl, Q: int, G: int, gamma: float,
                      lam: float, teacher=None, pack: Callable | None = None,
                      logprobs_sum_pi_squared: Callable | None = None,
-                     logprobs_experts: Callable | None = None) -> tuple[RLBatch, ValueBatch | None, dict]:
+                     logprobs_experts: Callable | None = None,
+                     rollout_correction=None) -> tuple[RLBatch, ValueBatch | None, dict]:
   """Log-probs of the sampling policy and the reference, the KL-shaped token rewards, values (GAE),
   per-token advantages and returns of `batch` (Q groups of G rows). Returns the batch with its
   log-probs and `adv_BC` set, the value model's batch (None without one) and the step's metrics;
   updates the adaptive KL controller. "distill": `teacher` = (its log-prob function, its params).
   `pack` (`packing.packed_pass` with the run's budget): every pass runs on the rows packed.
   "optimal_token_baseline": `logprobs_sum_pi_squared` (`objectives.completion_logprobs_and_sum_pi_squared`)
-  replaces `logprobs`, in the same one pass. Routing replay R2: `logprobs_experts`
+  replaces `logprobs`, in the same one pass; with `rollout_correction` (`objectives.RolloutCorrection`)
+  setting `rollout_is`, its importance weights between that pass and the sampler scale the baseline's
+  path variance (verl's rollout_is_weights). Routing replay R2: `logprobs_experts`
   (`objectives.completion_logprobs_and_experts`) is the π_old pass, and the batch carries the experts
   it chose (`routes_BCLk`) for the updates to replay."""
   rows = batch.replace(behaviour_B=None)  # Forward passes read no flags.
@@ -81,9 +84,14 @@ def token_advantages(batch: RLBatch, groups: Groups, *, estimator: str, logprobs
       raise ValueError("dapo.adv_estimator='distill' needs a teacher (dapo.teacher_dir)")
     teacher_logprobs, teacher_params = teacher
     teacher_BC = run(lambda b: teacher_logprobs(teacher_params, b))
+  is_weights_BC = None
+  rc = rollout_correction
+  if sum_pi_sq_BC is not None and rc is not None and rc.rollout_is and batch.rollout_logp_BC is not None:
+    weights_only = {k: v for k, v in rc.options().items() if k.startswith("rollout_is")}  # Rejection: the loss's.
+    is_weights_BC, _, _ = correction.rollout_correction(logp_BC, batch.rollout_logp_BC, mask_BC, **weights_only)
   rewards_BC, adv_BC, returns_BC = sharding.fetch(adv_lib.token_advantages(
       estimator, score_B, logp_BC, ref_BC, mask_BC, values_BC, beta=np.float32(beta), gamma=gamma, lam=lam,
-      teacher_logp_BC=teacher_BC, sum_pi_sq_BC=sum_pi_sq_BC, group_size=G))
+      teacher_logp_BC=teacher_BC, sum_pi_sq_BC=sum_pi_sq_BC, group_size=G, is_weights_BC=is_weights_BC))
   own_rows = groups.score_QG.size  # The rows after them repeat groups to fill a short step.
   kl = adv_lib.sequence_kl(logp_BC, ref_BC, mask_BC, num_rows=own_rows)
   metrics = metrics_lib.token_level(rewards_BC, returns_BC, values_BC, mask_BC, kl=kl, beta=beta)

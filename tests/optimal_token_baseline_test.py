@@ -64,3 +64,23 @@ def test_a_packed_run_is_the_padded_run(tmp_path):
     for k, v in padded.items():
       if not k.startswith(("timing_s/", "perf/", "time")):
         assert packed[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (step, k)
+
+
+def test_rollout_importance_weights_scale_the_baseline(tmp_path):
+  """`dapo.rollout_correction.rollout_is`: the advantage pass weighs each step's path variance by its
+  squared IS weight (verl's rollout_is_weights). IcePop with a band that holds every token's ratio
+  leaves the step's advantages as they were; a band so narrow that it zeroes most weights moves them."""
+  def advantages_of(band):
+    cfg = otb_cfg(num_steps=1)
+    cfg.rollout.kv_cache_dtype = "bfloat16"  # The sampler's log-probs part from the update's.
+    if band:
+      cfg.dapo.rollout_correction.update(rollout_is="token", rollout_is_threshold=band)
+    workdir = str(tmp_path / (band or "off"))
+    builders.run(cfg, workdir)
+    step = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))[1]
+    return {k: v for k, v in step.items() if k.startswith("critic/advantages/")}
+  off, wide, narrow = advantages_of(""), advantages_of("0.001_1000"), advantages_of("0.99999_1.00001")
+  assert off and off.keys() == wide.keys() == narrow.keys()
+  for k in off:
+    assert wide[k] == pytest.approx(off[k], rel=1e-3, abs=1e-4), k
+  assert any(abs(narrow[k] - off[k]) > 1e-3 for k in off), (off, narrow)

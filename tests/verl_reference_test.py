@@ -420,9 +420,10 @@ def test_gdpo_without_components_whitens_the_grpo_advantage_of_the_reward_as_ver
 
 @pytest.mark.parametrize("G", [4, 1])
 @pytest.mark.parametrize("zero_tail", [True, False])
-def test_optimal_token_baseline_matches_verl(G, zero_tail):
+@pytest.mark.parametrize("is_weights", [False, True])
+def test_optimal_token_baseline_matches_verl(G, zero_tail, is_weights):
   """Groups with one longest row (its tail gets no baseline), with a tie for the longest, a masked span
-  mid-row, rewards on several tokens; and groups of one (no baseline)."""
+  mid-row, rewards on several tokens; and groups of one (no baseline); with rollout importance weights."""
   rng = np.random.default_rng(11)
   Q = 3 if G > 1 else 6
   lengths_B = rng.integers(1, C + 1, size=Q * G)
@@ -435,11 +436,13 @@ def test_optimal_token_baseline_matches_verl(G, zero_tail):
   rewards_BC[np.arange(Q * G), lengths_B - 1] += rng.choice([-1.0, 1.0], size=Q * G)
   logp_BC = np.log(rng.uniform(0.05, 1.0, size=(Q * G, C)))
   sum_pi_sq_BC = rng.uniform(0.05, 1.0, size=(Q * G, C))
+  w_BC = np.where(rng.random((Q * G, C)) < 0.2, 0.0, rng.uniform(0.5, 2.0, size=(Q * G, C))) if is_weights else None
   want_adv, want_ret = verl["compute_optimal_token_baseline_advantage"](
       token_level_rewards=torch.tensor(rewards_BC), response_mask=torch.tensor(mask_BC * 1.0),
       index=np.repeat(np.arange(Q), G), old_log_probs=torch.tensor(logp_BC), sum_pi_squared=torch.tensor(sum_pi_sq_BC),
-      handle_zero_tail=zero_tail)
-  got_adv, got_ret = advantages.optimal_token_baseline(rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, G, zero_tail)
+      rollout_is_weights=None if w_BC is None else torch.tensor(w_BC), handle_zero_tail=zero_tail)
+  got_adv, got_ret = advantages.optimal_token_baseline(rewards_BC, mask_BC, logp_BC, sum_pi_sq_BC, G, zero_tail,
+                                                       is_weights_BC=w_BC)
   np.testing.assert_allclose(np.asarray(got_adv), want_adv.numpy(), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(got_ret), want_ret.numpy(), rtol=1e-5, atol=1e-5)
   if G > 1 and zero_tail:  # The longest row's advantage past the second-longest is its return.

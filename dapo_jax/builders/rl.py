@@ -64,7 +64,8 @@ def loop_config(cfg) -> loop.LoopConfig:
   buckets = train_step.length_buckets(completion_len(cfg), t.length_buckets) if t.length_buckets else ()
   return pick(loop.LoopConfig, cfg.dapo, t, cfg.rollout, cfg.ppo, seed=cfg.seed,
               reference=cfg.dapo.kl_coef > 0 or kl_in_reward(cfg), length_buckets=buckets,
-              shared_prefix=t.shared_prefix if t.share_prompt else 0, dump_rollouts_every=dump_rollouts_every(cfg))
+              shared_prefix=t.shared_prefix if t.share_prompt else 0, dump_rollouts_every=dump_rollouts_every(cfg),
+              rollout_correction=cfg.dapo.rollout_correction.library())
 
 
 @typed
