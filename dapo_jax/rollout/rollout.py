@@ -76,9 +76,6 @@ class Rollout:
     self.sampler_cfg, self.reward = sampler_cfg, reward
     self.episodes = None if env is None else episodes_lib.EpisodeDriver(
         tok, env, episode_cfg or episodes_lib.EpisodeConfig(), eos_ids=sampler_cfg.eos_ids)
-    if model_cfg.vision is not None and jax.process_count() > 1:  # Each host's image vectors are not gathered.
-      raise ConfigError("a vision-language model (model.vision) samples in one process for now; "
-                        f"this run has {jax.process_count()}")
     if self.episodes is not None and (cfg.engine != "continuous" or jax.process_count() > 1):
       raise ValueError("rollout.env: episodes run on the continuous engine (rollout.engine='continuous') "
                        "in one process")
@@ -135,9 +132,11 @@ class Rollout:
     text = tokenizer_lib.render(self.tok, messages, self.cfg.chat_template, tools=tools)
     return text if self.model_cfg.vision is None else images_lib.expand_marks(text, self.tok, self.model_cfg.vision)
 
-  def image_vectors(self, params, prompts) -> jax.Array | None:
+  def image_vectors(self, params, prompts, hosts: bool = False) -> jax.Array | None:
     """[Q, I*M, D] the vectors of each prompt's images (I = `max_images` slots, fewer pad), through the vision
-    tower once per prompt (a group's G samples and every pass of the update share them); None: a text model."""
+    tower once per prompt (a group's G samples and every pass of the update share them); None: a text model.
+    `hosts`: `prompts` are this process's share of a batch that every process samples (`groups`): the
+    pixels are gathered first, and the vectors are every process's prompts', in process order."""
     v = self.model_cfg.vision
     if v is None:
       return None
@@ -146,6 +145,8 @@ class Rollout:
       raise DataError(f"a prompt has {max(map(len, images))} images; data.max_images={self.cfg.max_images} "
                       "image slots per prompt")
     pixels_QICSS = images_lib.batch_pixels(v, images, self.cfg.max_images)
+    if hosts:  # A replicated array holds the same values on every process.
+      pixels_QICSS = sharding.gather_hosts(pixels_QICSS)
     self.vision_prompts += len(prompts)
     return vision.encode_images(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated))
 
@@ -288,7 +289,7 @@ class Rollout:
     self.truncated_prompts += truncated
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
-    images_QMD = self.image_vectors(params, examples)  # (one process: multi-host images are not gathered yet)
+    images_QMD = self.image_vectors(params, examples, hosts=True)
     samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id, examples=examples,
                             images_QMD=images_QMD)
     t1 = time.perf_counter()

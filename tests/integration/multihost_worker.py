@@ -1,8 +1,9 @@
 """One process of the multi-host test: `python multihost_worker.py WORKDIR OUT [RANK NPROC PORT]`.
 
 Runs two steps with generation batches, two streamed, and two streamed one step off (step 1 sampled
-by the params before update 0), each in WORKDIR/<mode> with results in OUT_<mode>.npz: one process
-start and one compile of the update for all."""
+by the params before update 0); then a vision-language model (each process's prompts' pictures) and
+an MoE with rollout routing replay (the sampler's records), with generation batches; each in
+WORKDIR/<mode> with results in OUT_<mode>.npz: one process start for all."""
 import os
 import sys
 
@@ -16,18 +17,32 @@ def main():
     rank, nproc, port = map(int, sys.argv[3:6])
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=rank)
 
-  from configs import dapo_qwen2_5_32b
-
   assert jax.device_count() == 2, jax.devices()
-  for mode in ("generation_batches", "streaming", "one_step_off"):
-    cfg = dapo_qwen2_5_32b.get_config("runlocal")
-    cfg.reward.fn = "dapo_jax.testing:length_reward"
-    cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
-    cfg.mesh.update(data=-1, fsdp=1, tensor=1)
-    cfg.dapo.streaming = mode != "generation_batches"  # Every host runs the same streamed step.
-    cfg.rollout.max_staleness = int(mode == "one_step_off")
-    run(cfg, os.path.join(workdir, mode), f"{out}_{mode}.npz")
+  for mode in MODES:
+    run(config(mode), os.path.join(workdir, mode), f"{out}_{mode}.npz")
   print("done", jax.process_index())
+
+
+MODES = ("generation_batches", "streaming", "one_step_off", "vision_language", "routing_replay")
+
+
+def config(mode: str):
+  from configs import dapo_qwen2_5_32b, vlm_count_shapes
+
+  if mode == "vision_language":
+    cfg = vlm_count_shapes.get_config("runlocal")
+    cfg.model.init = "random"
+  else:
+    cfg = dapo_qwen2_5_32b.get_config("runlocal")
+  if mode == "routing_replay":
+    cfg.model.update(arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2, expert_mlp_dim=32,
+                     norm_topk_prob=True, router_replay="R3")
+  cfg.reward.fn = "dapo_jax.testing:length_reward"
+  cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
+  cfg.mesh.update(data=-1, fsdp=1, tensor=1)
+  cfg.dapo.streaming = mode in ("streaming", "one_step_off")  # Every host runs the same streamed step.
+  cfg.rollout.max_staleness = int(mode == "one_step_off")
+  return cfg
 
 
 def run(cfg, workdir, out):
@@ -39,12 +54,13 @@ def run(cfg, workdir, out):
   with builders.dapo(cfg, workdir) as dapo:
     dapo.run()
     params = sharding.fetch(dapo.state.params)
+    vision_prompts = dapo.rollout.vision_prompts  # this process's prompts whose pictures the tower read
   if jax.process_index() == 0:
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
     recs = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     keys = sorted(k for k in recs[1] if not k.startswith(("timing_s/", "perf/")) and isinstance(recs[1][k], (int, float))
                   and k not in ("rollout/max_in_flight", "rollout/slot_utilisation", "time"))
-    np.savez(out, losses=np.array([recs[s]["actor/pg_loss"] for s in (1, 2)]),
+    np.savez(out, losses=np.array([recs[s]["actor/pg_loss"] for s in (1, 2)]), vision_prompts=vision_prompts,
              metric_names=np.array(keys), metrics=np.array([[recs[s].get(k, np.nan) for k in keys] for s in (1, 2)],
                                                            np.float64), **flat)
 
