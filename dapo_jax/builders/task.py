@@ -79,8 +79,6 @@ def data_iterator(cfg, train: list[data_lib.Example], process_index: int = 0, pr
                                 process_count=process_count, names=source_names(files))
   if not d.curriculum:
     return it
-  if process_count > 1:  # Each process scores its own groups: the pools would differ between processes.
-    raise ConfigError("data.curriculum=True runs in one process for now (its pools are not gathered across hosts)")
   from dapo_jax.data import curriculum  # noqa: PLC0415
   return curriculum.Curriculum(it, d.revisit_after, size=len(train))
 

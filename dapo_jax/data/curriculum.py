@@ -9,7 +9,10 @@ drop the group; set aside, those samples go to prompts that can teach something.
 rollout's scoring reports every scored group, kept or dropped (`watch`). A prompt is known by its train
 file and its text, so the same problem twice in a file is one prompt. Everything it decides follows
 from the seed and the outcomes, and its state (the pools) is checkpointed with the stream's position, so
-a resumed run draws what the uninterrupted one would.
+a resumed run draws what the uninterrupted one would. With several processes every process draws the
+whole batch and keeps its share (`next_batch`); each scores its own share's groups, and the outcomes
+are gathered, so that every process's pools stay alike (a streamed step scores every group on every
+process already).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ class Curriculum:
     self.until: dict[str, int] = {}  # prompt key -> the first rollout step that may draw it again
     self.step = 0
     self._trail: list[int] = []      # base draws behind each prompt returned this step (for rewind)
+    self._batch: tuple[list, list] = ([], [])  # the last `next_batch`: every process's prompts, this one's
     self.skipped = self.set_aside = self.early = 0  # this step's counts (`metrics`)
 
   # --- the stream ---------------------------------------------------------------------------------
@@ -72,7 +76,8 @@ class Curriculum:
     picked = self.take(global_size)
     per_host = global_size // count
     index = getattr(self.base, "process_index", 0)
-    return picked[index * per_host:(index + 1) * per_host]
+    self._batch = (picked, picked[index * per_host:(index + 1) * per_host])
+    return self._batch[1]
 
   def rewind(self, n: int) -> None:
     """Steps back the last `n` prompts returned this step, and the prompts skipped before each."""
@@ -94,16 +99,23 @@ class Curriculum:
   # --- outcomes -----------------------------------------------------------------------------------
 
   def record(self, examples: Sequence[Example], acc_QG, valid_QG=None) -> None:
-    """Each scored group's outcome: all right or all wrong sets its prompt aside, mixed brings it in."""
+    """Each scored group's outcome: all right or all wrong sets its prompt aside, mixed brings it in.
+    The groups of this process's share of a batch (`next_batch`) are recorded with every process's."""
     acc = np.asarray(acc_QG, bool)
     valid = np.ones_like(acc) if valid_QG is None else np.asarray(valid_QG, bool)
-    for ex, a, v in zip(examples, acc, valid):
-      if not v.any():
-        continue
-      if a[v].all() or not a[v].any():
+    # 0: no valid sample; 1: all right or all wrong; 2: mixed.
+    outcome = np.array([0 if not v.any() else 1 if a[v].all() or not a[v].any() else 2
+                        for a, v in zip(acc, valid)], np.int32)
+    every, share = self._batch
+    if getattr(self.base, "process_count", 1) > 1 and len(examples) == len(share) and all(
+        a is b for a, b in zip(examples, share)):
+      from dapo_jax import sharding  # noqa: PLC0415 - a collective, in the lockstep every process scores in
+      examples, outcome = every, sharding.gather_hosts(outcome)
+    for ex, o in zip(examples, outcome):
+      if o == 1:
         self.until[key(ex)] = self.step + self.revisit_after + 1
         self.set_aside += 1
-      else:
+      elif o == 2:
         self.until.pop(key(ex), None)
 
   def watch(self, rollout) -> None:

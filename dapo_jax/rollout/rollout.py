@@ -309,10 +309,11 @@ class Rollout:
   def generation_batch(self, params, examples: Sequence[data_lib.Example], G: int, step_key,
                        index: int) -> tuple[Groups, dict]:
     """Generation batch `index` of a rollout step (`groups`). The engine samples prompt number
-    index * len(examples) + q of the step from the step's key, as streaming does; the static
-    sampler draws each batch from a key of its own."""
+    index x (the batch's prompts, every process's) + q of the step from the step's key, as streaming
+    does; the static sampler draws each batch from a key of its own."""
     if self.cfg.engine == "continuous":
-      return self.groups(params, examples, G, jax.random.fold_in(step_key, 0), first_prompt_id=index * len(examples))
+      first = index * len(examples) * jax.process_count()  # `examples` are this process's share.
+      return self.groups(params, examples, G, jax.random.fold_in(step_key, 0), first_prompt_id=first)
     return self.groups(params, examples, G, jax.random.fold_in(step_key, index))
 
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")

@@ -1,8 +1,9 @@
 """One process of the multi-host test: `python multihost_worker.py WORKDIR OUT [RANK NPROC PORT]`.
 
 Runs two steps with generation batches, two streamed, and two streamed one step off (step 1 sampled
-by the params before update 0); then a vision-language model (each process's prompts' pictures) and
-an MoE with rollout routing replay (the sampler's records), with generation batches; each in
+by the params before update 0); then a vision-language model (each process's prompts' pictures), an
+MoE with rollout routing replay (the sampler's records) and difficulty pools over a six-prompt file
+(each process's outcomes), with generation batches; each in
 WORKDIR/<mode> with results in OUT_<mode>.npz: one process start for all."""
 import os
 import sys
@@ -19,14 +20,16 @@ def main():
 
   assert jax.device_count() == 2, jax.devices()
   for mode in MODES:
-    run(config(mode), os.path.join(workdir, mode), f"{out}_{mode}.npz")
+    run(config(mode, workdir), os.path.join(workdir, mode), f"{out}_{mode}.npz")
   print("done", jax.process_index())
 
 
-MODES = ("generation_batches", "streaming", "one_step_off", "vision_language", "routing_replay")
+MODES = ("generation_batches", "streaming", "one_step_off", "vision_language", "routing_replay", "curriculum")
 
 
-def config(mode: str):
+def config(mode: str, workdir: str):
+  import json
+
   from configs import dapo_qwen2_5_32b, vlm_count_shapes
 
   if mode == "vision_language":
@@ -37,6 +40,17 @@ def config(mode: str):
   if mode == "routing_replay":
     cfg.model.update(arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2, expert_mlp_dim=32,
                      norm_topk_prob=True, router_replay="R3")
+  if mode == "curriculum":  # Six prompts: a step draws each more than once, so the pools act within a run.
+    train = os.path.join(workdir, "six.jsonl")
+    os.makedirs(workdir, exist_ok=True)
+    with open(f"{train}.{os.getpid()}", "w") as f:  # Every process writes it; each whole, by its rename.
+      for i in range(6):
+        f.write(json.dumps({"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i}+1?"}],
+                            "reward_model": {"ground_truth": str(i + 1), "style": "rule"}}) + "\n")
+    os.replace(f"{train}.{os.getpid()}", train)
+    cfg.data.update(task="file", train_files=(train,), eval_files=(train,), num_eval=2, curriculum=True,
+                    revisit_after=1)
+    cfg.rollout.group_size = 2  # Groups of two often agree: their prompts go aside.
   cfg.reward.fn = "dapo_jax.testing:length_reward"
   cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1)
