@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -32,8 +31,7 @@ def make(cfg: OptimConfig, frozen: tuple[str, ...] = ()) -> optax.GradientTransf
     parts.append(optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
     if not frozen:
       return optax.chain(*parts)
-    label = lambda params: {k: jax.tree.map(lambda _: "frozen" if k in frozen else "train", v)
-                            for k, v in params.items()}
+    label = lambda params: {k: "frozen" if k in frozen else "train" for k in params}  # A prefix of the tree.
     return optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()}, label)
   return optax.inject_hyperparams(chain)(learning_rate=cfg.lr)
 

@@ -138,6 +138,9 @@ def check_divisible(model_cfg, mesh: Mesh) -> None:
   checks = {"num_heads": (model_cfg.num_heads, t), "num_kv_heads": (model_cfg.num_kv_heads, t),
             "mlp_dim": (model_cfg.mlp_dim, t), "vocab_size": (model_cfg.vocab_size, t),
             "embed_dim": (model_cfg.embed_dim, f)}
+  if model_cfg.vision is not None:  # The tower's width over fsdp, its MLP over tensor.
+    v = model_cfg.vision
+    checks.update({"vision.embed_dim": (v.embed_dim, f), "vision.mlp_dim": (v.mlp_dim, t)})
   if model_cfg.moe:
     checks.update(num_experts=(model_cfg.num_experts, e), expert_mlp_dim=(model_cfg.expert_mlp_dim, t))
   elif e > 1:

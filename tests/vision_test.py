@@ -311,7 +311,8 @@ def _vlm(vocab=64):
 @pytest.mark.parametrize("lora", [None, "int8"])
 def test_two_updates_with_images_on_the_mesh_equal_one_device_and_leave_the_tower(lora):
   """Policy-gradient updates of a vision-language model on the (data, fsdp, tensor) = (2, 2, 2) mesh equal
-  one device's; the tower and projector never change, and the optimizer holds no state for them."""
+  one device's, with the tower's weights sharded there; the tower and projector never change, and the
+  optimizer holds no state for them."""
   from dapo_jax import optim, sharding
   from dapo_jax.model import lora as lora_lib
   if len(jax.devices()) < 8:
@@ -337,6 +338,9 @@ def test_two_updates_with_images_on_the_mesh_equal_one_device_and_leave_the_towe
     state = trainer.init(jax.random.key(1), params=jax.tree.map(np.copy, params))
     for step in range(2):
       state, metrics = trainer.step(state.replace(rollout_step=step), trainer.put_batch(batch))
+    # The tower's weights shard as the text model's: its width over fsdp, its MLP over tensor.
+    fc1 = vision.tower_params(state.params)["layers"]["fc1_DF"]
+    assert fc1.addressable_shards[0].data.size == fc1.size // (shape["fsdp"] * shape["tensor"])
     out.append((jax.device_get(state.params), float(metrics["pg_loss"])))
   (one, loss_one), (mesh8, loss_mesh) = out
   assert loss_one == pytest.approx(loss_mesh, abs=1e-5)

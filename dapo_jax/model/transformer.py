@@ -397,8 +397,9 @@ def init_boxed(cfg: ModelConfig, rng: jax.Array, head: str = "lm") -> Params:
   source of parameter shardings (under `jax.eval_shape`, nothing is computed)."""
   tokens = jnp.zeros((1, 1), jnp.int32)
   params = Transformer(cfg, head).init(rng, (tokens,), (tokens,), (jnp.ones((1, 1, 1), bool),))["params"]
-  if cfg.vision is not None:  # The tower and projector: plain arrays, replicated (a small share of a VLM).
-    params = {**params, "vision": vision.init_params(cfg.vision, cfg.embed_dim, jax.random.fold_in(rng, 1))}
+  if cfg.vision is not None:  # The tower and projector, sharded as the text model's weights are.
+    params = {**params, "vision": vision.boxed(vision.init_params(cfg.vision, cfg.embed_dim,
+                                                                 jax.random.fold_in(rng, 1)))}
   return params
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 
 from dapo_jax.model import layers as layers_lib
 from dapo_jax.model.config import VisionConfig
@@ -24,6 +25,27 @@ from dapo_jax.model.config import VisionConfig
 def tower_params(params: dict) -> dict:
   """params["vision"] of a model's params, or of an adapted tree's frozen base (`lora`)."""
   return params["base"]["vision"] if "base" in params and "lora" in params else params["vision"]
+
+
+# Logical axes of the tower's weights by their shape letters: its width (D) and the text model's (E) are
+# "embed" (fsdp), its MLP (F) "mlp" (tensor), as in the text model; pixels (I) and patches (P) stay whole.
+_AXES = {"D": "embed", "E": "embed", "F": "mlp", "I": None, "P": None}
+
+
+def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
+  """A tower weight's logical axes from its name ('fc1_DF' stacked on L -> ('layers', 'embed', 'mlp')); an
+  axis named twice (a square weight) is split on its first side only."""
+  axes = []
+  for c in name.rsplit("_", 1)[1]:
+    axes.append(None if _AXES[c] in axes else _AXES[c])
+  return ("layers",) * (ndim - len(axes)) + tuple(axes)
+
+
+def boxed(vparams: dict) -> dict:
+  """The tower's weights boxed with their logical axes (`transformer.init_boxed`: they shard as the text
+  model's do)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: nn.LogicallyPartitioned(x, logical_axes(path[-1].key, x.ndim)), vparams)
 
 
 def init_params(vcfg: VisionConfig, embed_dim: int, rng: jax.Array) -> dict:
