@@ -10,9 +10,8 @@ rollout's scoring reports every scored group, kept or dropped (`watch`). A promp
 file and its text, so the same problem twice in a file is one prompt. Everything it decides follows
 from the seed and the outcomes, and its state (the pools) is checkpointed with the stream's position, so
 a resumed run draws what the uninterrupted one would. With several processes every process draws the
-whole batch and keeps its share (`next_batch`); each scores its own share's groups, and the outcomes
-are gathered, so that every process's pools stay alike (a streamed step scores every group on every
-process already).
+whole batch and keeps its share (`next_batch`); each scores its share's groups, and the outcomes are
+gathered (`watch_scores`), so that every process keeps the same pools.
 """
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ class Curriculum:
     self.until: dict[str, int] = {}  # prompt key -> the first rollout step that may draw it again
     self.step = 0
     self._trail: list[int] = []      # base draws behind each prompt returned this step (for rewind)
-    self._batch: tuple[list, list] = ([], [])  # the last `next_batch`: every process's prompts, this one's
+    self.last_batch: tuple[list, list] = ([], [])  # the last `next_batch`: every process's prompts, this one's
     self.skipped = self.set_aside = self.early = 0  # this step's counts (`metrics`)
 
   # --- the stream ---------------------------------------------------------------------------------
@@ -76,8 +75,8 @@ class Curriculum:
     picked = self.take(global_size)
     per_host = global_size // count
     index = getattr(self.base, "process_index", 0)
-    self._batch = (picked, picked[index * per_host:(index + 1) * per_host])
-    return self._batch[1]
+    self.last_batch = (picked, picked[index * per_host:(index + 1) * per_host])
+    return self.last_batch[1]
 
   def rewind(self, n: int) -> None:
     """Steps back the last `n` prompts returned this step, and the prompts skipped before each."""
@@ -99,30 +98,23 @@ class Curriculum:
   # --- outcomes -----------------------------------------------------------------------------------
 
   def record(self, examples: Sequence[Example], acc_QG, valid_QG=None) -> None:
-    """Each scored group's outcome: all right or all wrong sets its prompt aside, mixed brings it in.
-    The groups of this process's share of a batch (`next_batch`) are recorded with every process's."""
+    """Each scored group's outcome: all right or all wrong sets its prompt aside, mixed brings it in."""
     acc = np.asarray(acc_QG, bool)
     valid = np.ones_like(acc) if valid_QG is None else np.asarray(valid_QG, bool)
-    # 0: no valid sample; 1: all right or all wrong; 2: mixed.
-    outcome = np.array([0 if not v.any() else 1 if a[v].all() or not a[v].any() else 2
-                        for a, v in zip(acc, valid)], np.int32)
-    every, share = self._batch
-    if getattr(self.base, "process_count", 1) > 1 and len(examples) == len(share) and all(
-        a is b for a, b in zip(examples, share)):
-      from dapo_jax import sharding  # noqa: PLC0415 - a collective, in the lockstep every process scores in
-      examples, outcome = every, sharding.gather_hosts(outcome)
-    for ex, o in zip(examples, outcome):
-      if o == 1:
+    for ex, a, v in zip(examples, acc, valid):
+      if not v.any():
+        continue
+      if a[v].all() or not a[v].any():
         self.until[key(ex)] = self.step + self.revisit_after + 1
         self.set_aside += 1
-      elif o == 2:
+      else:
         self.until.pop(key(ex), None)
 
   def watch(self, rollout) -> None:
     """Records the groups `rollout.score` scores (training rollouts, every group, kept or dropped)."""
-    watch_scores(rollout, self.record)
-    if hasattr(self.base, "watch"):
-      self.base.watch(rollout)
+    watch_scores(rollout, self.record, lambda: self.last_batch)
+    if hasattr(self.base, "watch"):  # Mixed sources count them by source: this stream drew them.
+      self.base.watch(rollout, lambda: self.last_batch)
 
   def metrics(self) -> dict:
     """This step's: prompts skipped (set aside), groups set aside, prompts served early, pool size

@@ -259,6 +259,7 @@ class PromptIterator:
       raise DataError("no examples to iterate over")
     self.examples, self.seed, self.shuffle = list(examples), seed, shuffle
     self.process_index, self.process_count = process_index, process_count
+    self.last_batch: tuple[list, list] = ([], [])  # the last `next_batch`: every process's prompts, this one's
     self.epoch, self.position = 0, 0
 
   def _order(self, epoch: int) -> np.ndarray:
@@ -271,7 +272,8 @@ class PromptIterator:
       raise ValueError(f"batch of {global_size} prompts does not split over {self.process_count} hosts")
     picked = self.take(global_size)
     per_host = global_size // self.process_count
-    return picked[self.process_index * per_host:(self.process_index + 1) * per_host]
+    self.last_batch = (picked, picked[self.process_index * per_host:(self.process_index + 1) * per_host])
+    return self.last_batch[1]
 
   def take(self, n: int) -> list[Example]:
     """The next `n` examples of the global order, the same on every host (streaming: every host
@@ -304,13 +306,22 @@ class PromptIterator:
     self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def watch_scores(rollout, record) -> None:
-  """Calls `record(examples, acc_QG, valid_QG)` with every group `rollout.score` scores from now on."""
+def watch_scores(rollout, record, last_batch: Callable[[], tuple] | None = None) -> None:
+  """Calls `record(examples, acc_QG, valid_QG)` with every group `rollout.score` scores from now on. With
+  several processes each scores its share of a batch that all of them drew (`last_batch()`: (the batch,
+  this process's share), `next_batch`); such groups are recorded with every process's, gathered, so
+  that every process records the same (a streamed step scores every group on every process already)."""
   score = rollout.score
 
   def scored(examples, samples, G, *args, **kw):
     out = score(examples, samples, G, *args, **kw)
-    record(examples, out["acc"], out.get("valid"))
+    acc = np.asarray(out["acc"], bool)
+    valid = np.ones_like(acc) if out.get("valid") is None else np.asarray(out["valid"], bool)
+    every, share = last_batch() if last_batch is not None else ((), ())
+    if len(every) > len(share) == len(examples) and all(a is b for a, b in zip(examples, share)):
+      from dapo_jax import sharding  # noqa: PLC0415 - a collective, in the lockstep every process scores in
+      examples, acc, valid = every, sharding.gather_hosts(acc), sharding.gather_hosts(valid)
+    record(examples, acc, valid)
     return out
   rollout.score = scored
 
@@ -338,6 +349,7 @@ class MixedIterator:
     self.p = w / w.sum()
     self.iters = [PromptIterator(s, seed=seed + 1009 * k) for k, s in enumerate(sources)]
     self.seed, self.process_index, self.process_count = seed, process_index, process_count
+    self.last_batch: tuple[list, list] = ([], [])  # the last `next_batch`: every process's prompts, this one's
     self.drawn = 0
     self._blocks: dict[int, np.ndarray] = {}
     self.names = list(names) or [f"source{k}" for k in range(len(sources))]
@@ -362,9 +374,10 @@ class MixedIterator:
         self._acc[name][0] += float(a[v].sum())
         self._acc[name][1] += int(v.sum())
 
-  def watch(self, rollout) -> None:
-    """Records the groups `rollout.score` scores (training rollouts, every group, kept or dropped)."""
-    watch_scores(rollout, self.record)
+  def watch(self, rollout, last_batch: Callable[[], tuple] | None = None) -> None:
+    """Records the groups `rollout.score` scores (training rollouts, every group, kept or dropped);
+    `last_batch`: what the last batch drew (`watch_scores`), when a wrapper draws the batches."""
+    watch_scores(rollout, self.record, last_batch or (lambda: self.last_batch))
 
   def metrics(self) -> dict:
     """This step's scored groups and the accuracy of their samples, by source."""

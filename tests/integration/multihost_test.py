@@ -26,7 +26,7 @@ def test_two_processes_match_one(tmp_path):
   the metrics match too), and streamed one step off (one process overlaps the next rollout with the
   update in a thread; two run it before the update, in the order every process issues); a
   vision-language model whose prompts' pictures each process reads; an MoE replaying the sampler's
-  expert records (R3); difficulty pools fed by every process's groups."""
+  expert records (R3); difficulty pools and per-file counts fed by every process's groups."""
   base = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   one = subprocess.run([sys.executable, WORKER, str(tmp_path / "one"), str(tmp_path / "one")], cwd=ROOT,
                        env=dict(base, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {testing.FAST_COMPILE_XLA_FLAGS}"),
@@ -50,6 +50,7 @@ def test_two_processes_match_one(tmp_path):
     if mode == "curriculum":  # The pools set prompts aside and the stream skipped them.
       by_name = dict(zip(a["metric_names"], a["metrics"].T))
       assert by_name["data/curriculum_set_aside"].sum() > 0 and by_name["data/curriculum_skipped"].sum() > 0
+      assert by_name["data/source/a/groups"].sum() > 0 and by_name["data/source/b/groups"].sum() > 0
     staleness = dict(zip(a["metric_names"], a["metrics"].T)).get("rollout/staleness_max")
     assert mode != "one_step_off" or list(staleness) == [0, 1], staleness  # Step 1 by the params before update 0.
     assert set(a.files) == set(b.files), mode

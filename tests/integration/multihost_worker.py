@@ -2,8 +2,8 @@
 
 Runs two steps with generation batches, two streamed, and two streamed one step off (step 1 sampled
 by the params before update 0); then a vision-language model (each process's prompts' pictures), an
-MoE with rollout routing replay (the sampler's records) and difficulty pools over a six-prompt file
-(each process's outcomes), with generation batches; each in
+MoE with rollout routing replay (the sampler's records) and difficulty pools over two mixed files of
+three prompts (each process's outcomes, by file), with generation batches; each in
 WORKDIR/<mode> with results in OUT_<mode>.npz: one process start for all."""
 import os
 import sys
@@ -40,16 +40,17 @@ def config(mode: str, workdir: str):
   if mode == "routing_replay":
     cfg.model.update(arch="qwen3_moe", qk_norm=True, num_experts=4, experts_per_token=2, expert_mlp_dim=32,
                      norm_topk_prob=True, router_replay="R3")
-  if mode == "curriculum":  # Six prompts: a step draws each more than once, so the pools act within a run.
-    train = os.path.join(workdir, "six.jsonl")
+  if mode == "curriculum":  # Six prompts in two files: a step draws each more than once, so the pools act.
     os.makedirs(workdir, exist_ok=True)
-    with open(f"{train}.{os.getpid()}", "w") as f:  # Every process writes it; each whole, by its rename.
-      for i in range(6):
-        f.write(json.dumps({"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i}+1?"}],
-                            "reward_model": {"ground_truth": str(i + 1), "style": "rule"}}) + "\n")
-    os.replace(f"{train}.{os.getpid()}", train)
-    cfg.data.update(task="file", train_files=(train,), eval_files=(train,), num_eval=2, curriculum=True,
-                    revisit_after=1)
+    files = (os.path.join(workdir, "a.jsonl"), os.path.join(workdir, "b.jsonl"))
+    for k, path in enumerate(files):
+      with open(f"{path}.{os.getpid()}", "w") as f:  # Every process writes it; each whole, by its rename.
+        for i in range(3 * k, 3 * k + 3):
+          f.write(json.dumps({"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {i}+1?"}],
+                              "reward_model": {"ground_truth": str(i + 1), "style": "rule"}}) + "\n")
+      os.replace(f"{path}.{os.getpid()}", path)
+    cfg.data.update(task="file", train_files=files, train_weights=(1.0, 1.0), eval_files=files[:1], num_eval=2,
+                    curriculum=True, revisit_after=1)
     cfg.rollout.group_size = 2  # Groups of two often agree: their prompts go aside.
   cfg.reward.fn = "dapo_jax.testing:length_reward"
   cfg.train.update(num_steps=2, ckpt_every=2, eval_every=0)
