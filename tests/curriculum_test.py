@@ -15,8 +15,8 @@ EX = [data_lib.Example(messages=({"role": "user", "content": f"q{i}"},), ground_
       for i in range(6)]
 
 
-def stream(revisit_after=2):
-  return curriculum.Curriculum(data_lib.PromptIterator(EX, shuffle=False), revisit_after, size=len(EX))
+def stream(revisit_after=2, aside="both"):
+  return curriculum.Curriculum(data_lib.PromptIterator(EX, shuffle=False), revisit_after, size=len(EX), aside=aside)
 
 
 def names(exs):
@@ -39,6 +39,22 @@ def test_solved_and_unsolved_prompts_are_set_aside_then_come_back():
   assert names(back) == ["q0", "q1", "q2"]
   c.record(back[:1], [[True, False]])
   assert c.metrics()["data/curriculum_pool"] == 0
+
+
+@pytest.mark.parametrize("aside,kept_out", [("solved", ["q0"]), ("unsolved", ["q2"])])
+def test_only_the_named_outcome_sets_a_prompt_aside(aside, kept_out):
+  """`data.curriculum_aside`: only solved (all right) or only unsolved (all wrong) groups set their
+  prompt aside; the other kind brings it in, as a mixed group does."""
+  c = stream(revisit_after=2, aside=aside)
+  c.at_step(1)
+  first = c.take(3)
+  c.record(first, [[True, True], [True, False], [False, False]])  # q0 solved, q1 mixed, q2 out of reach
+  assert c.metrics()["data/curriculum_set_aside"] == 1 and c.metrics()["data/curriculum_pool"] == 1
+  c.take(3)
+  c.at_step(2)
+  assert names(c.take(5)) == [q for q in ("q0", "q1", "q2", "q3", "q4", "q5") if q not in kept_out]
+  with pytest.raises(ValueError, match="data.curriculum_aside"):
+    stream(aside="easy")
 
 
 def test_rewind_steps_back_over_the_skipped_prompts_and_the_state_round_trips():

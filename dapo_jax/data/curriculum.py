@@ -30,10 +30,12 @@ def key(ex: Example) -> str:
 class Curriculum:
   """A prompt stream that skips the prompts set aside (see the module docstring)."""
 
-  def __init__(self, base, revisit_after: int, size: int):
+  def __init__(self, base, revisit_after: int, size: int, aside: str = "both"):
     if revisit_after < 1:
       raise DataError(f"data.revisit_after={revisit_after}: expected a number of rollout steps >= 1")
-    self.base, self.revisit_after, self.size = base, revisit_after, size
+    if aside not in ("both", "solved", "unsolved"):
+      raise DataError(f"data.curriculum_aside={aside!r}: expected 'both', 'solved' or 'unsolved'")
+    self.base, self.revisit_after, self.size, self.aside = base, revisit_after, size, aside
     self.until: dict[str, int] = {}  # prompt key -> the first rollout step that may draw it again
     self.step = 0
     self._trail: list[int] = []      # base draws behind each prompt returned this step (for rewind)
@@ -98,13 +100,15 @@ class Curriculum:
   # --- outcomes -----------------------------------------------------------------------------------
 
   def record(self, examples: Sequence[Example], acc_QG, valid_QG=None) -> None:
-    """Each scored group's outcome: all right or all wrong sets its prompt aside, mixed brings it in."""
+    """Each scored group's outcome: all right or all wrong (only the one `aside` names, if it names one)
+    sets its prompt aside; any other brings it in."""
     acc = np.asarray(acc_QG, bool)
     valid = np.ones_like(acc) if valid_QG is None else np.asarray(valid_QG, bool)
     for ex, a, v in zip(examples, acc, valid):
       if not v.any():
         continue
-      if a[v].all() or not a[v].any():
+      solved, unsolved = a[v].all(), not a[v].any()
+      if (solved and self.aside != "unsolved") or (unsolved and self.aside != "solved"):
         self.until[key(ex)] = self.step + self.revisit_after + 1
         self.set_aside += 1
       else:
