@@ -5,8 +5,9 @@ A row names its images in an `images` column (verl's convention): a list whose e
 file's bytes, a path (relative to the dataset file), or {"bytes": ...} (base64 in JSON) / {"path": ...}. Its prompt
 marks where each goes with `IMAGE_MARK`, in order. An `Example` holds the encoded images (PNG, JPEG:
 the file's own bytes); `pixels` decodes and preprocesses them with the model's image processor from
-transformers (`Gemma3ImageProcessorPil`: PIL and NumPy, no torch), and `expand_marks` writes each
-mark as the model's begin-of-image token, `tokens_per_image` placeholders and end-of-image token.
+transformers (`Gemma3ImageProcessorPil` or `Qwen2VLImageProcessorPil`: PIL and NumPy, no torch), and
+`expand_marks` writes each mark as the model's begin-of-image token, `tokens_per_image` placeholders
+and end-of-image token.
 """
 from __future__ import annotations
 
@@ -23,12 +24,16 @@ from dapo_jax.errors import ConfigError, DataError
 IMAGE_MARK = "<image>"  # Where an image goes in a message's text.
 # Begin of image, the placeholder, end of image: Gemma 3's names, which a tokenizer trained here holds too.
 IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+# Qwen2.5-VL's (`VisionConfig.kind` "qwen2_5_vl").
+QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
-def image_token_ids(tok, field: str) -> tuple[int, int, int]:
-  """The tokenizer's ids of `IMAGE_TOKENS`; a ConfigError naming `field` if it lacks one."""
-  ids = [tok.convert_tokens_to_ids(t) for t in IMAGE_TOKENS]
-  missing = [t for t, i in zip(IMAGE_TOKENS, ids) if i is None or i == tok.unk_token_id]
+def image_token_ids(tok, field: str, kind: str = "siglip") -> tuple[int, int, int]:
+  """The tokenizer's ids of the tower kind's image tokens (`IMAGE_TOKENS`, `QWEN_IMAGE_TOKENS`); a
+  ConfigError naming `field` if it lacks one."""
+  names = QWEN_IMAGE_TOKENS if kind == "qwen2_5_vl" else IMAGE_TOKENS
+  ids = [tok.convert_tokens_to_ids(t) for t in names]
+  missing = [t for t, i in zip(names, ids) if i is None or i == tok.unk_token_id]
   if missing:
     raise ConfigError(f"{field}: the tokenizer has no {missing} token(s) for images")
   return tuple(ids)
@@ -99,20 +104,46 @@ _PROCESSORS: dict[int, object] = {}
 
 
 def pixels(vcfg, images: Sequence[bytes], num_images: int) -> np.ndarray:
-  """[num_images, C, S, S] fp32: `images` through Gemma 3's image processor (resized to S =
+  """[num_images, C, S, S] fp32: `images` through the model's image processor (resized to S =
   `vcfg.image_size`, rescaled, normalised), then zeros up to `num_images` (a prompt with fewer images;
   their vectors are never placed)."""
   if len(images) > num_images:
     raise DataError(f"a prompt has {len(images)} images, more than the {num_images} this batch holds")
   out = np.zeros((num_images, vcfg.num_channels, vcfg.image_size, vcfg.image_size), np.float32)
   if images:
-    processor = _PROCESSORS.get(vcfg.image_size)
-    if processor is None:
-      from transformers import Gemma3ImageProcessorPil
-      processor = _PROCESSORS[vcfg.image_size] = Gemma3ImageProcessorPil(
-          size={"height": vcfg.image_size, "width": vcfg.image_size})
-    out[:len(images)] = processor(images=[decode(b) for b in images], return_tensors="np")["pixel_values"]
+    decoded = [decode(b) for b in images]
+    out[:len(images)] = (_qwen_pixels(vcfg, decoded) if vcfg.kind == "qwen2_5_vl" else
+                         _processor(vcfg)(images=decoded, return_tensors="np")["pixel_values"])
   return out
+
+
+def _processor(vcfg):
+  """The model's image processor for S x S images, made once per (kind, S)."""
+  key = (vcfg.kind, vcfg.image_size)
+  if key not in _PROCESSORS:
+    S = vcfg.image_size
+    if vcfg.kind == "qwen2_5_vl":
+      from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+      _PROCESSORS[key] = Qwen2VLImageProcessorPil(min_pixels=S * S, max_pixels=S * S, patch_size=vcfg.patch_size,
+                                                  merge_size=vcfg.merge_size,
+                                                  temporal_patch_size=vcfg.temporal_patch_size)
+    else:
+      from transformers import Gemma3ImageProcessorPil
+      _PROCESSORS[key] = Gemma3ImageProcessorPil(size={"height": S, "width": S})
+  return _PROCESSORS[key]
+
+
+def _qwen_pixels(vcfg, decoded: Sequence) -> np.ndarray:
+  """[I, C, S, S]: Qwen2.5-VL's processor on the images resized to S x S first (its own resize keeps each
+  image's aspect ratio, so its token count; one size keeps the run's shapes static), its flat patches
+  put back in place (`qwen_vision.patches` cuts them again, exactly)."""
+  S, p, m, C = vcfg.image_size, vcfg.patch_size, vcfg.merge_size, vcfg.num_channels
+  Image = pil()
+  resized = [img if img.size == (S, S) else img.resize((S, S), Image.Resampling.BICUBIC) for img in decoded]
+  flat = _processor(vcfg)(images=resized, return_tensors="np")["pixel_values"]  # [I*P, C*T*p*p]
+  b = S // (p * m)
+  x = flat.reshape(len(decoded), b, b, m, m, C, vcfg.temporal_patch_size, p, p)[:, :, :, :, :, :, 0]
+  return x.transpose(0, 5, 1, 3, 6, 2, 4, 7).reshape(len(decoded), C, S, S)
 
 
 def batch_pixels(vcfg, image_lists: Sequence[Sequence[bytes]], num_images: int = 0) -> np.ndarray:

@@ -3,9 +3,9 @@
 Reads config.json plus `model.safetensors` (or sharded `*.safetensors` with
 `model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM` (Llama 3.x rope
 scaling included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM` (and, through
-`multimodal`, `Gemma3ForConditionalGeneration`), and writes the same layout back so that transformers'
+`multimodal`, `Gemma3ForConditionalGeneration`; through `qwen_vl`, `Qwen2_5_VLForConditionalGeneration`), and writes the same layout back so that transformers'
 `from_pretrained` loads it. The mapping from HF tensor names to our parameter names lives only in this
-file, `multimodal` (the vision tower) and `peft` (LoRA adapters in PEFT's format); `save` of an
+file, `multimodal` and `qwen_vl` (the vision towers) and `peft` (LoRA adapters in PEFT's format); `save` of an
 adapted tree writes the merged model.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dapo_jax.hf import multimodal
+from dapo_jax.hf import multimodal, qwen_vl
 from dapo_jax.hf.safetensors import CheckpointError, read_dir_tensors, read_safetensors, write_safetensors  # noqa: F401 (public)
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
@@ -419,6 +419,10 @@ def load_config(path: str, **overrides) -> model_lib.ModelConfig:
     if multimodal.is_multimodal(hf_cfg):
       vision = multimodal.vision_config(hf_cfg, cfg_path)
       return config_from_hf(multimodal.text_config(hf_cfg), f"{cfg_path} (text_config)", vision=vision, **overrides)
+    if qwen_vl.is_qwen_vl(hf_cfg):
+      vision, section = qwen_vl.vision_config(hf_cfg, cfg_path), qwen_vl.mrope_section(hf_cfg, cfg_path)
+      return config_from_hf(qwen_vl.text_config(hf_cfg), f"{cfg_path} (text_config)", vision=vision,
+                            mrope_section=section, **overrides)
     return config_from_hf(hf_cfg, cfg_path, **overrides)
   except CheckpointError:
     raise
@@ -437,9 +441,19 @@ def load(path: str, **overrides) -> tuple[model_lib.ModelConfig, dict]:
   dtype = np.dtype(cfg.param_dtype)
   if cfg.vision is None:
     return cfg, params_from_tensors(cfg, tensors, origin, dtype=dtype)
-  text, tower, projector = multimodal.split(tensors, origin)
-  params = params_from_tensors(dataclasses.replace(cfg, vision=None), text, origin, dtype=dtype)
-  return cfg, dict(params, vision=multimodal.vision_params(cfg, tower, projector, origin, dtype))
+  family = _vision_family(cfg)
+  text, tower, projector = family.split(tensors, origin)
+  params = params_from_tensors(_text_only(cfg), text, origin, dtype=dtype)
+  return cfg, dict(params, vision=family.vision_params(cfg, tower, projector, origin, dtype))
+
+
+def _vision_family(cfg: model_lib.ModelConfig):
+  """The module mapping a vision-language model's directory: `multimodal` (Gemma 3) or `qwen_vl`."""
+  return qwen_vl if cfg.vision.kind == "qwen2_5_vl" else multimodal
+
+
+def _text_only(cfg: model_lib.ModelConfig) -> model_lib.ModelConfig:
+  return dataclasses.replace(cfg, vision=None, mrope_section=())
 
 
 def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer=None,
@@ -452,10 +466,10 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
     eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
     tokenizer.save_pretrained(path)
-  text_cfg = dataclasses.replace(model_cfg, vision=None)
+  text_cfg = _text_only(model_cfg)
   hf_cfg = config_to_hf(text_cfg, eos_token_id, bos_token_id, pad_token_id)
   if model_cfg.vision is not None:
-    hf_cfg = multimodal.to_hf(hf_cfg, model_cfg)
+    hf_cfg = _vision_family(model_cfg).to_hf(hf_cfg, model_cfg)
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf_cfg, f, indent=2)
   if eos_token_id is not None:
@@ -464,7 +478,8 @@ def save(path: str, model_cfg: model_lib.ModelConfig, params: dict, *, tokenizer
       json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=2)
   tensors = params_to_tensors(text_cfg, {k: v for k, v in params.items() if k != "vision"}, dtype)
   if model_cfg.vision is not None:
-    tensors = multimodal.text_tensors(tensors) | multimodal.vision_tensors(model_cfg, params["vision"], dtype)
+    family = _vision_family(model_cfg)
+    tensors = family.text_tensors(tensors) | family.vision_tensors(model_cfg, params["vision"], dtype)
   write_safetensors(os.path.join(path, "model.safetensors"), tensors)
 
 

@@ -17,9 +17,14 @@ REMAT_POLICIES = {
 }
 
 
+VISION_KINDS = ("siglip", "qwen2_5_vl")
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-  """A SigLIP vision tower and Gemma 3's projector (HF `vision_config` and the top-level fields)."""
+  """A vision tower and its projector: Gemma 3's SigLIP tower with its pooling projector (kind "siglip", HF
+  `vision_config` and the top-level fields), or Qwen2.5-VL's windowed ViT with its patch merger (kind
+  "qwen2_5_vl")."""
   image_size: int = 896         # S: pixels a side (the image processor resizes every image to it)
   patch_size: int = 14          # p: P = (S/p)^2 patches
   embed_dim: int = 1152         # Dv
@@ -28,25 +33,55 @@ class VisionConfig:
   num_heads: int = 16
   num_channels: int = 3
   norm_eps: float = 1e-6
-  tokens_per_image: int = 256   # M: soft tokens an image becomes (the patches average-pooled)
+  tokens_per_image: int = 256   # M: soft tokens an image becomes (siglip: pooled patches; qwen2_5_vl: merged)
   image_token_id: int = 262_144  # the placeholder a prompt holds M of per image
   boi_token_id: int = 255_999   # begin / end of image, around the placeholders (the chat template's)
   eoi_token_id: int = 256_000
+  kind: str = "siglip"          # siglip (Gemma 3) | qwen2_5_vl
+  # Qwen2.5-VL's tower: a still image is `temporal_patch_size` equal frames; `merge_size`^2 neighbouring
+  # patches become one token; attention runs in windows of `window_size` pixels a side except in
+  # `full_attention_layers`; patches carry 2D rotary positions of base `rope_theta`.
+  temporal_patch_size: int = 2
+  merge_size: int = 2
+  window_size: int = 112
+  full_attention_layers: tuple[int, ...] = ()
+  rope_theta: float = 10_000.0
 
   def __post_init__(self):
+    object.__setattr__(self, "full_attention_layers", tuple(int(l) for l in self.full_attention_layers))
     side = self.image_size // self.patch_size
-    pooled = round(self.tokens_per_image ** 0.5)
+    if self.kind not in VISION_KINDS:
+      raise ValueError(f"model.vision.kind={self.kind!r}; expected one of {VISION_KINDS}")
     if self.image_size % self.patch_size:
       raise ValueError(f"model.vision.image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
+    if self.embed_dim % self.num_heads:
+      raise ValueError(f"model.vision.embed_dim={self.embed_dim} must be a multiple of num_heads={self.num_heads}")
+    if self.kind == "qwen2_5_vl":
+      if side % self.merge_size or self.tokens_per_image != (side // self.merge_size) ** 2:
+        raise ValueError(f"model.vision.image_size={self.image_size} must be a multiple of patch_size x merge_size "
+                         f"= {self.patch_size * self.merge_size}, and tokens_per_image={self.tokens_per_image} "
+                         f"its merged tokens, (image_size / {self.patch_size * self.merge_size})^2")
+      if (self.embed_dim // self.num_heads) % 4:
+        raise ValueError(f"model.vision.embed_dim / num_heads = {self.embed_dim // self.num_heads} must be a "
+                         "multiple of 4 (2D rotary positions)")
+      bad = [l for l in self.full_attention_layers if not 0 <= l < self.num_layers]
+      if bad:
+        raise ValueError(f"model.vision.full_attention_layers={self.full_attention_layers} names layers outside "
+                         f"0..{self.num_layers - 1}")
+      return
+    pooled = round(self.tokens_per_image ** 0.5)
     if pooled * pooled != self.tokens_per_image or side % pooled:
       raise ValueError(f"model.vision.tokens_per_image={self.tokens_per_image} must be a square whose side divides "
                        f"the {side} patches a side")
-    if self.embed_dim % self.num_heads:
-      raise ValueError(f"model.vision.embed_dim={self.embed_dim} must be a multiple of num_heads={self.num_heads}")
 
   @property
   def num_patches(self) -> int:
     return (self.image_size // self.patch_size) ** 2
+
+  @property
+  def bidirectional(self) -> bool:
+    """An image's placeholders see each other both ways (Gemma 3); Qwen2.5-VL keeps attention causal."""
+    return self.kind == "siglip"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +147,11 @@ class ModelConfig:
   # update passes route the completion tokens to them (rollout routing replay); "R2" = the π_old pass
   # records them and the updates route so (vanilla routing replay); "disabled" = off.
   router_replay: str = "disabled"
-  # A vision-language model (Gemma 3 with images): its vision tower and projector; None = text only.
+  # A vision-language model (Gemma 3 or Qwen2.5-VL with images): its vision tower and projector; None = text only.
   vision: VisionConfig | None = None
+  # Qwen2.5-VL's multimodal rotary positions (M-RoPE): the H/2 frequencies split in sections that rotate by
+  # an image token's (temporal, height, width) position; text rotates by its position in all three. () = off.
+  mrope_section: tuple[int, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "local_layers", tuple(int(l) for l in self.local_layers))
@@ -144,8 +182,18 @@ class ModelConfig:
     if self.local_layers and self.sliding_window <= 0:
       raise ValueError(f"model.local_layers={self.local_layers} needs model.sliding_window > 0")
     self._check_experts()
-    if isinstance(self.vision, VisionConfig) and not self.gemma:
-      raise ValueError(f"model.vision is set with model.arch={self.arch!r}: images go with arch 'gemma3'")
+    object.__setattr__(self, "mrope_section", tuple(int(n) for n in self.mrope_section))
+    if isinstance(self.vision, VisionConfig):
+      family = {"siglip": "gemma3", "qwen2_5_vl": "qwen2"}[self.vision.kind]
+      if self.arch != family:
+        raise ValueError(f"model.vision.kind={self.vision.kind!r} is set with model.arch={self.arch!r}: its "
+                         f"images go with arch {family!r}")
+    if self.mrope_section and (sum(self.mrope_section) != self.head_dim // 2 or len(self.mrope_section) != 3
+                               or getattr(self.vision, "kind", None) != "qwen2_5_vl"):
+      raise ValueError(f"model.mrope_section={self.mrope_section}: three sections summing to head_dim / 2 = "
+                       f"{self.head_dim // 2}, with a qwen2_5_vl vision tower")
+    if getattr(self.vision, "kind", None) == "qwen2_5_vl" and not self.mrope_section:
+      raise ValueError("model.vision.kind='qwen2_5_vl' needs model.mrope_section (its three rotary sections)")
     for f in ("param_dtype", "dtype", "matmul_dtype"):
       name = getattr(self, f)
       if f == "matmul_dtype" and not name:

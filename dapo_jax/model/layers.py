@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
@@ -168,9 +169,20 @@ def inv_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, f
   return inv_h, 1.0
 
 
-def rope_table(pos_BT: jax.Array, cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, jax.Array]:
-  """(cos, sin) [B, T, H/2] of the rotary angles, computed once per call and shared by every layer."""
+def rope_table(pos_BT: jax.Array, cfg: ModelConfig, local: bool = False,
+               tokens_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) [B, T, H/2] of the rotary angles, computed once per call and shared by every layer.
+
+  With M-RoPE (`cfg.mrope_section`) and the rows' `tokens_BT`, each frequency section rotates by the
+  tokens' (temporal, height, width) positions (`qwen_vision.mrope_positions`); without tokens (decoded
+  text) all three are `pos_BT`."""
   inv_h, scale = inv_frequencies(cfg, local)
+  if cfg.mrope_section and tokens_BT is not None:
+    from dapo_jax.model import qwen_vision  # The vision wing imports this module.
+    section_h = np.repeat(np.arange(3), cfg.mrope_section)  # Which position each frequency rotates by.
+    pos_BTh = jnp.moveaxis(qwen_vision.mrope_positions(cfg.vision, pos_BT, tokens_BT), 0, -1)[..., section_h]
+    angle_BTh = pos_BTh.astype(jnp.float32) * inv_h[None, None, :]
+    return jnp.cos(angle_BTh) * scale, jnp.sin(angle_BTh) * scale
   angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_h[None, None, :]
   return jnp.cos(angle_BTh) * scale, jnp.sin(angle_BTh) * scale
 

@@ -292,7 +292,7 @@ class Transformer(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    tables = tuple(layers_lib.rope_table(p, cfg) for p in pos)
+    tables = tuple(layers_lib.rope_table(p, cfg, tokens_BT=t) for p, t in zip(pos, tokens))
     local_tables = tuple(layers_lib.rope_table(p, cfg, local=True) for p in pos) if cfg.local_layers else None
     local_L = jnp.asarray([l in cfg.local_layers for l in range(cfg.num_layers)])
     lora_switch = None  # The adapters' scale and, in a training forward, their dropout rate.
@@ -482,10 +482,10 @@ def causal_mask(mask_BT: jax.Array) -> jax.Array:
 
 
 def attention_mask(cfg: ModelConfig, tokens_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-  """[B, T, T] mask of left-padded rows: causal over real keys, and, for a vision-language model,
-  both ways among each image's placeholders (`vision.image_attention`)."""
+  """[B, T, T] mask of left-padded rows: causal over real keys, and, for Gemma 3 with images, both ways
+  among each image's placeholders (`vision.image_attention`)."""
   mask_BTS = causal_mask(mask_BT)
-  if cfg.vision is None:
+  if cfg.vision is None or not cfg.vision.bidirectional:
     return mask_BTS
   return vision.image_attention(mask_BTS, tokens_BT, cfg.vision.image_token_id) & mask_BT.astype(bool)[:, None, :]
 

@@ -1,5 +1,6 @@
-"""The image side of a Gemma 3 vision-language model: the SigLIP vision tower, the projector that pools
-its patches into soft tokens, and where those tokens enter the language model.
+"""The image side of a vision-language model: Gemma 3's SigLIP vision tower and the projector that pools
+its patches into soft tokens (Qwen2.5-VL's tower is `qwen_vision`), and where those tokens enter the
+language model.
 
 An image [C, S, S] (the processor's pixels, S = `image_size`) becomes P = (S / patch_size)^2 patch
 vectors, a bidirectional transformer encodes them ([P, Dv]), and the projector average-pools them to
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from dapo_jax.model import layers as layers_lib
+from dapo_jax.model import qwen_vision
 from dapo_jax.model.config import VisionConfig
 
 
@@ -28,8 +30,9 @@ def tower_params(params: dict) -> dict:
 
 
 # Logical axes of the tower's weights by their shape letters: its width (D) and the text model's (E) are
-# "embed" (fsdp), its MLP (F) "mlp" (tensor), as in the text model; pixels (I) and patches (P) stay whole.
-_AXES = {"D": "embed", "E": "embed", "F": "mlp", "I": None, "P": None}
+# "embed" (fsdp), its MLP (F) "mlp" (tensor), as in the text model; pixels (I), patches (P) and Qwen's
+# merged width (G) stay whole.
+_AXES = {"D": "embed", "E": "embed", "F": "mlp", "I": None, "P": None, "G": None}
 
 
 def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
@@ -50,6 +53,8 @@ def boxed(vparams: dict) -> dict:
 
 def init_params(vcfg: VisionConfig, embed_dim: int, rng: jax.Array) -> dict:
   """Random tower and projector weights (fp32): layer weights stacked on a leading L axis."""
+  if vcfg.kind == "qwen2_5_vl":
+    return qwen_vision.init_params(vcfg, embed_dim, rng)
   Dv, F, L, p, C = vcfg.embed_dim, vcfg.mlp_dim, vcfg.num_layers, vcfg.patch_size, vcfg.num_channels
   keys = iter(jax.random.split(rng, 16))
   normal = lambda *shape: 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
@@ -123,7 +128,11 @@ def image_features(vcfg: VisionConfig, vparams: dict, pixels_BICSS: jax.Array) -
   """Soft tokens of each row's I images, in order: [B, I, C, S, S] -> [B, I*M, D] (fp32). A row with fewer
   images pads with any pixels (zeros): `place` reads only as many vectors as the row has placeholders."""
   B, I = pixels_BICSS.shape[:2]
-  feats_XMD = project(vcfg, vparams, encode(vcfg, vparams, pixels_BICSS.reshape(B * I, *pixels_BICSS.shape[2:])))
+  pixels_XCSS = pixels_BICSS.reshape(B * I, *pixels_BICSS.shape[2:])
+  if vcfg.kind == "qwen2_5_vl":
+    feats_XMD = qwen_vision.image_features(vcfg, vparams, pixels_XCSS)
+  else:
+    feats_XMD = project(vcfg, vparams, encode(vcfg, vparams, pixels_XCSS))
   return feats_XMD.reshape(B, I * vcfg.tokens_per_image, -1)
 
 
