@@ -118,6 +118,9 @@ class DAPO:
     if cfg.adv_estimator == "optimal_token_baseline" and logprobs_sum_pi_squared is None:
       raise ValueError("adv_estimator='optimal_token_baseline' needs logprobs_sum_pi_squared "
                        "(objectives.completion_logprobs_and_sum_pi_squared, jitted by Trainer.forward)")
+    if cfg.packing and trainer.model_cfg.mrope_section:
+      raise errors.ConfigError("train.packing=True: a Qwen2.5-VL model's M-RoPE positions are not computed per packed "
+                               "segment; set train.packing=False (its rows are bucketed)")
     self.critic, self.kl_ctrl, self.teacher = critic, kl_ctrl, teacher
     self.logprobs_sum_pi_squared = logprobs_sum_pi_squared
     # Routing replay R2: π_old's pass also returns each completion token's experts, which the updates replay.

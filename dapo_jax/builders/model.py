@@ -73,7 +73,7 @@ def tokenizer(cfg, workdir: str, corpus_examples=None):
     # it whole (each trains the same tokenizer; the first rename wins).
     os.makedirs(workdir, exist_ok=True)
     aside = tempfile.mkdtemp(prefix=".tokenizer-", dir=workdir)
-    images = images_lib.IMAGE_TOKENS if cfg.model.vision.image_size else ()
+    images = images_lib.image_tokens(cfg.model.vision.kind) if cfg.model.vision.image_size else ()
     tokenizer_lib.train_bpe(aside, texts, vocab_size=cfg.tokenizer.vocab_size, chat_template=template,
                             extra_special=images)
     try:

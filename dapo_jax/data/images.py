@@ -28,10 +28,15 @@ IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 QWEN_IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
+def image_tokens(kind: str) -> tuple[str, str, str]:
+  """A tower kind's (begin, placeholder, end) token strings."""
+  return QWEN_IMAGE_TOKENS if kind == "qwen2_5_vl" else IMAGE_TOKENS
+
+
 def image_token_ids(tok, field: str, kind: str = "siglip") -> tuple[int, int, int]:
-  """The tokenizer's ids of the tower kind's image tokens (`IMAGE_TOKENS`, `QWEN_IMAGE_TOKENS`); a
-  ConfigError naming `field` if it lacks one."""
-  names = QWEN_IMAGE_TOKENS if kind == "qwen2_5_vl" else IMAGE_TOKENS
+  """The tokenizer's ids of the tower kind's image tokens (`image_tokens`); a ConfigError naming `field`
+  if it lacks one."""
+  names = image_tokens(kind)
   ids = [tok.convert_tokens_to_ids(t) for t in names]
   missing = [t for t, i in zip(names, ids) if i is None or i == tok.unk_token_id]
   if missing:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from dapo_jax.model import lora as lora_lib
-from dapo_jax.model.config import REMAT_POLICIES, ModelConfig, VisionConfig
+from dapo_jax.model.config import REMAT_POLICIES, VISION_KINDS, ModelConfig, VisionConfig
 from dapo_jax.settings.section import Section, check
 
 INITS = ("random", "hf", "gguf", "sft")
@@ -33,33 +33,39 @@ _VISION = VisionConfig  # Its defaults are Gemma 3's tower.
 
 @dataclasses.dataclass(frozen=True)
 class Vision(Section):
-  """`model.vision`: the vision tower and projector of a Gemma 3 model built here (`model.vision`; a
-  loaded model's come from its config.json). Its image tokens are the tokenizer's (`data.images`)."""
+  """`model.vision`: the vision tower and projector of a model built here (`model.vision`; a loaded
+  model's come from its config.json). Its image tokens are the tokenizer's (`data.images`)."""
   NAME = "model.vision"
   image_size: int = 0              # S, pixels a side; 0 = a text model (no tower)
+  kind: str = _VISION.kind         # siglip (Gemma 3's tower, model.arch=gemma3) | qwen2_5_vl (model.arch=qwen2)
   patch_size: int = _VISION.patch_size
   embed_dim: int = _VISION.embed_dim
   mlp_dim: int = _VISION.mlp_dim
   num_layers: int = _VISION.num_layers
   num_heads: int = _VISION.num_heads
   tokens_per_image: int = _VISION.tokens_per_image   # M, soft tokens per image (a square)
+  merge_size: int = _VISION.merge_size               # qwen2_5_vl: patches a side merged into a token
+  window_size: int = _VISION.window_size             # qwen2_5_vl: pixels a side of an attention window
+  full_attention_layers: tuple[int, ...] = _VISION.full_attention_layers  # qwen2_5_vl: layers without windows
 
   def check(self) -> None:
     self.number("image_size", 0, integer=True)
     if self.image_size:
-      for f in ("patch_size", "embed_dim", "mlp_dim", "num_layers", "num_heads", "tokens_per_image"):
+      self.choice("kind", VISION_KINDS)
+      for f in ("patch_size", "embed_dim", "mlp_dim", "num_layers", "num_heads", "tokens_per_image", "merge_size",
+                "window_size"):
         self.number(f, 1, integer=True)
 
   def config(self, tok) -> VisionConfig | None:
-    """The tower these fields describe, its token ids the tokenizer's `images.IMAGE_TOKENS` (no `tok`: the
-    defaults); None: no tower."""
+    """The tower these fields describe, its token ids the tokenizer's (`images.image_token_ids`; no `tok`:
+    the defaults); None: no tower."""
     if not self.image_size:
       return None
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     if tok is None:  # Shapes alone (launch.plan): the token ids do not matter.
       return VisionConfig(**fields)
     from dapo_jax.data import images as images_lib
-    boi, img, eoi = images_lib.image_token_ids(tok, "model.vision")
+    boi, img, eoi = images_lib.image_token_ids(tok, "model.vision", self.kind)
     return VisionConfig(**fields, image_token_id=img, boi_token_id=boi, eoi_token_id=eoi)
 
 
