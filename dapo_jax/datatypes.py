@@ -83,6 +83,9 @@ class RLBatch:
   # A vision-language model's rows: each row's image vectors (`vision.image_features`, a group's rows
   # alike), placed at its prompt's image placeholders by every pass that scores a token; None: no images.
   images_BMD: jax.Array | None = None
+  # fp32 [B, I, C, S, S]: the rows' images' pixels when the tower trains (`model.train_vision`): every pass
+  # that scores a token runs its own tower on them instead of reading images_BMD; None: a frozen tower.
+  pixels_BICSS: jax.Array | None = None
   # Routing replay (`model.router_replay="R3"`): int32 [B, C, L_moe, k], the experts the sampler sent each
   # completion token to in every expert layer (-1: none); None: no replay.
   routes_BCLk: jax.Array | None = None
@@ -128,6 +131,8 @@ class Groups:
   # fp32 [Q, I*M, D]: a vision-language model's prompts' image vectors (`vision.image_features`); M*I = 0
   # for a text model.
   images_QMD: np.ndarray | None = None
+  # fp32 [Q, I, C, S, S]: the prompts' images' pixels when the tower trains (`model.train_vision`); I = 0 else.
+  pixels_QICSS: np.ndarray | None = None
   # fp32 [Q, G, K]: the reward's components `dapo.gdpo_reward_keys` names (GDPO normalises each in its
   # group); K = 0 without them.
   parts_QGK: np.ndarray | None = None
@@ -146,6 +151,8 @@ class Groups:
       self.valid_QG = np.ones(np.shape(self.length_QG), bool)
     if self.images_QMD is None:
       self.images_QMD = np.zeros((len(self.prompt_QP), 0, 0), np.float32)
+    if self.pixels_QICSS is None:
+      self.pixels_QICSS = np.zeros((len(self.prompt_QP), 0, 0, 0, 0), np.float32)
     if self.parts_QGK is None:
       self.parts_QGK = np.zeros(np.shape(self.length_QG) + (0,), np.float32)
     if self.experts_QGCLk is None:
@@ -156,7 +163,7 @@ class Groups:
 
   @classmethod
   def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG, valid_QG=None,
-                   images_QMD=None, parts_QGK=None) -> "Groups":
+                   images_QMD=None, parts_QGK=None, pixels_QICSS=None) -> "Groups":
     """Q prompts' groups from their Q*G sampled rows (`sampling.Samples`, group-major) and scores."""
     Q, (B, C) = len(prompt_QP), samples.tokens_BC.shape
     G = B // Q
@@ -168,6 +175,7 @@ class Groups:
                switch_QG=None if samples.switch_B is None else np.asarray(samples.switch_B, np.int32).reshape(Q, G),
                valid_QG=None if valid_QG is None else np.asarray(valid_QG, bool).reshape(Q, G),
                images_QMD=None if images_QMD is None else np.asarray(images_QMD, np.float32),
+               pixels_QICSS=None if pixels_QICSS is None else np.asarray(pixels_QICSS, np.float32),
                parts_QGK=None if parts_QGK is None else np.asarray(parts_QGK, np.float32).reshape(Q, G, -1),
                experts_QGCLk=None if samples.experts_BCLk is None else np.asarray(samples.experts_BCLk, np.int32)
                .reshape(Q, G, C, *samples.experts_BCLk.shape[2:]))
@@ -202,6 +210,9 @@ class Groups:
     if "images_QMD" not in d:  # Saved before images: none.
       d = dict(d, images_QMD=np.zeros((len(d["prompt_QP"]), 0, 0), np.float32),
                dtypes=dict(d["dtypes"], images_QMD="float32"))
+    if "pixels_QICSS" not in d:  # Saved before the tower trained in RL: no pixels.
+      d = dict(d, pixels_QICSS=np.zeros((len(d["prompt_QP"]), 0, 0, 0, 0), np.float32),
+               dtypes=dict(d["dtypes"], pixels_QICSS="float32"))
     if "valid_QG" not in d:  # Saved before masked rows: every row counts.
       d = dict(d, valid_QG=np.ones(np.shape(d["length_QG"]), bool), dtypes=dict(d["dtypes"], valid_QG="bool"))
     if "parts_QGK" not in d:  # Saved before reward components: none.
@@ -213,6 +224,8 @@ class Groups:
     groups = Groups(*(np.asarray(d[f.name], dtype=d["dtypes"][f.name]) for f in dataclasses.fields(Groups)))
     if groups.images_QMD.ndim != 3:  # No images: JSON lists lose the empty axes.
       groups.images_QMD = groups.images_QMD.reshape(len(groups.prompt_QP), 0, 0)
+    if groups.pixels_QICSS.ndim != 5:
+      groups.pixels_QICSS = groups.pixels_QICSS.reshape(len(groups.prompt_QP), 0, 0, 0, 0)
     if groups.parts_QGK.ndim != 3:  # No components: likewise.
       groups.parts_QGK = groups.parts_QGK.reshape(*groups.length_QG.shape, 0)
     if groups.experts_QGCLk.ndim != 5:  # No record: likewise.

@@ -189,8 +189,8 @@ def completion_logits(model_cfg: model_lib.ModelConfig, group_size: int, params,
     return _shared_prompt_outputs(model_cfg, group_size, params, mb, P, "lm", with_router, emit_experts)
   # Logits at position P-1+t predict completion token t.
   return model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], logits_from=P - 1,
-                          with_router=with_router, images_BMD=_images(mb), emit_experts=emit_experts,
-                          **_row_routes(model_cfg, mb, P))
+                          with_router=with_router, images_BMD=_images(mb, 1, model_cfg, params),
+                          emit_experts=emit_experts, **_row_routes(model_cfg, mb, P))
 
 
 def _replay(model_cfg: model_lib.ModelConfig) -> bool:
@@ -213,8 +213,13 @@ def _segment_routes(model_cfg: model_lib.ModelConfig, mb) -> dict:
   return {} if routes_BCLk is None else dict(routes_BCLk=routes_BCLk, replay=_replay(model_cfg))
 
 
-def _images(mb, group_size: int = 1):
-  """A batch's image vectors (RLBatch.images_BMD), one row per group with `group_size`; None: no images."""
+def _images(mb, group_size: int = 1, model_cfg: model_lib.ModelConfig | None = None, params=None):
+  """A batch's image vectors, one row per group with `group_size`: with pixels (`RLBatch.pixels_BICSS`: the
+  tower trains), those of `params`' own tower, run here (each pass, π_old's and the reference's too, sees
+  its own tower); else `RLBatch.images_BMD`; None: no images."""
+  pixels = getattr(mb, "pixels_BICSS", None)
+  if pixels is not None and params is not None:
+    return vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), pixels[::group_size])
   images = getattr(mb, "images_BMD", None)
   return None if images is None else images[::group_size]
 
@@ -231,7 +236,8 @@ def _shared_prompt_outputs(model_cfg: model_lib.ModelConfig, group_size: int, pa
                                                     emit_experts=emit_experts, **_segment_routes(model_cfg, mb))
   return model_lib.completion_logits(model_cfg, params, mb.tokens_BT[::group_size, :P], mb.mask_BT[::group_size, :P],
                                      *completion, head=head, with_router=with_router, emit_experts=emit_experts,
-                                     images_QMD=_images(mb, group_size), **_segment_routes(model_cfg, mb))
+                                     images_QMD=_images(mb, group_size, model_cfg, params),
+                                     **_segment_routes(model_cfg, mb))
 
 
 def _prefix_and_rest(mb: RLBatch, group_size: int, P: int):
@@ -255,7 +261,8 @@ def _completion_hidden(model_cfg: model_lib.ModelConfig, group_size: int, params
   tokens_BT, mask_BT = mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1]
   return model_lib.forward(model_cfg, params, tokens_BT, model_lib.positions(mask_BT),
                            model_lib.attention_mask(model_cfg, tokens_BT, mask_BT), logits_from=P - 1, head="hidden",
-                           with_router=with_router, images_BMD=_images(mb), **_row_routes(model_cfg, mb, P))
+                           with_router=with_router, images_BMD=_images(mb, 1, model_cfg, params),
+                           **_row_routes(model_cfg, mb, P))
 
 
 def completion_stats(model_cfg: model_lib.ModelConfig, group_size: int, params, mb: RLBatch, temperature: float,
@@ -295,7 +302,7 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
   pk = mb.packed
   replay = {} if pk.routes_MTLk is None else dict(routes_BTLk=pk.routes_MTLk, replay=_replay(model_cfg))
   out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
-                          with_router=with_router, images_BMD=packed_images(mb), **replay)
+                          with_router=with_router, images_BMD=packed_images(mb, model_cfg, params), **replay)
   h_MTD, routing = out if with_router else (out, None)
   x_SKD = _at_scored(pk, h_MTD)
   targets_SK = pk.target_K.reshape(pk.shards, -1)
@@ -308,13 +315,15 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
   return _to_rows(pk, logp_SK, shape), _to_rows(pk, entropy_SK, shape), routing
 
 
-def packed_images(mb):
+def packed_images(mb, model_cfg: model_lib.ModelConfig | None = None, params=None):
   """A packed micro-batch's image vectors per sequence, [M, N, D], the n-th for its n-th placeholder
-  (`PackedRows.image_source_MN`, gathered within each shard); None: no images."""
+  (`PackedRows.image_source_MN`, gathered within each shard); its rows' vectors as `_images` gives them;
+  None: no images."""
   pk = mb.packed
   if pk.image_source_MN is None:
     return None
-  vectors = mb.images_BMD.reshape(pk.shards, -1, mb.images_BMD.shape[-1])
+  rows_BMD = _images(mb, 1, model_cfg, params)
+  vectors = rows_BMD.reshape(pk.shards, -1, rows_BMD.shape[-1])
   source = pk.image_source_MN.reshape(pk.shards, -1)
   return jnp.take_along_axis(vectors, source[..., None], axis=1).reshape(*pk.image_source_MN.shape, -1)
 
@@ -391,7 +400,8 @@ def _packed_logprobs_and_experts(model_cfg: model_lib.ModelConfig, temperature: 
   [M, T, L_moe, k], -1 at every other token, for the updates to replay: `PackedRows.routes_MTLk`)."""
   pk = mb.packed
   h_MTD, routing = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
-                                     with_router=True, emit_experts=True, images_BMD=packed_images(mb))
+                                     with_router=True, emit_experts=True,
+                                     images_BMD=packed_images(mb, model_cfg, params))
   z_SKV = model_lib.unembed(model_cfg, params, _at_scored(pk, h_MTD))
   logp_SK = loss_lib.token_logprobs(z_SKV / temperature, pk.target_K.reshape(pk.shards, -1))
   # Completion token c sits right after the position that predicts it, in the same run, where it is fed
@@ -508,9 +518,7 @@ def language_model(model_cfg: model_lib.ModelConfig) -> Objective:
     return {"num_tokens": jnp.sum(batch.loss_mask_BT[:, 1:].astype(jnp.float32))}
 
   def loss(params, mb: LMBatch, counts: dict):
-    images = _images(mb)
-    if getattr(mb, "pixels_BICSS", None) is not None:  # The tower trains: its vectors, in the loss.
-      images = vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), mb.pixels_BICSS)
+    images = _images(mb, 1, model_cfg, params)  # With pixels the tower trains: its vectors, in the loss.
     logits_BTV = model_lib.logits(model_cfg, params, mb.tokens_BT[:, :-1], mb.mask_BT[:, :-1], images_BMD=images)
     logp_BT = loss_lib.token_logprobs(logits_BTV, mb.tokens_BT[:, 1:])
     mask = mb.loss_mask_BT[:, 1:]

@@ -526,6 +526,7 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
                        adv_BC=None if batch.adv_BC is None else batch.adv_BC[idx, :Cb],
                        rollout_logp_BC=None if batch.rollout_logp_BC is None else batch.rollout_logp_BC[idx, :Cb],
                        images_BMD=None if batch.images_BMD is None else batch.images_BMD[idx],
+                       pixels_BICSS=None if batch.pixels_BICSS is None else batch.pixels_BICSS[idx],
                        routes_BCLk=None if batch.routes_BCLk is None else batch.routes_BCLk[idx, :Cb],
                        prefix_len=batch.prefix_len, suffix_len=batch.suffix_len))
   return out

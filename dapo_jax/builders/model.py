@@ -228,9 +228,12 @@ def sft_config(cfg):
 
 @typed
 def trainer(cfg, model_cfg: model_lib.ModelConfig, mesh, objective) -> train_step.Trainer:
+  if cfg.model.train_vision and model_cfg.vision is None:
+    raise ConfigError("model.train_vision=True: the model has no vision tower (a text model)")
   return train_step.Trainer(model_cfg, cfg.optim.library(), mesh, objective,
                             num_microbatches=cfg.train.num_microbatches,
-                            microbatch_tokens=cfg.train.microbatch_tokens, lora=cfg.model.lora_config(), seed=cfg.seed)
+                            microbatch_tokens=cfg.train.microbatch_tokens, lora=cfg.model.lora_config(), seed=cfg.seed,
+                            train_vision=cfg.model.train_vision)
 
 
 @typed

@@ -86,6 +86,7 @@ class Rollout:
     self.length_hook = None     # benchmarks only: rows -> the token number each row is forced to end at
     self.engine_options: dict = {}  # benchmarks only: more `engine.Engine` arguments (round_fraction, widths)
     self.vision_prompts = 0     # prompts whose images passed the vision tower (once per prompt and sampling)
+    self.keep_pixels = False    # groups keep their prompts' pixels (`model.train_vision`: the update's tower runs)
     self.batch_sharding = sharding.named(mesh, "B")
     self.replicated = sharding.replicated(mesh)
     logical = nn.get_partition_spec(jax.eval_shape(lambda: model_lib.init_boxed(model_cfg, jax.random.key(0))))
@@ -137,9 +138,14 @@ class Rollout:
     tower once per prompt (a group's G samples and every pass of the update share them); None: a text model.
     `hosts`: `prompts` are this process's share of a batch that every process samples (`groups`): the
     pixels are gathered first, and the vectors are every process's prompts', in process order."""
+    return self.image_inputs(params, prompts, hosts)[0]
+
+  def image_inputs(self, params, prompts, hosts: bool = False) -> tuple[jax.Array | None, np.ndarray | None]:
+    """(`image_vectors`, and the pixels [Q, I, C, S, S] they came from where groups keep them, `keep_pixels`;
+    else None)."""
     v = self.model_cfg.vision
     if v is None:
-      return None
+      return None, None
     images = [() if isinstance(p, str) else p.images for p in prompts]
     if max(map(len, images)) > self.cfg.max_images:
       raise DataError(f"a prompt has {max(map(len, images))} images; data.max_images={self.cfg.max_images} "
@@ -148,7 +154,8 @@ class Rollout:
     if hosts:  # A replicated array holds the same values on every process.
       pixels_QICSS = sharding.gather_hosts(pixels_QICSS)
     self.vision_prompts += len(prompts)
-    return vision.encode_images(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated))
+    vectors = vision.encode_images(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated))
+    return vectors, (pixels_QICSS if self.keep_pixels else None)
 
   def prompt_len(self, prompt_mask_QP: np.ndarray) -> int:
     """The smallest compiled prompt length (bucket) that holds every prompt of the batch."""
@@ -289,7 +296,7 @@ class Rollout:
     self.truncated_prompts += truncated
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
-    images_QMD = self.image_vectors(params, examples, hosts=True)
+    images_QMD, pixels_QICSS = self.image_inputs(params, examples, hosts=True)
     samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id, examples=examples,
                             images_QMD=images_QMD)
     t1 = time.perf_counter()
@@ -300,7 +307,7 @@ class Rollout:
                                  sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]),
                                  valid_QG=sharding.gather_hosts(local["valid"]),
                                  images_QMD=None if images_QMD is None else sharding.fetch(images_QMD),
-                                 parts_QGK=sharding.gather_hosts(local["parts"]))
+                                 parts_QGK=sharding.gather_hosts(local["parts"]), pixels_QICSS=pixels_QICSS)
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info

@@ -91,6 +91,7 @@ class Model(Section, ModelConfig):
   lora: Lora = Lora()              # LoRA adapters (the `Lora` section)
   vision: Vision = Vision()        # a vision tower for images in prompts (the `Vision` section; arch gemma3)
   base_quant: str = lora_lib.LoraConfig.base_quant   # "int8": the frozen base's layer matrices (needs lora.rank)
+  train_vision: bool = False       # RL trains the vision tower and projector too (each pass runs it on the pixels)
 
   def __post_init__(self):
     self.check()  # The section's one-line errors first, then the architecture's own.
@@ -105,6 +106,8 @@ class Model(Section, ModelConfig):
     self.number("vocab_size", 0, integer=True)
     self.number("attn_chunk", 0, integer=True)
     self.number("logits_chunk", 0, integer=True)
+    check(not (self.train_vision and self.lora.rank), "model.train_vision", self.train_vision,
+          "False with model.lora.rank > 0 (the adapters are the language model's; the tower stays frozen)")
     if self.init in ("random", "sft"):
       for f in ("embed_dim", "mlp_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
         self.number(f, 1, integer=True)
