@@ -118,9 +118,6 @@ class DAPO:
     if cfg.adv_estimator == "optimal_token_baseline" and logprobs_sum_pi_squared is None:
       raise ValueError("adv_estimator='optimal_token_baseline' needs logprobs_sum_pi_squared "
                        "(objectives.completion_logprobs_and_sum_pi_squared, jitted by Trainer.forward)")
-    if cfg.packing and trainer.model_cfg.mrope_section:
-      raise errors.ConfigError("train.packing=True: a Qwen2.5-VL model's M-RoPE positions are not computed per packed "
-                               "segment; set train.packing=False (its rows are bucketed)")
     self.critic, self.kl_ctrl, self.teacher = critic, kl_ctrl, teacher
     self.logprobs_sum_pi_squared = logprobs_sum_pi_squared
     # Routing replay R2: π_old's pass also returns each completion token's experts, which the updates replay.
@@ -211,7 +208,7 @@ class DAPO:
     vision = self.trainer.model_cfg.vision  # The rows are the policy's, placeholders included.
     return dict(max_tokens=trainer.microbatch_tokens, shards=sharding.batch_shards(trainer.mesh.shape),
                 buckets=self.cfg.length_buckets, scored=trainer.scored_cost, block=self.cfg.packing_block,
-                image_token=-1 if vision is None else vision.image_token_id)
+                vision=vision)
 
   def split(self, batch):
     """The train batch's `minibatches` mini-batches (consecutive rows: whole groups)."""

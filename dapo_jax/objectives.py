@@ -301,7 +301,7 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
   go to their [B, C] places, the padded layout's."""
   pk = mb.packed
   replay = {} if pk.routes_MTLk is None else dict(routes_BTLk=pk.routes_MTLk, replay=_replay(model_cfg))
-  out = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
+  out = model_lib.forward(model_cfg, params, pk.tokens_MT, rope_positions(pk), Segments.of(pk), head="hidden",
                           with_router=with_router, images_BMD=packed_images(mb, model_cfg, params), **replay)
   h_MTD, routing = out if with_router else (out, None)
   x_SKD = _at_scored(pk, h_MTD)
@@ -313,6 +313,11 @@ def _packed_stats(model_cfg: model_lib.ModelConfig, params, mb: RLBatch, tempera
     logp_SK, entropy_SK = _logprobs_and_entropy(z_SKV / temperature, targets_SK, entropy_grad, spread)
   shape = mb.loss_mask_BC.shape
   return _to_rows(pk, logp_SK, shape), _to_rows(pk, entropy_SK, shape), routing
+
+
+def rope_positions(pk):
+  """What a packed micro-batch's tokens rotate by: their rows' positions, or their M-RoPE positions [M, T, 3]."""
+  return pk.positions_MT if pk.mrope_MT3 is None else pk.mrope_MT3
 
 
 def packed_images(mb, model_cfg: model_lib.ModelConfig | None = None, params=None):
@@ -399,7 +404,7 @@ def _packed_logprobs_and_experts(model_cfg: model_lib.ModelConfig, temperature: 
   as `completion_logprobs_and_experts` gives them, and the same records at their packed positions
   [M, T, L_moe, k], -1 at every other token, for the updates to replay: `PackedRows.routes_MTLk`)."""
   pk = mb.packed
-  h_MTD, routing = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="hidden",
+  h_MTD, routing = model_lib.forward(model_cfg, params, pk.tokens_MT, rope_positions(pk), Segments.of(pk), head="hidden",
                                      with_router=True, emit_experts=True,
                                      images_BMD=packed_images(mb, model_cfg, params))
   z_SKV = model_lib.unembed(model_cfg, params, _at_scored(pk, h_MTD))

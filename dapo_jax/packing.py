@@ -38,7 +38,7 @@ def packed_pass(fn: Callable, batch, put: Callable, **budget):
 
 
 def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[int] = (),
-                scored: float = 0.0, block: int = 0, image_token: int = -1) -> list[tuple]:
+                scored: float = 0.0, block: int = 0, image_token: int = -1, vision=None) -> list[tuple]:
   """A mini-batch's rows packed without padding (host, pure): the micro-batches of a padding-free
   update (`datatypes.PackedRows`).
 
@@ -66,11 +66,15 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   Rows with images (`RLBatch.images_BMD`, placeholders `image_token`) share a prompt only with rows of
   the same images, and a beginning only up to the first placeholder; each sequence lists the vectors
   of its placeholders in order (`PackedRows.image_source_MN`) and numbers its images (`image_MT`),
-  whose tokens see each other both ways, as in the rows layout (`vision.image_attention`).
+  whose tokens see each other both ways, as in the rows layout (`vision.image_attention`). `vision` (the
+  model's `VisionConfig`) names the placeholder instead of `image_token`; with Qwen2.5-VL's tower the
+  images stay causal, each token carries its row's M-RoPE positions (`PackedRows.mrope_MT3`), and
+  prompts share no beginning (a row's positions shift by what its images save: `qwen_vision`).
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
   out as `RLBatch` (a `ValueBatch`).
   """
   images = getattr(batch, "images_BMD", None)
+  image_token = image_token if vision is None else vision.image_token_id
   if images is not None and image_token < 0:
     raise ConfigError("packing.packed_rows: rows with images (images_BMD) need their placeholder's id "
                       "(image_token)")
@@ -87,7 +91,14 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   if images is not None:  # Alike placeholders may hold different images: the beginning stops before them.
     firsts = [np.flatnonzero(t[m] == image_token) for t, m in zip(tokens_BP, mask[:, :P])]
     prefix = min([prefix] + [int(f[0]) for f in firsts if len(f)])
-  rows = _Rows(length_B, prompt_B, completion_B, prompt_id_B, prefix, image_token)
+  mrope_BT3 = None
+  if vision is not None and vision.kind == "qwen2_5_vl":
+    from dapo_jax.model import qwen_vision
+    positions_BT = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    mrope_BT3 = np.moveaxis(np.asarray(qwen_vision.mrope_positions(vision, positions_BT, batch.tokens_BT)), 0, -1)
+    prefix = 0 if images is not None else prefix
+  rows = _Rows(length_B, prompt_B, completion_B, prompt_id_B, prefix, image_token,
+               vision is None or vision.bidirectional, mrope_BT3)
   edges = sorted({c for c in buckets if c < C} | {C})
   bucket = lambda n: next(c for c in edges if c >= n)
   pending = sorted(np.flatnonzero(length_B), key=lambda b: -length_B[b])
@@ -143,6 +154,8 @@ class _Rows:
   prompt_id_B: np.ndarray
   prefix: int
   image_token: int = -1
+  bidirectional: bool = True  # an image's tokens see each other both ways (Gemma 3)
+  mrope_BT3: np.ndarray | None = None  # int32 [B, T, 3]: each token's M-RoPE positions (Qwen2.5-VL)
 
 
 def _common_prefix(tokens_BP: np.ndarray, mask_BP: np.ndarray, rows_B: np.ndarray) -> int:
@@ -193,8 +206,11 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
   images = getattr(batch, "images_BMD", None)
   if images is not None:  # Each placeholder's image (numbered per shard) and vector (in its shard's slots).
     I = images.shape[1]
-    ids_DL["image"] = np.zeros((shards, S * L), np.int32)
+    if rows.bidirectional:
+      ids_DL["image"] = np.zeros((shards, S * L), np.int32)
     sources = [[[] for _ in range(S)] for _ in range(shards)]
+  if rows.mrope_BT3 is not None:
+    ids_DL["mrope"] = np.zeros((shards, S * L, 3), np.int32)
 
   def put(d, start, real, lo, hi, segment, prompt, branch, b, readers=1):  # Row b's real tokens [lo, hi).
     for k, v in (("tokens", real[lo:hi]), ("positions", np.arange(lo, hi)), ("segments", segment),
@@ -202,11 +218,14 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       ids_DL[k][d, start:start + hi - lo] = v
     if routes is not None:
       ids_DL["routes"][d, start:start + hi - lo] = real_routes(b)[lo:hi]
+    if rows.mrope_BT3 is not None:
+      ids_DL["mrope"][d, start:start + hi - lo] = rows.mrope_BT3[b][mask[b]][lo:hi]
     if images is not None:
       is_image = real == rows.image_token
       image = np.cumsum(is_image & ~np.r_[False, is_image[:-1]])  # The row's 1st, 2nd, ... image
       at = lo + np.flatnonzero(is_image[lo:hi])
-      ids_DL["image"][d, start + at - lo] = slot[b] * (I + 1) + image[at]
+      if rows.bidirectional:
+        ids_DL["image"][d, start + at - lo] = slot[b] * (I + 1) + image[at]
       sources[d][start // L].extend(slot[b] * I + np.cumsum(is_image)[at] - 1)
     return start + hi - lo
 
@@ -241,7 +260,9 @@ def _pack(batch: RLBatch, bins: list[list[int]], shards: int, S: int, L: int, Cb
       scored_DK3[d, :len(p)] = p
   P = batch.tokens_BT.shape[1] - batch.loss_mask_BC.shape[1]
   source_K, target_K, place_K = (scored_DK3[..., i].reshape(-1) for i in range(3))
-  ids = {f"{k}_MT": seq(v) for k, v in ids_DL.items() if k != "routes"}
+  ids = {f"{k}_MT": seq(v) for k, v in ids_DL.items() if k not in ("routes", "mrope")}
+  if rows.mrope_BT3 is not None:
+    ids["mrope_MT3"] = ids_DL["mrope"].reshape(shards * S, L, 3)
   if routes is not None:
     ids["routes_MTLk"] = ids_DL["routes"].reshape(shards * S, L, *routes.shape[2:])
   if images is not None:

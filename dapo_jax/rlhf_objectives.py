@@ -13,7 +13,8 @@ from dapo_jax import loss as loss_lib
 from dapo_jax.datatypes import PackedLMBatch, PreferenceBatch, ValueBatch
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.model.packed_attention import Segments
-from dapo_jax.objectives import Objective, _at_scored, _images, _to_rows, completion_logits, packed_images
+from dapo_jax.objectives import (Objective, _at_scored, _images, _to_rows, completion_logits, packed_images,
+                                 rope_positions)
 
 # --- Packed SFT, the reward model, DPO ------------------------------------------------------------
 
@@ -156,7 +157,7 @@ def completion_values(model_cfg: model_lib.ModelConfig, group_size: int = 0) -> 
   def fn(params, mb) -> jax.Array:
     if getattr(mb, "packed", None) is not None:
       pk = mb.packed
-      values_MT = model_lib.forward(model_cfg, params, pk.tokens_MT, pk.positions_MT, Segments.of(pk), head="scalar",
+      values_MT = model_lib.forward(model_cfg, params, pk.tokens_MT, rope_positions(pk), Segments.of(pk), head="scalar",
                                     images_BMD=packed_images(mb))
       return _to_rows(pk, _at_scored(pk, values_MT), mb.loss_mask_BC.shape)
     C = mb.loss_mask_BC.shape[1]

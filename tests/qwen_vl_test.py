@@ -296,3 +296,61 @@ def test_two_updates_on_the_mesh_equal_one_device_and_leave_the_tower():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), one, mesh8)
   jax.tree.map(np.testing.assert_array_equal, one["vision"], params["vision"])
   assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(one["layers"]), jax.tree.leaves(params["layers"])))
+
+
+def _tiny_qwen_vl():
+  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=2,
+                      num_heads=2, tokens_per_image=4, window_size=4, full_attention_layers=(1,), image_token_id=63,
+                      boi_token_id=61, eoi_token_id=62)
+  return ModelConfig(vocab_size=64, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
+
+
+def _packable_rows(G: int, seed: int = 0, C: int = 6):
+  """Eight rows, G per prompt: every prompt begins with the same text and an image, one has two images,
+  two the same text and different images; left padding; random vectors for the placeholders."""
+  rng = np.random.default_rng(seed)
+  img = [61] + [63] * 4 + [62]
+  texts = [[3, 4] + img + [9, 7, 8], [3, 4] + img + [9, 7, 8], [3, 4] + img + [10], [3, 4] + img + [11, 12] + img + [5]]
+  P, B = max(map(len, texts)), 8
+  prompts = [texts[b // G % 4] if G > 1 else texts[b % 4] for b in range(B)]
+  group_images = rng.normal(size=(B, 8, 32)).astype(np.float32)
+  images = np.stack([group_images[b // G] for b in range(B)])
+  cmask = np.arange(C)[None] < np.array([3, 6, 1, 5, 6, 2, 4, 6])[:, None]
+  tokens = np.array([[0] * (P - len(p)) + p for p in prompts])
+  pmask = np.array([[0] * (P - len(p)) + [1] * len(p) for p in prompts], bool)
+  tokens = np.concatenate([tokens, np.where(cmask, rng.integers(1, 60, (B, C)), 0)], 1).astype(np.int32)
+  return RLBatch(tokens_BT=tokens, mask_BT=np.concatenate([pmask, cmask], 1), loss_mask_BC=cmask,
+                 old_logp_BC=rng.normal(-4, 0.3, (B, C)).astype(np.float32), adv_B=rng.normal(size=B).astype(np.float32),
+                 ref_logp_BC=np.zeros((B, C), np.float32), images_BMD=images)
+
+
+@pytest.mark.parametrize("G,block", [(1, 0), (2, 0), (2, 4)])
+def test_packed_rows_carry_their_m_rope_positions_and_give_the_padded_loss_and_gradients(G, block):
+  """Packed micro-batches (dense, or over block pairs) of rows with images: each token rotates by its row's
+  M-RoPE positions, images stay causal, prompts share no beginning; the objective summed over them is the
+  padded batch's (loss, metrics, gradients)."""
+  from dapo_jax import packing
+  cfg = _tiny_qwen_vl()
+  params = model.init_params(cfg, jax.random.key(3))
+  params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(4), a.shape, a.dtype), params)
+  batch = _packable_rows(G)
+  obj = objectives.policy_gradient(cfg, objectives.PGConfig(kl_coef=0.1))
+  parts = packing.packed_microbatches(batch, max_tokens=64, block=block, vision=cfg.vision)
+  assert len(parts) > 1
+  for p in parts:
+    pk = p.packed
+    assert pk.image_MT is None and pk.mrope_MT3 is not None
+    assert not ((pk.prompts_MT == 0) & (pk.segments_MT > 0)).any()  # No shared beginning.
+  step = jax.jit(jax.value_and_grad(obj.loss, has_aux=True))
+  (loss, metrics), grads = step(params, batch, obj.counts(batch))
+  counts = jax.tree.map(lambda *c: sum(c), *[obj.counts(p) for p in parts])
+  (loss_p, metrics_p), grads_p = jax.tree.map(lambda *x: sum(x), *[step(params, p, counts) for p in parts])
+  np.testing.assert_allclose(loss_p, loss, rtol=1e-5, atol=1e-6)
+  for k in metrics:
+    np.testing.assert_allclose(metrics_p[k], metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6), grads, grads_p)
+  # The positions matter: packed with their rows' 1D positions in all three sections, the loss is another.
+  flat = [p.replace(packed=p.packed.replace(mrope_MT3=np.repeat(p.packed.positions_MT[..., None], 3, -1)))
+          for p in parts]
+  assert abs(sum(float(step(params, p, counts)[0][0]) for p in flat) - float(loss)) > 1e-5
