@@ -42,13 +42,14 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _JSON = flags.DEFINE_bool("json", False, "One JSON object per completion instead of text.")
 
 
-def read_prompts(path: str, prompt_template: str):
+def read_prompts(path: str, prompt_template: str, pan_and_scan: bool = False):
   """(prompts, ground truths) of a file: examples with their answer, or plain prompts with None."""
   from dapo_jax.data import prompts as data
   rows = data.read_rows(path)
   truth = lambda row: (row["reward_model"] if isinstance(row.get("reward_model"), dict) else row).get("ground_truth")
   has_truth = [isinstance(row, dict) and str(truth(row) or "").strip() != "" for row in rows]
-  examples = {ex.index: ex for ex in data.load_file(path, "skip", prompt_template)} if any(has_truth) else {}
+  examples = ({ex.index: ex for ex in data.load_file(path, "skip", prompt_template, pan_and_scan=pan_and_scan)}
+              if any(has_truth) else {})
   prompts, truths = [], []
   for i, row in enumerate(rows):
     if has_truth[i]:
@@ -73,9 +74,10 @@ def as_example(prompt, ground_truth):
   return prompt if ground_truth is None else dataclasses.replace(prompt, ground_truth=ground_truth)
 
 
-def with_images(prompt, paths):
+def with_images(prompt, paths, pan_and_scan: bool = False):
   """`prompt` (a string or an example) as an example holding the image files `paths`: its last turn gets
-  one `<image>` mark per image before its text, unless it has the marks already."""
+  one `<image>` mark per image before its text, unless it has the marks already (`pan_and_scan`: and
+  Gemma 3's crops, `images.pan_and_scan`)."""
   from dapo_jax.data import images
   from dapo_jax.data import prompts as data
   imgs = tuple(images.read_entry(p, os.getcwd(), f"--image={p}") for p in paths)
@@ -85,6 +87,8 @@ def with_images(prompt, paths):
     last["content"] = images.IMAGE_MARK * len(imgs) + "\n" + last["content"]
   messages = ex.messages[:-1] + (last,)
   images.check_marks(messages, len(imgs), "--prompt")
+  if pan_and_scan:
+    messages, imgs = images.pan_and_scan(messages, imgs, "--image")
   return data.Example(messages=messages, ground_truth=ex.ground_truth, data_source=ex.data_source, images=imgs)
 
 
@@ -104,13 +108,13 @@ def main(argv):
   if bool(_PROMPT.value) == bool(_PROMPTS.value):
     raise data.DataError("give one of --prompt=TEXT or --prompts=FILE")
   if _PROMPTS.value:  # Before the model loads: a bad file fails at once.
-    prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template)
+    prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template, cfg.data.pan_and_scan)
   else:
     wrap = not (_RAW.value or _MODEL_DIR.value)  # Only a run's own task is known.
     prompts = [builders.user_prompt(cfg, _PROMPT.value) if wrap else _PROMPT.value]
     truths = [_GROUND_TRUTH.value]
     if _IMAGES.value:
-      prompts = [with_images(prompts[0], _IMAGES.value)]
+      prompts = [with_images(prompts[0], _IMAGES.value, cfg.data.pan_and_scan)]
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
     model_cfg, params = hf.load(_MODEL_DIR.value, **builders.runtime_overrides(cfg))

@@ -69,7 +69,7 @@ def main(argv):
       max_new_tokens=_MAX_NEW_TOKENS.value, round_steps=_ROUND_STEPS.value, max_queue=_MAX_QUEUE.value,
       compact=_COMPACT.value, mesh=mesh, logprobs_mode=_LOGPROBS_MODE.value,
       engine_options={k: getattr(builders.as_config(cfg).rollout, k) for k in server_lib.CACHE_SETTINGS},
-      max_images=builders.as_config(cfg).data.max_images,
+      max_images=builders.as_config(cfg).data.max_images, pan_and_scan=builders.as_config(cfg).data.pan_and_scan,
       limits=server_lib.http.limits(max_connections=_MAX_CONNECTIONS.value, header_timeout_s=_HEADER_TIMEOUT_S.value,
                                     body_timeout_s=_BODY_TIMEOUT_S.value, max_prompt_chars=_MAX_PROMPT_CHARS.value),
       user_prompt=(lambda q: builders.user_prompt_messages(cfg, q)) if _WRAP_PROMPTS.value and workdir else None)

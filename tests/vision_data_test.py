@@ -101,6 +101,35 @@ def red_blobs(img) -> int:
   return n
 
 
+def test_pan_and_scan_gives_gemma3s_crops_and_text(tmp_path):
+  """`data.pan_and_scan`: a tall image's crops follow it, and their pixels are those of transformers'
+  processor with `do_pan_and_scan`; its mark becomes the text of transformers' Gemma3Processor; a square
+  image, and one whose crops would be too small, stay as they are."""
+  import types
+  transformers = pytest.importorskip("transformers")
+  rng = np.random.default_rng(0)
+  pics = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((300, 300), (900, 300),
+                                                                                        (250, 600))]
+  encoded = [images.encode_png(p) for p in pics]
+  for i, data in enumerate(encoded):
+    (tmp_path / f"{i}.png").write_bytes(data)
+  write_rows(tmp_path / "d.jsonl", [row("A <image>, a tall <image> and a wide <image>: how many?",
+                                        ["0.png", "1.png", "2.png"])])
+  ex, = data_lib.load_file(str(tmp_path / "d.jsonl"), pan_and_scan=True)
+  kw = {k: v for k, v in transformers.Gemma3Processor.images_kwargs.items() if k.startswith("pan_and_scan")}
+  ref = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})(
+      images=pics, do_pan_and_scan=True, return_tensors="np", **kw)
+  assert ref["num_crops"].tolist() == [0, 3, 0] and len(ex.images) == 6
+  vcfg = VisionConfig(image_size=32, patch_size=4, tokens_per_image=4)
+  np.testing.assert_array_equal(images.pixels(vcfg, ex.images, 6), ref["pixel_values"])
+  seq = types.SimpleNamespace(full_image_sequence=images.IMAGE_MARK)
+  text = [transformers.Gemma3Processor.replace_image_token(seq, ref, i) for i in range(3)]
+  assert ex.messages[0]["content"] == f"A {text[0]}, a tall {text[1]} and a wide {text[2]}: how many?"
+  assert images.count_marks(ex.messages) == 6
+  plain, = data_lib.load_file(str(tmp_path / "d.jsonl"))
+  assert plain.images == tuple(encoded) and images.count_marks(plain.messages) == 3
+
+
 def test_drawn_pictures_hold_as_many_red_shapes_as_their_answer():
   exs = count_shapes.examples(40, "train", seed=3, max_count=4)
   answers = [int(ex.ground_truth) for ex in exs]

@@ -152,6 +152,9 @@ def dapo(cfg, workdir: str, mesh=None) -> loop.DAPO:
     rollout = rollout_lib.Rollout(tok, model_cfg, rollout_mesh or mesh, rollout_config(cfg),
                                   sampler_config(cfg, tok, model_dir(cfg, workdir)), reward_, *episodes(cfg, tok))
     rollout.keep_pixels = cfg.model.train_vision  # The update's passes run the tower that trains on them.
+    if cfg.data.pan_and_scan and getattr(model_cfg.vision, "kind", None) != "siglip":
+      raise ConfigError("data.pan_and_scan=True: Gemma 3's crops go with its tower (model.vision.kind='siglip'); "
+                        f"this model's is {getattr(model_cfg.vision, 'kind', 'none (a text model)')!r}")
     data_iter = data_iterator(cfg, train, jax.process_index(), jax.process_count())
     critic_ = critic(cfg, model_cfg, params, tok, mesh, pg.group_size) if cfg.dapo.adv_estimator == "gae" else None
     teacher_ = teacher(cfg, model_cfg, tok, mesh, pg) if cfg.dapo.adv_estimator == "distill" else None

@@ -48,7 +48,8 @@ def datasets(cfg) -> tuple[list[data_lib.Example], list[data_lib.Example]]:
     raise ValueError("data.train_files is empty; set --config.data.train_files=/path/to/train.parquet")
   template = d.prompt_template or None
   check = row_check(cfg)
-  load = lambda f: data_lib.load_file(f, missing_answer=d.missing_answer, prompt_template=template, check=check)
+  load = lambda f: data_lib.load_file(f, missing_answer=d.missing_answer, prompt_template=template, check=check,
+                                      pan_and_scan=d.pan_and_scan)
   train = [ex for f in files for ex in load(f)]
   evals = [ex for f in d.eval_files if f for ex in load(f)]
   return train, evals[: d.num_eval] if d.num_eval else evals

@@ -87,6 +87,32 @@ def decode(data: bytes, where: str = "image"):
     raise DataError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
 
 
+def pan_and_scan(messages: Sequence[dict], images: Sequence[bytes], where: str = "image"
+                 ) -> tuple[tuple[dict, ...], tuple[bytes, ...]]:
+  """Gemma 3's pan-and-scan (`data.pan_and_scan`): each wide or tall image also enters as 2 to 4 crops side
+  by side, each one more image the tower sees whole (transformers' `Gemma3ImageProcessorPil.pan_and_scan`
+  with `Gemma3Processor`'s defaults). Its mark becomes Gemma 3's text for them, "Here is the original
+  image <image> and here are some crops to help you see better <image> <image>"; an image too square or
+  too small for crops stays as it is. Returns the messages and the images, crops after their image."""
+  from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+  kw = {k: v for k, v in Gemma3Processor.images_kwargs.items() if k.startswith("pan_and_scan_")}
+  Image, crop = pil(), Gemma3ImageProcessorPil().pan_and_scan
+  out_images, phrases = [], []
+  for i, data in enumerate(images):
+    chw = np.asarray(decode(data, f"{where}[{i}]")).transpose(2, 0, 1)
+    crops = [encode_png(Image.fromarray(np.ascontiguousarray(c.transpose(1, 2, 0)))) for c in crop(image=chw, **kw)]
+    out_images += [data] + crops
+    phrases.append(IMAGE_MARK if not crops else "Here is the original image " + IMAGE_MARK
+                   + " and here are some crops to help you see better " + " ".join([IMAGE_MARK] * len(crops)))
+  phrases = iter(phrases)
+  out_messages = []
+  for m in messages:
+    parts = str(m.get("content", "")).split(IMAGE_MARK)
+    content = parts[0] + "".join(next(phrases) + part for part in parts[1:])
+    out_messages.append(dict(m, content=content))
+  return tuple(out_messages), tuple(out_images)
+
+
 def count_marks(messages: Sequence[dict]) -> int:
   return sum(str(m.get("content", "")).count(IMAGE_MARK) for m in messages)
 

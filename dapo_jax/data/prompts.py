@@ -62,7 +62,8 @@ def read_rows(path: str) -> list[dict]:
   raise DataError(f"dataset file {path!r}: unknown format (expected .parquet or .jsonl)")
 
 
-def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Example | None:
+def _parse_row(row: dict, path: str, i: int, prompt_template: str | None, pan_and_scan: bool = False
+               ) -> Example | None:
   """One row -> Example; None when the ground truth is missing (the caller decides)."""
   if not isinstance(row, dict):
     raise DataError(f"{path}: row {i}: expected an object with 'prompt' and 'reward_model', "
@@ -89,6 +90,8 @@ def _parse_row(row: dict, path: str, i: int, prompt_template: str | None) -> Exa
   images = _row_images(row, path, i)
   if images or images_lib.count_marks(messages):
     images_lib.check_marks(messages, len(images), f"{path}: row {i}")
+  if pan_and_scan and images:
+    messages, images = images_lib.pan_and_scan(messages, images, f"{path}: row {i}: images")
   return Example(messages=messages, ground_truth=str(gt), data_source=str(row.get("data_source") or "math_dapo"),
                  index=i, images=images, source=path)
 
@@ -105,19 +108,21 @@ def _row_images(row: dict, path: str, i: int) -> tuple[bytes, ...]:
 
 
 def load_file(path: str, missing_answer: str = "error", prompt_template: str | None = None,
-              check: Callable[[Example], None] | None = None) -> list[Example]:
+              check: Callable[[Example], None] | None = None, pan_and_scan: bool = False) -> list[Example]:
   """All examples of a parquet/jsonl file in the DAPO-Math schema.
 
   check: raises a ValueError for an example the run could never use (a reward's
   `check_ground_truth`, an environment's `check_example`). missing_answer: "error" fails naming the
   row without a ground truth or with an unusable one; "skip" drops such rows and logs how many.
+  pan_and_scan: each row's images and marks through `images.pan_and_scan` (Gemma 3's crops).
   """
   rows = read_rows(path)
   if not rows:
     raise DataError(f"dataset file {path!r} has no rows")
   out, skipped = [], collections.Counter()
   for i, row in enumerate(rows):
-    ex, kind, why = _parse_row(row, path, i, prompt_template), "no ground truth", " (field 'reward_model.ground_truth')"
+    ex, kind, why = (_parse_row(row, path, i, prompt_template, pan_and_scan), "no ground truth",
+                     " (field 'reward_model.ground_truth')")
     if ex is not None and check is not None:
       try:
         check(ex)

@@ -47,10 +47,11 @@ def part_image(part: dict, param: str) -> bytes:
 
 class ImageEncoder:
   """A vision-language policy's tower on the server: each request's images (up to `max_images`) ->
-  [max_images * M, D] fp32 vectors in placeholder order (zeros where it has fewer, never placed)."""
+  [max_images * M, D] fp32 vectors in placeholder order (zeros where it has fewer, never placed).
+  `pan_and_scan`: a request's images and marks go through Gemma 3's crops first (`images.pan_and_scan`)."""
 
-  def __init__(self, model_cfg, params, max_images: int, mesh=None):
-    self.vcfg, self.max_images = model_cfg.vision, max_images
+  def __init__(self, model_cfg, params, max_images: int, mesh=None, pan_and_scan: bool = False):
+    self.vcfg, self.max_images, self.pan_and_scan = model_cfg.vision, max_images, pan_and_scan
     self.tower = vision.tower_params(params)
     self.replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     self.width = max_images * self.vcfg.tokens_per_image

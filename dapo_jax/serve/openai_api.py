@@ -305,6 +305,8 @@ class OpenAIPolicy:
     self._check_chars(chars, "messages")
     images = [] if self.images is not None else None
     messages = [normalize_message(m, i, images) for i, m in enumerate(body.messages)]
+    if images and self.images.pan_and_scan:
+      messages, images = map(list, data_images.pan_and_scan(messages, images, "messages"))
     tools = body.tools
     opening = self.forced_opening(body)
     if not getattr(self.tok, "chat_template", None):

@@ -42,13 +42,15 @@ class PolicyServer:
   arguments (the KV cache's layout: `launch.serve` passes the run config's `rollout.kv_layout`,
   `page_size`, `kv_pages`, `kv_memory_mb`, `paged_attention` and `prefix_cache`). A vision-language policy takes
   up to `max_images` images per chat request, as base64 data: URLs in `image_url` parts (`serve.images`; launch.serve:
-  the run config's `data.max_images`). A context manager; `start()` serves in a thread, `serve_forever()` in front."""
+  the run config's `data.max_images`; `pan_and_scan`: its `data.pan_and_scan`). A context manager; `start()`
+  serves in a thread, `serve_forever()` in front."""
 
   def __init__(self, model_cfg, params, tok, *, eos_ids, model_name: str = "dapo-policy", host: str = "127.0.0.1",
                port: int = 0, token: str | None = None, slots: int = 16, max_prompt_len: int = 512,
                max_new_tokens: int = 256, round_steps: int = 4, max_queue: int = 1024, top_k: int = 0, mesh=None,
                compact: bool = False, user_prompt=None, limits: http.Limits = http.Limits(),
-               logprobs_mode: str = "raw", engine_options: dict | None = None, max_images: int = 1):
+               logprobs_mode: str = "raw", engine_options: dict | None = None, max_images: int = 1,
+               pan_and_scan: bool = False):
     token = token or os.environ.get(TOKEN_ENV) or None
     http.check_bind(host, token, TOKEN_ENV)
     if logprobs_mode not in LOGPROBS_MODES:
@@ -61,7 +63,8 @@ class PolicyServer:
                                     round_steps=round_steps, **(engine_options or {}))
     self.scheduler = scheduler_lib.Scheduler(self.engine, params, max_queue=max_queue, compact=compact)
     app = http.new_app("dapo_jax policy server", token, limits.max_body_bytes)
-    encoder = images_lib.ImageEncoder(model_cfg, params, max_images, mesh) if model_cfg.vision is not None else None
+    encoder = (images_lib.ImageEncoder(model_cfg, params, max_images, mesh, pan_and_scan)
+               if model_cfg.vision is not None else None)
     self.policy = openai_api.OpenAIPolicy(self.scheduler, tok, model_name, tuple(eos_ids), user_prompt=user_prompt,
                                           max_prompt_chars=limits.max_prompt_chars, images=encoder)
     openai_api.routes(app, self.policy)

@@ -35,6 +35,7 @@ class Data(Section):
   chat_template: bool = _ROLLOUT.chat_template   # render prompts with the tokenizer's chat template
   prompt_template: str = ""        # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
   max_images: int = _ROLLOUT.max_images   # a vision-language model: image slots per prompt (rows' images <= it)
+  pan_and_scan: bool = False       # Gemma 3's pan-and-scan: a wide or tall image also enters as 2-4 crops (slots too)
   max_prompt_len: int = 2048       # tokens; longer prompts keep their end (truncation left)
   prompt_buckets: tuple[int, ...] = _ROLLOUT.prompt_buckets   # prompt lengths compiled for; () = just max_prompt_len
   missing_answer: str = "error"    # error | skip rows without a (usable) ground truth
