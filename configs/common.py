@@ -100,7 +100,7 @@ def reasoning_gym(c: mlc.ConfigDict, tasks: str) -> None:
   c.data.update(task="reasoning_gym", rg_tasks=names, rg_settings=json.dumps({t: RG_TASKS[t] for t in names}),
                 rg_num_train=4000, num_eval=48, fewshot=3, prompt_template=RG_INSTRUCTION,
                 max_prompt_len=224, prompt_buckets=(224,))
-  c.reward.update(fn="dapo_jax.rewards:reasoning_gym", workers=2)
+  c.reward.update(defaults(settings.Reward, "workers"), fn="dapo_jax.rewards:reasoning_gym")
   c.rollout.update(defaults(settings.Rollout, "temperature", "top_p", "top_k"), group_size=8, max_new_tokens=32)
   c.dapo.update(prompts_per_step=8, gen_prompts=12, max_gen_batches=3, overlong_buffer=8)
   c.train.update(defaults(settings.Train, "ckpt_every", "log_samples_every"), num_steps=30, minibatches=1,
