@@ -326,6 +326,26 @@ def test_a_sequence_parallel_update_equals_the_unsharded_one(packed):
   _assert_same_update(*runs)
 
 
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_ring_attention_over_the_sequence_axis_equals_the_unsharded_update(chunk):
+  """`model.sequence_attention="ring"`: each shard's keys and values go around mesh.sequence = 4 instead of
+  being gathered (a sliding-window layer, query blocks of `attn_chunk` or none); two packed updates on
+  (fsdp 2, sequence 4) give the metrics and params of one device's dense update to 1e-5."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
+  one = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  split = sharding.make_mesh({"data": 1, "fsdp": 2, "sequence": 4, "tensor": 1})
+  cfg = dataclasses.replace(CFG, local_layers=(0,), sliding_window=24, attn_chunk=chunk)
+  batch = long_tail_batch()
+  pg = objectives.PGConfig(kl_coef=0.1)
+  params0 = jax.device_get(_trainer(cfg, pg, one).init(jax.random.key(0)).params)
+  runs = []
+  for mesh, how in ((one, "gather"), (split, "ring")):
+    parts = packing.packed_microbatches(batch, max_tokens=64, shards=sharding.batch_shards(mesh.shape), block=0)
+    runs.append(_two_steps(_trainer(dataclasses.replace(cfg, sequence_attention=how), pg, mesh), params0, parts))
+  _assert_same_update(*runs)
+
+
 def test_the_sequence_axis_and_query_blocks_bound_a_long_rows_update_memory():
   """One row of 4,096 tokens: the compiled update's temporary memory per device (XLA's own memory
   analysis) on mesh.sequence = 4 is about a quarter of one device's (each device holds its quarter

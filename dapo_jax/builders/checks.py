@@ -62,6 +62,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
   if m.router_replay != "disabled":
     check(r.engine == "continuous" or m.router_replay != "R3", "model.router_replay", m.router_replay,
           "'disabled' or 'R2' with rollout.engine='static' (the continuous engine records the sampler's experts)")
+  check(m.sequence_attention != "ring" or t.packing, "model.sequence_attention", m.sequence_attention,
+        "'gather' without train.packing=True (the ring runs over packed sequences)")
   if r.partial_rollouts and not (d.streaming and r.engine == "continuous"):
     raise ConfigError("rollout.partial_rollouts=True needs dapo.streaming=True and rollout.engine='continuous' "
                       "(params change between engine rounds)")

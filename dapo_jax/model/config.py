@@ -110,6 +110,9 @@ class ModelConfig:
                            # xla | cudnn (`jax.nn.dot_product_attention`; cudnn = fused flash attention on
                            # NVIDIA GPUs, bf16/fp16 only). Soft-capped scores and the shared-prompt layout
                            # stay on einsum (`layers.attention`)
+  # How a shard's queries reach the keys of the other shards of mesh.sequence: gather (each layer's keys
+  # and values gathered whole) | ring (`ring_attention`: blocks passed around; packed sequences only).
+  sequence_attention: str = "gather"
   logits_chunk: int = 0    # completion positions unembedded at once by the RL objectives (0 = all): the
                            # B x C x V logits never exist whole, forward or backward (a 262K vocabulary)
   arch: str = "qwen2"      # HF family written by hf.save: qwen2 | llama | qwen3 | qwen3_moe | gemma3
@@ -169,6 +172,10 @@ class ModelConfig:
     if self.attention_impl == "cudnn" and self.dtype not in ("bfloat16", "float16"):
       raise ValueError(f"model.attention_impl='cudnn' runs in bfloat16 or float16 only; model.dtype={self.dtype!r} "
                        "(set model.dtype=bfloat16, or attention_impl=xla)")
+    if self.sequence_attention not in ("gather", "ring"):
+      raise ValueError(f"model.sequence_attention={self.sequence_attention!r}; expected 'gather' or 'ring'")
+    if self.sequence_attention == "ring" and self.attn_softcap:
+      raise ValueError("model.sequence_attention='ring' has no soft-capped scores (model.attn_softcap); use 'gather'")
     if self.rope_type not in ROPE_TYPES:
       raise ValueError(f"model.rope_type={self.rope_type!r}; expected one of {ROPE_TYPES}")
     if self.rope_type != "default" and self.rope_factor <= 0:

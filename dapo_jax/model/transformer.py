@@ -26,7 +26,7 @@ from flax import linen as nn
 from dapo_jax import sharding
 from dapo_jax.model import layers as layers_lib
 from dapo_jax.model import lora as lora_lib
-from dapo_jax.model import packed_attention, quant, vision
+from dapo_jax.model import packed_attention, quant, ring_attention, vision
 from dapo_jax.model.config import REMAT_POLICIES, ModelConfig  # noqa: F401 (model.ModelConfig is public API)
 
 Params = Any
@@ -185,7 +185,11 @@ class Block(nn.Module):
     return _query_blocks(attend, q_BCKRH, mask_BCC, self.cfg.attn_chunk)
 
   def _attend_packed(self, q_BTKRH, k_BTKH, v_BTKH, segments: packed_attention.Segments, window):
-    """Packed sequences: over their block pairs where they have them, else dense under their mask."""
+    """Packed sequences: over their block pairs where they have them, else dense under their mask; by a ring
+    over mesh.sequence with `sequence_attention="ring"`."""
+    if self.cfg.sequence_attention == "ring":
+      return ring_attention.attend(q_BTKRH, k_BTKH, v_BTKH, segments, window, self.cfg.attn_chunk,
+                                   layers_lib.attn_kw(self.cfg)["scale"])
     if not segments.block:
       return self._attend_rows(q_BTKRH, k_BTKH, v_BTKH, segments.dense_mask(window))
     return packed_attention.attend_blocks(q_BTKRH, k_BTKH, v_BTKH, segments, window, self.cfg.attn_chunk,

@@ -11,7 +11,7 @@ INITS = ("random", "hf", "gguf", "sft")
 DTYPES = ("float32", "bfloat16", "float16")
 # Fields of `model` that are not in an HF config.json: they apply to a loaded model too.
 RUNTIME_FIELDS = ("param_dtype", "dtype", "matmul_dtype", "remat", "attn_chunk", "logits_chunk",
-                  "router_aux_coef", "expert_chunk", "attention_impl", "router_replay")
+                  "router_aux_coef", "expert_chunk", "attention_impl", "router_replay", "sequence_attention")
 
 
 @dataclasses.dataclass(frozen=True)
