@@ -64,13 +64,15 @@ def report(cfg, devices: int | None = None, name: str = "") -> str:
 
 def compiled(cfg, devices: int | None = None, layers: int = 2) -> str:
   """XLA's memory analysis, per device, of the update of one micro-batch of `cfg` (rows of data.max_prompt_len +
-  rollout.max_new_tokens tokens, one per batch shard; packed: one sequence of train.microbatch_tokens per
+  rollout.max_new_tokens tokens, one per batch shard; with train.packing those rows packed, one sequence a
   shard) on its mesh, the model cut to its first `layers` layers. Needs that many JAX devices (`main` forces
   host devices)."""
   import jax
   import jax.numpy as jnp
 
-  from dapo_jax import builders, objectives, optim, sharding, train_step
+  import numpy as np
+
+  from dapo_jax import builders, objectives, optim, packing, sharding, train_step
   from dapo_jax.datatypes import RLBatch
   mc = builders.model_config(cfg, cfg.model.vocab_size or 1024)
   full = mc.num_layers
@@ -82,12 +84,17 @@ def compiled(cfg, devices: int | None = None, layers: int = 2) -> str:
   trainer = train_step.Trainer(mc, optim.OptimConfig(), mesh, objectives.policy_gradient(mc, objectives.PGConfig()),
                                num_microbatches=1)
   P, C, rows = cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, sharding.batch_shards(mesh.shape)
-  if cfg.train.packing:  # One packed sequence of the budget per shard, its completion part all real tokens.
-    P, C = 0, cfg.train.microbatch_tokens
-  shape = lambda *s, dt=jnp.float32: jax.ShapeDtypeStruct(s, dt)
-  batch = RLBatch(tokens_BT=shape(rows, P + C, dt=jnp.int32), mask_BT=shape(rows, P + C, dt=jnp.bool_),
-                  loss_mask_BC=shape(rows, C, dt=jnp.bool_), old_logp_BC=shape(rows, C), adv_B=shape(rows),
-                  ref_logp_BC=shape(rows, C))
+  if cfg.train.packing:  # Each shard's row of P + C real tokens, packed as the update packs it.
+    ones = lambda *s, dt=np.float32: np.ones(s, dt)
+    host = RLBatch(tokens_BT=ones(rows, P + C, dt=np.int32), mask_BT=ones(rows, P + C, dt=bool),
+                   loss_mask_BC=ones(rows, C, dt=bool), old_logp_BC=ones(rows, C), adv_B=ones(rows),
+                   ref_logp_BC=ones(rows, C))
+    batch = packing.packed_microbatches(host, max_tokens=P + C, shards=rows, block=cfg.train.packing_block)[0]
+  else:
+    shape = lambda *s, dt=jnp.float32: jax.ShapeDtypeStruct(s, dt)
+    batch = RLBatch(tokens_BT=shape(rows, P + C, dt=jnp.int32), mask_BT=shape(rows, P + C, dt=jnp.bool_),
+                    loss_mask_BC=shape(rows, C, dt=jnp.bool_), old_logp_BC=shape(rows, C), adv_B=shape(rows),
+                    ref_logp_BC=shape(rows, C))
   m = trainer.compiled_step_memory(batch)
   gb = lambda b: f"{b / 2**30:.2f} GB"
   return (f"compiled update ({mc.num_layers} of {full} layers; {rows} rows x {P + C} tokens; mesh {dict(mesh.shape)}), "

@@ -88,14 +88,17 @@ def attend_blocks(q_BTKRH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segm
                   chunk: int = 0, scale: float | None = None, softcap: float = 0.0, impl: str = "einsum") -> jax.Array:
   """Attention of packed sequences over `segments`' block pairs, [B, T, K, R, H]: each pair's masked
   scores, merged per query block by an online softmax. All pairs at once, or, with `chunk`
-  (`model.attn_chunk`), in steps of as many pairs as `chunk` queries' dense scores would hold, each
-  step rematerialised. A query that sees no key (padding) gets 0. Always einsum, whatever `impl`
-  (`jax.nn.dot_product_attention` has no pair lists)."""
+  (`model.attn_chunk`), in steps of as many pairs as `chunk` queries' dense scores would hold (with
+  the pairs' blocks), each step rematerialised. A query that sees no key (padding) gets 0. Always
+  einsum, whatever `impl` (`jax.nn.dot_product_attention` has no pair lists)."""
   del impl
   B, T, K, R, H = q_BTKRH.shape
   c = segments.block
   n, P = T // c, segments.query_block_BP.shape[1]
-  g = min(P, max(1, chunk * T // (c * c))) if chunk else P  # Pairs per step.
+  # Pairs per step: as many as hold what `chunk` queries' dense scores would, the pairs' gathered query,
+  # key, value and output blocks counted with their scores.
+  per_pair = c * K * R * (c + 2 * H) + 2 * c * K * H
+  g = min(P, max(1, chunk * T * K * R // per_pair)) if chunk else P
   steps = -(-P // g)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, steps * g - P)), constant_values=-1)
   pairs_SBg = tuple(jnp.moveaxis(pad(x).reshape(B, steps, g), 1, 0)

@@ -79,6 +79,10 @@ def _chunks(T: int, chunk: int) -> int:
 
 def _scores(q_BcKRH, k_BTKH, ids_q, idx_q, ids_k, idx_k, window, scale):
   """Masked fp32 scores [B, K, R, c, T] and their mask [B, 1, 1, c, T]."""
+  # Tied to this layer's queries and keys: the mask alone is the same in every layer, and XLA would
+  # otherwise compute every step's and block's ahead of the layers' loop (T x T bits, kept).
+  q_BcKRH, k_BTKH, ids_q, idx_q, ids_k, idx_k = jax.lax.optimization_barrier(
+      (q_BcKRH, k_BTKH, ids_q, idx_q, ids_k, idx_k))
   s = jnp.einsum("BcKRH,BSKH->BKRcS", q_BcKRH, k_BTKH, preferred_element_type=jnp.float32) * scale
   mask = packed_attention.sees(ids_q, idx_q, ids_k, idx_k, window)[:, None, None]
   return jnp.where(mask, s, -jnp.inf), mask
