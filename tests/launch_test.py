@@ -100,6 +100,31 @@ def test_plan_works_on_every_recipe_and_mesh_as_written():
   assert wrong.returncode == 1 and wrong.stderr.strip().count("\n") == 0 and "7 devices" in wrong.stderr
 
 
+def test_plan_compiles_a_packed_update_on_the_sequence_axis_gathered_or_by_a_ring():
+  """`launch.plan --compiled` with train.packing: each shard's row packed as the update packs it; the
+  sequence axis (4 forced devices) cuts the per-device temporaries of a 4,096-token row, gathered or by
+  the ring."""
+  import jax
+
+  from configs import default
+  from launch import plan
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices)")
+  temp = {}
+  for sequence, how in ((1, "gather"), (4, "gather"), (4, "ring")):
+    cfg = default.get_config("runlocal")
+    with cfg.unlocked():
+      cfg.train.update(packing=True, num_microbatches=0, packing_block=0)
+      cfg.mesh.update(data=1, fsdp=1, sequence=sequence, tensor=1)
+      cfg.data.update(max_prompt_len=64, prompt_buckets=(64,))
+      cfg.rollout.max_new_tokens = 4032
+      cfg.model.update(sequence_attention=how, attn_chunk=512)
+    text = plan.compiled(cfg, devices=sequence)
+    assert "1 rows x 4096 tokens" in text, text
+    temp[sequence, how] = float(re.search(r"temporaries ([\d.]+) GB", text).group(1))
+  assert temp[4, "gather"] < 0.5 * temp[1, "gather"] and temp[4, "ring"] < 0.5 * temp[1, "gather"], temp
+
+
 def test_a_newcomers_mistakes_are_one_line_each(tmp_path):
   def one_line(out, *needles):
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
