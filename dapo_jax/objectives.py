@@ -404,8 +404,8 @@ def _packed_logprobs_and_experts(model_cfg: model_lib.ModelConfig, temperature: 
   as `completion_logprobs_and_experts` gives them, and the same records at their packed positions
   [M, T, L_moe, k], -1 at every other token, for the updates to replay: `PackedRows.routes_MTLk`)."""
   pk = mb.packed
-  h_MTD, routing = model_lib.forward(model_cfg, params, pk.tokens_MT, rope_positions(pk), Segments.of(pk), head="hidden",
-                                     with_router=True, emit_experts=True,
+  h_MTD, routing = model_lib.forward(model_cfg, params, pk.tokens_MT, rope_positions(pk), Segments.of(pk),
+                                     head="hidden", with_router=True, emit_experts=True,
                                      images_BMD=packed_images(mb, model_cfg, params))
   z_SKV = model_lib.unembed(model_cfg, params, _at_scored(pk, h_MTD))
   logp_SK = loss_lib.token_logprobs(z_SKV / temperature, pk.target_K.reshape(pk.shards, -1))

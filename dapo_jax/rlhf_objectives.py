@@ -13,8 +13,15 @@ from dapo_jax import loss as loss_lib
 from dapo_jax.datatypes import PackedLMBatch, PreferenceBatch, ValueBatch
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.model.packed_attention import Segments
-from dapo_jax.objectives import (Objective, _at_scored, _images, _to_rows, completion_logits, packed_images,
-                                 rope_positions)
+from dapo_jax.objectives import (
+  Objective,
+  _at_scored,
+  _images,
+  _to_rows,
+  completion_logits,
+  packed_images,
+  rope_positions,
+)
 
 # --- Packed SFT, the reward model, DPO ------------------------------------------------------------
 

@@ -69,7 +69,6 @@ def compiled(cfg, devices: int | None = None, layers: int = 2) -> str:
   host devices)."""
   import jax
   import jax.numpy as jnp
-
   import numpy as np
 
   from dapo_jax import builders, objectives, optim, packing, sharding, train_step

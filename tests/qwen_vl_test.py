@@ -135,7 +135,8 @@ def test_images_in_prompts_match_transformers(tmp_path):
   # The tower alone: the merged tokens equal transformers' (windows, 2D rotary positions, merger).
   with torch.no_grad():
     hf_feats = torch.cat(m.model.get_image_features(torch.tensor(flat), torch.tensor(grid)).pooler_output).numpy()
-  feats = np.asarray(vision.image_features(cfg.vision, params["vision"], jnp.asarray(pixels[:, :2].reshape(4, 1, 3, S, S))))
+  one_each = jnp.asarray(pixels[:, :2].reshape(4, 1, 3, S, S))
+  feats = np.asarray(vision.image_features(cfg.vision, params["vision"], one_each))
   np.testing.assert_allclose(feats.reshape(4, M, -1)[[0, 1, 2]].reshape(-1, feats.shape[-1]), hf_feats,
                              atol=1e-5 * np.abs(hf_feats).max())
   # Each part matters: the windows (all layers full), and the 3D positions (transformers with 1D ones).
@@ -321,7 +322,8 @@ def _packable_rows(G: int, seed: int = 0, C: int = 6):
   pmask = np.array([[0] * (P - len(p)) + [1] * len(p) for p in prompts], bool)
   tokens = np.concatenate([tokens, np.where(cmask, rng.integers(1, 60, (B, C)), 0)], 1).astype(np.int32)
   return RLBatch(tokens_BT=tokens, mask_BT=np.concatenate([pmask, cmask], 1), loss_mask_BC=cmask,
-                 old_logp_BC=rng.normal(-4, 0.3, (B, C)).astype(np.float32), adv_B=rng.normal(size=B).astype(np.float32),
+                 old_logp_BC=rng.normal(-4, 0.3, (B, C)).astype(np.float32),
+                 adv_B=rng.normal(size=B).astype(np.float32),
                  ref_logp_BC=np.zeros((B, C), np.float32), images_BMD=images)
 
 

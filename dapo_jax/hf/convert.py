@@ -1,12 +1,12 @@
 """Hugging Face checkpoint directories <-> our params, without torch.
 
 Reads config.json plus `model.safetensors` (or sharded `*.safetensors` with
-`model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM` (Llama 3.x rope
-scaling included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM` (and, through
-`multimodal`, `Gemma3ForConditionalGeneration`; through `qwen_vl`, `Qwen2_5_VLForConditionalGeneration`), and writes the same layout back so that transformers'
-`from_pretrained` loads it. The mapping from HF tensor names to our parameter names lives only in this
-file, `multimodal` and `qwen_vl` (the vision towers) and `peft` (LoRA adapters in PEFT's format); `save` of an
-adapted tree writes the merged model.
+`model.safetensors.index.json`) of `Qwen2ForCausalLM` / `LlamaForCausalLM` (Llama 3.x rope scaling
+included) / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` / `Gemma3ForCausalLM` (and, through `multimodal`,
+`Gemma3ForConditionalGeneration`; through `qwen_vl`, `Qwen2_5_VLForConditionalGeneration`), and writes
+the same layout back so that transformers' `from_pretrained` loads it. The mapping from HF tensor names
+to our parameter names lives only in this file, `multimodal` and `qwen_vl` (the vision towers) and
+`peft` (LoRA adapters in PEFT's format); `save` of an adapted tree writes the merged model.
 """
 from __future__ import annotations
 

@@ -140,7 +140,8 @@ def vision_params(cfg: ModelConfig, tower: dict, projector: dict, origin: dict, 
   for i in range(v.num_layers):
     for name, ours, t in _LAYER_NAMES:
       layers[ours].append(take(f"blocks.{i}.{name}", t))
-    for n, w, b in zip("qkv", np.split(take(f"blocks.{i}.attn.qkv.weight"), 3), np.split(take(f"blocks.{i}.attn.qkv.bias"), 3)):
+    qkv_w, qkv_b = np.split(take(f"blocks.{i}.attn.qkv.weight"), 3), np.split(take(f"blocks.{i}.attn.qkv.bias"), 3)
+    for n, w, b in zip("qkv", qkv_w, qkv_b):
       layers[f"w{n}_DD"].append(w.T)
       layers[f"b{n}_D"].append(b)
   vparams["layers"] = {k: np.stack(a) for k, a in layers.items()}
