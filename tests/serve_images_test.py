@@ -53,13 +53,15 @@ def message(*images, text="How many red shapes?"):
   return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
 
 
-def greedy_reference(cfg, params, tok, images, text):
+def greedy_reference(cfg, params, tok, images, text, content=None, slots=2):
   """Greedy answer ids and their log-probs by argmax of teacher-forced logits over the rendered prompt
-  with its image vectors, one token at a time (no engine, no cache), up to MAX_NEW or an EOS."""
-  rendered = tokenizer_lib.render(tok, [{"role": "user", "content": images_lib.IMAGE_MARK * len(images) + text}], True)
+  (`content`, else one mark per image and `text`) with its image vectors, one token at a time (no engine,
+  no cache), up to MAX_NEW or an EOS."""
+  content = images_lib.IMAGE_MARK * len(images) + text if content is None else content
+  rendered = tokenizer_lib.render(tok, [{"role": "user", "content": content}], True)
   ids = tok(images_lib.expand_marks(rendered, tok, cfg.vision), add_special_tokens=False)["input_ids"]
   feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(images_lib.batch_pixels(cfg.vision,
-                                                                                                 [images], 2)))
+                                                                                                 [images], slots)))
   eos = tokenizer_lib.eos_ids(tok)
   out, logps = [], []
   for _ in range(MAX_NEW):
@@ -91,6 +93,26 @@ def test_an_image_reaches_the_answer_and_its_log_probs_are_the_forwards(vlm):
   want_ids, want_logp = greedy_reference(cfg, params, tok, [png, drawn(2)], "How many red shapes?")
   assert two.choices[0].message.content == tok.decode(want_ids)
   np.testing.assert_allclose([t.logprob for t in two.choices[0].logprobs.content], want_logp, atol=2e-4)
+
+
+def test_the_server_adds_pan_and_scan_crops_when_the_run_does(vlm):
+  """`pan_and_scan` (launch.serve: the run's `data.pan_and_scan`): a tall picture's crops follow it, and the
+  answer is the greedy one over the prompt `images.pan_and_scan` writes."""
+  cfg, params, tok, _, _ = vlm
+  rng = np.random.default_rng(5)
+  blocks = rng.integers(0, 255, (9, 3, 3), dtype=np.uint8)  # Large flat blocks: a small PNG of 900 x 300.
+  tall = images_lib.encode_png(Image.fromarray(np.kron(blocks, np.ones((100, 100, 1), np.uint8))))
+  text = "How many red shapes?"
+  messages, imgs = images_lib.pan_and_scan([{"role": "user", "content": images_lib.IMAGE_MARK + text}], [tall])
+  assert len(imgs) == 4  # The picture and its three crops.
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=tokenizer_lib.eos_ids(tok), slots=2, max_prompt_len=192,
+                               max_new_tokens=MAX_NEW, max_images=4, logprobs_mode="raw", pan_and_scan=True) as s:
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="dapo-policy", messages=message(tall, text=text), temperature=0,
+                                         logprobs=True, max_tokens=MAX_NEW)
+  want_ids, want_logp = greedy_reference(cfg, params, tok, list(imgs), text, messages[0]["content"], slots=4)
+  assert out.choices[0].message.content == tok.decode(want_ids)
+  np.testing.assert_allclose([t.logprob for t in out.choices[0].logprobs.content], want_logp, atol=2e-4)
 
 
 @pytest.mark.parametrize("part,match", [
