@@ -73,15 +73,15 @@ def test_the_policy_gradient_reaches_the_tower_through_the_pixels(kind, group_si
   params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), params)
   batch = rows(cfg, params)
   objective = objectives.policy_gradient(cfg, objectives.PGConfig(old_is_current=True, group_size=group_size))
-  grad = lambda b: jax.grad(lambda p: objective.loss(p, b, objective.counts(b))[0])(params)
-  ours, reference = grad(batch), jax.grad(lambda p: naive_loss(cfg, p, batch))(params)
+  grad = jax.jit(jax.grad(lambda p, b: objective.loss(p, b, objective.counts(b))[0]))
+  ours, reference = grad(params, batch), jax.jit(jax.grad(lambda p: naive_loss(cfg, p, batch)))(params)
   scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(reference["vision"]))
   assert scale > 0
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * scale), ours["vision"], reference["vision"])
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(jnp.abs(b).max()))),
                ours["layers"], reference["layers"])
   # Without pixels the loss reads the rollout's vectors: the tower gets no gradient.
-  frozen = grad(batch.replace(pixels_BICSS=None))
+  frozen = grad(params, batch.replace(pixels_BICSS=None))
   assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(frozen["vision"]))
 
 
