@@ -105,16 +105,17 @@ def main(argv):
   workdir = None if _MODEL_DIR.value else _WORKDIR.value or common.default_workdir()
   cfg = common.run_config(_CONFIG, workdir)  # The run's recorded config unless --config is given.
   builders.validate(cfg)
+  pan_and_scan = builders.as_config(cfg).data.pan_and_scan  # Typed: a run recorded before the field has its default.
   if bool(_PROMPT.value) == bool(_PROMPTS.value):
     raise data.DataError("give one of --prompt=TEXT or --prompts=FILE")
   if _PROMPTS.value:  # Before the model loads: a bad file fails at once.
-    prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template, cfg.data.pan_and_scan)
+    prompts, truths = read_prompts(_PROMPTS.value, cfg.data.prompt_template, pan_and_scan)
   else:
     wrap = not (_RAW.value or _MODEL_DIR.value)  # Only a run's own task is known.
     prompts = [builders.user_prompt(cfg, _PROMPT.value) if wrap else _PROMPT.value]
     truths = [_GROUND_TRUTH.value]
     if _IMAGES.value:
-      prompts = [with_images(prompts[0], _IMAGES.value, cfg.data.pan_and_scan)]
+      prompts = [with_images(prompts[0], _IMAGES.value, pan_and_scan)]
   mesh = sharding.make_mesh(cfg.mesh)
   if _MODEL_DIR.value:
     model_cfg, params = hf.load(_MODEL_DIR.value, **builders.runtime_overrides(cfg))

@@ -379,6 +379,27 @@ def test_restore_with_another_seed_is_one_line(trained):
 
 
 @pytest.mark.slow
+def test_a_run_recorded_before_newer_settings_still_samples(trained, tmp_path):
+  """A run's config.json written before a setting existed: the setting takes its default."""
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text(json.dumps({"prompt": "What is 3+4?"}) + "\n")
+  path = os.path.join(trained, "config.json")
+  with open(path) as f:
+    recorded = f.read()
+  older = json.loads(recorded)
+  for section, field in (("data", "pan_and_scan"), ("model", "train_vision"), ("model", "sequence_attention")):
+    del older[section][field]
+  try:
+    with open(path, "w") as f:
+      json.dump(older, f)
+    stdout = ok(launch("sample", f"--workdir={trained}", f"--prompts={prompts}", "--json",
+                       "--config.rollout.max_new_tokens=3"))
+    assert json.loads(stdout.strip().splitlines()[0])["prompt"].startswith("What is 3+4?")
+  finally:
+    with open(path, "w") as f:
+      f.write(recorded)
+
+
 def test_sample_eval_export_read_the_runs_own_config(trained, tmp_path):
   """No --config: the run's config.json (a runlocal recipe, not the default job's) is what they use;
   a --config.x=y override still applies on top."""
