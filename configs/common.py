@@ -76,7 +76,7 @@ def runlocal(c: mlc.ConfigDict) -> None:
   c.train.update(num_steps=2, minibatches=2, num_microbatches=1, ckpt_every=0, eval_every=0,
                  log_samples_every=1)
   c.eval.update(defaults(settings.Eval, "max_new_tokens"), k=2)
-  c.sft.steps = 0
+  c.sft.update(defaults(settings.SFT, "steps"))
   c.mesh.update(defaults(settings.Mesh, "data", "fsdp", "tensor", "expert"))  # One device's mesh.
 
 
@@ -105,5 +105,5 @@ def reasoning_gym(c: mlc.ConfigDict, tasks: str) -> None:
   c.dapo.update(prompts_per_step=8, gen_prompts=12, max_gen_batches=3, overlong_buffer=8)
   c.train.update(defaults(settings.Train, "ckpt_every", "log_samples_every"), num_steps=30, minibatches=1,
                  eval_every=10)
-  c.eval.update(k=4, temperature=1.0, top_p=1.0, greedy=True)
+  c.eval.update(defaults(settings.Eval, "temperature"), k=4, top_p=1.0, greedy=True)
   c.mesh.update(defaults(settings.Mesh, "data", "fsdp", "tensor"))
