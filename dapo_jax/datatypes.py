@@ -58,7 +58,7 @@ class PackedRows:
   image_MT: jax.Array | None = None
   image_source_MN: jax.Array | None = None
   # int32 [M, T, 3]: each token's M-RoPE (temporal, height, width) positions, its row's (Qwen2.5-VL:
-  # `qwen_vision.mrope_positions`); None: positions_MT.
+  # `mrope.mrope_positions`); None: positions_MT.
   mrope_MT3: jax.Array | None = None
   shards: int = struct.field(pytree_node=False, default=1)
   block: int = struct.field(pytree_node=False, default=0)

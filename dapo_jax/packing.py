@@ -12,6 +12,7 @@ import numpy as np
 from dapo_jax import sharding
 from dapo_jax.datatypes import PackedRows, RLBatch
 from dapo_jax.errors import ConfigError
+from dapo_jax.model import mrope
 
 
 def packed_microbatches(batch, **budget) -> list:
@@ -69,7 +70,7 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   whose tokens see each other both ways, as in the rows layout (`vision.image_attention`). `vision` (the
   model's `VisionConfig`) names the placeholder instead of `image_token`; with Qwen2.5-VL's tower the
   images stay causal, each token carries its row's M-RoPE positions (`PackedRows.mrope_MT3`), and
-  prompts share no beginning (a row's positions shift by what its images save: `qwen_vision`).
+  prompts share no beginning (a row's positions shift by what its images save: `mrope`).
   Returns (micro-batch, the batch's row in each of its row slots, -1 for none) pairs. Any batch laid
   out as `RLBatch` (a `ValueBatch`).
   """
@@ -93,9 +94,8 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
     prefix = min([prefix] + [int(f[0]) for f in firsts if len(f)])
   mrope_BT3 = None
   if vision is not None and vision.kind == "qwen2_5_vl":
-    from dapo_jax.model import qwen_vision
     positions_BT = np.maximum(np.cumsum(mask, 1) - 1, 0)
-    mrope_BT3 = np.moveaxis(np.asarray(qwen_vision.mrope_positions(vision, positions_BT, batch.tokens_BT)), 0, -1)
+    mrope_BT3 = np.moveaxis(np.asarray(mrope.mrope_positions(vision, positions_BT, batch.tokens_BT)), 0, -1)
     prefix = 0 if images is not None else prefix
   rows = _Rows(length_B, prompt_B, completion_B, prompt_id_B, prefix, image_token,
                vision is None or vision.bidirectional, mrope_BT3)

@@ -20,7 +20,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from dapo_jax import sharding
-from dapo_jax.model import quant
+from dapo_jax.model import mrope, quant
 from dapo_jax.model.config import ModelConfig
 
 
@@ -174,7 +174,7 @@ def rope_table(pos_BT: jax.Array, cfg: ModelConfig, local: bool = False,
   """(cos, sin) [B, T, H/2] of the rotary angles, computed once per call and shared by every layer.
 
   With M-RoPE (`cfg.mrope_section`) and the rows' `tokens_BT`, each frequency section rotates by the
-  tokens' (temporal, height, width) positions (`qwen_vision.mrope_positions`), or by `pos_BT` [B, T, 3]
+  tokens' (temporal, height, width) positions (`mrope.mrope_positions`), or by `pos_BT` [B, T, 3]
   when it holds them; without either (decoded text) all three are `pos_BT`."""
   inv_h, scale = inv_frequencies(cfg, local)
   if cfg.mrope_section and (tokens_BT is not None or pos_BT.ndim == 3):
@@ -182,8 +182,7 @@ def rope_table(pos_BT: jax.Array, cfg: ModelConfig, local: bool = False,
     if pos_BT.ndim == 3:  # [B, T, 3]: given (packed rows carry their rows' M-RoPE positions).
       pos_BTh = pos_BT[..., section_h]
     else:
-      from dapo_jax.model import qwen_vision  # The vision wing imports this module.
-      pos_BTh = jnp.moveaxis(qwen_vision.mrope_positions(cfg.vision, pos_BT, tokens_BT), 0, -1)[..., section_h]
+      pos_BTh = jnp.moveaxis(mrope.mrope_positions(cfg.vision, pos_BT, tokens_BT), 0, -1)[..., section_h]
     angle_BTh = pos_BTh.astype(jnp.float32) * inv_h[None, None, :]
     return jnp.cos(angle_BTh) * scale, jnp.sin(angle_BTh) * scale
   angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_h[None, None, :]

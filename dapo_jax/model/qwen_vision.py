@@ -1,5 +1,4 @@
-"""The image side of Qwen2.5-VL: its vision transformer, the patch merger, and the multimodal rotary
-positions (M-RoPE) its image tokens take in the language model.
+"""The image side of Qwen2.5-VL: its vision transformer and the patch merger.
 
 An image [C, S, S] (the processor's pixels) is cut into P = (S/p)^2 patches, listed as the processor
 lists them: merge-block-major (each m x m block of neighbouring patches consecutive, blocks row-major).
@@ -14,15 +13,8 @@ language model's width, and puts the M = P/m^2 tokens back in row-major order.
 All the reorderings depend on the image size alone, which is fixed per run (`VisionConfig.image_size`):
 they are NumPy constants of the compiled program. Every image of a run has the same M tokens, which
 keeps the update's and the engine's shapes static (HF's processor keeps each image's aspect ratio and
-so varies M; `data.images.pixels` resizes first, so both see the same pixels).
-
-M-RoPE. transformers numbers a prompt's positions so that text after an image continues at the
-image's start + max(h, w) (h x w merged tokens) rather than its start + h*w, and gives the image's
-tokens (start, start + row, start + col) in the (temporal, height, width) sections of the rotary
-frequencies. Here each row's positions are those plus one constant per row, the delta its images make:
-tokens after the last image keep their ordinary positions, so a decoded token rotates by its place in
-the cache alone, as in a text model. Attention depends on differences of positions only, so the logits
-are transformers' (`mrope_positions`).
+so varies M; `data.images.pixels` resizes first, so both see the same pixels). Where the tokens
+rotate in the language model is `mrope`'s.
 """
 from __future__ import annotations
 
@@ -137,18 +129,3 @@ def image_features(vcfg: VisionConfig, vparams: dict, pixels_ICSS: jax.Array) ->
   h = jax.nn.gelu(_linear(x_IMG, vparams["merge_fc1_GG"], vparams["merge_fc1_bias_G"]), approximate=False)
   out_IME = _linear(h, vparams["merge_fc2_GE"], vparams["merge_fc2_bias_E"])
   return out_IME[:, np.argsort(order_M)]  # Back to row-major.
-
-
-def mrope_positions(vcfg: VisionConfig, pos_BT: jax.Array, tokens_BT: jax.Array) -> jax.Array:
-  """[3, B, T] (temporal, height, width) rotary positions of rows whose positions are `pos_BT`: an image's
-  M tokens at (s, s + row, s + col) from its first token's s, text at its own; each token shifted by
-  (M - side) for every image not ended before it (the module docstring: transformers' positions plus one
-  constant per row, 0 after the last image)."""
-  M, (_, side) = vcfg.tokens_per_image, grid(vcfg)
-  is_image = tokens_BT == vcfg.image_token_id
-  seen_BT = jnp.cumsum(is_image, axis=1)
-  left_BT = seen_BT[:, -1:] - seen_BT + is_image  # Image tokens at or after each token.
-  shift_BT = -(-left_BT // M) * (M - side)
-  r_BT = jnp.where(is_image, (seen_BT - 1) % M, 0)  # An image token's place in its image.
-  start_BT = pos_BT - r_BT + shift_BT
-  return jnp.stack([start_BT, start_BT + r_BT // side, start_BT + r_BT % side])
