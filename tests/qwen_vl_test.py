@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dapo_jax import objectives, train_step
+from dapo_jax import objectives
 from dapo_jax.data import images as images_lib
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.hf import convert as hf
@@ -18,6 +18,7 @@ from dapo_jax.model import layers, qwen_vision, vision
 from dapo_jax.model import transformer as model
 from dapo_jax.model.config import ModelConfig, VisionConfig
 from dapo_jax.rollout import engine, sampling
+from tests.vision_test import assert_every_pass_scores_as_teacher_forced, assert_recorded_log_probs_are_teacher_forced
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -220,13 +221,8 @@ def test_the_sampler_and_the_engine_record_teacher_forced_log_probs_and_decode_a
                         prompt_len=P, kv_layout=kv_layout, page_size=4)
     s, stats = eng.generate(params, tokens, mask, G, jax.random.key(2), images_QMD=images)
     assert stats["prefilled_prompts"] == 2 and stats["samples"] == 2 * G
-    rows = np.concatenate([np.repeat(tokens, G, 0), s.tokens_BC], 1)
-    rows_mask = np.concatenate([np.repeat(mask, G, 0), s.mask_BC], 1)
     feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(np.repeat(pixels, G, 0)))
-    logits = model.logits(cfg, params, jnp.asarray(rows), jnp.asarray(rows_mask), images_BMD=feats)
-    logp = np.asarray(jax.nn.log_softmax(logits[:, P - 1:-1], -1))
-    teacher = np.take_along_axis(logp, s.tokens_BC[..., None], -1)[..., 0]
-    np.testing.assert_allclose(np.where(s.mask_BC, s.logp_BC, 0), np.where(s.mask_BC, teacher, 0), atol=1e-5)
+    assert_recorded_log_probs_are_teacher_forced(cfg, params, tokens, mask, feats, s)
 
 
 @pytest.mark.parametrize("group_size,logits_chunk", [(0, 0), (3, 4)])
@@ -239,64 +235,7 @@ def test_the_update_scores_completions_with_the_prompts_images(tmp_path, group_s
   cfg = dataclasses.replace(cfg, logits_chunk=logits_chunk)
   tokens, mask = batch()
   images = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row_pixels(cfg, drawn())))
-  G, C, P = 3, 7, tokens.shape[1]
-  s = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(1, 2, 3)), params,
-                        tokens, mask, jax.random.key(3), num_samples=G, images_QMD=images)
-  rows = np.concatenate([np.repeat(tokens, G, 0), np.asarray(s.tokens_BC)], 1).astype(np.int32)
-  rows_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(s.mask_BC)], 1)
-  images_BMD = np.repeat(np.asarray(images), G, 0)
-  zeros = np.zeros((2 * G, C), np.float32)
-  rl = RLBatch(tokens_BT=rows, mask_BT=rows_mask, loss_mask_BC=np.asarray(s.mask_BC), old_logp_BC=zeros,
-               adv_B=np.zeros(2 * G, np.float32), ref_logp_BC=zeros, images_BMD=images_BMD)
-  logits = model.logits(cfg, params, jnp.asarray(rows), jnp.asarray(rows_mask), images_BMD=jnp.asarray(images_BMD))
-  logp = np.asarray(jax.nn.log_softmax(logits[:, P - 1:-1], -1))
-  teacher = np.take_along_axis(logp, rows[:, P:, None], -1)[..., 0]
-  for mb in train_step.bucketed_microbatches(rl, 2, G, (4,)):
-    ours, _, _ = objectives.completion_stats(cfg, group_size, params, mb, 1.0)
-    Cb = mb.loss_mask_BC.shape[1]
-    idx = [int(np.flatnonzero((rows[:, :P + Cb] == r).all(1) & (rows_mask[:, :P + Cb] == m).all(1))[0])
-           for r, m in zip(np.asarray(mb.tokens_BT), np.asarray(mb.mask_BT))]
-    real = np.asarray(mb.loss_mask_BC)
-    np.testing.assert_allclose(np.where(real, ours, 0), np.where(real, teacher[idx, :Cb], 0), atol=1e-5)
-
-
-def test_two_updates_on_the_mesh_equal_one_device_and_leave_the_tower():
-  """Policy-gradient updates of a tiny Qwen2.5-VL on the (data, fsdp, tensor) = (2, 2, 2) mesh equal one
-  device's, with the tower's weights sharded there; the tower never changes."""
-  from dapo_jax import optim, sharding
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 host devices")
-  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=2,
-                      num_heads=2, tokens_per_image=4, window_size=4, full_attention_layers=(1,), image_token_id=63,
-                      boi_token_id=61, eoi_token_id=62)
-  cfg = ModelConfig(vocab_size=64, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                    qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
-  params = jax.device_get(model.init_params(cfg, jax.random.key(0)))
-  rng = np.random.default_rng(0)
-  B, C = 8, 5
-  prompt = np.array([3, 61, 63, 63, 63, 63, 62, 7], np.int32)
-  tokens = np.concatenate([np.tile(prompt, (B, 1)), rng.integers(1, 60, (B, C))], 1).astype(np.int32)
-  images = np.asarray(vision.image_features(vcfg, params["vision"],
-                                            jnp.asarray(rng.normal(size=(B, 1, 3, 8, 8)), jnp.float32)))
-  zeros = np.zeros((B, C), np.float32)
-  batch = RLBatch(tokens_BT=tokens, mask_BT=np.ones(tokens.shape, bool), loss_mask_BC=np.ones((B, C), bool),
-                  old_logp_BC=zeros, adv_B=rng.normal(size=B).astype(np.float32), ref_logp_BC=zeros, images_BMD=images)
-  out = []
-  for shape in ({"data": 1, "fsdp": 1, "tensor": 1}, {"data": 2, "fsdp": 2, "tensor": 2}):
-    mesh = sharding.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
-    trainer = train_step.Trainer(cfg, optim.OptimConfig(lr=1e-2, warmup_steps=0), mesh,
-                                 objectives.policy_gradient(cfg, objectives.PGConfig()))
-    state = trainer.init(jax.random.key(1), params=jax.tree.map(np.copy, params))
-    for step in range(2):
-      state, metrics = trainer.step(state.replace(rollout_step=step), trainer.put_batch(batch))
-    gate = state.params["vision"]["layers"]["gate_DF"]  # Its width over fsdp, its MLP over tensor.
-    assert gate.addressable_shards[0].data.size == gate.size // (shape["fsdp"] * shape["tensor"])
-    out.append((jax.device_get(state.params), float(metrics["pg_loss"])))
-  (one, loss_one), (mesh8, loss_mesh) = out
-  assert loss_one == pytest.approx(loss_mesh, abs=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), one, mesh8)
-  jax.tree.map(np.testing.assert_array_equal, one["vision"], params["vision"])
-  assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(one["layers"]), jax.tree.leaves(params["layers"])))
+  assert_every_pass_scores_as_teacher_forced(cfg, params, tokens, mask, images, group_size)
 
 
 def _tiny_qwen_vl():

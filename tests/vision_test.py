@@ -187,13 +187,8 @@ def test_the_engine_prefills_a_group_once_with_its_images_and_records_teacher_fo
   images = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row))
   s, stats = eng.generate(params, tokens, mask, G, jax.random.key(2), images_QMD=images)
   assert stats["prefilled_prompts"] == 2 and stats["samples"] == 2 * G  # One prefill per group.
-  rows = np.concatenate([np.repeat(tokens, G, 0), s.tokens_BC], 1)
-  rows_mask = np.concatenate([np.repeat(mask, G, 0), s.mask_BC], 1)
   feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(np.repeat(per_row, G, 0)))
-  logits = model.logits(cfg, params, jnp.asarray(rows), jnp.asarray(rows_mask), images_BMD=feats)
-  logp = np.asarray(jax.nn.log_softmax(logits[:, P - 1:-1], -1))
-  teacher = np.take_along_axis(logp, s.tokens_BC[..., None], -1)[..., 0]
-  np.testing.assert_allclose(np.where(s.mask_BC, s.logp_BC, 0), np.where(s.mask_BC, teacher, 0), atol=1e-5)
+  assert_recorded_log_probs_are_teacher_forced(cfg, params, tokens, mask, feats, s)
 
 
 @pytest.mark.parametrize("group_size,logits_chunk", [(0, 0), (3, 0), (3, 4)])
@@ -208,18 +203,39 @@ def test_the_update_scores_completions_with_the_prompts_images(tmp_path, group_s
   pixels = images_of_different_sizes()
   per_row = np.stack([pixels[:2], np.stack([pixels[2], np.zeros_like(pixels[2])])])
   images = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row))
-  G, C, P = 3, 7, tokens.shape[1]
-  s = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(1, 2, 3)), params,
-                        tokens, mask, jax.random.key(3), num_samples=G, images_QMD=images)
-  rows = np.concatenate([np.repeat(tokens, G, 0), np.asarray(s.tokens_BC)], 1).astype(np.int32)
-  rows_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(s.mask_BC)], 1)
-  images_BMD = np.repeat(np.asarray(images), G, 0)
-  zeros = np.zeros((2 * G, C), np.float32)
-  rl = RLBatch(tokens_BT=rows, mask_BT=rows_mask, loss_mask_BC=np.asarray(s.mask_BC), old_logp_BC=zeros,
-               adv_B=np.zeros(2 * G, np.float32), ref_logp_BC=zeros, images_BMD=images_BMD)
+  assert_every_pass_scores_as_teacher_forced(cfg, params, tokens, mask, images, group_size)
+
+
+def teacher_log_probs(cfg, params, tokens_QP, mask_QP, images_BMD, tokens_BC, mask_BC) -> np.ndarray:
+  """[B, C] log-probs of a teacher-forced forward of each prompt (repeated for its B/Q rows) + images + completion."""
+  G, P = len(tokens_BC) // len(tokens_QP), tokens_QP.shape[1]
+  rows = np.concatenate([np.repeat(tokens_QP, G, 0), np.asarray(tokens_BC)], 1).astype(np.int32)
+  rows_mask = np.concatenate([np.repeat(mask_QP, G, 0), np.asarray(mask_BC)], 1)
   logits = model.logits(cfg, params, jnp.asarray(rows), jnp.asarray(rows_mask), images_BMD=jnp.asarray(images_BMD))
   logp = np.asarray(jax.nn.log_softmax(logits[:, P - 1:-1], -1))
-  teacher = np.take_along_axis(logp, rows[:, P:, None], -1)[..., 0]
+  return np.take_along_axis(logp, rows[:, P:, None], -1)[..., 0]
+
+
+def assert_recorded_log_probs_are_teacher_forced(cfg, params, tokens_QP, mask_QP, images_BMD, samples):
+  """The sampler's recorded log-probs equal `teacher_log_probs` to 1e-5 on every sampled token."""
+  teacher = teacher_log_probs(cfg, params, tokens_QP, mask_QP, images_BMD, samples.tokens_BC, samples.mask_BC)
+  m = np.asarray(samples.mask_BC)
+  np.testing.assert_allclose(np.where(m, samples.logp_BC, 0), np.where(m, teacher, 0), atol=1e-5)
+
+
+def assert_every_pass_scores_as_teacher_forced(cfg, params, tokens, mask, images_QMD, group_size, G=3, C=7):
+  """G sampled completions of each prompt, scored by `objectives.completion_stats` (in `group_size`'s layout)
+  over length-bucketed micro-batches: each log-prob equals `teacher_log_probs` to 1e-5."""
+  P = tokens.shape[1]
+  s = sampling.generate(cfg, sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=(1, 2, 3)), params,
+                        tokens, mask, jax.random.key(3), num_samples=G, images_QMD=images_QMD)
+  rows = np.concatenate([np.repeat(tokens, G, 0), np.asarray(s.tokens_BC)], 1).astype(np.int32)
+  rows_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(s.mask_BC)], 1)
+  images_BMD = np.repeat(np.asarray(images_QMD), G, 0)
+  B, zeros = len(rows), np.zeros((len(rows), C), np.float32)
+  rl = RLBatch(tokens_BT=rows, mask_BT=rows_mask, loss_mask_BC=np.asarray(s.mask_BC), old_logp_BC=zeros,
+               adv_B=np.zeros(B, np.float32), ref_logp_BC=zeros, images_BMD=images_BMD)
+  teacher = teacher_log_probs(cfg, params, tokens, mask, images_BMD, s.tokens_BC, s.mask_BC)
   for mb in train_step.bucketed_microbatches(rl, 2, G, (4,)):
     ours, _, _ = objectives.completion_stats(cfg, group_size, params, mb, 1.0)
     Cb = mb.loss_mask_BC.shape[1]
