@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import os
 from typing import Sequence
@@ -94,13 +95,11 @@ def pan_and_scan(messages: Sequence[dict], images: Sequence[bytes], where: str =
   with `Gemma3Processor`'s defaults). Its mark becomes Gemma 3's text for them, "Here is the original
   image <image> and here are some crops to help you see better <image> <image>"; an image too square or
   too small for crops stays as it is. Returns the messages and the images, crops after their image."""
-  from transformers import Gemma3ImageProcessorPil, Gemma3Processor
-  kw = {k: v for k, v in Gemma3Processor.images_kwargs.items() if k.startswith("pan_and_scan_")}
-  Image, crop = pil(), Gemma3ImageProcessorPil().pan_and_scan
+  Image, crop = pil(), _pan_and_scan_crops()
   out_images, phrases = [], []
   for i, data in enumerate(images):
     chw = np.asarray(decode(data, f"{where}[{i}]")).transpose(2, 0, 1)
-    crops = [encode_png(Image.fromarray(np.ascontiguousarray(c.transpose(1, 2, 0)))) for c in crop(image=chw, **kw)]
+    crops = [encode_png(Image.fromarray(np.ascontiguousarray(c.transpose(1, 2, 0)))) for c in crop(chw)]
     out_images += [data] + crops
     phrases.append(IMAGE_MARK if not crops else "Here is the original image " + IMAGE_MARK
                    + " and here are some crops to help you see better " + " ".join([IMAGE_MARK] * len(crops)))
@@ -111,6 +110,14 @@ def pan_and_scan(messages: Sequence[dict], images: Sequence[bytes], where: str =
     content = parts[0] + "".join(next(phrases) + part for part in parts[1:])
     out_messages.append(dict(m, content=content))
   return tuple(out_messages), tuple(out_images)
+
+
+@functools.cache
+def _pan_and_scan_crops():
+  """[C, H, W] -> its crops: transformers' rule with Gemma3Processor's defaults (made once, not per row)."""
+  from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+  kw = {k: v for k, v in Gemma3Processor.images_kwargs.items() if k.startswith("pan_and_scan_")}
+  return functools.partial(Gemma3ImageProcessorPil().pan_and_scan, **kw)
 
 
 def count_marks(messages: Sequence[dict]) -> int:
