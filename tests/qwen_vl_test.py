@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dapo_jax import objectives
+from dapo_jax import objectives, train_step
 from dapo_jax.data import images as images_lib
 from dapo_jax.datatypes import RLBatch
 from dapo_jax.hf import convert as hf
@@ -236,6 +236,45 @@ def test_the_update_scores_completions_with_the_prompts_images(tmp_path, group_s
   tokens, mask = batch()
   images = vision.image_features(cfg.vision, params["vision"], jnp.asarray(per_row_pixels(cfg, drawn())))
   assert_every_pass_scores_as_teacher_forced(cfg, params, tokens, mask, images, group_size)
+
+
+def test_two_updates_on_the_mesh_equal_one_device_and_leave_the_tower():
+  """Policy-gradient updates of a tiny Qwen2.5-VL on the (data, fsdp, tensor) = (2, 2, 2) mesh equal one
+  device's, with the tower's weights sharded there; the tower never changes."""
+  from dapo_jax import optim, sharding
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=2,
+                      num_heads=2, tokens_per_image=4, window_size=4, full_attention_layers=(1,), image_token_id=63,
+                      boi_token_id=61, eoi_token_id=62)
+  cfg = ModelConfig(vocab_size=64, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
+  params = jax.device_get(model.init_params(cfg, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  B, C = 8, 5
+  prompt = np.array([3, 61, 63, 63, 63, 63, 62, 7], np.int32)
+  tokens = np.concatenate([np.tile(prompt, (B, 1)), rng.integers(1, 60, (B, C))], 1).astype(np.int32)
+  images = np.asarray(vision.image_features(vcfg, params["vision"],
+                                            jnp.asarray(rng.normal(size=(B, 1, 3, 8, 8)), jnp.float32)))
+  zeros = np.zeros((B, C), np.float32)
+  batch = RLBatch(tokens_BT=tokens, mask_BT=np.ones(tokens.shape, bool), loss_mask_BC=np.ones((B, C), bool),
+                  old_logp_BC=zeros, adv_B=rng.normal(size=B).astype(np.float32), ref_logp_BC=zeros, images_BMD=images)
+  out = []
+  for shape in ({"data": 1, "fsdp": 1, "tensor": 1}, {"data": 2, "fsdp": 2, "tensor": 2}):
+    mesh = sharding.make_mesh(shape, jax.devices()[:int(np.prod(list(shape.values())))])
+    trainer = train_step.Trainer(cfg, optim.OptimConfig(lr=1e-2, warmup_steps=0), mesh,
+                                 objectives.policy_gradient(cfg, objectives.PGConfig()))
+    state = trainer.init(jax.random.key(1), params=jax.tree.map(np.copy, params))
+    for step in range(2):
+      state, metrics = trainer.step(state.replace(rollout_step=step), trainer.put_batch(batch))
+    gate = state.params["vision"]["layers"]["gate_DF"]  # Its width over fsdp, its MLP over tensor.
+    assert gate.addressable_shards[0].data.size == gate.size // (shape["fsdp"] * shape["tensor"])
+    out.append((jax.device_get(state.params), float(metrics["pg_loss"])))
+  (one, loss_one), (mesh8, loss_mesh) = out
+  assert loss_one == pytest.approx(loss_mesh, abs=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), one, mesh8)
+  jax.tree.map(np.testing.assert_array_equal, one["vision"], params["vision"])
+  assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(one["layers"]), jax.tree.leaves(params["layers"])))
 
 
 def _tiny_qwen_vl():
