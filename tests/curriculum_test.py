@@ -15,8 +15,9 @@ EX = [data_lib.Example(messages=({"role": "user", "content": f"q{i}"},), ground_
       for i in range(6)]
 
 
-def stream(revisit_after=2, aside="both"):
-  return curriculum.Curriculum(data_lib.PromptIterator(EX, shuffle=False), revisit_after, size=len(EX), aside=aside)
+def stream(revisit_after=2, aside="both", streak=1):
+  return curriculum.Curriculum(data_lib.PromptIterator(EX, shuffle=False), revisit_after, size=len(EX), aside=aside,
+                               streak=streak)
 
 
 def names(exs):
@@ -55,6 +56,33 @@ def test_only_the_named_outcome_sets_a_prompt_aside(aside, kept_out):
   assert names(c.take(5)) == [q for q in ("q0", "q1", "q2", "q3", "q4", "q5") if q not in kept_out]
   with pytest.raises(ValueError, match="data.curriculum_aside"):
     stream(aside="easy")
+
+
+def test_a_streak_sets_a_prompt_aside_only_after_that_many_uniform_groups_in_a_row():
+  """`data.curriculum_streak=2`: a prompt leaves the stream on its second all-wrong (or all-right) group in
+  a row; a mixed group, or one of the other kind, starts the count again; the count is checkpointed."""
+  c = stream(revisit_after=10, streak=2)
+  outcomes = {"q0": [[False, False]] * 2, "q1": [[False, False], [True, False]], "q2": [[True, True], [False, False]],
+              "q3": [[True, True]] * 2}
+  for visit in range(2):
+    c.at_step(visit + 1)
+    exs = c.take(6)
+    assert names(exs) == ["q0", "q1", "q2", "q3", "q4", "q5"]  # Nothing aside after the first visit.
+    c.record(exs[:4], [outcomes[q][visit] for q in names(exs[:4])])
+  assert c.metrics()["data/curriculum_set_aside"] == 2
+  state = json.loads(json.dumps(c.state()))
+  c.at_step(3)
+  assert names(c.take(4)) == ["q1", "q2", "q4", "q5"]  # q0 (twice unsolved) and q3 (twice solved) aside.
+  again = stream(revisit_after=10, streak=2)
+  again.restore(state)
+  again.at_step(3)
+  again.record([EX[1], EX[2]], [[False, False], [False, False]])  # q1: mixed, unsolved; q2: solved, unsolved x 2.
+  assert again.metrics()["data/curriculum_set_aside"] == 1 
+  assert sorted(again.state()["until"]) == [curriculum.key(EX[i]) for i in (0, 2, 3)]
+  with pytest.raises(ValueError, match="data.curriculum_streak"):
+    stream(streak=0)
+  with pytest.raises(ValueError, match="curriculum streaks"):
+    stream(streak=2).restore(stream().state())
 
 
 def test_rewind_steps_back_over_the_skipped_prompts_and_the_state_round_trips():

@@ -29,7 +29,7 @@ from dapo_jax.sweep import study as study_lib
 START_SECTIONS = ("model", "tokenizer", "sft", "data", "mesh")  # what builders.warm_start reads, with
 START_ROLLOUT = ("env", "env_args", "max_turns", "turn_stop")    # the episodes' fields its tokenizer reads
 # The data fields only the RL stream reads.
-START_DATA_RL = ("train_weights", "curriculum", "revisit_after", "curriculum_aside")
+START_DATA_RL = ("train_weights", "curriculum", "revisit_after", "curriculum_aside", "curriculum_streak")
 
 
 def split_config_path(path: str) -> tuple[str, dict[str, str]]:

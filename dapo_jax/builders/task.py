@@ -81,7 +81,8 @@ def data_iterator(cfg, train: list[data_lib.Example], process_index: int = 0, pr
   if not d.curriculum:
     return it
   from dapo_jax.data import curriculum  # noqa: PLC0415
-  return curriculum.Curriculum(it, d.revisit_after, size=len(train), aside=d.curriculum_aside)
+  return curriculum.Curriculum(it, d.revisit_after, size=len(train), aside=d.curriculum_aside,
+                               streak=d.curriculum_streak)
 
 
 @typed

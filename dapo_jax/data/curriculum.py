@@ -1,7 +1,10 @@
 """Difficulty pools over the prompt stream (`data.curriculum`, prime-rl's pools): a prompt whose last
 group came back all right (solved) or all wrong (out of reach for now) is set aside for
 `data.revisit_after` rollout steps. The stream skips it until then; after that it comes back on its next
-turn in the stream and is judged again. Dynamic sampling would otherwise generate its G samples only to
+turn in the stream and is judged again. With `data.curriculum_streak` = K > 1 a prompt is set aside only
+after K such groups in a row, all of one kind: one all-wrong group of G samples is also what a problem
+solved one time in five gives a fifth of the time (0.8^8 for G = 8), and such a problem is the one that
+teaches most; K groups in a row rarely come from it. Dynamic sampling would otherwise generate its G samples only to
 drop the group; set aside, those samples go to prompts that can teach something.
 
 `Curriculum` wraps a prompt iterator (`PromptIterator`, `MixedIterator`) and serves its calls (`take`,
@@ -30,13 +33,16 @@ def key(ex: Example) -> str:
 class Curriculum:
   """A prompt stream that skips the prompts set aside (see the module docstring)."""
 
-  def __init__(self, base, revisit_after: int, size: int, aside: str = "both"):
+  def __init__(self, base, revisit_after: int, size: int, aside: str = "both", streak: int = 1):
     if revisit_after < 1:
       raise DataError(f"data.revisit_after={revisit_after}: expected a number of rollout steps >= 1")
+    if streak < 1:
+      raise DataError(f"data.curriculum_streak={streak}: expected a number of groups >= 1")
     if aside not in ("both", "solved", "unsolved"):
       raise DataError(f"data.curriculum_aside={aside!r}: expected 'both', 'solved' or 'unsolved'")
-    self.base, self.revisit_after, self.size, self.aside = base, revisit_after, size, aside
+    self.base, self.revisit_after, self.size, self.aside, self.streak = base, revisit_after, size, aside, streak
     self.until: dict[str, int] = {}  # prompt key -> the first rollout step that may draw it again
+    self.runs: dict[str, list] = {}  # prompt key -> [its last groups' outcome ("solved" / "unsolved"), how many in a row]
     self.step = 0
     self._trail: list[int] = []      # base draws behind each prompt returned this step (for rewind)
     self.last_batch: tuple[list, list] = ([], [])  # the last `next_batch`: every process's prompts, this one's
@@ -89,26 +95,36 @@ class Curriculum:
       del self._trail[-n:]
 
   def state(self) -> dict:
-    return {"base": self.base.state(), "until": dict(self.until)}
+    return {"base": self.base.state(), "until": dict(self.until)} | ({"runs": dict(self.runs)} if self.streak > 1 else {})
 
   def restore(self, state: dict) -> None:
     if "until" not in state:
       raise DataError("the checkpoint's data position has no curriculum pools (data.curriculum changed)")
     self.base.restore(state["base"])
     self.until = {str(k): int(s) for k, s in state["until"].items()}
+    if self.streak > 1 and "runs" not in state:
+      raise DataError("the checkpoint's data position has no curriculum streaks (data.curriculum_streak changed)")
+    self.runs = {str(k): [str(o), int(n)] for k, (o, n) in state.get("runs", {}).items()}
 
   # --- outcomes -----------------------------------------------------------------------------------
 
   def record(self, examples: Sequence[Example], acc_QG, valid_QG=None) -> None:
-    """Each scored group's outcome: all right or all wrong (only the one `aside` names, if it names one)
-    sets its prompt aside; any other brings it in."""
+    """Each scored group's outcome: all right or all wrong (only the one `aside` names, if it names one),
+    the `streak`-th such group of its prompt in a row, sets its prompt aside; any other brings it in."""
     acc = np.asarray(acc_QG, bool)
     valid = np.ones_like(acc) if valid_QG is None else np.asarray(valid_QG, bool)
     for ex, a, v in zip(examples, acc, valid):
       if not v.any():
         continue
       solved, unsolved = a[v].all(), not a[v].any()
-      if (solved and self.aside != "unsolved") or (unsolved and self.aside != "solved"):
+      row = 1
+      if self.streak > 1:  # The outcomes in a row: kept for prompts whose last group was all one way.
+        outcome = "solved" if solved else "unsolved" if unsolved else None
+        last, count = self.runs.pop(key(ex), (None, 0))
+        row = count + 1 if outcome == last else 1
+        if outcome is not None:
+          self.runs[key(ex)] = [outcome, row]
+      if row >= self.streak and ((solved and self.aside != "unsolved") or (unsolved and self.aside != "solved")):
         self.until[key(ex)] = self.step + self.revisit_after + 1
         self.set_aside += 1
       else:

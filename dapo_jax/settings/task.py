@@ -32,6 +32,7 @@ class Data(Section):
   curriculum: bool = False         # set aside a prompt whose last group was all right or all wrong (data.curriculum)
   revisit_after: int = 10          # data.curriculum: rollout steps a prompt stays aside before it may be drawn again
   curriculum_aside: str = "both"   # data.curriculum: the groups that set their prompt aside: both, solved or unsolved
+  curriculum_streak: int = 1       # data.curriculum: such groups in a row (of one prompt) that set it aside
   chat_template: bool = _ROLLOUT.chat_template   # render prompts with the tokenizer's chat template
   prompt_template: str = ""        # e.g. data.DAPO_INSTRUCTION; "" = rows as they are
   max_images: int = _ROLLOUT.max_images   # a vision-language model: image slots per prompt (rows' images <= it)
@@ -55,6 +56,7 @@ class Data(Section):
   def check(self) -> None:
     self.choice("task", TASKS, "'arith', 'file', 'reasoning_gym' or 'count_shapes'")
     self.number("revisit_after", 1, integer=True)
+    self.number("curriculum_streak", 1, integer=True)
     self.choice("curriculum_aside", ("both", "solved", "unsolved"), "'both' (all right or all wrong), 'solved' "
                 "(all right) or 'unsolved' (all wrong)")
     if self.train_weights:
