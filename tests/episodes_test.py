@@ -16,6 +16,7 @@ from dapo_jax.envs import base as env_lib
 from dapo_jax.envs import render
 from dapo_jax.model import transformer as model
 from dapo_jax.rollout import engine, episodes, sampling
+from tests import vision_test
 
 
 class Countdown(env_lib.Env):
@@ -627,3 +628,92 @@ def test_episodes_on_a_paged_cache_are_the_dense_engines(tok, setup, read, kv_pa
   assert stats["preempted"] == 0 and stats["kv_pages_used"] == 0 and stats["prompt_pages_shared"] > 0
   if kv_pages:
     assert stats["kv_pages_peak"] <= kv_pages - 1, stats
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_a_vision_language_policy_plays_episodes_with_its_prompts_images(tok, family):
+  """Episodes of a vision-language policy (Gemma 3: bidirectional attention inside an image; Qwen2.5-VL:
+  M-RoPE) on the engine: the prompt's image vectors placed once, text observations fed as text, and every
+  policy token's recorded log-prob that of a teacher-forced forward of prompt + images + the whole episode."""
+  from dapo_jax.model.config import ModelConfig, VisionConfig
+  V, M = len(tok) + 3, 4  # Image tokens outside the tokenizer's ids: no text becomes one.
+  ids = dict(boi_token_id=V - 3, eoi_token_id=V - 2, image_token_id=V - 1)
+  if family == "gemma3":
+    cfg = ModelConfig(vocab_size=V, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      arch="gemma3", qk_norm=True, local_layers=(0,), sliding_window=12, query_scale=8.0,
+                      vision=VisionConfig(image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=1,
+                                          num_heads=2, tokens_per_image=M, **ids))
+  else:
+    cfg = ModelConfig(vocab_size=V, embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      qkv_bias=True, arch="qwen2", mrope_section=(2, 1, 1),
+                      vision=VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24,
+                                          num_layers=2, num_heads=2, tokens_per_image=M, window_size=4,
+                                          full_attention_layers=(1,), **ids))
+  params = testing.sharp_params(cfg, seed=3, scale=2.0)
+  eos = tuple(range(3, 160))
+  Q, G, C = 2, 3, 48
+  driver = episodes.EpisodeDriver(tok, Countdown, episodes.EpisodeConfig(max_turns=4, timeout_s=5.0, poll_steps=2),
+                                  eos_ids=eos, image_token_id=cfg.vision.image_token_id)
+  messages, _ = driver.prompt(0)
+  text = tok(tokenizer_lib.render(tok, messages), add_special_tokens=False)["input_ids"]
+  image = [ids["boi_token_id"]] + [ids["image_token_id"]] * M + [ids["eoi_token_id"]]
+  rows = [image + text, text[:1] + image + text[1:]]  # The image first, or after the first token.
+  P = len(rows[0]) + 2  # Left padding.
+  prompt_QP = np.array([[0] * (P - len(r)) + r for r in rows], np.int32)
+  mask_QP = np.array([[0] * (P - len(r)) + [1] * len(r) for r in rows], np.int32)
+  images_QMD = jax.random.normal(jax.random.key(1), (Q, M, cfg.embed_dim))
+  for q in range(Q):
+    driver.register(q, q)
+  sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=eos)
+  eng = engine.Engine(cfg, sc, slots=4, prompt_len=P, turn_tokens=6)
+  samples, stats = eng.generate(params, prompt_QP, mask_QP, G, jax.random.key(0), episodes=driver,
+                                images_QMD=images_QMD)
+  driver.close()
+  assert stats["prefilled_prompts"] == Q and max(stats["turns"]) >= 2, stats["turns"]
+  observed = ~np.asarray(samples.policy_BC) & np.asarray(samples.mask_BC)
+  assert observed.any() and (np.asarray(samples.tokens_BC)[observed] < len(tok)).all()
+  images_BMD = np.repeat(np.asarray(images_QMD), G, 0)
+  teacher = vision_test.teacher_log_probs(cfg, params, prompt_QP, mask_QP, images_BMD, samples.tokens_BC,
+                                          samples.mask_BC)
+  policy = np.asarray(samples.policy_BC) & np.asarray(samples.mask_BC)
+  np.testing.assert_allclose(np.where(policy, samples.logp_BC, 0), np.where(policy, teacher, 0), atol=1e-5)
+  # The images matter: without them the teacher-forced log-probs differ.
+  blind = vision_test.teacher_log_probs(cfg, params, prompt_QP, mask_QP, 0 * images_BMD, samples.tokens_BC,
+                                        samples.mask_BC)
+  assert np.abs(np.where(policy, blind - teacher, 0)).max() > 1e-3
+
+
+class ShowsAPlaceholder(Countdown):
+  """Answers with text that tokenizes to the policy's image placeholder (e.g. a tool printing it)."""
+  text = ""
+
+  def step(self, text):
+    return [{"role": "user", "content": self.text}], None, {}
+
+
+class ShowsAPicture(Countdown):
+  def step(self, text):
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "look"}]}], None, {}
+
+
+@pytest.mark.parametrize("env_cls", [ShowsAPlaceholder, ShowsAPicture])
+def test_an_observation_with_an_image_ends_its_episode_as_the_environments_failure(tok, setup, env_cls):
+  """Observations carry text only: an image part, or a text whose tokens hold the image placeholder,
+  ends the episode as an environment failure (masked, counted, said in one line)."""
+  placeholder = tok("look", add_special_tokens=False)["input_ids"][0]
+  ShowsAPlaceholder.text = tok.decode([placeholder])
+  cfg, params = setup
+  eos = tuple(range(3, 160))
+  driver = episodes.EpisodeDriver(tok, env_cls, episodes.EpisodeConfig(timeout_s=5.0, poll_steps=2), eos_ids=eos,
+                                  image_token_id=placeholder)
+  messages, _ = driver.prompt(0)
+  driver.register(0, 0)
+  prompt_QP, mask_QP = tokenizer_lib.encode_left_padded(tok, [tokenizer_lib.render(tok, messages)], 16)
+  eng = engine.Engine(cfg, sampling.SamplerConfig(max_new_tokens=32, temperature=1.0, eos_ids=eos), slots=2,
+                      prompt_len=16, turn_tokens=6)
+  samples, stats = eng.generate(params, prompt_QP, mask_QP, 2, jax.random.key(0), episodes=driver)
+  driver.close()
+  ended_in_turn = [r for r in stats["episode_rewards"] if r["pred"] != "[TURN_TOKENS]"]
+  assert ended_in_turn and all(r["pred"] == "[ENV_ERROR]" and r["masked"] for r in ended_in_turn)
+  assert not (~np.asarray(samples.policy_BC) & np.asarray(samples.mask_BC)).any()  # No observation was fed.
+  assert "observations carry text only" in driver.last_error and driver.counts["errors"] == len(ended_in_turn)

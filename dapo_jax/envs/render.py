@@ -44,6 +44,9 @@ def check_messages(observation) -> list[dict]:
   if not isinstance(observation, (list, tuple)) or not observation:
     raise ValueError(f"observation must be a non-empty list of messages, got {type(observation).__name__}")
   for m in observation:
+    if isinstance(m, dict) and isinstance(m.get("content"), (list, tuple)):
+      raise ValueError(f"observation message {m!r:.80} has content parts: observations carry text only "
+                       "(an image in an observation is not supported; images enter through the prompt)")
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
       raise ValueError(f"observation message {m!r:.80} is not {{'role': str, 'content': str}}")
   return list(observation)

@@ -70,6 +70,15 @@ def response_budget(max_prompt_len: int, turn_tokens: int, max_turns: int, max_e
   return (max_episode_tokens or max_prompt_len + max_turns * turn_tokens) - max_prompt_len
 
 
+def check_text_only(tokens: list[int], image_token_id: int | None) -> None:
+  """Observations are text: the engine feeds their tokens one per decode step, as text. An image
+  placeholder among them (its text in a tool's output) would be an image slot to every pass that
+  places images, with no image: a ValueError, which ends the episode as the environment's failure."""
+  if image_token_id is not None and image_token_id in tokens:
+    raise ValueError(f"the observation holds the image placeholder (token {image_token_id}): observations "
+                     "carry text only; images enter through the prompt")
+
+
 def check_reward(reward) -> dict:
   """An environment's final reward as {"score", "acc", "pred"} (a number is a score)."""
   if isinstance(reward, bool) or reward is None:
@@ -112,10 +121,13 @@ class _Episode:
 class EpisodeDriver:
   """Runs one rollout's environments: `register` the examples, then the engine `submit`s turns."""
 
-  def __init__(self, tok, make_env: Callable[[], env_lib.Env], cfg: EpisodeConfig, eos_ids=()):
+  def __init__(self, tok, make_env: Callable[[], env_lib.Env], cfg: EpisodeConfig, eos_ids=(),
+               image_token_id: int | None = None):
+    """`image_token_id`: a vision-language policy's image placeholder, which no observation may hold
+    (`check_text_only`)."""
     if cfg.env_error not in ENV_ERRORS:
       raise ValueError(f"rollout.env_error={cfg.env_error!r}: expected one of {ENV_ERRORS}")
-    self.tok, self.make_env, self.cfg = tok, make_env, cfg
+    self.tok, self.make_env, self.cfg, self.image_token_id = tok, make_env, cfg, image_token_id
     self.eos = set(eos_ids)
     # The text of every token that ends a policy turn: the template's end-of-turn is one of them.
     self.eos_texts = tuple(sorted({tok.decode([int(i)]) for i in self.eos} - {""}, key=len, reverse=True))
@@ -195,7 +207,9 @@ class EpisodeDriver:
         return None, reward
       if turn >= self.cfg.max_turns or not ended_by_eos:  # No turn left, or this one overran its budget.
         return "cut", "max_turns" if turn >= self.cfg.max_turns else "turn_tokens"
-      return render.observation_tokens(self.tok, obs, ended_with=end, tools=ep.tools), None
+      tokens = render.observation_tokens(self.tok, obs, ended_with=end, tools=ep.tools)
+      check_text_only(tokens, self.image_token_id)
+      return tokens, None
     finally:
       with self.lock:
         ep.busy = False

@@ -75,7 +75,8 @@ class Rollout:
     self.tok, self.model_cfg, self.mesh, self.cfg = tok, model_cfg, mesh, cfg
     self.sampler_cfg, self.reward = sampler_cfg, reward
     self.episodes = None if env is None else episodes_lib.EpisodeDriver(
-        tok, env, episode_cfg or episodes_lib.EpisodeConfig(), eos_ids=sampler_cfg.eos_ids)
+        tok, env, episode_cfg or episodes_lib.EpisodeConfig(), eos_ids=sampler_cfg.eos_ids,
+        image_token_id=None if model_cfg.vision is None else model_cfg.vision.image_token_id)
     if self.episodes is not None and (cfg.engine != "continuous" or jax.process_count() > 1):
       raise ValueError("rollout.env: episodes run on the continuous engine (rollout.engine='continuous') "
                        "in one process")
