@@ -27,15 +27,20 @@ def setup(tiny_tokenizer_dir):
 
 
 def two_steps(setup, *, slots, ahead, reward="length_reward", keep_rate=None, margin=1.0):
-  """Two streamed steps from one data stream: each step's groups and stats, and the stream's state after."""
+  """Two streamed steps from one data stream: each step's groups and stats, the stream's state after,
+  and the groups the stream's watchers heard of (`data.watch_scores`: the curriculum's pools)."""
   tok, cfg, params, sc, mesh, pools = setup
   r = rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=24, slots=slots), sc, pools[reward])
   it = data.PromptIterator(data.arith_examples(10, seed=0), seed=3)  # 10 prompts: the second step wraps an epoch
+  heard = []
+  data.watch_scores(r, lambda examples, acc, valid: heard.extend(
+      (ex.messages[-1]["content"], tuple(a)) for ex, a in zip(examples, np.asarray(acc).tolist())))
   out = []
   for step in range(2):
     groups, stats, _ = dynamic_sampling.stream_groups(r, params, it, G, Q, jax.random.key(step), ahead=ahead,
                                                       keep_rate=keep_rate, margin=margin)
-    out.append((groups, stats, dict(it.state())))
+    out.append((groups, stats, dict(it.state()), list(heard)))
+    heard.clear()
   return out
 
 
@@ -46,19 +51,20 @@ def test_kept_groups_and_consumed_prompts_do_not_depend_on_slots_admission_or_re
           two_steps(setup, slots=12, ahead=True, reward="slow_length_reward"),
           two_steps(setup, slots=12, ahead=True, margin=0.0),  # no safety margin: more, smaller waves
           two_steps(setup, slots=32, ahead=True, margin=3.0)]
-  for (groups, stats, state), _ in zip(ref, range(2)):
+  for (groups, stats, state, heard), _ in zip(ref, range(2)):
     assert len(groups) == Q and stats.kept == Q and stats.returned == 0
-    assert stats.admitted == stats.generated >= Q
+    assert stats.admitted == stats.generated == len(heard) >= Q
   for run in runs:
-    for (g, s, state), (g_ref, s_ref, state_ref) in zip(run, ref):
+    for (g, s, state, heard), (g_ref, s_ref, state_ref, heard_ref) in zip(run, ref):
       np.testing.assert_array_equal(g.prompt_QP, g_ref.prompt_QP)
       np.testing.assert_array_equal(g.tokens_QGC, g_ref.tokens_QGC)
       np.testing.assert_array_equal(g.score_QG, g_ref.score_QG)
       np.testing.assert_allclose(g.logp_QGC, g_ref.logp_QGC, rtol=1e-6, atol=1e-6)
       assert state == state_ref  # The prompts admitted past the step's prefix went back to the stream.
+      assert heard == heard_ref  # The watchers heard of the consumed groups alone, in prompt order.
       for f in ("admitted", "generated", "kept", "all_correct", "all_wrong", "acc_sum", "cap_reached"):
         assert getattr(s, f) == getattr(s_ref, f), f
-  assert sum(s.returned for _, s, _ in runs[1]) > 0  # Far ahead, some prompts were not needed.
+  assert sum(s.returned for _, s, _, _ in runs[1]) > 0  # Far ahead, some prompts were not needed.
 
 
 def test_the_kept_groups_are_the_first_q_kept_in_prompt_order_of_the_reference(setup):

@@ -9,8 +9,9 @@ drop the group; set aside, those samples go to prompts that can teach something.
 
 `Curriculum` wraps a prompt iterator (`PromptIterator`, `MixedIterator`) and serves its calls (`take`,
 `next_batch`, `rewind`, `state`, `restore`). The loop says which rollout step draws (`at_step`); the
-rollout's scoring reports every scored group, kept or dropped (`watch`). A prompt is known by its train
-file and its text, so the same problem twice in a file is one prompt. Everything it decides follows
+rollout's scoring reports every group the step consumed, kept or dropped (`watch`; a streamed step
+reports them as it ends, not the groups it scored past what it consumed). A prompt is known by its
+train file and its text, so the same problem twice in a file is one prompt. Everything it decides follows
 from the seed and the outcomes, and its state (the pools) is checkpointed with the stream's position, so
 a resumed run draws what the uninterrupted one would. With several processes every process draws the
 whole batch and keeps its share (`next_batch`); each scores its share's groups, and the outcomes are
@@ -42,7 +43,7 @@ class Curriculum:
       raise DataError(f"data.curriculum_aside={aside!r}: expected 'both', 'solved' or 'unsolved'")
     self.base, self.revisit_after, self.size, self.aside, self.streak = base, revisit_after, size, aside, streak
     self.until: dict[str, int] = {}  # prompt key -> the first rollout step that may draw it again
-    self.runs: dict[str, list] = {}  # prompt key -> [its last groups' outcome ("solved" / "unsolved"), how many in a row]
+    self.runs: dict[str, list] = {}  # prompt key -> [its last outcome ("solved" / "unsolved"), groups in a row]
     self.step = 0
     self._trail: list[int] = []      # base draws behind each prompt returned this step (for rewind)
     self.last_batch: tuple[list, list] = ([], [])  # the last `next_batch`: every process's prompts, this one's
@@ -95,7 +96,8 @@ class Curriculum:
       del self._trail[-n:]
 
   def state(self) -> dict:
-    return {"base": self.base.state(), "until": dict(self.until)} | ({"runs": dict(self.runs)} if self.streak > 1 else {})
+    runs = {"runs": dict(self.runs)} if self.streak > 1 else {}
+    return {"base": self.base.state(), "until": dict(self.until)} | runs
 
   def restore(self, state: dict) -> None:
     if "until" not in state:

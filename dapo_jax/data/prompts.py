@@ -8,10 +8,12 @@ Row schema (verl's RL parquet format, as DAPO-Math-17k ships):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import threading
 import zlib
 from typing import Callable, Sequence
 
@@ -311,11 +313,28 @@ class PromptIterator:
     self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_watch():
+  """Scores made inside (on this thread) reach the watchers (`watch_scores`) only when the yielded
+  list's calls are made. A streamed step scores groups past the prefix it consumes as a race with its
+  end decides; it reports only the consumed ones, in prompt order, so that what the watchers saw is a
+  function of the seed and the data (a resumed run's pools are the uninterrupted run's)."""
+  _deferred.calls = calls = []
+  try:
+    yield calls
+  finally:
+    _deferred.calls = None
+
+
 def watch_scores(rollout, record, last_batch: Callable[[], tuple] | None = None) -> None:
-  """Calls `record(examples, acc_QG, valid_QG)` with every group `rollout.score` scores from now on. With
-  several processes each scores its share of a batch that all of them drew (`last_batch()`: (the batch,
-  this process's share), `next_batch`); such groups are recorded with every process's, gathered, so
-  that every process records the same (a streamed step scores every group on every process already)."""
+  """Calls `record(examples, acc_QG, valid_QG)` with every group `rollout.score` scores from now on (under
+  `deferred_watch`: when the step reports it). With several processes each scores its share of a batch
+  that all of them drew (`last_batch()`: (the batch, this process's share), `next_batch`); such groups are
+  recorded with every process's, gathered, so that every process records the same (a streamed step
+  scores every group on every process already)."""
   score = rollout.score
 
   def scored(examples, samples, G, *args, **kw):
@@ -326,7 +345,11 @@ def watch_scores(rollout, record, last_batch: Callable[[], tuple] | None = None)
     if len(every) > len(share) == len(examples) and all(a is b for a, b in zip(examples, share)):
       from dapo_jax import sharding  # noqa: PLC0415 - a collective, in the lockstep every process scores in
       examples, acc, valid = every, sharding.gather_hosts(acc), sharding.gather_hosts(valid)
-    record(examples, acc, valid)
+    calls = getattr(_deferred, "calls", None)
+    if calls is None:
+      record(examples, acc, valid)
+    else:
+      calls.append(lambda: record(examples, acc, valid))
     return out
   rollout.score = scored
 
@@ -340,7 +363,7 @@ class MixedIterator:
   Each source is its own `PromptIterator` (shuffled epochs, its own seed). State: the stream's
   position and each source's (epoch, position), so a restored run continues with the same prompts.
   Watching a rollout (`watch`), it counts each rollout step's scored groups by source (`metrics`:
-  data/source/<name>/groups and /acc, every group scored, kept by dynamic sampling or not).
+  data/source/<name>/groups and /acc, every group the step consumed, kept by dynamic sampling or not).
   """
   BLOCK = 4096
 

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from dapo_jax import errors
+from dapo_jax.data import prompts as data_lib
 from dapo_jax.datatypes import Groups
 from dapo_jax.rollout import engine as engine_lib
 from dapo_jax.rollout.rollout import Rollout
@@ -229,7 +230,7 @@ class _StreamingStep:
     self.pending: dict[int, dict] = {}          # prompt number -> its prompt, example and ended samples
     # (prompt numbers, their scores, the round they were submitted in)
     self.scoring: list[tuple[list[int], cf.Future, int]] = []
-    self.scored: dict[int, tuple[Groups, list[str], float]] = {}
+    self.scored: dict[int, tuple[Groups, list[str], float, list]] = {}
     self.kept: dict[int, bool] = {}             # prompt number -> dynamic sampling kept its group
     self.truncated: dict[int, int] = {}         # prompt number -> 1 if it lost its beginning to max_prompt_len
     self.admitted = 0                           # prompts taken from the data stream
@@ -344,7 +345,9 @@ class _StreamingStep:
     """FillStats of the prompts the step consumed (0..end-1): independent of how far it ran ahead."""
     s = self.stats
     for pid in range(end):
-      groups = self.scored[pid][0]
+      groups, _, _, report = self.scored[pid]
+      for call in report:  # The data stream's watchers hear of the consumed groups alone, in prompt order.
+        call()
       s.generated += 1
       s.kept += int(self.kept[pid])
       s.acc_sum += float(groups.acc_QG.mean())
@@ -381,16 +384,18 @@ def _group(entry: dict, G: int, C: int) -> dict:
           "rewards": None if rows[0].policy_C is None else [r.reward for r in rows]}  # Episodes' own.
 
 
-def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, list[str], float]]:
-  """(scored groups, texts, seconds) of finished groups (in the reward thread, while the engine decodes)."""
+def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, list[str], float, list]]:
+  """(scored groups, texts, seconds, the calls that report them to the data's watchers) of finished
+  groups (in the reward thread, while the engine decodes)."""
   out = []
   for g in groups:
     t0 = time.perf_counter()
     s = g["samples"]
     G = s.tokens_BC.shape[0]
-    scored = rollout.score([g["example"]], s, G, g["rewards"])
+    with data_lib.deferred_watch() as report:
+      scored = rollout.score([g["example"]], s, G, g["rewards"])
     out.append((_groups(g, scored["score"], scored["acc"], scored["filter"], scored["valid"], scored["parts"]),
-                scored["texts"], time.perf_counter() - t0))
+                scored["texts"], time.perf_counter() - t0, report))
   return out
 
 
