@@ -1,11 +1,11 @@
 """Difficulty pools over the prompt stream (`data.curriculum`, prime-rl's pools): a prompt whose last
 group came back all right (solved) or all wrong (out of reach for now) is set aside for
 `data.revisit_after` rollout steps. The stream skips it until then; after that it comes back on its next
-turn in the stream and is judged again. With `data.curriculum_streak` = K > 1 a prompt is set aside only
-after K such groups in a row, all of one kind: one all-wrong group of G samples is also what a problem
-solved one time in five gives a fifth of the time (0.8^8 for G = 8), and such a problem is the one that
-teaches most; K groups in a row rarely come from it. Dynamic sampling would otherwise generate its G samples only to
-drop the group; set aside, those samples go to prompts that can teach something.
+turn in the stream and is judged again. Dynamic sampling would otherwise generate its G samples only to
+drop the group; set aside, those samples go to prompts that can teach something. With
+`data.curriculum_streak` = K > 1 a prompt is set aside only after K such groups in a row, all of one
+kind: one all-wrong group is also what a problem solved one time in five gives 17% of the time
+(0.8^8 for G = 8), K in a row far less often (docs/results.md measures what each choice costs).
 
 `Curriculum` wraps a prompt iterator (`PromptIterator`, `MixedIterator`) and serves its calls (`take`,
 `next_batch`, `rewind`, `state`, `restore`). The loop says which rollout step draws (`at_step`); the
