@@ -123,8 +123,9 @@ def _record(n, state, setting, seed, workdir, error=""):
 def test_report_table_over_seeds_at_equal_samples(tmp_path):
   w = str(tmp_path)
   # Setting A, two seeds: 300 samples per step; B one seed: 200 per step (its 2 steps = 400 samples).
-  _write_run(f"{w}/a0", [300, 300], {0: 0.2, 1: 0.6, 2: 0.8})
-  _write_run(f"{w}/a1", [300, 300], {0: 0.2, 1: 0.4, 2: 0.6})
+  # A's groups: half dropped by dynamic sampling in seed 0, a quarter in seed 1 (B: no such metric).
+  _write_run(f"{w}/a0", [300, 300], {0: 0.2, 1: 0.6, 2: 0.8}, {"train/kept_fraction": 0.5})
+  _write_run(f"{w}/a1", [300, 300], {0: 0.2, 1: 0.4, 2: 0.6}, {"train/kept_fraction": 0.75})
   _write_run(f"{w}/b0", [200, 200], {0: 0.2, 1: 0.3, 2: 0.5})
   _write_run(f"{w}/p", [500], {0: 0.2, 1: 0.1})
   recs = [_record(0, "COMPLETE", "A", 0, f"{w}/a0"), _record(1, "COMPLETE", "A", 1, f"{w}/a1"),
@@ -138,11 +139,15 @@ def test_report_table_over_seeds_at_equal_samples(tmp_path):
   np.testing.assert_allclose(a["values"], [0.6 + 0.2 / 3, 0.4 + 0.2 / 3], rtol=1e-12)
   assert a["mean"] == pytest.approx(0.5 + 0.2 / 3) and a["std"] == pytest.approx(np.std([0.2, 0.0], ddof=1) * 1)
   assert t["settings"]["B"]["mean@4_at_samples"]["values"] == [0.5] and t["best"] == "A"
+  # Samples in dropped groups by step 2 (the last every finished run evaluated): 2 x 300 x (1 - kept).
+  assert t["settings"]["A"]["dropped_at_step"]["values"] == [300.0, 150.0]
+  assert t["settings"]["B"]["dropped_at_step"]["values"] == [0.0]
   assert [(r["setting"], r["state"], r["samples"], r["value"]) for r in t["stopped"]] == [
       ("C", "PRUNED", 500.0, 0.1), ("D", "FAIL", 0.0, None)]
   assert t["spent"] == {"finished": 1600.0, "finished_runs": 3, "stopped": 500.0}
   md = open(f"{w}/table.md").read()
   assert md.index("| B |") < md.index("| A |") and "| C | 0 | pruned | 500 | 0.100 |" in md
+  assert "| samples by step 2 | of them in dropped groups |" in md and "| 600 | 225 |" in md
   assert "| D | 0 | fail | 0 |  | boom |" in md and "Best at 400 samples: A" in md
   assert json.load(open(f"{w}/table.json"))["best"] == "A"
   with open(f"{w}/curves.png", "rb") as f:
