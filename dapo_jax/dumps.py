@@ -31,6 +31,8 @@ import threading
 
 import numpy as np
 
+from dapo_jax.data import prompts as data_lib
+
 DIRNAME = "rollouts"
 
 
@@ -61,8 +63,11 @@ class RolloutRecorder:
 
     def recorded_score(examples, samples, G, rewards=None):
       out = score(examples, samples, G, rewards)
-      if self.rows is not None and self.kind == "step":
-        self._train_rows(examples, samples, G, out)
+
+      def rows():
+        if self.rows is not None and self.kind == "step":
+          self._train_rows(examples, samples, G, out)
+      data_lib.report(rows)  # A streamed step's: of the groups it consumed, in prompt order.
       return out
 
     def recorded_call_reward(texts, examples, reward=None):

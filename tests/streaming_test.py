@@ -1,10 +1,12 @@
 """Streaming dynamic sampling that admits ahead: the kept groups, and the data the step consumes,
 are a function of the key and the data order alone (not of slots, admission or reward latency)."""
+import tempfile
+
 import jax
 import numpy as np
 import pytest
 
-from dapo_jax import rewards, sharding, testing
+from dapo_jax import dumps, rewards, sharding, testing
 from dapo_jax.data import prompts as data
 from dapo_jax.data import tokenizer
 from dapo_jax.rollout import dynamic_sampling, rollout, sampling
@@ -28,18 +30,24 @@ def setup(tiny_tokenizer_dir):
 
 def two_steps(setup, *, slots, ahead, reward="length_reward", keep_rate=None, margin=1.0):
   """Two streamed steps from one data stream: each step's groups and stats, the stream's state after,
-  and the groups the stream's watchers heard of (`data.watch_scores`: the curriculum's pools)."""
+  and the groups the stream's watchers heard of (`data.watch_scores`: the curriculum's pools) and the
+  rollout dump holds."""
   tok, cfg, params, sc, mesh, pools = setup
   r = rollout.Rollout(tok, cfg, mesh, rollout.RolloutConfig(max_prompt_len=24, slots=slots), sc, pools[reward])
   it = data.PromptIterator(data.arith_examples(10, seed=0), seed=3)  # 10 prompts: the second step wraps an epoch
   heard = []
   data.watch_scores(r, lambda examples, acc, valid: heard.extend(
       (ex.messages[-1]["content"], tuple(a)) for ex, a in zip(examples, np.asarray(acc).tolist())))
+  workdir = tempfile.mkdtemp()
+  recorder = dumps.RolloutRecorder(workdir, r, filter_groups=True)
   out = []
   for step in range(2):
-    groups, stats, _ = dynamic_sampling.stream_groups(r, params, it, G, Q, jax.random.key(step), ahead=ahead,
-                                                      keep_rate=keep_rate, margin=margin)
-    out.append((groups, stats, dict(it.state()), list(heard)))
+    with recorder.recording("step", step, step):
+      groups, stats, _ = dynamic_sampling.stream_groups(r, params, it, G, Q, jax.random.key(step), ahead=ahead,
+                                                        keep_rate=keep_rate, margin=margin)
+    rows = dumps.read(dumps.path(workdir, step))
+    dumped = [(row["group"], row["prompt"], row["response"], row["kept"]) for row in rows]
+    out.append((groups, stats, dict(it.state()), list(heard) + dumped))
     heard.clear()
   return out
 
@@ -53,7 +61,7 @@ def test_kept_groups_and_consumed_prompts_do_not_depend_on_slots_admission_or_re
           two_steps(setup, slots=32, ahead=True, margin=3.0)]
   for (groups, stats, state, heard), _ in zip(ref, range(2)):
     assert len(groups) == Q and stats.kept == Q and stats.returned == 0
-    assert stats.admitted == stats.generated == len(heard) >= Q
+    assert stats.admitted == stats.generated == len(heard) // (1 + G) >= Q  # Each group heard once, dumped G times.
   for run in runs:
     for (g, s, state, heard), (g_ref, s_ref, state_ref, heard_ref) in zip(run, ref):
       np.testing.assert_array_equal(g.prompt_QP, g_ref.prompt_QP)
@@ -61,7 +69,7 @@ def test_kept_groups_and_consumed_prompts_do_not_depend_on_slots_admission_or_re
       np.testing.assert_array_equal(g.score_QG, g_ref.score_QG)
       np.testing.assert_allclose(g.logp_QGC, g_ref.logp_QGC, rtol=1e-6, atol=1e-6)
       assert state == state_ref  # The prompts admitted past the step's prefix went back to the stream.
-      assert heard == heard_ref  # The watchers heard of the consumed groups alone, in prompt order.
+      assert heard == heard_ref  # Watchers and dumps: the consumed groups alone, in prompt order.
       for f in ("admitted", "generated", "kept", "all_correct", "all_wrong", "acc_sum", "cap_reached"):
         assert getattr(s, f) == getattr(s_ref, f), f
   assert sum(s.returned for _, s, _, _ in runs[1]) > 0  # Far ahead, some prompts were not needed.

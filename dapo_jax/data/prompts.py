@@ -318,8 +318,8 @@ _deferred = threading.local()
 
 @contextlib.contextmanager
 def deferred_watch():
-  """Scores made inside (on this thread) reach the watchers (`watch_scores`) only when the yielded
-  list's calls are made. A streamed step scores groups past the prefix it consumes as a race with its
+  """Scores made inside (on this thread) reach the watchers (`watch_scores`, the rollout dumps) only when
+  the yielded list's calls are made. A streamed step scores groups past the prefix it consumes as a race with its
   end decides; it reports only the consumed ones, in prompt order, so that what the watchers saw is a
   function of the seed and the data (a resumed run's pools are the uninterrupted run's)."""
   _deferred.calls = calls = []
@@ -327,6 +327,16 @@ def deferred_watch():
     yield calls
   finally:
     _deferred.calls = None
+
+
+def report(call: Callable[[], object]) -> None:
+  """A watcher's record of a group just scored: made now, or, under `deferred_watch`, when the step that
+  scored the group reports it."""
+  calls = getattr(_deferred, "calls", None)
+  if calls is None:
+    call()
+  else:
+    calls.append(call)
 
 
 def watch_scores(rollout, record, last_batch: Callable[[], tuple] | None = None) -> None:
@@ -345,11 +355,7 @@ def watch_scores(rollout, record, last_batch: Callable[[], tuple] | None = None)
     if len(every) > len(share) == len(examples) and all(a is b for a, b in zip(examples, share)):
       from dapo_jax import sharding  # noqa: PLC0415 - a collective, in the lockstep every process scores in
       examples, acc, valid = every, sharding.gather_hosts(acc), sharding.gather_hosts(valid)
-    calls = getattr(_deferred, "calls", None)
-    if calls is None:
-      record(examples, acc, valid)
-    else:
-      calls.append(lambda: record(examples, acc, valid))
+    report(lambda: record(examples, acc, valid))
     return out
   rollout.score = scored
 
