@@ -79,6 +79,12 @@ class VisionConfig:
     return (self.image_size // self.patch_size) ** 2
 
   @property
+  def grid(self) -> tuple[int, int]:
+    """Qwen2.5-VL: (patches a side, merged tokens a side) of one image."""
+    g = self.image_size // self.patch_size
+    return g, g // self.merge_size
+
+  @property
   def bidirectional(self) -> bool:
     """An image's placeholders see each other both ways (Gemma 3); Qwen2.5-VL keeps attention causal."""
     return self.kind == "siglip"

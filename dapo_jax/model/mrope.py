@@ -22,8 +22,7 @@ def mrope_positions(vcfg: VisionConfig, pos_BT: jax.Array, tokens_BT: jax.Array)
   M tokens at (s, s + row, s + col) from its first token's s, text at its own; each token shifted by
   (M - side) for every image not ended before it (the module docstring: transformers' positions plus one
   constant per row, 0 after the last image)."""
-  M = vcfg.tokens_per_image
-  side = vcfg.image_size // vcfg.patch_size // vcfg.merge_size  # Merged tokens a side.
+  M, (_, side) = vcfg.tokens_per_image, vcfg.grid
   is_image = tokens_BT == vcfg.image_token_id
   seen_BT = jnp.cumsum(is_image, axis=1)
   left_BT = seen_BT[:, -1:] - seen_BT + is_image  # Image tokens at or after each token.

@@ -45,12 +45,6 @@ def init_params(vcfg: VisionConfig, embed_dim: int, rng: jax.Array) -> dict:
           "merge_fc2_GE": normal(G, embed_dim), "merge_fc2_bias_E": zeros(embed_dim)}
 
 
-def grid(vcfg: VisionConfig) -> tuple[int, int]:
-  """(patches a side, merged tokens a side) of one image."""
-  g = vcfg.image_size // vcfg.patch_size
-  return g, g // vcfg.merge_size
-
-
 def patches(vcfg: VisionConfig, pixels_ICSS: jax.Array) -> jax.Array:
   """[I, C, S, S] -> [I, P, C*T*p*p]: the processor's flattened patches (merge-block-major; each patch's
   pixels in (channel, frame, row, column) order, its T frames equal)."""
@@ -65,7 +59,7 @@ def patches(vcfg: VisionConfig, pixels_ICSS: jax.Array) -> jax.Array:
 def window_order(vcfg: VisionConfig) -> tuple[np.ndarray, np.ndarray]:
   """(the merged tokens' order window by window [M], each reordered patch's window [P]): windows of
   `window_size` pixels a side tile the merged grid row-major, the edge windows cut short."""
-  _, b = grid(vcfg)
+  _, b = vcfg.grid
   w = vcfg.window_size // vcfg.merge_size // vcfg.patch_size
   order, window = [], []
   for top in range(0, b, w):
@@ -78,7 +72,7 @@ def window_order(vcfg: VisionConfig) -> tuple[np.ndarray, np.ndarray]:
 
 def patch_positions(vcfg: VisionConfig) -> np.ndarray:
   """[P, 2] (row, column) of each patch, in the processor's merge-block-major order."""
-  g, b = grid(vcfg)
+  g, b = vcfg.grid
   m = vcfg.merge_size
   rows, cols = np.meshgrid(np.arange(g), np.arange(g), indexing="ij")
   block = lambda a: a.reshape(b, m, b, m).transpose(0, 2, 1, 3).reshape(-1)
