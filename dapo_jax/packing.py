@@ -95,7 +95,7 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   mrope_BT3 = None
   if vision is not None and vision.kind == "qwen2_5_vl":
     positions_BT = np.maximum(np.cumsum(mask, 1) - 1, 0)
-    mrope_BT3 = np.moveaxis(np.asarray(mrope.mrope_positions(vision, positions_BT, batch.tokens_BT)), 0, -1)
+    mrope_BT3 = np.moveaxis(np.asarray(mrope.mrope_positions(vision, positions_BT, batch.tokens_BT, images)), 0, -1)
     prefix = 0 if images is not None else prefix
   rows = _Rows(length_B, prompt_B, completion_B, prompt_id_B, prefix, image_token,
                vision is None or vision.bidirectional, mrope_BT3)

@@ -28,13 +28,13 @@ S = 56  # pixels a side: 4 x 4 patches of 14, merged 2 x 2 into M = 4 tokens; wi
 M = 4
 
 
-def make_hf_model(path, seed=0):
+def make_hf_model(path, seed=0, window_size=28):
   torch.manual_seed(seed)
   text = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]})
   vis = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
-             spatial_merge_size=2, temporal_patch_size=2, window_size=28, fullatt_block_indexes=[1])
+             spatial_merge_size=2, temporal_patch_size=2, window_size=window_size, fullatt_block_indexes=[1])
   cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vis, image_token_id=IMG, video_token_id=291,
                                       vision_start_token_id=BOI, vision_end_token_id=EOI, tie_word_embeddings=False)
   cfg._attn_implementation = "eager"
@@ -138,12 +138,13 @@ def test_images_in_prompts_match_transformers(tmp_path):
     hf_feats = torch.cat(m.model.get_image_features(torch.tensor(flat), torch.tensor(grid)).pooler_output).numpy()
   one_each = jnp.asarray(pixels[:, :2].reshape(4, 1, 3, S, S))
   feats = np.asarray(vision.image_features(cfg.vision, params["vision"], one_each))
-  np.testing.assert_allclose(feats.reshape(4, M, -1)[[0, 1, 2]].reshape(-1, feats.shape[-1]), hf_feats,
-                             atol=1e-5 * np.abs(hf_feats).max())
+  feats = feats.reshape(4, M, -1)[[0, 1, 2]].reshape(3 * M, -1)
+  np.testing.assert_allclose(feats[:, :-1], hf_feats, atol=1e-5 * np.abs(hf_feats).max())
+  assert (feats[:, -1] == S // 28).all()  # Each vector's last channel: its image's tokens a row.
   # Each part matters: the windows (all layers full), and the 3D positions (transformers with 1D ones).
   full = cfg.vision.__class__(**{**cfg.vision.__dict__, "full_attention_layers": (0, 1, 2)})
   no_windows = np.asarray(vision.image_features(full, params["vision"], jnp.asarray(pixels[:1, :1])))[0]
-  assert np.abs(no_windows - hf_feats[:M]).max() > 1e-3 * np.abs(hf_feats).max()
+  assert np.abs(no_windows[:, :-1] - hf_feats[:M]).max() > 1e-3 * np.abs(hf_feats).max()
   flat_pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
   plain = torch_logits(m, tokens, mask, flat, grid, position_ids=flat_pos)
   real = mask.astype(bool)

@@ -138,13 +138,15 @@ def encode_png(img) -> bytes:
   return out.getvalue()
 
 
-_PROCESSORS: dict[int, object] = {}
+_PROCESSORS: dict[tuple, object] = {}
+QWEN_MIN_PIXELS = 56 * 56  # transformers' Qwen2-VL processor's default floor on an image's pixels
 
 
 def pixels(vcfg, images: Sequence[bytes], num_images: int) -> np.ndarray:
   """[num_images, C, S, S] fp32: `images` through the model's image processor (resized to S =
   `vcfg.image_size`, rescaled, normalised), then zeros up to `num_images` (a prompt with fewer images;
-  their vectors are never placed)."""
+  their vectors are never placed). Qwen2.5-VL with `native_resolution`: each image at its own `grid`, its
+  patches in the first of the canvas's patch slots (`qwen_vision.patches`)."""
   if len(images) > num_images:
     raise DataError(f"a prompt has {len(images)} images, more than the {num_images} this batch holds")
   out = np.zeros((num_images, vcfg.num_channels, vcfg.image_size, vcfg.image_size), np.float32)
@@ -155,15 +157,51 @@ def pixels(vcfg, images: Sequence[bytes], num_images: int) -> np.ndarray:
   return out
 
 
-def _processor(vcfg):
-  """The model's image processor for S x S images, made once per (kind, S)."""
-  key = (vcfg.kind, vcfg.image_size)
+def grid(vcfg, data: bytes, where: str = "image") -> tuple[int, int]:
+  """(h, w) patches of one image as the tower sees it: transformers' `smart_resize` of its size (a
+  multiple of patch x merge a side, QWEN_MIN_PIXELS to S^2 pixels, the aspect ratio kept) with
+  `native_resolution`; else S x S. A DataError naming `where` if it fits in no S^2 pixels."""
+  side = vcfg.image_size // vcfg.patch_size
+  if not vcfg.native_resolution:
+    return side, side
+  from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+  with pil().open(io.BytesIO(data)) as img:  # The header alone.
+    width, height = img.size
+  S, f = vcfg.image_size, vcfg.patch_size * vcfg.merge_size
+  try:
+    h, w = smart_resize(height, width, factor=f, min_pixels=min(QWEN_MIN_PIXELS, S * S), max_pixels=S * S)
+  except ValueError as e:
+    raise DataError(f"{where}: a {width} x {height} image: {e}") from None
+  if h * w > S * S:
+    raise DataError(f"{where}: a {width} x {height} image becomes {w} x {h} pixels (multiples of {f}), more than "
+                    f"model.vision.image_size^2 = {S}^2: too thin for this size")
+  return h // vcfg.patch_size, w // vcfg.patch_size
+
+
+def batch_grids(vcfg, image_lists: Sequence[Sequence[bytes]], num_images: int = 0) -> np.ndarray:
+  """[Q, I, 2] int32: each prompt's images' `grid`, (0, 0) in the slots past them (`batch_pixels`'s I)."""
+  I = num_images or max(1, max(map(len, image_lists)))
+  out = np.zeros((len(image_lists), I, 2), np.int32)
+  for q, ims in enumerate(image_lists):
+    for i, data in enumerate(ims):
+      out[q, i] = grid(vcfg, data)
+  return out
+
+
+def tokens_per_image(vcfg, grid_hw: tuple[int, int]) -> int:
+  """The placeholders an image of `grid` (h, w) patches takes: M of Gemma 3, (h/m)(w/m) of Qwen2.5-VL."""
+  return vcfg.tokens_per_image if vcfg.kind != "qwen2_5_vl" else grid_hw[0] * grid_hw[1] // vcfg.merge_size ** 2
+
+
+def _processor(vcfg, min_pixels: int = 0):
+  """The model's image processor: for S x S images, or (Qwen2.5-VL) for `min_pixels` to S^2 pixels."""
+  key = (vcfg.kind, vcfg.image_size, min_pixels)
   if key not in _PROCESSORS:
     S = vcfg.image_size
     if vcfg.kind == "qwen2_5_vl":
       from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-      _PROCESSORS[key] = Qwen2VLImageProcessorPil(min_pixels=S * S, max_pixels=S * S, patch_size=vcfg.patch_size,
-                                                  merge_size=vcfg.merge_size,
+      _PROCESSORS[key] = Qwen2VLImageProcessorPil(min_pixels=min_pixels or S * S, max_pixels=S * S,
+                                                  patch_size=vcfg.patch_size, merge_size=vcfg.merge_size,
                                                   temporal_patch_size=vcfg.temporal_patch_size)
     else:
       from transformers import Gemma3ImageProcessorPil
@@ -172,15 +210,23 @@ def _processor(vcfg):
 
 
 def _qwen_pixels(vcfg, decoded: Sequence) -> np.ndarray:
-  """[I, C, S, S]: Qwen2.5-VL's processor on the images resized to S x S first (its own resize keeps each
-  image's aspect ratio, so its token count; one size keeps the run's shapes static), its flat patches
-  put back in place (`qwen_vision.patches` cuts them again, exactly)."""
-  S, p, m, C = vcfg.image_size, vcfg.patch_size, vcfg.merge_size, vcfg.num_channels
+  """[I, C, S, S]: Qwen2.5-VL's processor on each image, its flat patches (frame 0) put in the canvas's
+  first patch slots, which `qwen_vision.patches` cuts again, exactly. Without `native_resolution` each
+  image is resized to S x S first (the processor's own resize keeps the aspect ratio, so the token count):
+  its patches fill every slot, in place."""
+  S, p, m, C, T = vcfg.image_size, vcfg.patch_size, vcfg.merge_size, vcfg.num_channels, vcfg.temporal_patch_size
   Image = pil()
-  resized = [img if img.size == (S, S) else img.resize((S, S), Image.Resampling.BICUBIC) for img in decoded]
-  flat = _processor(vcfg)(images=resized, return_tensors="np")["pixel_values"]  # [I*P, C*T*p*p]
   b = S // (p * m)
-  x = flat.reshape(len(decoded), b, b, m, m, C, vcfg.temporal_patch_size, p, p)[:, :, :, :, :, :, 0]
+  slots = np.zeros((len(decoded), b * b * m * m, C, p, p), np.float32)
+  for i, img in enumerate(decoded):
+    if vcfg.native_resolution:
+      out = _processor(vcfg, min(QWEN_MIN_PIXELS, S * S))(images=[img], return_tensors="np")
+    else:
+      out = _processor(vcfg)(images=[img if img.size == (S, S) else img.resize((S, S), Image.Resampling.BICUBIC)],
+                             return_tensors="np")
+    flat = out["pixel_values"]  # [h*w, C*T*p*p]
+    slots[i, :len(flat)] = flat.reshape(len(flat), C, T, p, p)[:, :, 0]
+  x = slots.reshape(len(decoded), b, b, m, m, C, p, p)
   return x.transpose(0, 5, 1, 3, 6, 2, 4, 7).reshape(len(decoded), C, S, S)
 
 
@@ -190,10 +236,17 @@ def batch_pixels(vcfg, image_lists: Sequence[Sequence[bytes]], num_images: int =
   return np.stack([pixels(vcfg, ims, I) for ims in image_lists])
 
 
-def expand_marks(text: str, tok, vcfg) -> str:
-  """`text` with each `IMAGE_MARK` written as the tokens the model reads for one image: begin, M
-  placeholders, end (the tokenizer's own strings for `vcfg`'s token ids, which it keeps whole)."""
+def expand_marks(text: str, tok, vcfg, images: Sequence[bytes] = ()) -> str:
+  """`text` with each `IMAGE_MARK` written as the tokens the model reads for one image: begin, its
+  placeholders (`tokens_per_image` of the image's `grid`; `images`: the marks' images, in order, which
+  `native_resolution` needs) and end (the tokenizer's own strings for `vcfg`'s token ids, kept whole)."""
   if IMAGE_MARK not in text:
     return text
   boi, img, eoi = tok.convert_ids_to_tokens([vcfg.boi_token_id, vcfg.image_token_id, vcfg.eoi_token_id])
-  return text.replace(IMAGE_MARK, boi + img * vcfg.tokens_per_image + eoi)
+  if not vcfg.native_resolution:
+    return text.replace(IMAGE_MARK, boi + img * vcfg.tokens_per_image + eoi)
+  parts = text.split(IMAGE_MARK)
+  if len(parts) - 1 != len(images):
+    raise DataError(f"the prompt has {len(parts) - 1} {IMAGE_MARK} mark(s) for {len(images)} image(s)")
+  counts = [tokens_per_image(vcfg, grid(vcfg, data, f"image {i}")) for i, data in enumerate(images)]
+  return parts[0] + "".join(boi + img * n + eoi + part for n, part in zip(counts, parts[1:]))

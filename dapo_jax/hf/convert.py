@@ -400,8 +400,9 @@ def params_to_tensors(cfg: model_lib.ModelConfig, params: dict, dtype=np.float32
 
 # --- public API --------------------------------------------------------------------------------
 
-def load_config(path: str, **overrides) -> model_lib.ModelConfig:
-  """The ModelConfig of a local HF model directory (its config.json), without reading weights."""
+def load_config(path: str, native_resolution: bool = False, **overrides) -> model_lib.ModelConfig:
+  """The ModelConfig of a local HF model directory (its config.json), without reading weights.
+  `native_resolution`: a Qwen2.5-VL's images keep their aspect ratios (`VisionConfig.native_resolution`)."""
   cfg_path = os.path.join(path, "config.json")
   if not os.path.exists(cfg_path):
     raise CheckpointError(f"{path}: no config.json (is this a Hugging Face model directory?)")
@@ -419,8 +420,11 @@ def load_config(path: str, **overrides) -> model_lib.ModelConfig:
     if multimodal.is_multimodal(hf_cfg):
       vision = multimodal.vision_config(hf_cfg, cfg_path)
       return config_from_hf(multimodal.text_config(hf_cfg), f"{cfg_path} (text_config)", vision=vision, **overrides)
+    if native_resolution and not qwen_vl.is_qwen_vl(hf_cfg):
+      raise CheckpointError(f"{cfg_path}: model.vision.native_resolution=True needs a Qwen2.5-VL model")
     if qwen_vl.is_qwen_vl(hf_cfg):
-      vision, section = qwen_vl.vision_config(hf_cfg, cfg_path), qwen_vl.mrope_section(hf_cfg, cfg_path)
+      vision = qwen_vl.vision_config(hf_cfg, cfg_path, native_resolution)
+      section = qwen_vl.mrope_section(hf_cfg, cfg_path)
       return config_from_hf(qwen_vl.text_config(hf_cfg), f"{cfg_path} (text_config)", vision=vision,
                             mrope_section=section, **overrides)
     return config_from_hf(hf_cfg, cfg_path, **overrides)

@@ -32,9 +32,9 @@ def _rope(text: dict) -> dict:
   return dict(text.get("rope_parameters") or {}, **(text.get("rope_scaling") or {}))
 
 
-def vision_config(hf: dict, source: str) -> VisionConfig:
+def vision_config(hf: dict, source: str, native_resolution: bool = False) -> VisionConfig:
   """The tower of a Qwen2_5_VLForConditionalGeneration config.json (`vision_config` and the top-level
-  token ids)."""
+  token ids); its images keep their aspect ratios where the export says so or `native_resolution`."""
   for key in ("text_config", "vision_config"):
     if not isinstance(hf.get(key), dict):
       raise CheckpointError(f"{source}: missing field {key!r} (an object)")
@@ -52,6 +52,7 @@ def vision_config(hf: dict, source: str) -> VisionConfig:
         window_size=int(v.get("window_size", 112)),
         full_attention_layers=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
         rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10_000.0)),
+        native_resolution=native_resolution or bool(v.get("native_resolution", False)),
         tokens_per_image=(size // (p * m)) ** 2, image_token_id=int(hf.get("image_token_id", 151_655)),
         boi_token_id=int(hf.get("vision_start_token_id", 151_652)),
         eoi_token_id=int(hf.get("vision_end_token_id", 151_653)))
@@ -90,6 +91,7 @@ def to_hf(text: dict, cfg: ModelConfig) -> dict:
                             "spatial_merge_size": v.merge_size, "temporal_patch_size": v.temporal_patch_size,
                             "window_size": v.window_size, "fullatt_block_indexes": list(v.full_attention_layers),
                             "hidden_act": "silu", "image_size": v.image_size,
+                            "native_resolution": v.native_resolution,
                             "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}},
           "image_token_id": v.image_token_id, "vision_start_token_id": v.boi_token_id,
           "vision_end_token_id": v.eoi_token_id, "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"}

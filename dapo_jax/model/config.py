@@ -46,6 +46,10 @@ class VisionConfig:
   window_size: int = 112
   full_attention_layers: tuple[int, ...] = ()
   rope_theta: float = 10_000.0
+  # Qwen2.5-VL: each image keeps its aspect ratio and its own token count, as transformers' processor
+  # makes them (`smart_resize`, at most S^2 pixels: up to `tokens_per_image` tokens); False: every image
+  # resized to S x S.
+  native_resolution: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "full_attention_layers", tuple(int(l) for l in self.full_attention_layers))
@@ -56,6 +60,8 @@ class VisionConfig:
       raise ValueError(f"model.vision.image_size={self.image_size} must be a multiple of patch_size={self.patch_size}")
     if self.embed_dim % self.num_heads:
       raise ValueError(f"model.vision.embed_dim={self.embed_dim} must be a multiple of num_heads={self.num_heads}")
+    if self.native_resolution and self.kind != "qwen2_5_vl":
+      raise ValueError(f"model.vision.native_resolution=True needs kind 'qwen2_5_vl', not {self.kind!r}")
     if self.kind == "qwen2_5_vl":
       if side % self.merge_size or self.tokens_per_image != (side // self.merge_size) ** 2:
         raise ValueError(f"model.vision.image_size={self.image_size} must be a multiple of patch_size x merge_size "

@@ -170,19 +170,21 @@ def inv_frequencies(cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, f
 
 
 def rope_table(pos_BT: jax.Array, cfg: ModelConfig, local: bool = False,
-               tokens_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               tokens_BT: jax.Array | None = None, images_BME: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
   """(cos, sin) [B, T, H/2] of the rotary angles, computed once per call and shared by every layer.
 
   With M-RoPE (`cfg.mrope_section`) and the rows' `tokens_BT`, each frequency section rotates by the
   tokens' (temporal, height, width) positions (`mrope.mrope_positions`), or by `pos_BT` [B, T, 3]
-  when it holds them; without either (decoded text) all three are `pos_BT`."""
+  when it holds them; without either (decoded text) all three are `pos_BT`. `images_BME`: the rows' image
+  vectors, whose last channel gives each image's shape (Qwen2.5-VL's, `vision.image_features`)."""
   inv_h, scale = inv_frequencies(cfg, local)
   if cfg.mrope_section and (tokens_BT is not None or pos_BT.ndim == 3):
     section_h = np.repeat(np.arange(3), cfg.mrope_section)  # Which position each frequency rotates by.
     if pos_BT.ndim == 3:  # [B, T, 3]: given (packed rows carry their rows' M-RoPE positions).
       pos_BTh = pos_BT[..., section_h]
     else:
-      pos_BTh = jnp.moveaxis(mrope.mrope_positions(cfg.vision, pos_BT, tokens_BT), 0, -1)[..., section_h]
+      pos_BTh = jnp.moveaxis(mrope.mrope_positions(cfg.vision, pos_BT, tokens_BT, images_BME), 0, -1)[..., section_h]
     angle_BTh = pos_BTh.astype(jnp.float32) * inv_h[None, None, :]
     return jnp.cos(angle_BTh) * scale, jnp.sin(angle_BTh) * scale
   angle_BTh = pos_BT[:, :, None].astype(jnp.float32) * inv_h[None, None, :]

@@ -296,7 +296,8 @@ class Transformer(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-    tables = tuple(layers_lib.rope_table(p, cfg, tokens_BT=t) for p, t in zip(pos, tokens))
+    tables = tuple(layers_lib.rope_table(p, cfg, tokens_BT=t, images_BME=f)
+                   for p, t, f in zip(pos, tokens, images or (None,) * len(tokens)))
     local_tables = tuple(layers_lib.rope_table(p, cfg, local=True) for p in pos) if cfg.local_layers else None
     local_L = jnp.asarray([l in cfg.local_layers for l in range(cfg.num_layers)])
     lora_switch = None  # The adapters' scale and, in a training forward, their dropout rate.

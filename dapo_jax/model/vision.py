@@ -124,16 +124,30 @@ def project(vcfg: VisionConfig, vparams: dict, x_IPD: jax.Array) -> jax.Array:
   return jnp.einsum("IMD,DE->IME", normed.astype(jnp.float32), vparams["proj_DE"])
 
 
-def image_features(vcfg: VisionConfig, vparams: dict, pixels_BICSS: jax.Array) -> jax.Array:
+def image_features(vcfg: VisionConfig, vparams: dict, pixels_BICSS: jax.Array, grids_BI2: jax.Array | None = None
+                   ) -> jax.Array:
   """Soft tokens of each row's I images, in order: [B, I, C, S, S] -> [B, I*M, D] (fp32). A row with fewer
-  images pads with any pixels (zeros): `place` reads only as many vectors as the row has placeholders."""
+  images pads with any pixels (zeros): `place` reads only as many vectors as the row has placeholders.
+  Qwen2.5-VL: `grids_BI2` each image's (h, w) patches (None: S x S each; an empty slot (0, 0)), its
+  (h/m)(w/m) tokens right after the previous image's, and each vector one more channel, its image's
+  tokens a row (`qwen_vision.image_features`, read by `mrope`)."""
   B, I = pixels_BICSS.shape[:2]
   pixels_XCSS = pixels_BICSS.reshape(B * I, *pixels_BICSS.shape[2:])
-  if vcfg.kind == "qwen2_5_vl":
-    feats_XMD = qwen_vision.image_features(vcfg, vparams, pixels_XCSS)
-  else:
-    feats_XMD = project(vcfg, vparams, encode(vcfg, vparams, pixels_XCSS))
-  return feats_XMD.reshape(B, I * vcfg.tokens_per_image, -1)
+  if vcfg.kind != "qwen2_5_vl":
+    return project(vcfg, vparams, encode(vcfg, vparams, pixels_XCSS)).reshape(B, I * vcfg.tokens_per_image, -1)
+  grids_X2 = None if grids_BI2 is None else jnp.asarray(grids_BI2, jnp.int32).reshape(B * I, 2)
+  feats_XME = qwen_vision.image_features(vcfg, vparams, pixels_XCSS, grids_X2)
+  M = vcfg.tokens_per_image
+  if grids_BI2 is None:  # Every image M tokens: end to end.
+    return feats_XME.reshape(B, I * M, -1)
+  # Image i's tokens right after image i-1's: the j-th placeholder of a row reads vector j.
+  count_BI = qwen_vision.merged_tokens(vcfg, grids_X2).reshape(B, I)
+  start_BI = jnp.cumsum(count_BI, axis=1) - count_BI
+  j_BIM = jnp.arange(M)[None, None]
+  to_BIM = jnp.where(j_BIM < count_BI[..., None], start_BI[..., None] + j_BIM, I * M)  # I*M: dropped.
+  rows_BIM = jnp.broadcast_to(jnp.arange(B)[:, None, None], to_BIM.shape)
+  out = jnp.zeros((B, I * M, feats_XME.shape[-1]), feats_XME.dtype)
+  return out.at[rows_BIM, to_BIM].set(feats_XME.reshape(B, I, M, -1), mode="drop")
 
 
 # `image_features`, compiled once per tower config and pixel shape (the rollout's and the warm start's).
@@ -142,10 +156,11 @@ encode_images = jax.jit(image_features, static_argnums=0)
 
 def place(x_BTD: jax.Array, tokens_BT: jax.Array, features_BMD: jax.Array, image_token_id: int) -> jax.Array:
   """Token embeddings with the image placeholders replaced by the row's image vectors, the j-th
-  placeholder of a row by vector j."""
+  placeholder of a row by vector j (its first D channels: Qwen2.5-VL's carry one more, `image_features`)."""
   is_image_BT = tokens_BT == image_token_id
   index_BT = jnp.clip(jnp.cumsum(is_image_BT, axis=1) - 1, 0, features_BMD.shape[1] - 1)
-  placed_BTD = jnp.take_along_axis(features_BMD, index_BT[..., None], axis=1).astype(x_BTD.dtype)
+  placed_BTD = jnp.take_along_axis(features_BMD[..., :x_BTD.shape[-1]], index_BT[..., None], axis=1)
+  placed_BTD = placed_BTD.astype(x_BTD.dtype)
   return jnp.where(is_image_BT[..., None], placed_BTD, x_BTD)
 
 

@@ -73,7 +73,7 @@ def _prompt_text(tok, ex, chat_template: bool, style: str, vision=None) -> str:
     from dapo_jax.envs import tasks  # noqa: PLC0415
     return tokenizer_lib.render(tok, ex.messages, chat_template, tools=tasks.calculator_schemas())
   text = tokenizer_lib.render(tok, ex.messages, chat_template)
-  return text if vision is None else images_lib.expand_marks(text, tok, vision)
+  return text if vision is None else images_lib.expand_marks(text, tok, vision, ex.images)
 
 
 def probe_batch(tok, examples, chat_template: bool, style: str = "steps", vision=None) -> tuple[np.ndarray, ...]:
@@ -96,12 +96,14 @@ def probe_batch(tok, examples, chat_template: bool, style: str = "steps", vision
 
 
 def exact_match(model_cfg: model_lib.ModelConfig, params, tokens_BT, mask_BT, completion_BT,
-                pixels_BICSS=None) -> jax.Array:
+                pixels_BICSS=None, grids_BI2=None) -> jax.Array:
   """Fraction of rows whose every completion token is the argmax given the tokens before it:
-  exactly the rows that greedy decoding from the prompt would reproduce (`pixels_BICSS`: their images)."""
+  exactly the rows that greedy decoding from the prompt would reproduce (`pixels_BICSS`: their images,
+  `grids_BI2` their grids, `vision.image_features`)."""
   images_BMD = None
   if pixels_BICSS is not None:
-    images_BMD = vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), pixels_BICSS)
+    images_BMD = vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), pixels_BICSS,
+                                           grids_BI2)
   logits_BTV = model_lib.logits(model_cfg, params, tokens_BT[:, :-1], mask_BT[:, :-1], images_BMD=images_BMD)
   hit_BT = (jnp.argmax(logits_BTV, -1) == tokens_BT[:, 1:]) | ~completion_BT[:, 1:]
   return jnp.mean(jnp.all(hit_BT, axis=1))
@@ -170,7 +172,9 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
     # that leaves RL room to show learning, however fast the SFT happens to be on this machine.
     probe = probe_batch(tok, examples[-s.probe_size:], s.chat_template, s.solution_style, vision)
     if vision is not None:  # The tower of each probe's params.
-      probe += (images_lib.batch_pixels(vision, [ex.images for ex in examples[-s.probe_size:]]),)
+      shown = [ex.images for ex in examples[-s.probe_size:]]
+      probe += (images_lib.batch_pixels(vision, shown),)
+      probe += (images_lib.batch_grids(vision, shown),) if vision.native_resolution else ()
     probe_acc = jax.jit(functools.partial(exact_match, model_cfg))
 
     def done(n: int, params) -> str | None:
@@ -215,8 +219,9 @@ def image_vectors(model_cfg: model_lib.ModelConfig, params, examples, chunk: int
   tower = vision_lib.tower_params(params)
   out = []
   for i in range(0, len(examples), chunk):
-    pixels = images_lib.batch_pixels(v, [ex.images for ex in examples[i:i + chunk]], I)
-    out.append(np.asarray(vision_lib.encode_images(v, tower, pixels)))
+    shown = [ex.images for ex in examples[i:i + chunk]]
+    grids = (images_lib.batch_grids(v, shown, I),) if v.native_resolution else ()
+    out.append(np.asarray(vision_lib.encode_images(v, tower, images_lib.batch_pixels(v, shown, I), *grids)))
   return np.concatenate(out)
 
 

@@ -115,16 +115,18 @@ class Rollout:
     return tokens, mask, n
 
   def _check_placeholders(self, prompts, tokens_QP: np.ndarray) -> None:
-    """Each prompt holds M image placeholders per image: none lost to max_prompt_len or to the text."""
+    """Each prompt holds its images' placeholders (`images.tokens_per_image`): none lost to max_prompt_len
+    or to the text."""
     v = self.model_cfg.vision
     for q, p in enumerate(prompts):
-      want = (0 if isinstance(p, str) else len(p.images)) * v.tokens_per_image
+      ims = () if isinstance(p, str) else p.images
+      want = sum(images_lib.tokens_per_image(v, images_lib.grid(v, data)) for data in ims)
       got = int((tokens_QP[q] == v.image_token_id).sum())
       if got != want:
         where = f"example {getattr(p, 'index', q)}" + (f" ({p.data_source})" if not isinstance(p, str) else "")
         raise DataError(f"{where}: its encoded prompt holds {got} image placeholders, expected {want} "
-                        f"({want // v.tokens_per_image} images x {v.tokens_per_image}): data.max_prompt_len="
-                        f"{self.cfg.max_prompt_len} cut an image, or the text holds the placeholder token itself")
+                        f"(for {len(ims)} images): data.max_prompt_len={self.cfg.max_prompt_len} cut an image, "
+                        "or the text holds the placeholder token itself")
 
   def render(self, prompt: data_lib.Example | str) -> str:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt.messages
@@ -132,7 +134,13 @@ class Rollout:
     if self.episodes is not None and not isinstance(prompt, str):  # The environment sets the scene.
       messages, tools = self.episodes.prompt(prompt)
     text = tokenizer_lib.render(self.tok, messages, self.cfg.chat_template, tools=tools)
-    return text if self.model_cfg.vision is None else images_lib.expand_marks(text, self.tok, self.model_cfg.vision)
+    if self.model_cfg.vision is None:
+      return text
+    images = () if isinstance(prompt, str) else prompt.images
+    try:
+      return images_lib.expand_marks(text, self.tok, self.model_cfg.vision, images)
+    except DataError as e:
+      raise DataError(f"example {getattr(prompt, 'index', '?')} ({getattr(prompt, 'data_source', '')}): {e}") from None
 
   def image_vectors(self, params, prompts, hosts: bool = False) -> jax.Array | None:
     """[Q, I*M, D] the vectors of each prompt's images (I = `max_images` slots, fewer pad), through the vision
@@ -152,10 +160,14 @@ class Rollout:
       raise DataError(f"a prompt has {max(map(len, images))} images; data.max_images={self.cfg.max_images} "
                       "image slots per prompt")
     pixels_QICSS = images_lib.batch_pixels(v, images, self.cfg.max_images)
+    grids_QI2 = images_lib.batch_grids(v, images, self.cfg.max_images) if v.native_resolution else None
     if hosts:  # A replicated array holds the same values on every process.
       pixels_QICSS = sharding.gather_hosts(pixels_QICSS)
+      grids_QI2 = None if grids_QI2 is None else sharding.gather_hosts(grids_QI2)
     self.vision_prompts += len(prompts)
-    vectors = vision.encode_images(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated))
+    grids = () if grids_QI2 is None else (sharding.put(grids_QI2, self.replicated),)
+    vectors = vision.encode_images(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated),
+                                   *grids)
     return vectors, (pixels_QICSS if self.keep_pixels else None)
 
   def prompt_len(self, prompt_mask_QP: np.ndarray) -> int:

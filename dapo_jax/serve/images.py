@@ -55,7 +55,7 @@ class ImageEncoder:
     self.tower = vision.tower_params(params)
     self.replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     self.width = max_images * self.vcfg.tokens_per_image
-    self.dim = model_cfg.embed_dim
+    self.dim = model_cfg.embed_dim + (self.vcfg.kind == "qwen2_5_vl")  # Qwen2.5-VL's carry their image's shape
 
   def vectors(self, images: list[bytes], param: str = "messages") -> np.ndarray:
     if len(images) > self.max_images:
@@ -63,7 +63,9 @@ class ImageEncoder:
                      "request (--max_images)", param=param)
     if not images:
       return np.zeros((self.width, self.dim), np.float32)
-    pixels = images_lib.batch_pixels(self.vcfg, [images], self.max_images)
+    inputs = [images_lib.batch_pixels(self.vcfg, [images], self.max_images)]
+    if self.vcfg.native_resolution:
+      inputs.append(images_lib.batch_grids(self.vcfg, [images], self.max_images))
     if self.replicated is not None:
-      pixels = sharding.put(pixels, self.replicated)
-    return np.asarray(vision.encode_images(self.vcfg, self.tower, pixels))[0]
+      inputs = [sharding.put(x, self.replicated) for x in inputs]
+    return np.asarray(vision.encode_images(self.vcfg, self.tower, *inputs))[0]

@@ -33,6 +33,7 @@ from fastapi import responses
 from dapo_jax.data import images as data_images
 from dapo_jax.data import tokenizer as tokenizer_lib
 from dapo_jax.envs import tool_formats
+from dapo_jax.errors import DataError
 from dapo_jax.serve import http, logprob_layouts, scoring, tool_stream
 from dapo_jax.serve import images as images_lib
 from dapo_jax.serve import scheduler as scheduler_lib
@@ -324,14 +325,18 @@ class OpenAIPolicy:
       if images and body.logprobs and body.top_logprobs:
         raise APIError(400, "top_logprobs: not supported with images (the scoring pass reads text)",
                        param="top_logprobs")
-      text = data_images.expand_marks(text, self.tok, self.images.vcfg)
+      try:
+        text = data_images.expand_marks(text, self.tok, self.images.vcfg, images)
+        want = sum(data_images.tokens_per_image(self.images.vcfg, data_images.grid(self.images.vcfg, data))
+                   for data in images)
+      except DataError as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
     ids = self._prompt_ids(tokenizer_lib.encode_prompts(self.tok, [text + opening])[0], "messages")
     if self.images is not None:
-      M = self.images.vcfg.tokens_per_image
       held = sum(t == self.images.vcfg.image_token_id for t in ids)
-      if held != len(images) * M:
+      if held != want:
         raise APIError(400, f"messages: the prompt holds {held} image placeholders for {len(images)} image part(s) "
-                       f"of {M} each: its text holds {data_images.IMAGE_MARK!r} or image tokens itself",
+                       f"({want} placeholders): its text holds {data_images.IMAGE_MARK!r} or image tokens itself",
                        param="messages")
       vectors = self.images.vectors(images)
     return ids, (tools if body.tool_choice != "none" else None), opening, vectors

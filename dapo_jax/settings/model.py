@@ -47,6 +47,9 @@ class Vision(Section):
   merge_size: int = _VISION.merge_size               # qwen2_5_vl: patches a side merged into a token
   window_size: int = _VISION.window_size             # qwen2_5_vl: pixels a side of an attention window
   full_attention_layers: tuple[int, ...] = _VISION.full_attention_layers  # qwen2_5_vl: layers without windows
+  # qwen2_5_vl: each image keeps its aspect ratio and token count (`VisionConfig.native_resolution`); True
+  # turns it on for a loaded Qwen2.5-VL too
+  native_resolution: bool = _VISION.native_resolution
 
   def check(self) -> None:
     self.number("image_size", 0, integer=True)
@@ -129,7 +132,8 @@ class Model(Section, ModelConfig):
 
   def runtime_overrides(self) -> dict:
     """The fields that apply to a model loaded from disk (not in its config.json)."""
-    return {f: getattr(self, f) for f in RUNTIME_FIELDS}
+    out = {f: getattr(self, f) for f in RUNTIME_FIELDS}
+    return dict(out, native_resolution=True) if self.vision.native_resolution else out
 
   def lora_config(self) -> lora_lib.LoraConfig | None:
     """LoRA adapters on a frozen base (lora.rank > 0), or None: full fine-tuning."""
