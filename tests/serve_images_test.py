@@ -59,9 +59,10 @@ def greedy_reference(cfg, params, tok, images, text, content=None, slots=2):
   no cache), up to MAX_NEW or an EOS."""
   content = images_lib.IMAGE_MARK * len(images) + text if content is None else content
   rendered = tokenizer_lib.render(tok, [{"role": "user", "content": content}], True)
-  ids = tok(images_lib.expand_marks(rendered, tok, cfg.vision), add_special_tokens=False)["input_ids"]
-  feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(images_lib.batch_pixels(cfg.vision,
-                                                                                                 [images], slots)))
+  ids = tok(images_lib.expand_marks(rendered, tok, cfg.vision, images), add_special_tokens=False)["input_ids"]
+  grids = (jnp.asarray(images_lib.batch_grids(cfg.vision, [images], slots)),) if cfg.vision.native_resolution else ()
+  feats = vision.image_features(cfg.vision, params["vision"],
+                                jnp.asarray(images_lib.batch_pixels(cfg.vision, [images], slots)), *grids)
   eos = tokenizer_lib.eos_ids(tok)
   out, logps = [], []
   for _ in range(MAX_NEW):
@@ -93,6 +94,30 @@ def test_an_image_reaches_the_answer_and_its_log_probs_are_the_forwards(vlm):
   want_ids, want_logp = greedy_reference(cfg, params, tok, [png, drawn(2)], "How many red shapes?")
   assert two.choices[0].message.content == tok.decode(want_ids)
   np.testing.assert_allclose([t.logprob for t in two.choices[0].logprobs.content], want_logp, atol=2e-4)
+
+
+def test_qwen_vl_images_keep_their_own_sizes_on_the_server(tmp_path):
+  """Qwen2.5-VL at native resolution (`native_resolution`): a wide and a square picture in one request take
+  their own token counts, and the answer and its log-probs are the teacher-forced forward's."""
+  tok = tokenizer_lib.train_bpe(str(tmp_path), testing.corpus(), vocab_size=300,
+                                extra_special=images_lib.QWEN_IMAGE_TOKENS)
+  boi, img, eoi = images_lib.image_token_ids(tok, "test", "qwen2_5_vl")
+  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=2,
+                      num_heads=2, tokens_per_image=4, window_size=4, full_attention_layers=(1,), image_token_id=img,
+                      boi_token_id=boi, eoi_token_id=eoi, native_resolution=True)
+  cfg = ModelConfig(vocab_size=len(tok), embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
+  params = jax.tree.map(lambda x: x * 3.0, model_lib.init_params(cfg, jax.random.key(0)))
+  wide, square = drawn(0), images_lib.encode_png(Image.new("RGB", (8, 8), (200, 10, 10)))
+  assert [images_lib.tokens_per_image(vcfg, images_lib.grid(vcfg, b)) for b in (wide, square)] == [2, 4]
+  with server_lib.PolicyServer(cfg, params, tok, eos_ids=tokenizer_lib.eos_ids(tok), slots=2, max_prompt_len=96,
+                               max_new_tokens=MAX_NEW, max_images=2, logprobs_mode="raw") as s:
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="dapo-policy", messages=message(wide, square), temperature=0,
+                                         logprobs=True, max_tokens=MAX_NEW)
+  want_ids, want_logp = greedy_reference(cfg, params, tok, [wide, square], "How many red shapes?")
+  assert len(want_ids) >= 2 and out.choices[0].message.content == tok.decode(want_ids)
+  np.testing.assert_allclose([t.logprob for t in out.choices[0].logprobs.content], want_logp, atol=2e-4)
 
 
 def test_the_server_adds_pan_and_scan_crops_when_the_run_does(vlm):
