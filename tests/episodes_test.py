@@ -7,6 +7,7 @@ must equal it, and the observations' tokens must be exactly the template's rende
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -662,6 +663,8 @@ def test_a_vision_language_policy_plays_episodes_with_its_prompts_images(tok, fa
   prompt_QP = np.array([[0] * (P - len(r)) + r for r in rows], np.int32)
   mask_QP = np.array([[0] * (P - len(r)) + [1] * len(r) for r in rows], np.int32)
   images_QMD = jax.random.normal(jax.random.key(1), (Q, M, cfg.embed_dim))
+  if family == "qwen2_5_vl":  # Its vectors end with their image's tokens a row (`vision.image_features`).
+    images_QMD = jnp.concatenate([images_QMD, jnp.full((Q, M, 1), 2.0)], axis=-1)
   for q in range(Q):
     driver.register(q, q)
   sc = sampling.SamplerConfig(max_new_tokens=C, temperature=1.0, eos_ids=eos)

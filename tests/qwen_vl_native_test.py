@@ -124,7 +124,8 @@ def test_the_engine_and_every_pass_of_the_update_place_them(tmp_path):
   real = mask[1].astype(bool)
   ids = tokens[1][real][None]
   with torch.no_grad():
-    out = m.generate(input_ids=torch.tensor(ids), pixel_values=torch.tensor(flat), image_grid_thw=torch.tensor(grid_thw),
+    out = m.generate(input_ids=torch.tensor(ids), pixel_values=torch.tensor(flat),
+                     image_grid_thw=torch.tensor(grid_thw),
                      mm_token_type_ids=torch.tensor((ids == IMG).astype(np.int64)), max_new_tokens=C,
                      do_sample=False, min_new_tokens=C)
   np.testing.assert_array_equal(np.asarray(greedy.tokens_BC[1]), out[0, real.sum():].numpy())
@@ -148,7 +149,8 @@ def test_the_engine_and_every_pass_of_the_update_place_them(tmp_path):
   cmask = np.asarray(s.mask_BC)
   batch = RLBatch(tokens_BT=np.concatenate([np.repeat(tokens, G, 0), np.asarray(s.tokens_BC)], 1).astype(np.int32),
                   mask_BT=np.concatenate([np.repeat(mask, G, 0), cmask], 1).astype(bool), loss_mask_BC=cmask,
-                  old_logp_BC=rng.normal(-4, 0.3, (B, C)).astype(np.float32), adv_B=rng.normal(size=B).astype(np.float32),
+                  old_logp_BC=rng.normal(-4, 0.3, (B, C)).astype(np.float32),
+                  adv_B=rng.normal(size=B).astype(np.float32),
                   ref_logp_BC=np.zeros((B, C), np.float32), images_BMD=np.repeat(np.asarray(feats), G, 0))
   obj = objectives.policy_gradient(cfg, objectives.PGConfig())
   parts = packing.packed_microbatches(batch, max_tokens=2 * (P + C), vision=cfg.vision)
@@ -192,3 +194,45 @@ def test_a_tower_that_trains_needs_square_images():
   with pytest.raises(ConfigError, match="model.train_vision=True with model.vision.native_resolution=True"):
     train_step.Trainer(cfg, optim.OptimConfig(), mesh, objectives.policy_gradient(cfg, objectives.PGConfig()),
                        train_vision=True)
+
+
+def test_a_rollout_renders_and_encodes_each_image_at_its_own_size(tmp_path):
+  """`Rollout`: a prompt's marks become each image's own placeholders, and its vectors are the tower's on
+  the image at its grid, laid end to end; a prompt that loses some of them to max_prompt_len is one line."""
+  from dapo_jax import sharding, testing
+  from dapo_jax.data import prompts as data_lib
+  from dapo_jax.data import tokenizer as tokenizer_lib
+  from dapo_jax.model import transformer as model
+  from dapo_jax.model.config import ModelConfig, VisionConfig
+  from dapo_jax.rollout import rollout as rollout_lib
+  tok = tokenizer_lib.train_bpe(str(tmp_path), testing.corpus(), vocab_size=300,
+                                extra_special=images_lib.QWEN_IMAGE_TOKENS)
+  boi, img, eoi = images_lib.image_token_ids(tok, "test", "qwen2_5_vl")
+  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=2,
+                      num_heads=2, tokens_per_image=4, window_size=4, full_attention_layers=(1,), image_token_id=img,
+                      boi_token_id=boi, eoi_token_id=eoi, native_resolution=True)
+  cfg = ModelConfig(vocab_size=len(tok), embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
+  params = model.init_params(cfg, jax.random.key(0))
+  pics = [images_lib.encode_png(im) for im in drawn(sizes=((12, 20), (8, 8), (30, 6)))]  # Wide, square, tall.
+  ex = [data_lib.Example(messages=({"role": "user", "content": "<image> how many? <image>"},), ground_truth="1",
+                         images=tuple(pics[:2])),
+        data_lib.Example(messages=({"role": "user", "content": "and <image>"},), ground_truth="2", index=1,
+                         images=tuple(pics[2:]))]
+  counts = [images_lib.tokens_per_image(vcfg, images_lib.grid(vcfg, b)) for b in pics]
+  assert counts == [2, 4, 4]
+  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+  sc = sampling.SamplerConfig(max_new_tokens=4)
+  r = rollout_lib.Rollout(tok, cfg, mesh, rollout_lib.RolloutConfig(max_prompt_len=64, max_images=2), sc)
+  tokens, _ = r.encode(ex)
+  assert [int((t == img).sum()) for t in tokens] == [6, 4]
+  vectors = np.asarray(r.image_vectors(params, ex))
+  for q, (lo, hi) in enumerate(((0, 2), (2, 3))):
+    one = [vision.image_features(vcfg, params["vision"], jnp.asarray(images_lib.batch_pixels(vcfg, [[b]], 1)),
+                                 jnp.asarray(images_lib.batch_grids(vcfg, [[b]], 1)))[0] for b in pics[lo:hi]]
+    want = np.concatenate([np.asarray(o[:n]) for o, n in zip(one, counts[lo:hi])])
+    np.testing.assert_allclose(vectors[q, :len(want)], want, atol=1e-6)
+  short = rollout_lib.Rollout(tok, cfg, mesh, rollout_lib.RolloutConfig(max_prompt_len=8, max_images=2), sc)
+  with pytest.raises(DataError, match=r"example 0 \(math_dapo\): its encoded prompt holds \d image placeholders, "
+                                     "expected 6"):
+    short.encode(ex[:1])

@@ -294,7 +294,7 @@ def _packable_rows(G: int, seed: int = 0, C: int = 6):
   texts = [[3, 4] + img + [9, 7, 8], [3, 4] + img + [9, 7, 8], [3, 4] + img + [10], [3, 4] + img + [11, 12] + img + [5]]
   P, B = max(map(len, texts)), 8
   prompts = [texts[b // G % 4] if G > 1 else texts[b % 4] for b in range(B)]
-  group_images = rng.normal(size=(B, 8, 32)).astype(np.float32)
+  group_images = np.concatenate([rng.normal(size=(B, 8, 32)), np.full((B, 8, 1), 2.0)], -1).astype(np.float32)
   images = np.stack([group_images[b // G] for b in range(B)])
   cmask = np.arange(C)[None] < np.array([3, 6, 1, 5, 6, 2, 4, 6])[:, None]
   tokens = np.array([[0] * (P - len(p)) + p for p in prompts])

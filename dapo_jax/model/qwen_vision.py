@@ -99,7 +99,8 @@ def image_features(vcfg: VisionConfig, vparams: dict, pixels_ICSS: jax.Array, gr
   rc_IP2, window_IP = patch_layout(vcfg, jnp.asarray(grids_I2, jnp.int32))
   inv_q = 1.0 / (vcfg.rope_theta ** (np.arange(0, Hd // 2, 2, dtype=np.float32) / (Hd // 2)))
   rc_IP2 = rc_IP2.astype(jnp.float32)
-  angle_IPh = jnp.concatenate([rc_IP2[..., :1] * inv_q[None, None], rc_IP2[..., 1:] * inv_q[None, None]], axis=-1)  # Row half, column half.
+  inv_11q = inv_q[None, None]
+  angle_IPh = jnp.concatenate([rc_IP2[..., :1] * inv_11q, rc_IP2[..., 1:] * inv_11q], axis=-1)  # Row half, column half.
   table = (jnp.cos(angle_IPh), jnp.sin(angle_IPh))
   # Each layer attends within a window, or within the whole image; the slots past an image's patches see
   # only each other (never seen by a real patch, never merged into a placed token).
