@@ -255,6 +255,7 @@ def to_train_batch(groups: Groups, Q: int, prompt_len: int, *, norm_adv_by_std: 
                   rollout_logp_BC=groups.logp_QGC.reshape(-1, C).astype(np.float32),
                   images_BMD=np.repeat(groups.images_QMD, G, axis=0) if groups.images_QMD.shape[1] else None,
                   pixels_BICSS=np.repeat(groups.pixels_QICSS, G, axis=0) if groups.pixels_QICSS.shape[1] else None,
+                  grids_BI2=np.repeat(groups.grids_QI2, G, axis=0) if groups.grids_QI2.shape[1] else None,
                   routes_BCLk=groups.experts_QGCLk.reshape(-1, C, *groups.experts_QGCLk.shape[3:])
                   if groups.experts_QGCLk.shape[-1] else None)
   return batch, adv_QG[real_Q]

@@ -89,6 +89,9 @@ class RLBatch:
   # fp32 [B, I, C, S, S]: the rows' images' pixels when the tower trains (`model.train_vision`): every pass
   # that scores a token runs its own tower on them instead of reading images_BMD; None: a frozen tower.
   pixels_BICSS: jax.Array | None = None
+  # int32 [B, I, 2]: with pixels at native resolution (`VisionConfig.native_resolution`), each image's
+  # (h, w) patches (`data.images.grid`); None: S x S images.
+  grids_BI2: jax.Array | None = None
   # Routing replay (`model.router_replay="R3"`): int32 [B, C, L_moe, k], the experts the sampler sent each
   # completion token to in every expert layer (-1: none); None: no replay.
   routes_BCLk: jax.Array | None = None
@@ -105,6 +108,7 @@ class LMBatch:
   loss_mask_BT: jax.Array   # bool: positions whose token is a target
   images_BMD: jax.Array | None = None  # a vision-language model's rows: their image vectors (as RLBatch's)
   pixels_BICSS: jax.Array | None = None  # or their images' pixels, which the loss runs the tower on (it trains)
+  grids_BI2: jax.Array | None = None  # and their grids at native resolution (as RLBatch's)
 
 
 @dataclasses.dataclass
@@ -136,6 +140,8 @@ class Groups:
   images_QMD: np.ndarray | None = None
   # fp32 [Q, I, C, S, S]: the prompts' images' pixels when the tower trains (`model.train_vision`); I = 0 else.
   pixels_QICSS: np.ndarray | None = None
+  # int32 [Q, I, 2]: with those pixels at native resolution, each image's (h, w) patches; I = 0 else.
+  grids_QI2: np.ndarray | None = None
   # fp32 [Q, G, K]: the reward's components `dapo.gdpo_reward_keys` names (GDPO normalises each in its
   # group); K = 0 without them.
   parts_QGK: np.ndarray | None = None
@@ -156,6 +162,8 @@ class Groups:
       self.images_QMD = np.zeros((len(self.prompt_QP), 0, 0), np.float32)
     if self.pixels_QICSS is None:
       self.pixels_QICSS = np.zeros((len(self.prompt_QP), 0, 0, 0, 0), np.float32)
+    if self.grids_QI2 is None:
+      self.grids_QI2 = np.zeros((len(self.prompt_QP), 0, 2), np.int32)
     if self.parts_QGK is None:
       self.parts_QGK = np.zeros(np.shape(self.length_QG) + (0,), np.float32)
     if self.experts_QGCLk is None:
@@ -166,7 +174,7 @@ class Groups:
 
   @classmethod
   def from_samples(cls, prompt_QP, prompt_mask_QP, samples, score_QG, acc_QG, filter_QG, valid_QG=None,
-                   images_QMD=None, parts_QGK=None, pixels_QICSS=None) -> "Groups":
+                   images_QMD=None, parts_QGK=None, pixels_QICSS=None, grids_QI2=None) -> "Groups":
     """Q prompts' groups from their Q*G sampled rows (`sampling.Samples`, group-major) and scores."""
     Q, (B, C) = len(prompt_QP), samples.tokens_BC.shape
     G = B // Q
@@ -179,6 +187,7 @@ class Groups:
                valid_QG=None if valid_QG is None else np.asarray(valid_QG, bool).reshape(Q, G),
                images_QMD=None if images_QMD is None else np.asarray(images_QMD, np.float32),
                pixels_QICSS=None if pixels_QICSS is None else np.asarray(pixels_QICSS, np.float32),
+               grids_QI2=None if grids_QI2 is None else np.asarray(grids_QI2, np.int32),
                parts_QGK=None if parts_QGK is None else np.asarray(parts_QGK, np.float32).reshape(Q, G, -1),
                experts_QGCLk=None if samples.experts_BCLk is None else np.asarray(samples.experts_BCLk, np.int32)
                .reshape(Q, G, C, *samples.experts_BCLk.shape[2:]))
@@ -216,6 +225,8 @@ class Groups:
     if "pixels_QICSS" not in d:  # Saved before the tower trained in RL: no pixels.
       d = dict(d, pixels_QICSS=np.zeros((len(d["prompt_QP"]), 0, 0, 0, 0), np.float32),
                dtypes=dict(d["dtypes"], pixels_QICSS="float32"))
+    if "grids_QI2" not in d:  # Saved before native resolution: S x S images.
+      d = dict(d, grids_QI2=np.zeros((len(d["prompt_QP"]), 0, 2), np.int32), dtypes=dict(d["dtypes"], grids_QI2="int32"))
     if "valid_QG" not in d:  # Saved before masked rows: every row counts.
       d = dict(d, valid_QG=np.ones(np.shape(d["length_QG"]), bool), dtypes=dict(d["dtypes"], valid_QG="bool"))
     if "parts_QGK" not in d:  # Saved before reward components: none.
@@ -229,6 +240,8 @@ class Groups:
       groups.images_QMD = groups.images_QMD.reshape(len(groups.prompt_QP), 0, 0)
     if groups.pixels_QICSS.ndim != 5:
       groups.pixels_QICSS = groups.pixels_QICSS.reshape(len(groups.prompt_QP), 0, 0, 0, 0)
+    if groups.grids_QI2.ndim != 3:
+      groups.grids_QI2 = groups.grids_QI2.reshape(len(groups.prompt_QP), 0, 2)
     if groups.parts_QGK.ndim != 3:  # No components: likewise.
       groups.parts_QGK = groups.parts_QGK.reshape(*groups.length_QG.shape, 0)
     if groups.experts_QGCLk.ndim != 5:  # No record: likewise.

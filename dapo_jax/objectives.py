@@ -219,7 +219,9 @@ def _images(mb, group_size: int = 1, model_cfg: model_lib.ModelConfig | None = N
   its own tower); else `RLBatch.images_BMD`; None: no images."""
   pixels = getattr(mb, "pixels_BICSS", None)
   if pixels is not None and params is not None:
-    return vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), pixels[::group_size])
+    grids = getattr(mb, "grids_BI2", None)
+    return vision_lib.image_features(model_cfg.vision, vision_lib.tower_params(params), pixels[::group_size],
+                                     None if grids is None else grids[::group_size])
   images = getattr(mb, "images_BMD", None)
   return None if images is None else images[::group_size]
 

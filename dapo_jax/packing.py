@@ -353,7 +353,7 @@ def _rows_of(batch, idx: np.ndarray, P: int, Cb: int):
     x = getattr(batch, f.name)
     if not f.metadata.get("pytree_node", True) or f.name == "packed":
       continue
-    if x is None or f.name.endswith("_B") or f.name in ("images_BMD", "pixels_BICSS"):
+    if x is None or f.name.endswith("_B") or f.name in ("images_BMD", "pixels_BICSS", "grids_BI2"):
       out[f.name] = take(x)
     elif f.name in ("tokens_BT", "mask_BT"):
       out[f.name] = take(np.asarray(x)[:, P:P + Cb])

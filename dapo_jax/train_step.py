@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 from dapo_jax import optim, sharding
 from dapo_jax.datatypes import RLBatch
-from dapo_jax.errors import ConfigError
 from dapo_jax.model import lora as lora_lib
 from dapo_jax.model import transformer as model_lib
 from dapo_jax.objectives import Objective
@@ -257,9 +256,6 @@ class Trainer:
     if num_microbatches < 0 or (num_microbatches == 0 and microbatch_tokens <= 0):
       raise ValueError(f"num_microbatches={num_microbatches}, microbatch_tokens={microbatch_tokens}: expected a "
                        "count >= 1, or 0 (auto) with a positive token budget")
-    if train_vision and model_cfg.vision is not None and model_cfg.vision.native_resolution:
-      raise ConfigError("model.train_vision=True with model.vision.native_resolution=True: a trained tower runs on "
-                        "S x S images only (the batch carries no per-image grids); set one of them False")
     self.model_cfg, self.optim_cfg, self.mesh, self.objective = model_cfg, optim_cfg, mesh, objective
     # A frozen vision tower: the image vectors every pass places are computed once, outside the loss.
     frozen = ("vision",) if model_cfg.vision is not None and not train_vision else ()
@@ -531,6 +527,7 @@ def bucketed_microbatches(batch: RLBatch, num_microbatches: int, group_size: int
                        rollout_logp_BC=None if batch.rollout_logp_BC is None else batch.rollout_logp_BC[idx, :Cb],
                        images_BMD=None if batch.images_BMD is None else batch.images_BMD[idx],
                        pixels_BICSS=None if batch.pixels_BICSS is None else batch.pixels_BICSS[idx],
+                       grids_BI2=None if batch.grids_BI2 is None else batch.grids_BI2[idx],
                        routes_BCLk=None if batch.routes_BCLk is None else batch.routes_BCLk[idx, :Cb],
                        prefix_len=batch.prefix_len, suffix_len=batch.suffix_len))
   return out

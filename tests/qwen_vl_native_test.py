@@ -13,7 +13,7 @@ import pytest
 from dapo_jax import objectives, packing
 from dapo_jax.data import images as images_lib
 from dapo_jax.datatypes import RLBatch
-from dapo_jax.errors import ConfigError, DataError
+from dapo_jax.errors import DataError
 from dapo_jax.hf import convert as hf
 from dapo_jax.model import vision
 from dapo_jax.rollout import engine, sampling
@@ -181,19 +181,6 @@ def test_marks_expand_to_each_images_tokens_and_bad_images_name_themselves(tmp_p
     images_lib.expand_marks("<image><image>", tok, v, [imgs[0], images_lib.encode_png(drawn(sizes=((300, 2),))[0])])
   with pytest.raises(DataError, match="2 <image> mark"):
     images_lib.expand_marks("<image><image>", tok, v, imgs[:1])
-
-
-def test_a_tower_that_trains_needs_square_images():
-  from dapo_jax import optim, sharding, train_step
-  from dapo_jax.model.config import ModelConfig, VisionConfig
-  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=1,
-                      num_heads=2, tokens_per_image=4, window_size=4, native_resolution=True)
-  cfg = ModelConfig(vocab_size=64, embed_dim=32, mlp_dim=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                    qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
-  mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
-  with pytest.raises(ConfigError, match="model.train_vision=True with model.vision.native_resolution=True"):
-    train_step.Trainer(cfg, optim.OptimConfig(), mesh, objectives.policy_gradient(cfg, objectives.PGConfig()),
-                       train_vision=True)
 
 
 def test_a_rollout_renders_and_encodes_each_image_at_its_own_size(tmp_path):

@@ -33,7 +33,7 @@ def tiny(kind: str) -> ModelConfig:
                      vision=VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24,
                                          num_layers=2, num_heads=2, tokens_per_image=4, window_size=4,
                                          full_attention_layers=(1,), image_token_id=63, boi_token_id=61,
-                                         eoi_token_id=62))
+                                         eoi_token_id=62, native_resolution=kind.endswith("native")))
 
 
 def rows(cfg, params, seed=0):
@@ -45,10 +45,13 @@ def rows(cfg, params, seed=0):
   loss_mask = np.ones((B, C), bool)
   loss_mask[1, 3:] = False
   zeros = np.zeros((B, C), np.float32)
-  images = np.asarray(vision.image_features(cfg.vision, params["vision"], jnp.asarray(pixels)))
+  grids = None
+  if cfg.vision.native_resolution:  # A wide picture and a tall one, 4 tokens each (1 x 4 and 4 x 1).
+    grids = np.repeat(np.array([[[2, 8]], [[8, 2]]], np.int32), G, axis=0)
+  images = np.asarray(vision.image_features(cfg.vision, params["vision"], jnp.asarray(pixels), grids))
   return RLBatch(tokens_BT=tokens, mask_BT=mask, loss_mask_BC=loss_mask, old_logp_BC=zeros,
                  adv_B=rng.normal(size=B).astype(np.float32), ref_logp_BC=zeros, images_BMD=images,
-                 pixels_BICSS=pixels)
+                 pixels_BICSS=pixels, grids_BI2=grids)
 
 
 def naive_loss(cfg, params, batch):
@@ -57,7 +60,8 @@ def naive_loss(cfg, params, batch):
   total = 0.0
   P = batch.tokens_BT.shape[1] - C
   for b in range(B):
-    feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(batch.pixels_BICSS[b:b + 1]))
+    grids = None if batch.grids_BI2 is None else batch.grids_BI2[b:b + 1]
+    feats = vision.image_features(cfg.vision, params["vision"], jnp.asarray(batch.pixels_BICSS[b:b + 1]), grids)
     logits = model.logits(cfg, params, jnp.asarray(batch.tokens_BT[b:b + 1]), jnp.asarray(batch.mask_BT[b:b + 1]),
                           images_BMD=feats)[0, P - 1:-1]
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(batch.tokens_BT[b, P:, None]), -1)[:, 0]
@@ -65,7 +69,7 @@ def naive_loss(cfg, params, batch):
   return total / batch.loss_mask_BC.sum()
 
 
-@pytest.mark.parametrize("kind", ["siglip", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["siglip", "qwen2_5_vl", "qwen2_5_vl_native"])
 @pytest.mark.parametrize("group_size", [0, G])
 def test_the_policy_gradient_reaches_the_tower_through_the_pixels(kind, group_size):
   cfg = tiny(kind)
@@ -83,6 +87,9 @@ def test_the_policy_gradient_reaches_the_tower_through_the_pixels(kind, group_si
   # Without pixels the loss reads the rollout's vectors: the tower gets no gradient.
   frozen = grad(params, batch.replace(pixels_BICSS=None))
   assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(frozen["vision"]))
+  if batch.grids_BI2 is not None:  # The grids matter: read as S x S images, the gradient is another.
+    square = grad(params, batch.replace(grids_BI2=None))
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(square), jax.tree.leaves(ours))) > 1e-4
 
 
 def test_groups_keep_their_pixels_through_json_and_into_the_batch():
@@ -99,6 +106,12 @@ def test_groups_keep_their_pixels_through_json_and_into_the_batch():
   np.testing.assert_array_equal(back.pixels_QICSS, pixels)
   batch, _ = advantages.to_train_batch(back, Q, P, norm_adv_by_std=True, overlong_filter=False)
   np.testing.assert_array_equal(batch.pixels_BICSS, np.repeat(pixels, G, 0))
+  assert batch.grids_BI2 is None and back.grids_QI2.shape == (Q, 0, 2)
+  # At native resolution the grids come along.
+  grids = np.array([[[2, 8]], [[4, 4]]], np.int32)
+  native = Groups.from_json(json.loads(json.dumps(dataclasses.replace(groups, grids_QI2=grids).to_json())))
+  batch, _ = advantages.to_train_batch(native, Q, P, norm_adv_by_std=True, overlong_filter=False)
+  np.testing.assert_array_equal(batch.grids_BI2, np.repeat(grids, G, 0))
   # Groups without pixels (a frozen tower) make a batch without them, and read back so.
   frozen = Groups.from_json(json.loads(json.dumps(dataclasses.replace(groups, pixels_QICSS=None).to_json())))
   assert frozen.pixels_QICSS.shape == (Q, 0, 0, 0, 0)

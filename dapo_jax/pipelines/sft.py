@@ -152,9 +152,11 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
                                microbatch_tokens=s.microbatch_tokens, lora=lora, seed=s.seed,
                                train_vision=s.train_vision)
   state = trainer.init(jax.random.key(s.seed), params=params)
-  pixels = None
+  pixels = grids = None
   if vision is not None and s.train_vision:  # The tower trains: it runs on each batch's pixels, in the loss.
-    pixels = images_lib.batch_pixels(vision, [ex.images for ex in examples[: s.num_examples]])
+    shown = [ex.images for ex in examples[: s.num_examples]]
+    pixels = images_lib.batch_pixels(vision, shown)
+    grids = images_lib.batch_grids(vision, shown) if vision.native_resolution else None
   elif vision is not None:  # The tower is frozen: each example's image vectors, computed once.
     images = image_vectors(model_cfg, state.params, examples[: s.num_examples])
   rows = sequential_draws(s.seed, len(chunks), s.batch_size)
@@ -164,7 +166,7 @@ def run(s: SFTConfig, model_cfg: model_lib.ModelConfig, tok, examples, mesh, wor
     r = rows(step)
     return LMBatch(tokens_BT=chunks[r], mask_BT=ones if mask_rows is None else mask_rows[r],
                    loss_mask_BT=loss_masks[r], images_BMD=None if images is None else images[r],
-                   pixels_BICSS=None if pixels is None else pixels[r])
+                   pixels_BICSS=None if pixels is None else pixels[r], grids_BI2=None if grids is None else grids[r])
 
   done = None
   if s.target_acc:

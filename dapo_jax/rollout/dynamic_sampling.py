@@ -308,12 +308,12 @@ class _StreamingStep:
     rollout = self.rollout
     examples = list(data.take(1))
     prompt_QP, mask_QP, truncated = rollout.encode_counting(examples)
-    images_QMD, pixels_QICSS = rollout.image_inputs(self.session.params, examples)
+    images_QMD, kept = rollout.image_inputs(self.session.params, examples)
     ids = list(range(self.admitted, self.admitted + len(prompt_QP)))
     for i, pid in enumerate(ids):
       self.pending[pid] = {"prompt": prompt_QP[i], "mask": mask_QP[i], "samples": {}, "example": examples[i],
                            "images": None if images_QMD is None else np.asarray(images_QMD[i]),
-                           "pixels": None if pixels_QICSS is None else pixels_QICSS[i]}
+                           "kept": {k: x[i] for k, x in kept.items()}}
       self.truncated[pid] = truncated
       if rollout.episodes is not None:
         rollout.episodes.register(pid, examples[i])
@@ -379,7 +379,7 @@ class PolicyFeed:
 def _group(entry: dict, G: int, C: int) -> dict:
   rows = [entry["samples"][g] for g in range(G)]
   return {"example": entry["example"], "prompt": entry["prompt"], "mask": entry["mask"], "images": entry["images"],
-          "pixels": entry["pixels"],
+          "kept": entry["kept"],
           "samples": engine_lib.stack(rows, C),
           "rewards": None if rows[0].policy_C is None else [r.reward for r in rows]}  # Episodes' own.
 
@@ -401,6 +401,6 @@ def _score_groups(rollout: Rollout, groups: list[dict]) -> list[tuple[Groups, li
 
 def _groups(g: dict, score_QG, acc_QG, filter_QG, valid_QG=None, parts_QGK=None) -> Groups:
   images = None if g["images"] is None else g["images"][None]
-  pixels = None if g.get("pixels") is None else g["pixels"][None]
+  kept = {k: x[None] for k, x in g.get("kept", {}).items()}  # The tower trains: the pixels (and grids).
   return Groups.from_samples(g["prompt"][None], g["mask"][None], g["samples"], score_QG, acc_QG, filter_QG, valid_QG,
-                             images, parts_QGK, pixels)
+                             images, parts_QGK, **kept)

@@ -149,12 +149,12 @@ class Rollout:
     pixels are gathered first, and the vectors are every process's prompts', in process order."""
     return self.image_inputs(params, prompts, hosts)[0]
 
-  def image_inputs(self, params, prompts, hosts: bool = False) -> tuple[jax.Array | None, np.ndarray | None]:
-    """(`image_vectors`, and the pixels [Q, I, C, S, S] they came from where groups keep them, `keep_pixels`;
-    else None)."""
+  def image_inputs(self, params, prompts, hosts: bool = False) -> tuple[jax.Array | None, dict]:
+    """(`image_vectors`, and where groups keep them, `keep_pixels`, what they came from: {"pixels_QICSS":
+    [Q, I, C, S, S], "grids_QI2": [Q, I, 2] at native resolution}; else {})."""
     v = self.model_cfg.vision
     if v is None:
-      return None, None
+      return None, {}
     images = [() if isinstance(p, str) else p.images for p in prompts]
     if max(map(len, images)) > self.cfg.max_images:
       raise DataError(f"a prompt has {max(map(len, images))} images; data.max_images={self.cfg.max_images} "
@@ -168,7 +168,9 @@ class Rollout:
     grids = () if grids_QI2 is None else (sharding.put(grids_QI2, self.replicated),)
     vectors = vision.encode_images(v, vision.tower_params(params), sharding.put(pixels_QICSS, self.replicated),
                                    *grids)
-    return vectors, (pixels_QICSS if self.keep_pixels else None)
+    if not self.keep_pixels:
+      return vectors, {}
+    return vectors, {"pixels_QICSS": pixels_QICSS} | ({} if grids_QI2 is None else {"grids_QI2": grids_QI2})
 
   def prompt_len(self, prompt_mask_QP: np.ndarray) -> int:
     """The smallest compiled prompt length (bucket) that holds every prompt of the batch."""
@@ -309,7 +311,7 @@ class Rollout:
     self.truncated_prompts += truncated
     prompt_QP, pmask_QP = sharding.gather_hosts(local_QP), sharding.gather_hosts(local_mask_QP)
     t0 = time.perf_counter()
-    images_QMD, pixels_QICSS = self.image_inputs(params, examples, hosts=True)
+    images_QMD, kept = self.image_inputs(params, examples, hosts=True)
     samples = self.generate(params, (prompt_QP, pmask_QP), G, key, first_prompt_id=first_prompt_id, examples=examples,
                             images_QMD=images_QMD)
     t1 = time.perf_counter()
@@ -320,7 +322,7 @@ class Rollout:
                                  sharding.gather_hosts(local["acc"]), sharding.gather_hosts(local["filter"]),
                                  valid_QG=sharding.gather_hosts(local["valid"]),
                                  images_QMD=None if images_QMD is None else sharding.fetch(images_QMD),
-                                 parts_QGK=sharding.gather_hosts(local["parts"]), pixels_QICSS=pixels_QICSS)
+                                 parts_QGK=sharding.gather_hosts(local["parts"]), **kept)
     info = {"gen_s": t1 - t0, "reward_s": t2 - t1, "texts": local["texts"], "gen_tokens": int(samples.length_B.sum()),
             "slot_steps": self.last_stats["generated_tokens"] / max(self.last_stats["slot_utilisation"], 1e-9)}
     return groups, info
