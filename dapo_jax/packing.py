@@ -47,7 +47,8 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   columns, so every log-prob and entropy is the padded update's. Rows with the same prompt (a group's
   samples) share it: a sequence holding several of them holds their prompt once, all but its last
   token, as a segment's trunk that each row's branch (the prompt's last token, then the completion)
-  attends to. Rows go longest first. A micro-batch's sequences are as long as its longest row's length
+  attends to. Rows go longest first (with `block`, a prompt's rows one after another, so that they
+  share a sequence, prompts by their longest row). A micro-batch's sequences are as long as its longest row's length
   bucket, P + the smallest of `buckets` (or C) that holds its completion, so attention, quadratic in a
   sequence's length, costs no more than the padded rows' would; it holds `max_tokens` // that many
   sequences per data shard (one at least), filled first-fit, and the rows that do not fit wait for the
@@ -102,9 +103,14 @@ def packed_rows(batch, *, max_tokens: int, shards: int = 1, buckets: Sequence[in
   edges = sorted({c for c in buckets if c < C} | {C})
   bucket = lambda n: next(c for c in edges if c >= n)
   pending = sorted(np.flatnonzero(length_B), key=lambda b: -length_B[b])
+  if block:  # Any row fits a sequence of the whole budget: a prompt's rows go together, its prompt packed once.
+    by_prompt = {}
+    for b in pending:
+      by_prompt.setdefault(prompt_id_B[b], []).append(b)
+    pending = [b for group in by_prompt.values() for b in group]
   out = []
   while pending:
-    Cb = bucket(completion_B[pending[0]])
+    Cb = bucket(max(completion_B[b] for b in pending))
     L = P + Cb  # Holds any row whose completion fits Cb (a row feeds at most P + Cb - 1 tokens then).
     if block:
       L = max(max_tokens // block, -(-L // block)) * block
