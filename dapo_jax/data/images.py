@@ -6,8 +6,9 @@ file's bytes, a path (relative to the dataset file), or {"bytes": ...} (base64 i
 marks where each goes with `IMAGE_MARK`, in order. An `Example` holds the encoded images (PNG, JPEG:
 the file's own bytes); `pixels` decodes and preprocesses them with the model's image processor from
 transformers (`Gemma3ImageProcessorPil` or `Qwen2VLImageProcessorPil`: PIL and NumPy, no torch), and
-`expand_marks` writes each mark as the model's begin-of-image token, `tokens_per_image` placeholders
-and end-of-image token.
+`expand_marks` writes each mark as the model's begin-of-image token, its placeholders and end-of-image
+token: `tokens_per_image` of them, or, for Qwen2.5-VL at native resolution, as many as the image's own
+`grid` gives (`batch_grids`: the grids the tower reads with the pixels).
 """
 from __future__ import annotations
 
