@@ -40,6 +40,7 @@ from dapo_jax import checkpoint as ckpt_lib
 from dapo_jax import dumps, errors, host_memory, packing, pipelining, ppo, sharding, train_step
 from dapo_jax import metrics as metrics_lib
 from dapo_jax.datatypes import Groups, RLBatch
+from dapo_jax.model import vision as vision_lib
 from dapo_jax.rollout import dynamic_sampling
 
 
@@ -435,6 +436,9 @@ class DAPO:
           f"seed={self.cfg.seed}")
     self.data_iter.restore(extra["data"])
     self.carry = Groups.from_json(extra["carry"]) if extra["carry"] else None
+    if self.carry is not None:  # Vectors saved before they carried their image's shape get it.
+      mc = self.trainer.model_cfg
+      self.carry.images_QMD = vision_lib.with_shapes(mc.vision, mc.embed_dim, self.carry.images_QMD)
     if extra["carry"] and "logp_QGC" not in extra["carry"]:
       logging.warning("checkpoint %s/%d holds carried groups without their sampling log-probs (an older "
                       "format): their π_old is the current policy's", self.ckpt.directory, step)

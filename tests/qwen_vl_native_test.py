@@ -223,3 +223,21 @@ def test_a_rollout_renders_and_encodes_each_image_at_its_own_size(tmp_path):
   with pytest.raises(DataError, match=r"example 0 \(math_dapo\): its encoded prompt holds \d image placeholders, "
                                      "expected 6"):
     short.encode(ex[:1])
+
+
+def test_vectors_saved_before_they_carried_their_shape_read_back_as_square_images():
+  """Carried groups from an older checkpoint (D channels): `vision.with_shapes` gives them S x S images' shape,
+  so M-RoPE places them as it did when they were sampled; Gemma 3's vectors and new ones stay as they are."""
+  from dapo_jax.model import mrope
+  from dapo_jax.model.config import VisionConfig
+  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=S, patch_size=14, embed_dim=32, num_heads=2, tokens_per_image=16,
+                      window_size=56, image_token_id=IMG)
+  old = np.random.default_rng(0).normal(size=(2, 16, 64)).astype(np.float32)
+  new = vision.with_shapes(vcfg, 64, old)
+  assert new.shape == (2, 16, 65) and (new[..., :64] == old).all() and (new[..., -1] == 4).all()
+  assert vision.with_shapes(vcfg, 64, new) is new
+  assert vision.with_shapes(dataclasses.replace(vcfg, kind="siglip", tokens_per_image=16), 64, old) is old
+  tokens = np.array([[5] + [IMG] * 16 + [6, 7]])
+  pos = np.arange(tokens.shape[1])[None]
+  np.testing.assert_array_equal(mrope.mrope_positions(vcfg, pos, tokens, jnp.asarray(new[:1])),
+                                mrope.mrope_positions(vcfg, pos, tokens))

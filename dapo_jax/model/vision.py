@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from dapo_jax.model import layers as layers_lib
@@ -148,6 +149,14 @@ def image_features(vcfg: VisionConfig, vparams: dict, pixels_BICSS: jax.Array, g
   rows_BIM = jnp.broadcast_to(jnp.arange(B)[:, None, None], to_BIM.shape)
   out = jnp.zeros((B, I * M, feats_XME.shape[-1]), feats_XME.dtype)
   return out.at[rows_BIM, to_BIM].set(feats_XME.reshape(B, I, M, -1), mode="drop")
+
+
+def with_shapes(vcfg: VisionConfig, embed_dim: int, vectors_QME: np.ndarray) -> np.ndarray:
+  """Qwen2.5-VL image vectors as `image_features` gives them: vectors saved before they carried their
+  image's shape (D channels, S x S images) get it, S/28 tokens a row; anything else is returned as it is."""
+  if vcfg is None or vcfg.kind != "qwen2_5_vl" or vectors_QME.shape[-1] != embed_dim:
+    return vectors_QME
+  return np.concatenate([vectors_QME, np.full(vectors_QME.shape[:-1] + (1,), vcfg.grid[1], vectors_QME.dtype)], -1)
 
 
 # `image_features`, compiled once per tower config and pixel shape (the rollout's and the warm start's).
