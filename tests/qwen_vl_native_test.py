@@ -183,23 +183,29 @@ def test_marks_expand_to_each_images_tokens_and_bad_images_name_themselves(tmp_p
     images_lib.expand_marks("<image><image>", tok, v, imgs[:1])
 
 
-def test_a_rollout_renders_and_encodes_each_image_at_its_own_size(tmp_path):
-  """`Rollout`: a prompt's marks become each image's own placeholders, and its vectors are the tower's on
-  the image at its grid, laid end to end; a prompt that loses some of them to max_prompt_len is one line."""
-  from dapo_jax import sharding, testing
-  from dapo_jax.data import prompts as data_lib
+def tiny_native_qwen(path: str):
+  """(tokenizer with Qwen2.5-VL's image tokens, a tiny Qwen2.5-VL at native resolution: S = 8, patches of 2)."""
+  from dapo_jax import testing
   from dapo_jax.data import tokenizer as tokenizer_lib
-  from dapo_jax.model import transformer as model
   from dapo_jax.model.config import ModelConfig, VisionConfig
-  from dapo_jax.rollout import rollout as rollout_lib
-  tok = tokenizer_lib.train_bpe(str(tmp_path), testing.corpus(), vocab_size=300,
-                                extra_special=images_lib.QWEN_IMAGE_TOKENS)
+  tok = tokenizer_lib.train_bpe(path, testing.corpus(), vocab_size=300, extra_special=images_lib.QWEN_IMAGE_TOKENS)
   boi, img, eoi = images_lib.image_token_ids(tok, "test", "qwen2_5_vl")
   vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=2,
                       num_heads=2, tokens_per_image=4, window_size=4, full_attention_layers=(1,), image_token_id=img,
                       boi_token_id=boi, eoi_token_id=eoi, native_resolution=True)
-  cfg = ModelConfig(vocab_size=len(tok), embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=8, qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
+  return tok, ModelConfig(vocab_size=len(tok), embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=8, qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
+
+
+def test_a_rollout_renders_and_encodes_each_image_at_its_own_size(tmp_path):
+  """`Rollout`: a prompt's marks become each image's own placeholders, and its vectors are the tower's on
+  the image at its grid, laid end to end; a prompt that loses some of them to max_prompt_len is one line."""
+  from dapo_jax import sharding
+  from dapo_jax.data import prompts as data_lib
+  from dapo_jax.model import transformer as model
+  from dapo_jax.rollout import rollout as rollout_lib
+  tok, cfg = tiny_native_qwen(str(tmp_path))
+  vcfg, img = cfg.vision, cfg.vision.image_token_id
   params = model.init_params(cfg, jax.random.key(0))
   pics = [images_lib.encode_png(im) for im in drawn(sizes=((12, 20), (8, 8), (30, 6)))]  # Wide, square, tall.
   ex = [data_lib.Example(messages=({"role": "user", "content": "<image> how many? <image>"},), ground_truth="1",

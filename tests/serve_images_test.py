@@ -99,14 +99,9 @@ def test_an_image_reaches_the_answer_and_its_log_probs_are_the_forwards(vlm):
 def test_qwen_vl_images_keep_their_own_sizes_on_the_server(tmp_path):
   """Qwen2.5-VL at native resolution (`native_resolution`): a wide and a square picture in one request take
   their own token counts, and the answer and its log-probs are the teacher-forced forward's."""
-  tok = tokenizer_lib.train_bpe(str(tmp_path), testing.corpus(), vocab_size=300,
-                                extra_special=images_lib.QWEN_IMAGE_TOKENS)
-  boi, img, eoi = images_lib.image_token_ids(tok, "test", "qwen2_5_vl")
-  vcfg = VisionConfig(kind="qwen2_5_vl", image_size=8, patch_size=2, embed_dim=16, mlp_dim=24, num_layers=2,
-                      num_heads=2, tokens_per_image=4, window_size=4, full_attention_layers=(1,), image_token_id=img,
-                      boi_token_id=boi, eoi_token_id=eoi, native_resolution=True)
-  cfg = ModelConfig(vocab_size=len(tok), embed_dim=32, mlp_dim=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=8, qkv_bias=True, arch="qwen2", vision=vcfg, mrope_section=(2, 1, 1))
+  from tests.qwen_vl_native_test import tiny_native_qwen
+  tok, cfg = tiny_native_qwen(str(tmp_path))
+  vcfg = cfg.vision
   params = jax.tree.map(lambda x: x * 3.0, model_lib.init_params(cfg, jax.random.key(0)))
   wide, square = drawn(0), images_lib.encode_png(Image.new("RGB", (8, 8), (200, 10, 10)))
   assert [images_lib.tokens_per_image(vcfg, images_lib.grid(vcfg, b)) for b in (wide, square)] == [2, 4]

@@ -194,6 +194,11 @@ def tokens_per_image(vcfg, grid_hw: tuple[int, int]) -> int:
   return vcfg.tokens_per_image if vcfg.kind != "qwen2_5_vl" else grid_hw[0] * grid_hw[1] // vcfg.merge_size ** 2
 
 
+def placeholders(vcfg, images: Sequence[bytes]) -> int:
+  """The placeholders a prompt's `images` take in all (`tokens_per_image` of each one's `grid`)."""
+  return sum(tokens_per_image(vcfg, grid(vcfg, data, f"image {i}")) for i, data in enumerate(images))
+
+
 def _processor(vcfg, min_pixels: int = 0):
   """The model's image processor: for S x S images, or (Qwen2.5-VL) for `min_pixels` to S^2 pixels."""
   key = (vcfg.kind, vcfg.image_size, min_pixels)

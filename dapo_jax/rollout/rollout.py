@@ -120,7 +120,7 @@ class Rollout:
     v = self.model_cfg.vision
     for q, p in enumerate(prompts):
       ims = () if isinstance(p, str) else p.images
-      want = sum(images_lib.tokens_per_image(v, images_lib.grid(v, data)) for data in ims)
+      want = images_lib.placeholders(v, ims)
       got = int((tokens_QP[q] == v.image_token_id).sum())
       if got != want:
         where = f"example {getattr(p, 'index', q)}" + (f" ({p.data_source})" if not isinstance(p, str) else "")

@@ -327,8 +327,7 @@ class OpenAIPolicy:
                        param="top_logprobs")
       try:
         text = data_images.expand_marks(text, self.tok, self.images.vcfg, images)
-        want = sum(data_images.tokens_per_image(self.images.vcfg, data_images.grid(self.images.vcfg, data))
-                   for data in images)
+        want = data_images.placeholders(self.images.vcfg, images)
       except DataError as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
     ids = self._prompt_ids(tokenizer_lib.encode_prompts(self.tok, [text + opening])[0], "messages")
